@@ -1,0 +1,131 @@
+"""Load a backbone from a nanochat checkpoint (dir or model_<N>.pt file) or a local Hugging Face
+causal-LM dir, behind one interface: hidden states, logits, blocks, freezing.
+
+Nothing is downloaded: Hugging Face loads use local_files_only.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import GPT, config_from_state_dict
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+class Backbone(nn.Module):
+    """A causal LM seen as: token ids -> final hidden states (B, T, H) -> logits."""
+
+    def __init__(self, kind: str, model: nn.Module, source: str, meta: dict | None = None):
+        super().__init__()
+        self.kind, self.source, self.meta = kind, source, meta or {}
+        self.model = model
+        if kind == "nanochat":
+            self.hidden_size = model.config.n_embd
+            self.vocab_size = model.config.vocab_size
+            self.max_seq_len = model.cos.size(1)
+        else:
+            cfg = model.config
+            self.hidden_size = cfg.hidden_size
+            self.vocab_size = model.get_input_embeddings().num_embeddings
+            self.max_seq_len = getattr(cfg, "max_position_embeddings", 1 << 30)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        if self.kind == "nanochat":
+            return self.model.transformer.h
+        base = self.model.base_model
+        for name in ("layers", "h", "blocks"):
+            if isinstance(getattr(base, name, None), nn.ModuleList):
+                return getattr(base, name)
+        raise InputError(f"cannot find the transformer blocks of {type(self.model).__name__}", path=self.source)
+
+    def set_trainable(self, unfreeze_last: int | str) -> None:
+        """Freeze everything, then unfreeze the last N blocks (and the HF final norm), or 'all'."""
+        if unfreeze_last == "all":
+            self.requires_grad_(True)
+            return
+        self.requires_grad_(False)
+        n = int(unfreeze_last)
+        if n < 0 or n > len(self.blocks):
+            raise InputError(f"--unfreeze_last must be 0..{len(self.blocks)} or 'all', got {n}")
+        if n == 0:
+            return
+        for block in self.blocks[len(self.blocks) - n:]:
+            block.requires_grad_(True)
+        final_norm = getattr(self.model.base_model, "norm", None) if self.kind == "hf" else None
+        if final_norm is not None:
+            final_norm.requires_grad_(True)
+
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.kind == "nanochat":
+            return self.model.hidden_states(input_ids)
+        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.kind == "nanochat":
+            return self.model.logits(hidden)
+        return self.model.get_output_embeddings()(hidden).float()
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids, attention_mask))
+
+
+def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -> Backbone:
+    """A nanochat checkpoint (dir: newest model_<N>.pt with its meta; or the .pt file) or an HF dir."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError("backbone path does not exist", path=str(p))
+    found = find_checkpoint(p)
+    if found is not None:
+        model_file, meta_file = found
+        meta = json.loads(meta_file.read_text())
+        if "model_config" not in meta:
+            raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
+        state = torch.load(model_file, map_location="cpu", weights_only=True)
+        state = {k.removeprefix("_orig_mod."): v.float() for k, v in state.items()}
+        model = GPT(config_from_state_dict(state, meta["model_config"]))
+        try:
+            model.load_state_dict(state, strict=True)
+        except RuntimeError as e:
+            raise InputError(f"state dict does not fit a nanochat GPT: {str(e).splitlines()[0]}",
+                             path=str(model_file)) from None
+        return Backbone("nanochat", model.to(device), str(model_file), meta).eval()
+    if p.is_dir() and (p / "config.json").is_file():
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
+        return Backbone("hf", model.to(device), str(p)).eval()
+    raise InputError("not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat) "
+                     "or config.json (Hugging Face causal LM)", path=str(p))
+
+
+def default_tokenizer_path(backbone_path: str | os.PathLike) -> Path:
+    """Where a backbone's tokenizer lives: beside it, in nanochat's base-dir layout, or in
+    $NANOCHAT_BASE_DIR/tokenizer."""
+    p = Path(backbone_path)
+    d = p if p.is_dir() else p.parent
+    candidates = [d, d / "tokenizer", d.parent / "tokenizer", d.parent.parent / "tokenizer"]
+    base = os.environ.get("NANOCHAT_BASE_DIR")
+    if base:
+        candidates.append(Path(base) / "tokenizer")
+    for c in candidates:
+        if (c / "tokenizer.pkl").is_file() or (c / "tokenizer.json").is_file():
+            return c
+    raise InputError("no tokenizer found beside the backbone or in $NANOCHAT_BASE_DIR/tokenizer; "
+                     "pass --tokenizer", path=str(p))
+
+
+def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | None) -> TokenizerWrapper:
+    """Load the tokenizer and check that its ids fit the backbone's embedding table."""
+    path = tokenizer_path or default_tokenizer_path(backbone.source)
+    tok = TokenizerWrapper.load(path)
+    if tok.vocab_size > backbone.vocab_size:
+        raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone embeds only "
+                         f"{backbone.vocab_size}: they do not belong together", path=tok.source)
+    return tok

@@ -1,0 +1,97 @@
+"""Timestamped, atomic checkpoints: `model_<stamp>.pt` + `meta_<stamp>.json` (+ `state_<stamp>.pt`
+with what resuming needs). The stamp is unix seconds chosen by rank 0; it sorts by time and matches
+nanochat's `model_(\\d+).pt` pattern, so nanochat's own loader picks the newest too.
+
+Every file is written under a temporary name and renamed; the meta json goes last and marks the
+checkpoint complete, so a crash at any point leaves no file a reader would take.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanochat_ext.ddp_common import broadcast_object, is_main
+from nanochat_ext.errors import InputError
+
+_MODEL_RE = re.compile(r"^model_(\d+)\.pt$")
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
+    """(model_<N>.pt, meta_<N>.json) for a model file, or the newest complete pair in a dir; else None."""
+    p = Path(path)
+    if p.is_file():
+        m = _MODEL_RE.match(p.name)
+        meta = p.with_name(f"meta_{m.group(1)}.json") if m else None
+        return (p, meta) if meta is not None and meta.is_file() else None
+    if not p.is_dir():
+        return None
+    found = sorted((int(m.group(1)), m.group(1)) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
+    for _, stamp in reversed(found):
+        if (p / f"meta_{stamp}.json").is_file():
+            return p / f"model_{stamp}.pt", p / f"meta_{stamp}.json"
+    return None
+
+
+def new_stamp(out_dir: str | os.PathLike) -> int:
+    """Collective: rank 0 picks unix seconds, later than any checkpoint already in out_dir."""
+    stamp = None
+    if is_main():
+        stamp = int(time.time())
+        existing = find_checkpoint(out_dir)
+        if existing is not None:
+            stamp = max(stamp, int(_MODEL_RE.match(existing[0].name).group(1)) + 1)
+    return broadcast_object(stamp)
+
+
+def _atomic_torch_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict, meta: dict,
+                    train_state: dict | None = None) -> Path:
+    """Rank 0 only. Returns the model file's path."""
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    model_path = d / f"model_{stamp}.pt"
+    _atomic_torch_save(model_state, model_path)
+    if train_state is not None:
+        _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
+    tmp = d / f"meta_{stamp}.json.tmp"
+    tmp.write_text(json.dumps(meta, indent=1, default=str))
+    os.replace(tmp, d / f"meta_{stamp}.json")
+    return model_path
+
+
+def resolve_resume(resume: str, out_dir: str | os.PathLike) -> tuple[Path, Path, Path]:
+    """`latest` (newest complete checkpoint in out_dir) or a path -> (model, meta, state) files."""
+    target = out_dir if resume == "latest" else resume
+    found = find_checkpoint(target)
+    if found is None:
+        raise InputError("no complete checkpoint to resume from", path=str(target))
+    model_path, meta_path = found
+    state_path = model_path.with_name(model_path.name.replace("model_", "state_", 1))
+    if not state_path.is_file():
+        raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+    return model_path, meta_path, state_path
+
+
+def check_writable(out_dir: str | os.PathLike) -> str | None:
+    """An error message if out_dir cannot be created or written, else None. Leaves nothing behind
+    but the directory itself."""
+    d = Path(out_dir)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        probe = d / f".write_probe_{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        return f"{d}: output dir cannot be written ({e.strerror or e})"
+    return None

@@ -1,0 +1,327 @@
+"""Preference pairs: parse and validate JSONL, attach weights, split by prompt, tokenize with
+prompt-left / response-right truncation, and feed global batches sharded over ranks.
+
+Formats accepted per line (see DESIGN.md): plain {prompt, chosen, rejected}; chat messages
+{prompt: [messages], chosen: [messages] | str, rejected: ...}; implicit-prompt chat
+{chosen: [messages], rejected: [messages]} (the shared leading turns are the prompt); HH-RLHF
+transcripts {chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}; the density fork's
+{id, prefix: {messages}, chosen, rejected, src, prefix_id}. Optional per row: weight, prefix_id.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from torch.utils.data import DistributedSampler
+
+from nanochat_ext.errors import InputError
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+ROLES = ("system", "user", "assistant")
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+@dataclass
+class PairRow:
+    prompt: list[dict]  # chat messages ending with a user turn
+    chosen: str
+    rejected: str
+    weight: float
+    prefix_id: str
+    line: int
+
+
+def prefix_id_of(messages: list[dict]) -> str:
+    """The fork's rule: md5 over the whitespace-normalised first user message, first 16 hex chars."""
+    first_user = next((m["content"] for m in messages if m["role"] == "user"), "")
+    return hashlib.md5(" ".join(first_user.split()).encode("utf-8")).hexdigest()[:16]
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a missing file or non-object line is an InputError."""
+    p = Path(path)
+    if not p.is_file():
+        raise InputError("file not found", path=str(p))
+    with open(p, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise InputError(f"not valid JSON ({e.msg})", path=str(p), line=lineno) from None
+            if not isinstance(obj, dict):
+                raise InputError("expected a JSON object", path=str(p), line=lineno)
+            yield lineno, obj
+
+
+def _messages(value, path, line, field) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise InputError("expected a non-empty list of messages", path, line, field)
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+            raise InputError(f"message {i} must be {{'role': user|assistant|system, 'content': str}}",
+                             path, line, field)
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def _parse_hh(text: str, path, line, field) -> list[dict]:
+    parts = _HH_TURN.split("\n\n" + text.lstrip("\n"))
+    # parts: [preamble, role, content, role, content, ...]
+    msgs = [{"role": "user" if r == "Human" else "assistant", "content": c.strip()}
+            for r, c in zip(parts[1::2], parts[2::2])]
+    if not msgs or msgs[-1]["role"] != "assistant":
+        raise InputError("HH-RLHF transcript must end with an 'Assistant:' turn", path, line, field)
+    return msgs
+
+
+def _split_conversations(chosen: list[dict], rejected: list[dict], path, line) -> tuple[list[dict], str, str]:
+    """Implicit prompt: the shared leading turns; each side's answer is its final assistant turn."""
+    for field, conv in (("chosen", chosen), ("rejected", rejected)):
+        if conv[-1]["role"] != "assistant":
+            raise InputError("conversation must end with an assistant turn", path, line, field)
+    prompt_c, prompt_r = chosen[:-1], rejected[:-1]
+    if prompt_c != prompt_r:
+        raise InputError("chosen and rejected must share every turn but the last", path, line, "rejected")
+    return prompt_c, chosen[-1]["content"], rejected[-1]["content"]
+
+
+def _answer(value, path, line, field) -> str:
+    """A response given as a string or as a list of assistant messages."""
+    if isinstance(value, list):
+        msgs = _messages(value, path, line, field)
+        if any(m["role"] != "assistant" for m in msgs):
+            raise InputError("response messages must all be assistant turns", path, line, field)
+        value = "\n\n".join(m["content"] for m in msgs)
+    if not isinstance(value, str) or not value.strip():
+        raise InputError("missing or empty (must be a non-empty string)", path, line, field)
+    return value
+
+
+def parse_pair(obj: dict, path: str, line: int) -> PairRow:
+    for field in ("chosen", "rejected"):
+        if field not in obj:
+            raise InputError("missing", path, line, field)
+    chosen, rejected = obj["chosen"], obj["rejected"]
+    if "prefix" in obj:  # the density fork's pairs_all.jsonl
+        prefix = obj["prefix"]
+        if not isinstance(prefix, dict):
+            raise InputError("expected {'messages': [...]}", path, line, "prefix")
+        prompt = _messages(prefix.get("messages"), path, line, "prefix.messages")
+        chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+    elif "prompt" in obj:
+        prompt = obj["prompt"]
+        if isinstance(prompt, str):
+            if not prompt.strip():
+                raise InputError("empty prompt", path, line, "prompt")
+            prompt = [{"role": "user", "content": prompt}]
+        else:
+            prompt = _messages(prompt, path, line, "prompt")
+        chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+    elif isinstance(chosen, list) and isinstance(rejected, list):
+        prompt, chosen, rejected = _split_conversations(_messages(chosen, path, line, "chosen"),
+                                                        _messages(rejected, path, line, "rejected"), path, line)
+    elif isinstance(chosen, str) and isinstance(rejected, str) and "Assistant:" in chosen:
+        conv_c, conv_r = _parse_hh(chosen, path, line, "chosen"), _parse_hh(rejected, path, line, "rejected")
+        prompt, chosen, rejected = _split_conversations(conv_c, conv_r, path, line)
+    else:
+        raise InputError("no prompt: give 'prompt', 'prefix', full conversations, or HH-RLHF transcripts",
+                         path, line, "prompt")
+    if not prompt or prompt[-1]["role"] != "user":
+        raise InputError("the prompt must end with a user turn", path, line, "prompt")
+    chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+    weight = obj.get("weight", 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+        raise InputError(f"must be a positive finite number, got {weight!r}", path, line, "weight")
+    pid = obj.get("prefix_id")
+    if pid is None:
+        pid = prefix_id_of(prompt)
+    elif not isinstance(pid, str) or not pid:
+        raise InputError("must be a non-empty string", path, line, "prefix_id")
+    return PairRow(prompt, chosen, rejected, float(weight), pid, line)
+
+
+def load_pairs(path: str | os.PathLike, skip_bad: bool = False) -> tuple[list[PairRow], int]:
+    """All valid rows and the number skipped (only with skip_bad; otherwise the first bad row raises)."""
+    rows, skipped = [], 0
+    for lineno, obj in read_jsonl(path):
+        try:
+            rows.append(parse_pair(obj, str(path), lineno))
+        except InputError:
+            if not skip_bad:
+                raise
+            skipped += 1
+    if not rows:
+        raise InputError("no preference pairs in file" + (f" ({skipped} bad rows skipped)" if skipped else ""),
+                         path=str(path))
+    return rows, skipped
+
+
+# ---- weights ------------------------------------------------------------------------------------
+def _positive(w, path, line, field="weight") -> float:
+    if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
+        raise InputError(f"must be a positive finite number, got {w!r}", path, line, field)
+    return float(w)
+
+
+def load_density(path: str | os.PathLike) -> dict[str, float]:
+    """prefix_id -> weight, from a JSONL {prefix_id, weight} file, or the fork's pair
+    `prefixes_all.jsonl` + `density_weights.npy` (give either file or their directory)."""
+    p = Path(path)
+    if p.is_dir() or p.suffix == ".npy" or p.name == "prefixes_all.jsonl":
+        d = p if p.is_dir() else p.parent
+        return _load_fork_density(d / "prefixes_all.jsonl", d / "density_weights.npy")
+    weights: dict[str, float] = {}
+    for lineno, obj in read_jsonl(p):
+        pid = obj.get("prefix_id")
+        if not isinstance(pid, str) or not pid:
+            raise InputError("missing or not a string", str(p), lineno, "prefix_id")
+        weights[pid] = _positive(obj.get("weight"), str(p), lineno)
+    if not weights:
+        raise InputError("no density weights in file", path=str(p))
+    return weights
+
+
+def _load_fork_density(prefixes: Path, npy: Path) -> dict[str, float]:
+    import numpy as np
+
+    if not npy.is_file():
+        raise InputError("file not found (density_weights.npy goes with prefixes_all.jsonl)", path=str(npy))
+    values = np.load(npy)
+    rows = list(read_jsonl(prefixes))
+    if values.ndim != 1 or len(values) != len(rows):
+        raise InputError(f"{len(values)} weights for {len(rows)} prefixes in {prefixes}: they do not line up",
+                         path=str(npy))
+    out = {}
+    for (lineno, obj), w in zip(rows, values.tolist()):
+        pid = obj.get("prefix_id") or obj.get("id")
+        if not isinstance(pid, str) or not pid:
+            raise InputError("missing or not a string", str(prefixes), lineno, "prefix_id")
+        out[pid] = _positive(w, str(npy), None, f"weight[{lineno - 1}]")
+    return out
+
+
+def attach_density(rows: list[PairRow], density: dict[str, float], density_path: str) -> None:
+    """Multiply each row's weight by its prompt's density weight; every prompt must have one."""
+    for r in rows:
+        if r.prefix_id not in density:
+            raise InputError(f"pair on line {r.line} has prefix_id {r.prefix_id!r}, which has no density weight",
+                             path=density_path)
+        r.weight *= density[r.prefix_id]
+
+
+# ---- split / tokenize ---------------------------------------------------------------------------
+def is_val_prefix(prefix_id: str, val_ratio: float) -> bool:
+    """Deterministic, world-size-free split keyed by prompt: one prompt never lands on both sides."""
+    bucket = int(hashlib.md5(("val:" + prefix_id).encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return bucket < val_ratio
+
+
+def split_by_prefix(rows: list[PairRow], val_ratio: float) -> tuple[list[PairRow], list[PairRow]]:
+    train = [r for r in rows if not is_val_prefix(r.prefix_id, val_ratio)]
+    val = [r for r in rows if is_val_prefix(r.prefix_id, val_ratio)]
+    return train, val
+
+
+def truncate(prompt: list[int], response: list[int], max_len: int, bos_id: int | None) -> list[int]:
+    """Prompt cut from the left, response from the right. The prompt keeps at least half the budget
+    (when it is that long) so the response is never judged without its question; a cut prompt keeps BOS."""
+    if len(prompt) + len(response) <= max_len:
+        return prompt + response
+    keep_prompt = min(len(prompt), max_len // 2)
+    response = response[:max_len - keep_prompt]
+    n = max_len - len(response)
+    if n < len(prompt):
+        head = [bos_id] if bos_id is not None and prompt[:1] == [bos_id] else []
+        prompt = head + prompt[len(prompt) - (n - len(head)):]
+    return prompt + response
+
+
+@dataclass
+class TokenizedPair:
+    chosen: list[int]
+    rejected: list[int]
+    weight: float
+
+
+def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int) -> list[TokenizedPair]:
+    out = []
+    for r in rows:
+        p = tok.render_prompt(r.prompt)
+        out.append(TokenizedPair(truncate(p, tok.render_response(r.chosen), max_len, tok.bos_id),
+                                 truncate(p, tok.render_response(r.rejected), max_len, tok.bos_id), r.weight))
+    return out
+
+
+# ---- batching -----------------------------------------------------------------------------------
+@dataclass
+class BatchPlan:
+    """How a global batch of `batch_size` examples splits over `world_size` ranks and micro-batches."""
+    batch_size: int
+    world_size: int
+    device_batch_size: int
+
+    @classmethod
+    def make(cls, batch_size: int, world_size: int, device_batch_size: int | None) -> "BatchPlan":
+        if batch_size <= 0:
+            raise InputError(f"--batch_size must be positive, got {batch_size}")
+        if batch_size % world_size:
+            raise InputError(f"--batch_size {batch_size} does not split over {world_size} ranks "
+                             f"(make it a multiple of {world_size})")
+        per_rank = batch_size // world_size
+        dbs = device_batch_size or per_rank
+        if dbs <= 0 or per_rank % dbs:
+            raise InputError(f"--batch_size {batch_size} over {world_size} ranks is {per_rank} per rank, "
+                             f"which --device_batch_size {dbs} does not divide")
+        return cls(batch_size, world_size, dbs)
+
+    @property
+    def per_rank(self) -> int:
+        return self.batch_size // self.world_size
+
+    @property
+    def accum_steps(self) -> int:
+        return self.per_rank // self.device_batch_size
+
+
+class GlobalBatchLoader:
+    """Yields, for each optimizer step, this rank's micro-batches of dataset indices.
+
+    The global batch at step s is the same set of examples whatever the world size: the epoch's
+    permutation comes from DistributedSampler(seed, set_epoch), whose rank r takes positions
+    r, r+W, ...; rank r's slice k of length B/W therefore covers global positions [kB, (k+1)B).
+    The position is a function of the step alone, so a resumed run picks up exactly where it was.
+    """
+
+    def __init__(self, n: int, plan: BatchPlan, rank: int, seed: int):
+        if n < plan.batch_size:
+            raise InputError(f"{n} training examples are fewer than one global batch of {plan.batch_size}")
+        self.plan, self.n = plan, n
+        self.sampler = DistributedSampler(range(n), num_replicas=plan.world_size, rank=rank,
+                                          shuffle=True, seed=seed, drop_last=True)
+        self.steps_per_epoch = (n // plan.world_size) // plan.per_rank
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        epoch, k = divmod(step, self.steps_per_epoch)
+        self.sampler.set_epoch(epoch)
+        mine = list(self.sampler)[k * self.plan.per_rank:(k + 1) * self.plan.per_rank]
+        d = self.plan.device_batch_size
+        return [mine[i:i + d] for i in range(0, len(mine), d)]
+
+
+def collate_pairs(pairs: list[TokenizedPair], pad_id: int) -> dict[str, torch.Tensor]:
+    """Chosen rows then rejected rows in one right-padded (B*2, T) batch, T = longest in the batch."""
+    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    ids = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    weights = torch.tensor([p.weight for p in pairs], dtype=torch.float32)
+    return {"input_ids": ids, "lengths": lengths, "weights": weights}

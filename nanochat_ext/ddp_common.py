@@ -1,0 +1,210 @@
+"""Process-group plumbing shared by every script: launcher detection, init/cleanup, rank gating,
+reductions, broadcasts, no_sync and seeding.
+
+A plain `python -m scripts.X` run needs no launcher and no env vars: it is world size 1 and no
+process group is created. Under torchrun, mpirun (OpenMPI / MVAPICH2) or srun the rank variables
+are read from the launcher's environment and a real process group is created (nccl on CUDA,
+gloo on CPU).
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from nanochat_ext.errors import InputError
+
+# (rank, local_rank, world_size) variable names, in the order we look for them.
+_LAUNCHERS = {
+    "torchrun": ("RANK", "LOCAL_RANK", "WORLD_SIZE"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_SIZE"),
+    "mvapich2": ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_SIZE"),
+    "slurm": ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS"),
+}
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    launcher: str  # "none" for a plain single-process run
+    backend: str | None  # None when no process group was created
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.backend is not None
+
+
+def detect_launcher(environ: dict[str, str] | None = None) -> tuple[str, int, int, int]:
+    """Return (launcher, rank, local_rank, world_size) from the environment; ("none", 0, 0, 1) if none."""
+    env = os.environ if environ is None else environ
+    for name, (r, lr, ws) in _LAUNCHERS.items():
+        if r in env and ws in env:
+            return name, int(env[r]), int(env.get(lr, 0)), int(env[ws])
+    return "none", 0, 0, 1
+
+
+def pick_device(device: str, local_rank: int) -> torch.device:
+    """'auto' -> cuda:<local_rank> when CUDA is available, else cpu."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise InputError("--device cuda was asked for but CUDA is not available")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if device != "cpu":
+        raise InputError(f"--device must be auto, cpu or cuda, got {device!r}")
+    return torch.device("cpu")
+
+
+def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
+    """Set up this process: pick the device and, when launched with world size > 1, the process group."""
+    launcher, rank, local_rank, world_size = detect_launcher()
+    dev = pick_device(device, local_rank)
+    if world_size == 1:
+        return DistEnv(rank, local_rank, 1, dev, launcher, None)
+    # mpirun / srun do not set the rendezvous address; torchrun does.
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size,
+                                  timeout=datetime.timedelta(seconds=timeout_s))
+    if backend == "nccl":
+        kwargs["device_id"] = dev  # binds the communicator to our GPU up front
+    dist.init_process_group(**kwargs)
+    return DistEnv(rank, local_rank, world_size, dev, launcher, backend)
+
+
+def destroy_dist() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def dist_session(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
+    """init_dist(), and always destroy the group on the way out, exceptions included."""
+    env = init_dist(device, backend, timeout_s)
+    try:
+        yield env
+    finally:
+        destroy_dist()
+
+
+def _is_dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    return dist.get_rank() if _is_dist() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if _is_dist() else 1
+
+
+def is_main() -> bool:
+    return get_rank() == 0
+
+
+def print0(*args: Any, **kwargs: Any) -> None:
+    if is_main():
+        print(*args, **kwargs, flush=True)
+
+
+def barrier() -> None:
+    if _is_dist():
+        dist.barrier()
+
+
+def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
+    """Sum over ranks. Tensors are reduced in place (float64 for Python scalars, to keep sums exact)."""
+    if isinstance(x, torch.Tensor):
+        if _is_dist():
+            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        return x
+    t = torch.tensor([float(x)], dtype=torch.float64, device=_collective_device())
+    return all_reduce_sum(t).item()
+
+
+def all_reduce_mean(x: torch.Tensor | float) -> torch.Tensor | float:
+    out = all_reduce_sum(x)
+    return out / get_world_size()
+
+
+def all_reduce_max(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64, device=_collective_device())
+    if _is_dist():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s object on every rank (run stamp, resolved paths, an error message)."""
+    if not _is_dist():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_collective_device())
+    return box[0]
+
+
+def _collective_device() -> torch.device:
+    # nccl only moves CUDA tensors; gloo only CPU ones.
+    if _is_dist() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def no_sync(module: torch.nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager:
+    """DDP's no_sync() while accumulating micro-batches; a null context for a plain module."""
+    if skip_sync and hasattr(module, "no_sync"):
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def raise_if_any(error: str | None) -> None:
+    """Collective: raise InputError on every rank if any rank has an error (the first one's text).
+
+    Checks that only one rank can make (is the output dir writable?) must stop all ranks, or the
+    others hang in the next collective.
+    """
+    errors = [error]
+    if _is_dist():
+        errors = [None] * get_world_size()
+        dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise InputError(first)
+
+
+def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
+    """DDP over the module's trainable parameters only; frozen ones are neither broadcast nor reduced.
+    Returns the module itself on a single rank."""
+    if not env.is_distributed:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    frozen += [n for n, _ in module.named_buffers()]
+    DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DDP(module, device_ids=device_ids, broadcast_buffers=False)

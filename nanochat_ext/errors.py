@@ -1,0 +1,14 @@
+"""The one error type for bad input. Scripts catch it, print one line, and exit non-zero."""
+from __future__ import annotations
+
+
+class InputError(Exception):
+    """Bad user input: a file, a line, a field, a flag. The message says which."""
+
+    def __init__(self, message: str, path: str | None = None, line: int | None = None, field: str | None = None):
+        where = ""
+        if path is not None:
+            where = str(path) + (f":{line}" if line is not None else "") + ": "
+        what = f"field '{field}': " if field is not None else ""
+        super().__init__(where + what + message)
+        self.path, self.line, self.field = path, line, field

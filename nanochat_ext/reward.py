@@ -1,0 +1,136 @@
+"""Reward model (backbone + linear head on the last real token), the weighted Bradley–Terry loss
+normalised over the global batch, and loading a trained RM back for scoring.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.data import truncate
+from nanochat_ext.errors import InputError
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+WEIGHT_MODES = ("mean", "sum", "none")
+
+
+class RewardModel(nn.Module):
+    def __init__(self, backbone: Backbone):
+        super().__init__()
+        self.backbone = backbone
+        self.head = nn.Linear(backbone.hidden_size, 1)
+
+    def init_head(self, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            self.head.weight.normal_(0.0, self.backbone.hidden_size ** -0.5, generator=g)
+            self.head.bias.zero_()
+
+    @property
+    def backbone_frozen(self) -> bool:
+        return not any(p.requires_grad for p in self.backbone.parameters())
+
+    def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """One reward per right-padded row, read at the row's last real token (index lengths-1).
+        No attention mask: attention is causal, so pads after that token cannot reach it."""
+        frozen = contextlib.nullcontext() if not self.backbone_frozen else torch.no_grad()
+        with frozen:
+            hidden = self.backbone.hidden_states(input_ids)
+        last = hidden[torch.arange(hidden.size(0), device=hidden.device), lengths - 1]
+        return self.head(last.float()).squeeze(-1)
+
+
+def effective_weights(weights: torch.Tensor, mode: str, cap: float | None) -> torch.Tensor:
+    """Per-pair weights as the loss uses them: capped in 'mean'/'sum', all ones in 'none'."""
+    if mode == "none":
+        return torch.ones_like(weights)
+    return weights.clamp(max=cap) if cap is not None else weights
+
+
+def loss_normaliser(weights: torch.Tensor, mode: str, cap: float | None) -> torch.Tensor:
+    """This rank's share of the denominator: sum of effective weights ('mean') or the pair count."""
+    if mode == "mean":
+        return effective_weights(weights, mode, cap).sum().double()
+    return torch.tensor(float(weights.numel()), dtype=torch.float64)
+
+
+def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights: torch.Tensor, mode: str,
+                       cap: float | None, normaliser: float) -> torch.Tensor:
+    """sum_i w_i * -log sigmoid(r_c - r_r) / normaliser, the normaliser summed over the global batch
+    before any backward, so the loss of a global batch does not depend on how it was split."""
+    w = effective_weights(weights.to(r_chosen.device), mode, cap)
+    return (w * -F.logsigmoid(r_chosen - r_rejected)).sum() / normaliser
+
+
+def trainable_state(model: RewardModel) -> dict[str, torch.Tensor]:
+    """The head plus every backbone tensor that trains (the frozen rest is reloaded from its source)."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()
+            if p.requires_grad or n.startswith("head.")}
+
+
+class RewardScorer:
+    """A trained reward model, ready to score (prompt, response) pairs."""
+
+    def __init__(self, model: RewardModel, tokenizer: TokenizerWrapper, max_len: int, meta: dict):
+        self.model, self.tokenizer, self.max_len, self.meta = model.eval(), tokenizer, max_len, meta
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.head.weight.device
+
+    @torch.no_grad()
+    def score(self, prompts: list[str | list[dict]], responses: list[str], batch_size: int = 32) -> list[float]:
+        if len(prompts) != len(responses):
+            raise ValueError(f"{len(prompts)} prompts but {len(responses)} responses")
+        seqs = []
+        for prompt, response in zip(prompts, responses):
+            msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            seqs.append(truncate(self.tokenizer.render_prompt(msgs), self.tokenizer.render_response(response),
+                                 self.max_len, self.tokenizer.bos_id))
+        return self.score_ids(seqs, batch_size)
+
+    @torch.no_grad()
+    def score_ids(self, seqs: list[list[int]], batch_size: int = 32) -> list[float]:
+        out: list[float] = []
+        for i in range(0, len(seqs), batch_size):
+            chunk = seqs[i:i + batch_size]
+            lengths = torch.tensor([len(s) for s in chunk])
+            ids = torch.full((len(chunk), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
+            for j, s in enumerate(chunk):
+                ids[j, :len(s)] = torch.tensor(s)
+            out += self.model(ids.to(self.device), lengths.to(self.device)).float().tolist()
+        return out
+
+
+def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> RewardScorer:
+    """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint)."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
+    model_path, meta_path = found
+    meta = json.loads(meta_path.read_text())
+    if meta.get("kind") != "reward_model":
+        raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
+    backbone = load_backbone(meta["backbone"], device)
+    tokenizer = load_tokenizer_for(backbone, meta["tokenizer"])
+    model = RewardModel(backbone).to(device)
+    state = torch.load(model_path, map_location=device, weights_only=True)
+    missing = [k for k in ("head.weight", "head.bias") if k not in state]
+    unknown = [k for k in state if k not in dict(model.named_parameters())]
+    if missing or unknown:
+        raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
+                         path=str(model_path))
+    model.load_state_dict(state, strict=False)
+    model.requires_grad_(False)
+    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta)
+
+
+def describe(path: Path) -> str:
+    return f"{path} ({path.stat().st_size / 1e6:.1f} MB)"

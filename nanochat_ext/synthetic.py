@@ -1,0 +1,122 @@
+"""A small, deterministic synthetic chat domain and tiny models for the demo and the tests.
+
+Preference rule (ground truth): the chosen reply is courteous (its words come from a helpful
+vocabulary), the rejected one is dismissive, both about the prompt's topic. Topics are skewed on
+purpose, a few dense and several rare, so density weighting has something to act on.
+Nothing here is downloaded; everything follows from `seed`.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+
+from nanochat_ext.checkpoint import save_checkpoint
+from nanochat_ext.gpt import GPT, GPTConfig
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+# (topic, share of prompts): three dense topics, five rare ones.
+TOPICS = [("weather", 0.34), ("cooking", 0.26), ("travel", 0.2), ("astronomy", 0.05), ("chess", 0.05),
+          ("gardening", 0.04), ("music", 0.03), ("pottery", 0.03)]
+TOPIC_WORDS = {
+    "weather": ["rain", "sunny", "cloud", "wind", "storm", "forecast"],
+    "cooking": ["soup", "bread", "oven", "spice", "recipe", "pan"],
+    "travel": ["train", "ticket", "hotel", "map", "border", "flight"],
+    "astronomy": ["star", "planet", "comet", "orbit", "galaxy", "moon"],
+    "chess": ["knight", "bishop", "castle", "pawn", "opening", "endgame"],
+    "gardening": ["seed", "soil", "tulip", "compost", "hedge", "bloom"],
+    "music": ["chord", "melody", "violin", "rhythm", "tempo", "choir"],
+    "pottery": ["clay", "kiln", "glaze", "wheel", "vase", "bowl"],
+}
+HELPFUL = ["sure", "glad", "happy", "gladly", "certainly", "welcome", "thanks", "great", "kindly", "gently"]
+DISMISSIVE = ["no", "whatever", "boring", "ugh", "nope", "meh", "stop", "never", "pointless", "annoying"]
+QUESTIONS = ["Can you tell me about {w}?", "What should I know about the {w}?", "Any advice on {w} today?",
+             "How does the {w} work?", "Explain the {w} to me."]
+
+
+def _topic(rng: random.Random) -> str:
+    return rng.choices([t for t, _ in TOPICS], weights=[w for _, w in TOPICS])[0]
+
+
+def _reply(rng: random.Random, tone: list[str], topic_words: list[str]) -> str:
+    words = [rng.choice(tone) for _ in range(rng.randint(3, 5))] + rng.sample(topic_words, 2)
+    rng.shuffle(words)
+    return " ".join(words).capitalize() + "."
+
+
+def make_pairs(n: int, seed: int = 0) -> list[dict]:
+    """`n` preference pairs {prompt, chosen, rejected, topic}; prompts repeat, as real prompts do."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        topic = _topic(rng)
+        words = TOPIC_WORDS[topic]
+        prompt = rng.choice(QUESTIONS).format(w=rng.choice(words)) + f" ({topic})"
+        rows.append({"prompt": prompt, "chosen": _reply(rng, HELPFUL, words),
+                     "rejected": _reply(rng, DISMISSIVE, words), "topic": topic})
+    return rows
+
+
+def corpus(seed: int = 0, n: int = 2000) -> list[str]:
+    """Text the tokenizer is trained on: the domain's prompts and replies."""
+    out = []
+    for r in make_pairs(n, seed + 1):
+        out += [r["prompt"], r["chosen"], r["rejected"]]
+    return out
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with open(p, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return p
+
+
+def make_tokenizer(directory: str | Path, vocab_size: int = 512, seed: int = 0) -> TokenizerWrapper:
+    tok = TokenizerWrapper.train_rustbpe(corpus(seed), vocab_size)
+    tok.save(directory)
+    return tok
+
+
+def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, modern: bool = False,
+                  n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_kv_head: int = 2,
+                  sequence_len: int = 256, step: int = 0) -> Path:
+    """A randomly initialised nanochat GPT saved as a nanochat checkpoint (model_<step>.pt + meta)."""
+    cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
+                    n_kv_head=n_kv_head, n_embd=n_embd, modern=modern,
+                    window_pattern="SL" if modern else "L",
+                    padded_vocab_size=((vocab_size + 63) // 64) * 64 if modern else vocab_size)
+    model = GPT(cfg)
+    model.init_weights(seed)
+    meta = {"step": step, "model_config": cfg.nanochat_dict()}
+    return save_checkpoint(directory, step, model.state_dict(), meta)
+
+
+def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    specials = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus(seed), trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
+                                  pad_token="<|pad|>")
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id)
+    d = Path(directory)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

@@ -1,0 +1,148 @@
+"""TokenizerWrapper: a nanochat tokenizer (tiktoken encoding trained with rustbpe, `tokenizer.pkl`)
+first, a local Hugging Face tokenizer dir (`tokenizer.json`) as fallback.
+
+The trainers need a prompt and a response as separate id lists (prompt-left / response-right
+truncation, loss masks), so chat rendering is split in two: `render_prompt(messages)` ends with
+whatever opens the assistant's turn, `render_response(text)` ends with the end-of-turn token.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+from typing import Iterable
+
+from nanochat_ext.errors import InputError
+
+# nanochat's special tokens, in nanochat's order (ids follow the mergeable ranks).
+SPECIAL_TOKENS = [
+    "<|bos|>",
+    "<|user_start|>", "<|user_end|>",
+    "<|assistant_start|>", "<|assistant_end|>",
+    "<|python_start|>", "<|python_end|>",
+    "<|output_start|>", "<|output_end|>",
+]
+# nanochat's split pattern (GPT-4's, with \p{N}{1,2}).
+SPLIT_PATTERN = (
+    r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,2}| ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"""
+)
+
+Message = dict  # {"role": "user"|"assistant"|"system", "content": str}
+
+
+class TokenizerWrapper:
+    """One interface over the two tokenizer kinds. `kind` is "rustbpe" or "hf"."""
+
+    def __init__(self, kind: str, impl, source: str):
+        self.kind, self._impl, self.source = kind, impl, source
+        if kind == "rustbpe":
+            self.vocab_size: int = impl.n_vocab
+            special = {name: impl.encode_single_token(name) for name in SPECIAL_TOKENS}
+            self.bos_id: int | None = special["<|bos|>"]
+            self._special = special
+            self.eos_id: int = special["<|assistant_end|>"]  # where an assistant turn stops
+            self.pad_id: int = self.bos_id
+        else:
+            self.vocab_size = len(impl)
+            self.bos_id = impl.bos_token_id
+            self.eos_id = impl.eos_token_id if impl.eos_token_id is not None else impl.pad_token_id
+            if self.eos_id is None:
+                raise InputError("Hugging Face tokenizer has neither an eos nor a pad token", path=source)
+            self.pad_id = impl.pad_token_id if impl.pad_token_id is not None else self.eos_id
+            self._special = {}
+
+    # ---- loading / training ------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "TokenizerWrapper":
+        """A nanochat tokenizer dir (tokenizer.pkl) first, else a Hugging Face dir (tokenizer.json)."""
+        p = Path(path)
+        pkl = p / "tokenizer.pkl" if p.is_dir() else p
+        if pkl.name == "tokenizer.pkl" and pkl.is_file():
+            with open(pkl, "rb") as f:
+                enc = pickle.load(f)
+            return cls("rustbpe", enc, str(pkl))
+        hf_dir = p if p.is_dir() else p.parent
+        if (hf_dir / "tokenizer.json").is_file():
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+            return cls("hf", tok, str(hf_dir))
+        raise InputError(f"no tokenizer found: tried {p / 'tokenizer.pkl'} (nanochat/RustBPE) "
+                         f"and {hf_dir / 'tokenizer.json'} (Hugging Face)", path=str(p))
+
+    @classmethod
+    def train_rustbpe(cls, texts: Iterable[str], vocab_size: int) -> "TokenizerWrapper":
+        """Train a nanochat-style tokenizer: rustbpe merges, tiktoken encoding, nanochat special tokens."""
+        import rustbpe
+        import tiktoken
+
+        n_merged = vocab_size - len(SPECIAL_TOKENS)
+        if n_merged < 256:
+            raise InputError(f"vocab_size must be at least {256 + len(SPECIAL_TOKENS)}, got {vocab_size}")
+        trainer = rustbpe.Tokenizer()
+        trainer.train_from_iterator(iter(texts), n_merged, pattern=SPLIT_PATTERN)
+        ranks = {bytes(k): v for k, v in trainer.get_mergeable_ranks()}
+        specials = {name: len(ranks) + i for i, name in enumerate(SPECIAL_TOKENS)}
+        enc = tiktoken.Encoding(name="rustbpe", pat_str=trainer.get_pattern(),
+                                mergeable_ranks=ranks, special_tokens=specials)
+        return cls("rustbpe", enc, "trained")
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write tokenizer.pkl (nanochat's format) or the HF files into `directory`."""
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        if self.kind == "hf":
+            self._impl.save_pretrained(str(d))
+            return d / "tokenizer.json"
+        tmp = d / "tokenizer.pkl.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump(self._impl, f)
+        os.replace(tmp, d / "tokenizer.pkl")
+        return d / "tokenizer.pkl"
+
+    # ---- encoding ------------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.kind == "rustbpe":
+            return self._impl.encode_ordinary(text)
+        return self._impl.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        if self.kind == "rustbpe":
+            return self._impl.decode(ids)
+        return self._impl.decode(ids, skip_special_tokens=True)
+
+    def special(self, name: str) -> int:
+        return self._special[name]
+
+    def render_prompt(self, messages: list[Message]) -> list[int]:
+        """Token ids of a conversation up to and including the opening of the assistant's reply."""
+        if self.kind == "rustbpe":
+            return self._render_nanochat_prompt(messages)
+        if getattr(self._impl, "chat_template", None):
+            text = self._impl.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self._impl.encode(text, add_special_tokens=False)
+        # No chat template: plain text, turns separated by blank lines.
+        ids = [self.bos_id] if self.bos_id is not None else []
+        return ids + self.encode("\n\n".join(m["content"] for m in messages))
+
+    def render_response(self, text: str) -> list[int]:
+        """Token ids of an assistant reply, closed by the end-of-turn token."""
+        return self.encode(text) + [self.eos_id]
+
+    def _render_nanochat_prompt(self, messages: list[Message]) -> list[int]:
+        msgs = list(messages)
+        if msgs and msgs[0]["role"] == "system":
+            # nanochat has no system turn: it is merged into the first user message.
+            if len(msgs) < 2 or msgs[1]["role"] != "user":
+                raise InputError("a system message must be followed by a user message")
+            msgs = [{"role": "user", "content": msgs[0]["content"] + "\n\n" + msgs[1]["content"]}] + msgs[2:]
+        ids = [self.bos_id]
+        for m in msgs:
+            role = m["role"]
+            if role not in ("user", "assistant"):
+                raise InputError(f"unknown role {role!r}")
+            ids.append(self._special[f"<|{role}_start|>"])
+            ids.extend(self.encode(m["content"]))
+            ids.append(self._special[f"<|{role}_end|>"])
+        ids.append(self._special["<|assistant_start|>"])
+        return ids

@@ -1,0 +1,58 @@
+"""Rank-0 outputs of a run: TensorBoard scalars, a metrics.jsonl, one-line greppable log lines and a
+progress bar. Other ranks get a Tracker that does nothing, so call sites need no rank checks."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+class Tracker:
+    def __init__(self, log_dir: str | Path | None, enabled: bool, total_steps: int, start_step: int, name: str):
+        self.enabled, self.name = enabled, name
+        self.writer = self.metrics_file = self.bar = None
+        self.t0 = time.time()
+        if not enabled:
+            return
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            self.writer = SummaryWriter(str(log_dir))
+            self.metrics_file = open(Path(log_dir) / "metrics.jsonl", "a")
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=name, dynamic_ncols=True)
+
+    def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
+        """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line."""
+        if not self.enabled:
+            return
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+        if self.metrics_file is not None:
+            self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self.metrics_file.flush()
+        if echo:
+            line = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            msg = f"{self.name} step {step} | {line}"
+            if self.bar is not None:
+                self.bar.write(msg)
+            else:
+                print(msg, flush=True)
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def text(self, step: int, tag: str, text: str) -> None:
+        if self.writer is not None:
+            self.writer.add_text(tag, text, step)
+
+    def close(self) -> None:
+        for h in (self.bar, self.writer, self.metrics_file):
+            if h is not None:
+                h.close()

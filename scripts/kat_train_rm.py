@@ -1,0 +1,260 @@
+"""Train a reward model on preference pairs: frozen backbone (optionally its last N blocks trainable),
+a linear head on the last real token, weighted Bradley–Terry loss over the global batch.
+
+    python -m scripts.kat_train_rm --backbone CKPT --pairs pairs.jsonl
+    torchrun --standalone --nproc_per_node=8 -m scripts.kat_train_rm -- --backbone CKPT --pairs pairs.jsonl
+
+The weights it ends with do not depend on the number of ranks. The last line printed on success
+names the checkpoint written.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.cli import add_dashed_aliases, run_script, script_argv
+from nanochat_ext.checkpoint import check_writable, new_stamp, resolve_resume, save_checkpoint
+from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
+                               load_pairs, split_by_prefix, tokenize_pairs)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, no_sync, print0, raise_if_any, seed_everything,
+                                     wrap_ddp)
+from nanochat_ext.errors import InputError
+from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.reward import (WEIGHT_MODES, RewardModel, bradley_terry_loss, loss_normaliser,
+                                 trainable_state)
+from nanochat_ext.tracking import Tracker
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kat_train_rm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("inputs")
+    g.add_argument("--backbone", required=True,
+                   help="nanochat checkpoint dir (newest model_<N>.pt + meta_<N>.json) or file, or a local "
+                        "Hugging Face causal-LM dir")
+    g.add_argument("--tokenizer", default=None,
+                   help="tokenizer dir (tokenizer.pkl or tokenizer.json); default: found beside the backbone, "
+                        "else $NANOCHAT_BASE_DIR/tokenizer")
+    g.add_argument("--pairs", required=True, help="preference pairs JSONL (formats: see DESIGN.md)")
+    g.add_argument("--density", default=None,
+                   help="density weights: JSONL {prefix_id, weight}, or the fork's prefixes_all.jsonl + "
+                        "density_weights.npy (either file or their dir). Rare prompts should carry larger weights")
+    g.add_argument("--skip_bad_rows", action="store_true",
+                   help="skip malformed pair rows (and report how many) instead of stopping at the first")
+    g = p.add_argument_group("loss")
+    g.add_argument("--weight_mode", choices=WEIGHT_MODES, default="mean",
+                   help="mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs (weights keep "
+                        "their scale); none: ignore weights (default: %(default)s)")
+    g.add_argument("--weight_cap", type=float, default=None, help="clip each pair's weight to at most this")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch_size", type=int, default=32, help="GLOBAL pairs per optimizer step (default: %(default)s)")
+    g.add_argument("--device_batch_size", type=int, default=None,
+                   help="pairs per forward on each rank; gradient accumulation makes up the rest "
+                        "(default: batch_size / world_size)")
+    g.add_argument("--max_steps", type=int, default=200, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps before cosine decay")
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="data order and head init (default: %(default)s)")
+    g.add_argument("--max_len", type=int, default=512,
+                   help="tokens per sequence; prompts are cut from the left, responses from the right")
+    g.add_argument("--unfreeze_last", default="0",
+                   help="train the last N backbone blocks too, or 'all' for a full fine-tune (default: 0)")
+    g = p.add_argument_group("evaluation and outputs")
+    g.add_argument("--val_ratio", type=float, default=0.1,
+                   help="share of prompts (by prefix_id) held out for validation (default: %(default)s)")
+    g.add_argument("--eval_every", type=int, default=50, help="validate every N steps, and at the end (0: end only)")
+    g.add_argument("--log_every", type=int, default=10, help="print/log train metrics every N steps")
+    g.add_argument("--out", default=None,
+                   help="checkpoint dir (default: $NANOCHAT_BASE_DIR/rm_checkpoints/<tag>)")
+    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
+    g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None,
+                   help="'latest' (newest checkpoint in --out) or a checkpoint path; continues exactly")
+    g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
+    add_dashed_aliases(p)
+    args = p.parse_args(script_argv(argv))
+    if args.unfreeze_last != "all" and not args.unfreeze_last.isdigit():
+        p.error("--unfreeze_last must be a number of blocks or 'all'")
+    return args
+
+
+def train(args: argparse.Namespace, env: DistEnv) -> Path:
+    seed_everything(args.seed)
+    tag = args.tag or ("density" if args.density else "uniform")
+    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+    out_dir = Path(args.out) if args.out else base_dir / "rm_checkpoints" / tag
+    log_dir = Path(args.log_dir) if args.log_dir else out_dir / "logs"
+
+    # ---- validate every input before anything is trained or written ---------------------------
+    rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
+    if skipped:
+        print0(f"data: skipped {skipped} bad rows of {args.pairs}")
+    if args.density:
+        attach_density(rows, load_density(args.density), args.density)
+    train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
+    plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
+    loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
+    if args.weight_cap is not None and args.weight_cap <= 0:
+        raise InputError(f"--weight_cap must be positive, got {args.weight_cap}")
+    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    backbone = load_backbone(args.backbone, env.device)
+    tokenizer = load_tokenizer_for(backbone, args.tokenizer)
+    if args.max_len > backbone.max_seq_len:
+        raise InputError(f"--max_len {args.max_len} exceeds the backbone's context of {backbone.max_seq_len}")
+    raise_if_any(check_writable(out_dir) if env.is_main else None)
+
+    backbone.set_trainable(args.unfreeze_last)
+    train_pairs = tokenize_pairs(train_rows, tokenizer, args.max_len)
+    val_pairs = tokenize_pairs(val_rows, tokenizer, args.max_len)
+    print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
+           f"{len({r.prefix_id for r in rows})} prompts; {loader.steps_per_epoch} steps per epoch")
+    print0(f"batch: {plan.batch_size} global = {env.world_size} ranks x {plan.accum_steps} micro-batches x "
+           f"{plan.device_batch_size} pairs")
+
+    # ---- model, optimizer, resume ---------------------------------------------------------------
+    model = RewardModel(backbone)
+    model.init_head(args.seed)
+    model.to(env.device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    print0(f"model: {backbone.kind} backbone {backbone.source}, tokenizer {tokenizer.kind}; "
+           f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,}")
+    ddp_model = wrap_ddp(model, env)
+    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
+    start_step = 0
+    if resume is not None:
+        start_step = load_resume_state(model, optimizer, resume, args)
+        print0(f"resume: from {resume[0]} at step {start_step}")
+    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and env.device.type == "cuda")
+    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    if env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+    def save(step: int, metrics: dict) -> Path:
+        stamp = new_stamp(out_dir)
+        path = out_dir / f"model_{stamp}.pt"
+        if env.is_main:
+            meta = {"kind": "reward_model", "stamp": stamp, "step": step, "backbone": str(Path(backbone.source).resolve()),
+                    "backbone_kind": backbone.kind, "tokenizer": str(Path(tokenizer.source).resolve()),
+                    "tokenizer_kind": tokenizer.kind, "max_len": args.max_len, "unfreeze_last": args.unfreeze_last,
+                    "hidden_size": backbone.hidden_size, "world_size": env.world_size, "metrics": metrics,
+                    "args": vars(args)}
+            state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
+            save_checkpoint(out_dir, stamp, trainable_state(model), meta, state)
+        return path
+
+    # ---- train ----------------------------------------------------------------------------------
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
+    window = torch.zeros(6, dtype=torch.float64)  # loss, correct, margin, pairs, tokens, steps since last log
+    t_log = time.time()
+    metrics: dict = {}
+    for step in range(start_step, args.max_steps):
+        batches = [collate_pairs([train_pairs[i] for i in mb], tokenizer.pad_id) for mb in loader.micro_batches(step)]
+        # The loss denominator covers the whole global batch and is known before any backward pass.
+        normaliser = all_reduce_sum(sum(loss_normaliser(b["weights"], args.weight_mode, args.weight_cap)
+                                        for b in batches)).item()
+        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        for i, b in enumerate(batches):
+            ids, lengths = b["input_ids"].to(env.device), b["lengths"].to(env.device)
+            n = b["weights"].numel()
+            with no_sync(ddp_model, skip_sync=i < len(batches) - 1), autocast:
+                rewards = ddp_model(ids, lengths).float()
+                loss = bradley_terry_loss(rewards[:n], rewards[n:], b["weights"], args.weight_mode,
+                                          args.weight_cap, normaliser)
+                # DDP averages gradients over ranks; the loss is already a global-batch mean.
+                (loss * env.world_size).backward()
+            margin = (rewards[:n] - rewards[n:]).detach().double().cpu()
+            window += torch.tensor([loss.item(), (margin > 0).sum().item(), margin.sum().item(), n,
+                                    b["lengths"].sum().item(), 0], dtype=torch.float64)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        window[5] += 1
+        tracker.advance()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            stats = all_reduce_sum(window.clone())
+            elapsed = time.time() - t_log
+            metrics = {"train/loss": stats[0].item() / window[5].item(),
+                       "train/accuracy": stats[1].item() / stats[3].item(),
+                       "train/margin": stats[2].item() / stats[3].item(),
+                       "train/lr": lr, "train/grad_norm": float(grad_norm),
+                       "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed}
+            tracker.log(done, metrics)
+            window.zero_()
+            t_log = time.time()
+        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+            if val_pairs:
+                val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
+                tracker.log(done, val)
+                metrics.update(val)
+            t_log = time.time()
+        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+            print0(f"checkpoint: {save(done, metrics)}")
+    tracker.close()
+    return save(args.max_steps, metrics)
+
+
+@torch.no_grad()
+def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: int, autocast) -> dict:
+    """Validation accuracy / margin / loss over all ranks: each rank scores every W-th pair."""
+    mine = pairs[env.rank::env.world_size]
+    stats = torch.zeros(4, dtype=torch.float64)  # correct, margin, loss, n
+    for i in range(0, len(mine), batch):
+        b = collate_pairs(mine[i:i + batch], pad_id)
+        n = b["weights"].numel()
+        with autocast:
+            r = model(b["input_ids"].to(env.device), b["lengths"].to(env.device)).float()
+        margin = (r[:n] - r[n:]).double().cpu()
+        stats += torch.tensor([(margin > 0).sum().item(), margin.sum().item(),
+                               torch.nn.functional.softplus(-margin).sum().item(), n], dtype=torch.float64)
+    stats = all_reduce_sum(stats)
+    n = max(stats[3].item(), 1.0)
+    return {"val/accuracy": stats[0].item() / n, "val/margin": stats[1].item() / n, "val/loss": stats[2].item() / n}
+
+
+def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args) -> int:
+    model_path, meta_path, state_path = resume
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    for key in ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap", "max_len"):
+        if state["args"].get(key) != getattr(args, key):
+            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+                             f"{state['args'].get(key)!r}; resume with the same setting", path=str(model_path))
+    weights = torch.load(model_path, map_location="cpu", weights_only=True)
+    params = dict(model.named_parameters())
+    if set(weights) != {n for n, p in params.items() if p.requires_grad}:
+        raise InputError("checkpoint's trainable tensors do not match this run's --unfreeze_last", path=str(model_path))
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace, env: DistEnv) -> None:
+        path = train(args, env)
+        print0(f"checkpoint: {path}")
+
+    return run_script(parse_args(argv), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,22 +44,30 @@ def prefix_id_of(messages: list[dict]) -> str:
     return hashlib.md5(" ".join(first_user.split()).encode("utf-8")).hexdigest()[:16]
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a missing file or non-object line is an InputError."""
+def _lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     p = Path(path)
     if not p.is_file():
         raise InputError("file not found", path=str(p))
     with open(p, encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"not valid JSON ({e.msg})", path=str(p), line=lineno) from None
-            if not isinstance(obj, dict):
-                raise InputError("expected a JSON object", path=str(p), line=lineno)
-            yield lineno, obj
+            if line.strip():
+                yield lineno, line
+
+
+def _json_object(line: str, path: str, lineno: int) -> dict:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"not valid JSON ({e.msg})", path=path, line=lineno) from None
+    if not isinstance(obj, dict):
+        raise InputError("expected a JSON object", path=path, line=lineno)
+    return obj
+
+
+def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a missing file or non-object line is an InputError."""
+    for lineno, line in _lines(path):
+        yield lineno, _json_object(line, str(path), lineno)
 
 
 def _messages(value, path, line, field) -> list[dict]:
@@ -151,9 +159,9 @@ def parse_pair(obj: dict, path: str, line: int) -> PairRow:
 def load_pairs(path: str | os.PathLike, skip_bad: bool = False) -> tuple[list[PairRow], int]:
     """All valid rows and the number skipped (only with skip_bad; otherwise the first bad row raises)."""
     rows, skipped = [], 0
-    for lineno, obj in read_jsonl(path):
+    for lineno, line in _lines(path):
         try:
-            rows.append(parse_pair(obj, str(path), lineno))
+            rows.append(parse_pair(_json_object(line, str(path), lineno), str(path), lineno))
         except InputError:
             if not skip_bad:
                 raise

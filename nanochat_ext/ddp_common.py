@@ -208,3 +208,18 @@ def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DDP(module, device_ids=device_ids, broadcast_buffers=False)
+
+
+@torch.no_grad()
+def check_params_in_sync(params: list[torch.Tensor]) -> None:
+    """Collective: raise if any rank's parameters differ from rank 0's (bitwise). Catches the
+    classic failure of a "DDP" trainer whose ranks silently train separate copies."""
+    if not _is_dist():
+        return
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params]).to(_collective_device())
+    reference = flat.clone()
+    dist.broadcast(reference, src=0)
+    diff = (flat - reference).abs().max().reshape(1)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    if diff.item() != 0.0:
+        raise RuntimeError(f"trainable parameters differ across ranks (max abs diff {diff.item():.3g})")

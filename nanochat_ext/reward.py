@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.data import truncate
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -25,13 +25,14 @@ class RewardModel(nn.Module):
     def __init__(self, backbone: Backbone):
         super().__init__()
         self.backbone = backbone
-        self.head = nn.Linear(backbone.hidden_size, 1)
+        # No bias: it cancels in r_chosen - r_rejected, so its gradient is rounding noise that Adam
+        # would scale up into lr-sized drift.
+        self.head = nn.Linear(backbone.hidden_size, 1, bias=False)
 
     def init_head(self, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             self.head.weight.normal_(0.0, self.backbone.hidden_size ** -0.5, generator=g)
-            self.head.bias.zero_()
 
     @property
     def backbone_frozen(self) -> bool:
@@ -122,7 +123,7 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     tokenizer = load_tokenizer_for(backbone, meta["tokenizer"])
     model = RewardModel(backbone).to(device)
     state = torch.load(model_path, map_location=device, weights_only=True)
-    missing = [k for k in ("head.weight", "head.bias") if k not in state]
+    missing = [k for k in ("head.weight",) if k not in state]
     unknown = [k for k in state if k not in dict(model.named_parameters())]
     if missing or unknown:
         raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
@@ -132,5 +133,25 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     return RewardScorer(model, tokenizer, int(meta["max_len"]), meta)
 
 
-def describe(path: Path) -> str:
-    return f"{path} ({path.stat().st_size / 1e6:.1f} MB)"
+def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, weight_cap: float | None,
+                device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Forward + backward of one optimizer step's micro-batches on this rank (DDP syncs on the last).
+
+    The loss denominator is summed over the whole global batch before any backward, and the loss is
+    multiplied by the world size because DDP averages gradients over ranks: the accumulated gradient
+    is that of the global-batch loss however the batch is split. Returns this rank's
+    [loss, correct, margin sum, pairs, tokens].
+    """
+    normaliser = all_reduce_sum(sum(loss_normaliser(b["weights"], weight_mode, weight_cap) for b in batches)).item()
+    world = get_world_size()
+    stats = torch.zeros(5, dtype=torch.float64)
+    for i, b in enumerate(batches):
+        n = b["weights"].numel()
+        with no_sync(model, skip_sync=i < len(batches) - 1), autocast:
+            rewards = model(b["input_ids"].to(device), b["lengths"].to(device)).float()
+            loss = bradley_terry_loss(rewards[:n], rewards[n:], b["weights"], weight_mode, weight_cap, normaliser)
+            (loss * world).backward()
+        margin = (rewards[:n] - rewards[n:]).detach().double().cpu()
+        stats += torch.tensor([loss.item(), (margin > 0).sum().item(), margin.sum().item(), n,
+                               b["lengths"].sum().item()], dtype=torch.float64)
+    return stats

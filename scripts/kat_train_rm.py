@@ -23,12 +23,11 @@ from nanochat_ext.cli import add_dashed_aliases, run_script, script_argv
 from nanochat_ext.checkpoint import check_writable, new_stamp, resolve_resume, save_checkpoint
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
                                load_pairs, split_by_prefix, tokenize_pairs)
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, no_sync, print0, raise_if_any, seed_everything,
-                                     wrap_ddp)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, check_params_in_sync, print0, raise_if_any,
+                                     seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.optim import lr_multiplier, make_adamw
-from nanochat_ext.reward import (WEIGHT_MODES, RewardModel, bradley_terry_loss, loss_normaliser,
-                                 trainable_state)
+from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
 from nanochat_ext.tracking import Tracker
 
 
@@ -146,6 +145,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         torch.backends.cudnn.allow_tf32 = True
 
     def save(step: int, metrics: dict) -> Path:
+        check_params_in_sync(trainable)
+        if env.is_distributed:
+            print0(f"ddp: trainable parameters identical on {env.world_size} ranks")
         stamp = new_stamp(out_dir)
         path = out_dir / f"model_{stamp}.pt"
         if env.is_main:
@@ -165,24 +167,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
         batches = [collate_pairs([train_pairs[i] for i in mb], tokenizer.pad_id) for mb in loader.micro_batches(step)]
-        # The loss denominator covers the whole global batch and is known before any backward pass.
-        normaliser = all_reduce_sum(sum(loss_normaliser(b["weights"], args.weight_mode, args.weight_cap)
-                                        for b in batches)).item()
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        for i, b in enumerate(batches):
-            ids, lengths = b["input_ids"].to(env.device), b["lengths"].to(env.device)
-            n = b["weights"].numel()
-            with no_sync(ddp_model, skip_sync=i < len(batches) - 1), autocast:
-                rewards = ddp_model(ids, lengths).float()
-                loss = bradley_terry_loss(rewards[:n], rewards[n:], b["weights"], args.weight_mode,
-                                          args.weight_cap, normaliser)
-                # DDP averages gradients over ranks; the loss is already a global-batch mean.
-                (loss * env.world_size).backward()
-            margin = (rewards[:n] - rewards[n:]).detach().double().cpu()
-            window += torch.tensor([loss.item(), (margin > 0).sum().item(), margin.sum().item(), n,
-                                    b["lengths"].sum().item(), 0], dtype=torch.float64)
+        window[:5] += rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -1,0 +1,14 @@
+# Sourced by speedrun.sh and run_tests.sh: make ./.venv from requirements.txt when it is missing
+# or older than requirements.txt, then put it first on PATH.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+if [ ! -x "$VENV/bin/python" ] || [ "$ROOT/requirements.txt" -nt "$VENV/.installed" ]; then
+    echo "setup: creating $VENV from requirements.txt"
+    python3 -m venv "$VENV"
+    "$VENV/bin/pip" install -q --upgrade pip
+    "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt"
+    touch "$VENV/.installed"
+fi
+export PATH="$VENV/bin:$PATH"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -1,0 +1,41 @@
+"""Shared tiny assets, made once per test session: a RustBPE tokenizer trained on generated text,
+tiny nanochat GPT checkpoints (classic and modern), a tiny Hugging Face Llama dir, pairs files."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat_ext import synthetic
+
+REPO = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)  # the suite runs on 2 cores; keep in-process work from fighting subprocesses
+
+
+@pytest.fixture(scope="session")
+def assets(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("assets")
+    tok = synthetic.make_tokenizer(d / "tokenizer", vocab_size=512)
+    synthetic.make_tiny_gpt(d / "gpt", tok.vocab_size, seed=0)
+    synthetic.make_tiny_gpt(d / "gpt_modern", tok.vocab_size, seed=1, modern=True)
+    synthetic.make_tiny_gpt(d / "gpt_small_vocab", 300, seed=2)
+    synthetic.make_tiny_hf_llama(d / "hf")
+    synthetic.write_jsonl(d / "pairs.jsonl", synthetic.make_pairs(600, seed=0))
+    return {"dir": d, "tokenizer": d / "tokenizer", "gpt": d / "gpt", "gpt_modern": d / "gpt_modern",
+            "gpt_small_vocab": d / "gpt_small_vocab", "hf": d / "hf", "pairs": d / "pairs.jsonl"}
+
+
+def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
+               timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `python -m scripts.X` (nproc 1) or `torchrun --standalone --nproc_per_node N -m scripts.X --`."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    if nproc == 1:
+        cmd = [sys.executable, "-m", module, *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", module, "--", *args]
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)

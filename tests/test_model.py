@@ -1,0 +1,125 @@
+"""Tokenizer wrapper, the nanochat-compatible GPT, backbone loading and checkpoint files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
+from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import GPT, GPTConfig
+from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
+
+
+def test_rustbpe_tokenizer_roundtrip_and_chat_rendering(assets):
+    tok = TokenizerWrapper.load(assets["tokenizer"])
+    assert tok.kind == "rustbpe" and tok.vocab_size == 512
+    text = "Sure, gladly: the comet's orbit!"
+    assert tok.decode(tok.encode(text)) == text
+    ids = tok.render_prompt([{"role": "system", "content": "Be kind."}, {"role": "user", "content": "Hi"}])
+    specials = {tok.special(n): n for n in SPECIAL_TOKENS}
+    assert [specials[i] for i in ids if i in specials] == ["<|bos|>", "<|user_start|>", "<|user_end|>",
+                                                          "<|assistant_start|>"]
+    assert tok.decode(ids) == "<|bos|><|user_start|>Be kind.\n\nHi<|user_end|><|assistant_start|>"
+    assert tok.render_response("Yes")[-1] == tok.special("<|assistant_end|>")
+
+
+def test_hf_tokenizer_fallback_uses_its_chat_template(assets):
+    tok = TokenizerWrapper.load(assets["hf"])
+    assert tok.kind == "hf"
+    ids = tok.render_prompt([{"role": "user", "content": "Hi"}])
+    assert tok._impl.decode(ids) == "<|user|>Hi<|endoftext|><|assistant|>"
+    assert tok.render_response("Yes")[-1] == tok.eos_id
+
+
+def test_no_tokenizer_names_both_tries(tmp_path):
+    with pytest.raises(InputError, match="tokenizer.pkl.*and.*tokenizer.json"):
+        TokenizerWrapper.load(tmp_path)
+
+
+@pytest.mark.parametrize("modern", [False, True])
+def test_right_padding_does_not_change_the_last_real_token(modern):
+    cfg = GPTConfig(sequence_len=16, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, modern=modern,
+                    window_pattern="SL", padded_vocab_size=320 if modern else 0)
+    model = GPT(cfg)
+    model.init_weights(0)
+    ids = torch.randint(0, 300, (1, 12))  # longer than the short window (8): the sliding mask is used
+    padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1)
+    with torch.no_grad():
+        a, b = model.hidden_states(ids), model.hidden_states(padded)
+        assert model(ids).shape == (1, 12, 300)  # padded vocab rows are cut from the logits
+    torch.testing.assert_close(a[0, -1], b[0, 11])
+
+
+def test_sliding_window_masks():
+    cfg = GPTConfig(sequence_len=8, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="S")
+    model = GPT(cfg)
+    assert model.window_sizes == [4, 8]  # last layer always full context
+    short, full = model._attn_masks(6, torch.device("cpu"))
+    assert full is None
+    i, j = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
+    assert torch.equal(short, (j <= i) & (i - j <= 4))
+
+
+def test_nanochat_checkpoint_quirks_load(tmp_path, assets):
+    """nanochat saves bf16 tensors, sometimes with torch.compile's `_orig_mod.` prefix; meta has model_config."""
+    src = load_backbone(assets["gpt_modern"])
+    state = {"_orig_mod." + k: v.bfloat16() for k, v in src.model.state_dict().items()}
+    meta = json.loads(find_checkpoint(assets["gpt_modern"])[1].read_text())
+    assert set(meta["model_config"]) == {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
+                                         "window_pattern"}
+    save_checkpoint(tmp_path, 123, state, meta)
+    bb = load_backbone(tmp_path)
+    assert bb.kind == "nanochat" and bb.model.config.modern and "value_embeds.1.weight" in bb.model.state_dict()
+    classic = load_backbone(assets["gpt"])
+    assert not classic.model.config.modern and not hasattr(classic.model, "value_embeds")
+
+
+def test_foreign_state_dict_is_a_clear_error(tmp_path):
+    save_checkpoint(tmp_path, 1, {"transformer.wte.weight": torch.zeros(10, 4), "something.else": torch.zeros(1)},
+                    {"model_config": {"vocab_size": 10, "n_layer": 1, "n_head": 1, "n_kv_head": 1, "n_embd": 4}})
+    with pytest.raises(InputError, match="state dict does not fit a nanochat GPT"):
+        load_backbone(tmp_path)
+
+
+def test_hf_backbone_and_partial_unfreeze(assets):
+    bb = load_backbone(assets["hf"])
+    assert bb.kind == "hf" and bb.hidden_size == 64
+    ids = torch.randint(0, 300, (2, 7))
+    assert bb.hidden_states(ids).shape == (2, 7, 64) and bb(ids).shape[-1] == bb.vocab_size
+    bb.set_trainable(1)
+    trainable = {n for n, p in bb.named_parameters() if p.requires_grad}
+    assert trainable and all(".layers.1." in n or n.endswith("norm.weight") for n in trainable)
+    bb.set_trainable("all")
+    assert all(p.requires_grad for p in bb.parameters())
+    with pytest.raises(InputError, match="--unfreeze_last must be 0..2"):
+        bb.set_trainable(3)
+
+
+def test_tokenizer_found_beside_a_nanochat_base_dir(tmp_path, assets, monkeypatch):
+    base = tmp_path / "base"
+    synthetic.make_tiny_gpt(base / "chatsft_checkpoints" / "d2", 512)
+    TokenizerWrapper.load(assets["tokenizer"]).save(base / "tokenizer")
+    assert default_tokenizer_path(base / "chatsft_checkpoints" / "d2") == base / "tokenizer"
+    bb = load_backbone(base / "chatsft_checkpoints" / "d2")
+    assert load_tokenizer_for(bb, None).kind == "rustbpe"
+
+
+def test_checkpoint_lookup_takes_newest_complete(tmp_path):
+    save_checkpoint(tmp_path, 100, {"w": torch.zeros(1)}, {"step": 1}, {"step": 1})
+    save_checkpoint(tmp_path, 200, {"w": torch.ones(1)}, {"step": 2})
+    (tmp_path / "model_300.pt").write_bytes(b"half")  # crashed before its meta: not complete
+    (tmp_path / "model_400.pt.tmp").write_bytes(b"half")
+    assert find_checkpoint(tmp_path) == (tmp_path / "model_200.pt", tmp_path / "meta_200.json")
+    assert find_checkpoint(tmp_path / "model_100.pt")[1] == tmp_path / "meta_100.json"
+    assert new_stamp(tmp_path) > 200
+
+
+def test_check_writable(tmp_path):
+    assert check_writable(tmp_path / "new" / "dir") is None and (tmp_path / "new" / "dir").is_dir()
+    assert list((tmp_path / "new" / "dir").iterdir()) == []
+    (tmp_path / "f").write_text("x")
+    assert "cannot be written" in check_writable(tmp_path / "f" / "sub")

@@ -1,0 +1,108 @@
+"""DDP correctness of the reward-model trainer with real gloo process groups."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO, run_script
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.data import collate_pairs, load_pairs, tokenize_pairs
+from nanochat_ext.reward import RewardModel
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+
+def rm_args(assets, out, *extra) -> list[str]:
+    return ["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
+            "--pairs", str(assets["pairs"]), "--batch_size", "8", "--max_steps", "6", "--unfreeze_last", "1",
+            "--lr", "3e-3", "--eval_every", "0", "--log_every", "3", "--seed", "3", "--device", "cpu",
+            "--max_len", "64", "--out", str(out), *extra]
+
+
+def checkpoints(d):
+    return sorted(d.glob("model_*.pt"))
+
+
+def test_two_ranks_match_one_rank(assets, tmp_path):
+    one = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "one"))
+    # Same global batch of 8: 2 ranks x 2 micro-batches x 2 pairs instead of 1 x 1 x 8.
+    two = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "two", "--device_batch_size", "2"), nproc=2)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in two.stdout
+    # Rank 0 owns I/O: exactly one checkpoint, one final line naming it, no temporary files left.
+    for d, proc in ((tmp_path / "one", one), (tmp_path / "two", two)):
+        assert len(checkpoints(d)) == 1 and len(list(d.glob("meta_*.json"))) == 1
+        assert not list(d.glob("*.tmp"))
+        assert proc.stdout.strip().splitlines()[-1] == f"checkpoint: {checkpoints(d)[0]}"
+    assert two.stdout.count("checkpoint: ") == 1
+    # Both ranks ended with bitwise-identical trainable parameters (checked collectively before saving).
+    assert "ddp: trainable parameters identical on 2 ranks" in two.stdout
+    w1 = torch.load(checkpoints(tmp_path / "one")[0], weights_only=True)
+    w2 = torch.load(checkpoints(tmp_path / "two")[0], weights_only=True)
+    assert w1.keys() == w2.keys() and "head.weight" in w1
+    assert any(k.startswith("backbone.model.transformer.h.1.") for k in w1)
+    for k in w1:
+        torch.testing.assert_close(w1[k], w2[k], atol=1e-5, rtol=0)
+    # ...and training really moved them (the comparison above is not between two untouched inits).
+    init = load_backbone(assets["gpt"]).model.state_dict()
+    moved = w1["backbone.model.transformer.h.1.mlp.c_fc.weight"] - init["transformer.h.1.mlp.c_fc.weight"]
+    assert moved.abs().max() > 1e-3
+
+
+def _grad_run(assets, tmp_path, nproc, n_micro):
+    out = tmp_path / f"grads_{nproc}x{n_micro}.pt"
+    worker = str(REPO / "tests" / "workers" / "rm_grad_worker.py")
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*launcher, worker, str(assets["dir"]), str(n_micro), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return torch.load(out, weights_only=True)
+
+
+def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
+    runs = {(n, m): _grad_run(assets, tmp_path, n, m) for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
+    reference = _reference_losses(assets)
+    for mode in ("mean", "sum", "none"):
+        base = runs[(1, 1)][mode]
+        assert base["loss"] == pytest.approx(reference[mode], rel=1e-5)
+        for key, run in runs.items():
+            assert run[mode]["loss"] == pytest.approx(base["loss"], rel=1e-6), (mode, key)
+            assert run[mode]["grads"].keys() == base["grads"].keys()
+            for name, g in base["grads"].items():
+                torch.testing.assert_close(run[mode]["grads"][name], g, atol=1e-6, rtol=1e-5, msg=f"{mode} {key} {name}")
+    # The modes really differ (the weights matter), so the invariance above is not vacuous.
+    assert runs[(1, 1)]["mean"]["loss"] != pytest.approx(runs[(1, 1)]["none"]["loss"], rel=1e-3)
+
+
+def _reference_losses(assets) -> dict[str, float]:
+    """The global-batch losses computed by hand from one unsplit forward pass."""
+    backbone = load_backbone(assets["gpt"])
+    tok = TokenizerWrapper.load(assets["tokenizer"])
+    model = RewardModel(backbone)
+    model.init_head(0)
+    rows = load_pairs(assets["pairs"])[0][:8]
+    for i, r in enumerate(rows):
+        r.weight = 0.25 + 0.25 * i
+    b = collate_pairs(tokenize_pairs(rows, tok, 64), tok.pad_id)
+    with torch.no_grad():
+        r = model(b["input_ids"], b["lengths"])
+    per_pair = -F.logsigmoid(r[:8] - r[8:]).double()
+    capped = torch.minimum(b["weights"], torch.tensor(1.6)).double()  # weights are float32 in the batch
+    assert capped.tolist()[-2:] == [pytest.approx(1.6)] * 2 and capped[0] == 0.25
+    return {"mean": ((capped * per_pair).sum() / capped.sum()).item(),
+            "sum": ((capped * per_pair).sum() / 8).item(),
+            "none": per_pair.mean().item()}
+
+
+def test_batch_that_does_not_split_over_ranks_is_an_error(assets, tmp_path):
+    proc = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "out", "--batch_size", "3"), nproc=2)
+    assert proc.returncode != 0
+    assert "--batch_size 3 does not split over 2 ranks" in proc.stderr
+    assert not checkpoints(tmp_path / "out")

@@ -1,0 +1,194 @@
+"""Reward-model trainer behaviour: it learns, resumes exactly, reloads for scoring, and refuses bad input."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_script
+from nanochat_ext import synthetic
+from nanochat_ext.data import load_pairs
+from nanochat_ext.reward import load_reward_model
+from scripts import kat_train_rm
+
+
+def base_args(assets, out, *extra) -> list[str]:
+    return ["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
+            "--pairs", str(assets["pairs"]), "--batch_size", "16", "--max_len", "64", "--device", "cpu",
+            "--eval_every", "0", "--log_every", "5", "--out", str(out), *extra]
+
+
+def newest(d):
+    return sorted(d.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[1]))[-1]
+
+
+def test_learns_a_preference_and_scores_it(assets, tmp_path):
+    out = tmp_path / "rm"
+    assert kat_train_rm.main(base_args(assets, out, "--max_steps", "40", "--unfreeze_last", "1")) == 0
+    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
+    assert meta["kind"] == "reward_model" and meta["step"] == 40
+    assert meta["metrics"]["val/accuracy"] >= 0.9, meta["metrics"]
+    # The saved RM reloads by itself (backbone + tokenizer found from its meta) and scores new pairs.
+    scorer = load_reward_model(out)
+    fresh = synthetic.make_pairs(40, seed=99)
+    good = scorer.score([r["prompt"] for r in fresh], [r["chosen"] for r in fresh])
+    bad = scorer.score([r["prompt"] for r in fresh], [r["rejected"] for r in fresh])
+    assert np.mean([g > b for g, b in zip(good, bad)]) >= 0.9
+    # TensorBoard events and metrics.jsonl on rank 0.
+    assert list((out / "logs").glob("events.out.tfevents.*"))
+    assert "val/accuracy" in (out / "logs" / "metrics.jsonl").read_text()
+
+
+def test_resume_continues_exactly(assets, tmp_path):
+    args = ("--max_steps", "6", "--unfreeze_last", "1", "--lr", "3e-3", "--batch_size", "8")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert kat_train_rm.main(base_args(assets, straight, *args)) == 0
+    assert kat_train_rm.main(base_args(assets, crashed, *args, "--save_every", "4")) == 0
+    # Pretend the run died after its step-4 checkpoint: drop everything the final save wrote.
+    final = newest(crashed)
+    stamp = final.stem.split("_")[1]
+    for name in (f"model_{stamp}.pt", f"meta_{stamp}.json", f"state_{stamp}.pt"):
+        (crashed / name).unlink()
+    assert json.loads((crashed / f"meta_{newest(crashed).stem.split('_')[1]}.json").read_text())["step"] == 4
+    assert kat_train_rm.main(base_args(assets, crashed, *args, "--resume", "latest")) == 0
+    a = torch.load(newest(straight), weights_only=True)
+    b = torch.load(newest(crashed), weights_only=True)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-7, rtol=0)
+
+
+def test_resume_refuses_a_different_batch_size(assets, tmp_path, capsys):
+    out = tmp_path / "rm"
+    assert kat_train_rm.main(base_args(assets, out, "--max_steps", "2", "--batch_size", "8")) == 0
+    n_before = len(list(out.glob("model_*.pt")))
+    assert kat_train_rm.main(base_args(assets, out, "--max_steps", "4", "--resume", "latest")) == 2
+    assert "--batch_size is 16 but the checkpoint was trained with 8" in capsys.readouterr().err
+    assert len(list(out.glob("model_*.pt"))) == n_before
+
+
+def test_hf_backbone_and_modern_nanochat_train(assets, tmp_path):
+    for name in ("hf", "gpt_modern"):
+        out = tmp_path / name
+        args = base_args(assets, out, "--max_steps", "3", "--unfreeze_last", "1")
+        args[1] = str(assets[name])
+        if name == "hf":
+            args[2:4] = []  # the HF dir carries its own tokenizer
+        assert kat_train_rm.main(args) == 0, name
+        scorer = load_reward_model(out)
+        assert scorer.meta["backbone_kind"] == ("hf" if name == "hf" else "nanochat")
+        # The reloaded trainable tensors are the ones saved (not a fresh head init).
+        saved = torch.load(newest(out), weights_only=True)
+        torch.testing.assert_close(scorer.model.head.weight.detach(), saved["head.weight"])
+        (score,) = scorer.score(["What is rain?"], ["Sure, gladly."])
+        assert np.isfinite(score)
+
+
+def test_dashed_aliases_and_help():
+    proc = run_script("scripts.kat_train_rm", ["--help"])
+    assert proc.returncode == 0
+    for flag in ("--backbone", "--pairs", "--density", "--weight_mode", "--unfreeze_last", "--resume"):
+        assert flag in proc.stdout
+    args = kat_train_rm.parse_args(["--backbone", "b", "--pairs", "p", "--max-steps", "7", "--batch-size", "4"])
+    assert args.max_steps == 7 and args.batch_size == 4
+
+
+# ---- bad input: one clear line, exit 2, nothing written --------------------------------------------
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+GOOD = '{"prompt": "Hi?", "chosen": "Sure, gladly.", "rejected": "No."}\n'
+
+
+@pytest.mark.parametrize("name,content,expected", [
+    ("empty", "", "no preference pairs in file"),
+    ("not_json", GOOD + "{oops\n", ":2: not valid JSON"),
+    ("no_chosen", GOOD + '{"prompt": "Hi?", "rejected": "No."}\n', ":2: field 'chosen': missing"),
+    ("empty_chosen", GOOD + '{"prompt": "Hi?", "chosen": "  ", "rejected": "No."}\n', ":2: field 'chosen': missing or empty"),
+    ("int_rejected", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": 3}\n', ":2: field 'rejected'"),
+    ("neg_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": -1}\n', ":2: field 'weight': must be a positive"),
+    ("nan_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": NaN}\n', ":2: field 'weight'"),
+    ("str_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": "2"}\n', ":2: field 'weight'"),
+    ("bad_role", GOOD + '{"prompt": [{"role": "bot", "content": "x"}], "chosen": "Yes", "rejected": "No"}\n', ":2: field 'prompt'"),
+])
+def test_bad_pairs_file(assets, tmp_path, capsys, name, content, expected):
+    pairs = _write(tmp_path / f"{name}.jsonl", content)
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[args.index("--pairs") + 1] = str(pairs)
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and str(pairs) in err and expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_pairs_file(assets, tmp_path, capsys):
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[args.index("--pairs") + 1] = str(tmp_path / "nope.jsonl")
+    assert kat_train_rm.main(args) == 2
+    assert "nope.jsonl: file not found" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_skip_bad_rows_reports_the_count(assets, tmp_path, capsys):
+    good = (assets["pairs"]).read_text()
+    pairs = _write(tmp_path / "mixed.jsonl", good + '{"prompt": "Hi?", "rejected": "No."}\n{bad\n')
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--skip_bad_rows")
+    args[args.index("--pairs") + 1] = str(pairs)
+    assert kat_train_rm.main(args) == 0
+    assert "skipped 2 bad rows" in capsys.readouterr().out
+
+
+def test_density_that_does_not_line_up(assets, tmp_path, capsys):
+    prefix_ids = sorted({r.prefix_id for r in load_pairs(assets["pairs"])[0]})
+    # 1) a JSONL that misses one prompt
+    partial = synthetic.write_jsonl(tmp_path / "density.jsonl", [{"prefix_id": p, "weight": 1.0} for p in prefix_ids[1:]])
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--density", str(partial))
+    assert kat_train_rm.main(args) == 2
+    assert f"has prefix_id '{prefix_ids[0]}', which has no density weight" in capsys.readouterr().err
+    # 2) the fork's prefixes_all.jsonl + density_weights.npy with one weight too few
+    fork = tmp_path / "fork"
+    synthetic.write_jsonl(fork / "prefixes_all.jsonl", [{"prefix_id": p} for p in prefix_ids])
+    np.save(fork / "density_weights.npy", np.ones(len(prefix_ids) - 1))
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--density", str(fork))
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err
+    assert "density_weights.npy" in err and "they do not line up" in err
+    assert not (tmp_path / "out").exists()
+    # 3) a non-positive weight
+    bad = synthetic.write_jsonl(tmp_path / "zero.jsonl", [{"prefix_id": p, "weight": 0} for p in prefix_ids])
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--density", str(bad))
+    assert kat_train_rm.main(args) == 2
+    assert "zero.jsonl:1: field 'weight'" in capsys.readouterr().err
+
+
+def test_backbone_that_is_not_a_checkpoint(assets, tmp_path, capsys):
+    (tmp_path / "junk").mkdir()
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[args.index("--backbone") + 1] = str(tmp_path / "junk")
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err
+    assert "junk: not a checkpoint" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_tokenizer_that_does_not_fit_the_backbone(assets, tmp_path, capsys):
+    args = base_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[args.index("--backbone") + 1] = str(assets["gpt_small_vocab"])
+    assert kat_train_rm.main(args) == 2
+    assert "tokenizer has 512 ids but the backbone embeds only 300" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_output_dir_that_cannot_be_written(assets, tmp_path, capsys):
+    blocker = _write(tmp_path / "a_file", "x")
+    assert kat_train_rm.main(base_args(assets, blocker / "sub", "--max_steps", "1")) == 2
+    assert "output dir cannot be written" in capsys.readouterr().err
+
+
+def test_batch_size_that_micro_batches_do_not_divide(assets, tmp_path, capsys):
+    assert kat_train_rm.main(base_args(assets, tmp_path / "out", "--max_steps", "1", "--device_batch_size", "5")) == 2
+    assert "--device_batch_size 5 does not divide" in capsys.readouterr().err

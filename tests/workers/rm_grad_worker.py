@@ -1,0 +1,52 @@
+"""Loss and gradients of one fixed global batch of 8 weighted pairs, split over however many ranks
+this was launched with and `n_micro` micro-batches per rank. Rank 0 saves them for the test to compare.
+
+    python tests/workers/rm_grad_worker.py ASSETS N_MICRO OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/rm_grad_worker.py ASSETS N_MICRO OUT
+"""
+import contextlib
+import sys
+from pathlib import Path
+
+import torch
+
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.data import BatchPlan, collate_pairs, load_pairs, tokenize_pairs
+from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
+from nanochat_ext.reward import RewardModel, rm_backward
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+GLOBAL_BATCH = 8
+MODES = {"mean": 1.6, "sum": 1.6, "none": None}  # weight mode -> cap
+
+
+def main(assets: Path, n_micro: int, out: Path) -> None:
+    torch.set_num_threads(1)
+    with dist_session("cpu") as env:
+        backbone = load_backbone(assets / "gpt")
+        tok = TokenizerWrapper.load(assets / "tokenizer")
+        backbone.set_trainable(1)
+        model = RewardModel(backbone)
+        model.init_head(0)
+        ddp_model = wrap_ddp(model, env)
+        rows = load_pairs(assets / "pairs.jsonl")[0][:GLOBAL_BATCH]
+        for i, r in enumerate(rows):
+            r.weight = 0.25 + 0.25 * i  # uneven weights, some above the cap
+        pairs = tokenize_pairs(rows, tok, 64)
+        plan = BatchPlan.make(GLOBAL_BATCH, env.world_size, GLOBAL_BATCH // env.world_size // n_micro)
+        mine = pairs[env.rank * plan.per_rank:(env.rank + 1) * plan.per_rank]
+        batches = [collate_pairs(mine[i:i + plan.device_batch_size], tok.pad_id)
+                   for i in range(0, plan.per_rank, plan.device_batch_size)]
+        results = {}
+        for mode, cap in MODES.items():
+            model.zero_grad(set_to_none=True)
+            stats = rm_backward(ddp_model, batches, mode, cap, env.device, contextlib.nullcontext())
+            loss = all_reduce_sum(stats[:1].clone()).item()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results[mode] = {"loss": loss, "grads": grads}
+        if env.is_main:
+            torch.save(results, out)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))

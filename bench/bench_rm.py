@@ -1,0 +1,70 @@
+"""Reward-model training throughput of scripts/kat_train_rm (the real trainer, in-process), printed as
+one JSON line. Defaults match ../shared/anchor-bench/trl_rm.py: 16 pairs per process per step,
+max_len 128, AdamW lr 1e-4, grad clip 1, fp32, 60 steps of which the first 5 are not timed.
+
+    python bench/bench_rm.py --backbone ASSETS/tiny-llama --pairs ASSETS/pairs.jsonl --threads 2
+    torchrun --standalone --nproc_per_node 2 bench/bench_rm.py --backbone ... --pairs ... --threads 1
+    --unfreeze_last all  : full fine-tune (what TRL's RewardTrainer does);  0 (default): frozen backbone
+"""
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", required=True)
+    p.add_argument("--pairs", required=True)
+    p.add_argument("--tokenizer", default=None)
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads per process")
+    p.add_argument("--unfreeze_last", default="0")
+    p.add_argument("--pairs_per_proc", type=int, default=16)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
+    p.add_argument("--device", default="cpu")
+    b = p.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(b.threads)
+    import torch
+
+    torch.set_num_threads(b.threads)
+    from nanochat_ext.ddp_common import all_reduce_max, dist_session
+    from scripts import kat_train_rm
+
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    out = tempfile.mkdtemp(prefix="bench_rm_")
+    argv = ["--backbone", b.backbone, "--pairs", b.pairs, "--batch_size", str(b.pairs_per_proc * world),
+            "--max_steps", str(b.steps), "--log_every", str(b.warmup), "--eval_every", "0", "--val_ratio", "0",
+            "--max_len", "128", "--lr", "1e-4", "--grad_clip", "1.0", "--unfreeze_last", b.unfreeze_last,
+            "--device", b.device, "--out", out]
+    if b.tokenizer:
+        argv += ["--tokenizer", b.tokenizer]
+    args = kat_train_rm.parse_args(argv)
+    with dist_session(args.device) as env:
+        kat_train_rm.train(args, env)
+        rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+        if not env.is_main:
+            return
+        logs = [json.loads(line) for line in open(Path(out) / "logs" / "metrics.jsonl")]
+        windows = [r for r in logs if "perf/pairs_per_s" in r and r["step"] > b.warmup]
+        pairs_per_window = b.warmup * b.pairs_per_proc * world
+        secs = sum(pairs_per_window / r["perf/pairs_per_s"] for r in windows)
+        tokens = sum(r["perf/tokens_per_s"] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
+        pairs = pairs_per_window * len(windows)
+        print(json.dumps({
+            "bench": "nanochat_ext_rm", "unfreeze_last": b.unfreeze_last, "world_size": env.world_size,
+            "threads_per_proc": torch.get_num_threads(), "pairs_per_step_global": b.pairs_per_proc * world,
+            "steps_timed": len(windows) * b.warmup, "timed_s": round(secs, 3),
+            "pairs_per_s": round(pairs / secs, 2), "tokens_per_s": round(tokens / secs, 1),
+            "mean_seq_len": round(tokens / (2 * pairs), 1), "ms_per_step": round(1000 * secs / (len(windows) * b.warmup), 2),
+            "peak_rss_mb_max_proc": round(rss_mb, 1), "torch": torch.__version__,
+        }), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.checkpoint import find_checkpoint, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, config_from_state_dict
+from nanochat_ext.gpt import GPT, KVCache, config_from_state_dict
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 class Backbone(nn.Module):
@@ -75,6 +75,52 @@ class Backbone(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids, attention_mask))
 
+    # ---- incremental decoding (KV cache) ------------------------------------------------------------
+    def prefill(self, input_ids: torch.Tensor, key_mask: torch.Tensor, max_len: int):
+        """Run left-padded prompts (key_mask False on padding); return (last-position logits, cache)."""
+        if self.kind == "nanochat":
+            p = next(self.model.parameters())
+            cache = KVCache(self.model.config, input_ids.size(0), max_len, p.device, p.dtype)
+            h = self.model.hidden_states(input_ids, key_mask, cache)
+            return self.model.logits(h[:, -1]), cache
+        from transformers import DynamicCache
+
+        positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0
+        out = self.model(input_ids=input_ids, attention_mask=key_mask.long(), position_ids=positions,
+                         past_key_values=DynamicCache(), use_cache=True)
+        return out.logits[:, -1].float(), out.past_key_values
+
+    def decode(self, cache, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        """Append one token per row (B,) to the cache; key_mask covers every cached position plus it."""
+        if self.kind == "nanochat":
+            return self.model.logits(self.model.hidden_states(tokens[:, None], key_mask, cache)[:, -1])
+        positions = key_mask.long().sum(-1, keepdim=True) - 1
+        out = self.model(input_ids=tokens[:, None], attention_mask=key_mask.long(), position_ids=positions,
+                         past_key_values=cache, use_cache=True)
+        return out.logits[:, -1].float()
+
+    def save(self, out_dir: str | os.PathLike, stamp: int, meta: dict, tokenizer: TokenizerWrapper,
+             train_state: dict | None = None) -> Path:
+        """Rank 0: write the model so that load_backbone() takes it back: a nanochat checkpoint
+        (model_<stamp>.pt + meta with model_config, tokenizer beside it) or an HF dir model_<stamp>/."""
+        if self.kind == "nanochat":
+            tokenizer.save(out_dir)
+            meta = {**meta, "model_config": self.model.config.nanochat_dict()}
+            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            return save_checkpoint(out_dir, stamp, state, meta, train_state)
+
+        def write_dir(d: Path) -> None:
+            self.model.save_pretrained(str(d))
+            tokenizer.save(d)
+
+        return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)
+
+    def repeat_cache(self, cache, n: int) -> None:
+        if self.kind == "nanochat":
+            cache.repeat_interleave(n)
+        else:
+            cache.batch_repeat_interleave(n)
+
 
 def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -> Backbone:
     """A nanochat checkpoint (dir: newest model_<N>.pt with its meta; or the .pt file) or an HF dir."""
@@ -82,7 +128,9 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -
     if not p.exists():
         raise InputError("backbone path does not exist", path=str(p))
     found = find_checkpoint(p)
-    if found is not None:
+    if found is not None and found[0].is_dir():  # a policy saved by GRPO with save_pretrained
+        p = found[0]
+    elif found is not None:
         model_file, meta_file = found
         meta = json.loads(meta_file.read_text())
         if "model_config" not in meta:

@@ -10,31 +10,33 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from nanochat_ext.ddp_common import broadcast_object, is_main
 from nanochat_ext.errors import InputError
 
-_MODEL_RE = re.compile(r"^model_(\d+)\.pt$")
+_MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
-    """(model_<N>.pt, meta_<N>.json) for a model file, or the newest complete pair in a dir; else None."""
+    """(model_<N>.pt or model_<N>/, meta_<N>.json) for a model path, or the newest complete pair in a
+    dir; else None."""
     p = Path(path)
-    if p.is_file():
-        m = _MODEL_RE.match(p.name)
+    m = _MODEL_RE.match(p.name)
+    if m and p.exists():
         meta = p.with_name(f"meta_{m.group(1)}.json") if m else None
         return (p, meta) if meta is not None and meta.is_file() else None
     if not p.is_dir():
         return None
-    found = sorted((int(m.group(1)), m.group(1)) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
-    for _, stamp in reversed(found):
+    found = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
+    for stamp, model in reversed(found):
         if (p / f"meta_{stamp}.json").is_file():
-            return p / f"model_{stamp}.pt", p / f"meta_{stamp}.json"
+            return model, p / f"meta_{stamp}.json"
     return None
 
 
@@ -55,13 +57,21 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict, meta: dict,
+def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None], meta: dict,
                     train_state: dict | None = None) -> Path:
-    """Rank 0 only. Returns the model file's path."""
+    """Rank 0 only. model_state is a state dict (-> model_<stamp>.pt) or a function that writes a
+    directory (-> model_<stamp>/, e.g. save_pretrained). Returns the model path."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    model_path = d / f"model_{stamp}.pt"
-    _atomic_torch_save(model_state, model_path)
+    if callable(model_state):
+        model_path = d / f"model_{stamp}"
+        tmp_dir = d / f"model_{stamp}.tmp"
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+        model_state(tmp_dir)
+        os.replace(tmp_dir, model_path)
+    else:
+        model_path = d / f"model_{stamp}.pt"
+        _atomic_torch_save(model_state, model_path)
     if train_state is not None:
         _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
     tmp = d / f"meta_{stamp}.json.tmp"
@@ -77,7 +87,7 @@ def resolve_resume(resume: str, out_dir: str | os.PathLike) -> tuple[Path, Path,
     if found is None:
         raise InputError("no complete checkpoint to resume from", path=str(target))
     model_path, meta_path = found
-    state_path = model_path.with_name(model_path.name.replace("model_", "state_", 1))
+    state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
     if not state_path.is_file():
         raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
     return model_path, meta_path, state_path

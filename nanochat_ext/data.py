@@ -172,6 +172,55 @@ def load_pairs(path: str | os.PathLike, skip_bad: bool = False) -> tuple[list[Pa
     return rows, skipped
 
 
+# ---- prompts (GRPO) ------------------------------------------------------------------------------
+@dataclass
+class PromptRow:
+    messages: list[dict]  # ends with a user turn
+    prefix_id: str
+    row: dict  # the whole JSON object: reward functions read fields such as "answer" from it
+    line: int
+    weight: float = 1.0
+
+
+def parse_prompt(obj: dict, path: str, line: int) -> PromptRow:
+    prompt = obj.get("prompt")
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise InputError("empty prompt", path, line, "prompt")
+        messages = [{"role": "user", "content": prompt}]
+    elif prompt is None:
+        raise InputError("missing", path, line, "prompt")
+    else:
+        messages = _messages(prompt, path, line, "prompt")
+    if messages[-1]["role"] != "user":
+        raise InputError("the prompt must end with a user turn", path, line, "prompt")
+    if "answer" in obj and not isinstance(obj["answer"], (str, int, float)):
+        raise InputError("must be a string or a number", path, line, "answer")
+    pid = obj.get("prefix_id", prefix_id_of(messages))
+    if not isinstance(pid, str) or not pid:
+        raise InputError("must be a non-empty string", path, line, "prefix_id")
+    return PromptRow(messages, pid, obj, line)
+
+
+def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
+    """GRPO prompts: JSONL {prompt: str | [messages], answer?, prefix_id?}. A preference-pairs file is
+    accepted too: its distinct prompts are used."""
+    rows: list[PromptRow] = []
+    seen: set[str] = set()
+    for lineno, obj in read_jsonl(path):
+        if "chosen" in obj and "rejected" in obj:
+            pair = parse_pair(obj, str(path), lineno)
+            key = json.dumps(pair.prompt)
+            if key not in seen:
+                seen.add(key)
+                rows.append(PromptRow(pair.prompt, pair.prefix_id, obj, lineno))
+            continue
+        rows.append(parse_prompt(obj, str(path), lineno))
+    if not rows:
+        raise InputError("no prompts in file", path=str(path))
+    return rows
+
+
 # ---- weights ------------------------------------------------------------------------------------
 def _positive(w, path, line, field="weight") -> float:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:
@@ -216,11 +265,11 @@ def _load_fork_density(prefixes: Path, npy: Path) -> dict[str, float]:
     return out
 
 
-def attach_density(rows: list[PairRow], density: dict[str, float], density_path: str) -> None:
+def attach_density(rows: list[PairRow] | list[PromptRow], density: dict[str, float], density_path: str) -> None:
     """Multiply each row's weight by its prompt's density weight; every prompt must have one."""
     for r in rows:
         if r.prefix_id not in density:
-            raise InputError(f"pair on line {r.line} has prefix_id {r.prefix_id!r}, which has no density weight",
+            raise InputError(f"row on line {r.line} has prefix_id {r.prefix_id!r}, which has no density weight",
                              path=density_path)
         r.weight *= density[r.prefix_id]
 
@@ -232,7 +281,7 @@ def is_val_prefix(prefix_id: str, val_ratio: float) -> bool:
     return bucket < val_ratio
 
 
-def split_by_prefix(rows: list[PairRow], val_ratio: float) -> tuple[list[PairRow], list[PairRow]]:
+def split_by_prefix(rows: list, val_ratio: float) -> tuple[list, list]:
     train = [r for r in rows if not is_val_prefix(r.prefix_id, val_ratio)]
     val = [r for r in rows if is_val_prefix(r.prefix_id, val_ratio)]
     return train, val

@@ -73,7 +73,7 @@ class CausalSelfAttention(nn.Module):
         use_gate = config.modern and has_ve(layer_idx, config.n_layer)
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if use_gate else None
 
-    def forward(self, x, ve, cos_sin, attn_mask):
+    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, layer_idx=0):
         B, T, _ = x.shape
         q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
@@ -85,6 +85,8 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q), norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv_cache is not None:
+            k, v = kv_cache.insert(layer_idx, k, v)
         gqa = self.n_head != self.n_kv_head
         if attn_mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -106,12 +108,39 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos_sin, attn_mask):
-        x = x + self.attn(norm(x), ve, cos_sin, attn_mask)
+    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None):
+        x = x + self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx)
         return x + self.mlp(norm(x))
+
+
+class KVCache:
+    """Keys/values of every layer for a batch being decoded: (n_layer, B, n_kv_head, max_len, head_dim)."""
+
+    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype):
+        head_dim = config.n_embd // config.n_head
+        shape = (config.n_layer, batch, config.n_kv_head, max_len, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # tokens already cached
+
+    def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        end = self.pos + k.size(2)
+        if end > self.k.size(3):
+            raise ValueError(f"KV cache of {self.k.size(3)} positions is full")
+        self.k[layer, :, :, self.pos:end] = k
+        self.v[layer, :, :, self.pos:end] = v
+        if layer == self.k.size(0) - 1:
+            self.pos = end
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def repeat_interleave(self, n: int) -> None:
+        """Each row becomes n rows: a prompt prefilled once serves its n samples."""
+        self.k = self.k.repeat_interleave(n, dim=1)
+        self.v = self.v.repeat_interleave(n, dim=1)
 
 
 class GPT(nn.Module):
@@ -172,27 +201,38 @@ class GPT(nn.Module):
             self.resid_lambdas.fill_(1.0)
             self.x0_lambdas.fill_(0.1)
 
-    def _attn_masks(self, T: int, device: torch.device) -> list[torch.Tensor | None]:
-        """Per-layer boolean masks; None (plain causal) where the window covers the whole sequence."""
+    def _attn_masks(self, T: int, T0: int, key_mask: torch.Tensor | None,
+                    device: torch.device) -> list[torch.Tensor | None]:
+        """Per-layer boolean masks for queries at positions T0..T0+T-1 over keys 0..T0+T-1; None means
+        plain causal attention (no cache, no padding, window covering the sequence)."""
+        Tk = T0 + T
         masks, cache = [], {}
         for w in self.window_sizes:
-            if w >= T:
+            if T0 == 0 and key_mask is None and w >= T:
                 masks.append(None)
                 continue
             if w not in cache:
-                i = torch.arange(T, device=device)
-                d = i[:, None] - i[None, :]
-                cache[w] = (d >= 0) & (d <= w)  # query i sees keys i-w..i (FA3's window (w, 0))
+                i = torch.arange(T0, Tk, device=device)
+                d = i[:, None] - torch.arange(Tk, device=device)[None, :]
+                m = (d >= 0) & (d <= w)  # query i sees keys i-w..i (FA3's window (w, 0))
+                if key_mask is not None:
+                    # Padding keys are hidden; a pad query still sees itself, so no row is fully
+                    # masked (that would be NaN, and NaN leaks through 0-weighted values).
+                    m = (m & key_mask[:, None, None, :Tk]) | (d == 0)
+                cache[w] = m
             masks.append(cache[w])
         return masks
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden states (B, T, n_embd). Right padding is harmless: attention is causal."""
+    def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
+                      kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Final-normed hidden states (B, T, n_embd) of `idx`, which continues the cache if one is given.
+        key_mask (B, cached + T) marks real tokens (False: left padding). Right padding needs no mask."""
         B, T = idx.shape
-        if T > self.cos.size(1):
-            raise ValueError(f"sequence of {T} tokens is longer than the rotary table ({self.cos.size(1)})")
-        cos_sin = self.cos[:, :T], self.sin[:, :T]
-        masks = self._attn_masks(T, idx.device)
+        T0 = kv_cache.pos if kv_cache is not None else 0
+        if T0 + T > self.cos.size(1):
+            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
+        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+        masks = self._attn_masks(T, T0, key_mask, idx.device)
         x = norm(self.transformer.wte(idx))
         x0 = x
         for i, block in enumerate(self.transformer.h):
@@ -200,15 +240,16 @@ class GPT(nn.Module):
             if self.config.modern:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
                 ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
-            x = block(x, ve, cos_sin, masks[i])
+            x = block(x, ve, cos_sin, masks[i], kv_cache)
         return norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()
         return SOFTCAP * torch.tanh(logits / SOFTCAP)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.logits(self.hidden_states(idx))
+    def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None) -> torch.Tensor:
+        return self.logits(self.hidden_states(idx, key_mask, kv_cache))
 
 
 def config_from_state_dict(state: dict[str, torch.Tensor], meta_config: dict) -> GPTConfig:

@@ -58,7 +58,7 @@ def test_sliding_window_masks():
     cfg = GPTConfig(sequence_len=8, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="S")
     model = GPT(cfg)
     assert model.window_sizes == [4, 8]  # last layer always full context
-    short, full = model._attn_masks(6, torch.device("cpu"))
+    short, full = model._attn_masks(6, 0, None, torch.device("cpu"))
     assert full is None
     i, j = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
     assert torch.equal(short, (j <= i) & (i - j <= 4))

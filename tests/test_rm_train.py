@@ -143,12 +143,14 @@ def test_skip_bad_rows_reports_the_count(assets, tmp_path, capsys):
 
 
 def test_density_that_does_not_line_up(assets, tmp_path, capsys):
-    prefix_ids = sorted({r.prefix_id for r in load_pairs(assets["pairs"])[0]})
+    rows = load_pairs(assets["pairs"])[0]
+    prefix_ids = sorted({r.prefix_id for r in rows})
+    first_line = next(r.line for r in rows if r.prefix_id == prefix_ids[0])
     # 1) a JSONL that misses one prompt
     partial = synthetic.write_jsonl(tmp_path / "density.jsonl", [{"prefix_id": p, "weight": 1.0} for p in prefix_ids[1:]])
     args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--density", str(partial))
     assert kat_train_rm.main(args) == 2
-    assert f"has prefix_id '{prefix_ids[0]}', which has no density weight" in capsys.readouterr().err
+    assert f"row on line {first_line} has prefix_id '{prefix_ids[0]}', which has no density weight" in capsys.readouterr().err
     # 2) the fork's prefixes_all.jsonl + density_weights.npy with one weight too few
     fork = tmp_path / "fork"
     synthetic.write_jsonl(fork / "prefixes_all.jsonl", [{"prefix_id": p} for p in prefix_ids])

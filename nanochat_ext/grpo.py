@@ -1,0 +1,223 @@
+"""GRPO pieces: reward functions, group-relative advantages, token log-probs of completions, and the
+clipped-surrogate + KL loss with aggregation normalised by global counts.
+
+A rollout batch on one rank is `n` prompts x G samples, prompt-major (prompt i owns rows i*G..i*G+G-1);
+a group never spans ranks.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import importlib
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from nanochat_ext.backbone import Backbone
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
+from nanochat_ext.errors import InputError
+
+LOSS_AGGS = ("token", "sequence", "dr_grpo")
+SCALE_REWARDS = ("group", "batch", "none")
+ADV_EPS = 1e-4
+
+RewardFn = Callable[[str, str, dict], float]
+
+
+def sample_seed(seed: int, step: int, prompt_index: int) -> int:
+    """Seed of one prompt's sampling generator: a function of (seed, step, prompt) only, so the samples
+    do not depend on the rank or batch the prompt landed in."""
+    return int(hashlib.sha256(f"{seed}:{step}:{prompt_index}".encode()).hexdigest()[:15], 16)
+
+
+# ---- rewards ------------------------------------------------------------------------------------
+def load_reward_fn(spec: str) -> RewardFn:
+    """`package.module:function` -> the callable f(prompt, completion, row) -> float."""
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise InputError(f"--reward_fn {spec!r} must look like 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise InputError(f"--reward_fn {spec!r}: cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise InputError(f"--reward_fn {spec!r}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int) -> float:
+    try:
+        value = float(fn(prompt, completion, row))
+    except (TypeError, ValueError) as e:
+        raise InputError(f"reward function {name} did not return a number for prompt {prompt_index}: {e}") from None
+    if not math.isfinite(value):
+        raise InputError(f"reward function {name} returned {value} for prompt {prompt_index}")
+    return value
+
+
+# ---- advantages ---------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> torch.Tensor:
+    """(r - group mean) / (std + eps): std of the group ('group'), of the whole global batch ('batch',
+    one all-reduce), or no scaling ('none'). A group whose rewards are all equal gets 0, not NaN."""
+    r = rewards.double().view(-1, group_size)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "group":
+        std = r.std(dim=1, keepdim=True, unbiased=False)
+        return (centred / (std + ADV_EPS)).view(-1).float()
+    if scale == "batch":
+        stats = all_reduce_sum(torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=r.dtype)]))
+        mean = stats[0] / stats[2]
+        std = (stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt()
+        return (centred / (std + ADV_EPS)).view(-1).float()
+    if scale == "none":
+        return centred.view(-1).float()
+    raise ValueError(f"unknown scale_rewards {scale!r}")
+
+
+# ---- batches ------------------------------------------------------------------------------------
+def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
+                   pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows and, per completion token, the position whose logits
+    predict it (gather) and the token itself (target); mask is 0 past each completion's end."""
+    seqs, prompt_len = [], []
+    for i, comp in enumerate(completions):
+        p = prompt_ids[i // group_size]
+        seqs.append(p + comp)
+        prompt_len.append(len(p))
+    L = max(1, max(len(c) for c in completions))
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    gather = torch.zeros((len(seqs), L), dtype=torch.long)
+    target = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), L), dtype=torch.float32)
+    for r, (s, p, comp) in enumerate(zip(seqs, prompt_len, completions)):
+        ids[r, :len(s)] = torch.tensor(s)
+        n = len(comp)
+        gather[r, :n] = torch.arange(p - 1, p - 1 + n)
+        target[r, :n] = torch.tensor(comp, dtype=torch.long)
+        mask[r, :n] = 1.0
+    return {"input_ids": ids, "gather": gather, "target": target, "mask": mask}
+
+
+def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Rows of a sequence batch, cut to their own longest sequence and completion."""
+    out = {k: v[rows] for k, v in batch.items()}
+    n_tok = int(out["mask"].sum(1).max().item()) if out["mask"].numel() else 0
+    n_tok = max(n_tok, 1)
+    for k in ("gather", "target", "mask", "old_logp", "ref_logp"):  # per-token tensors
+        if k in out:
+            out[k] = out[k][:, :n_tok]
+    T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
+    out["input_ids"] = out["input_ids"][:, :T]
+    return out
+
+
+class CompletionLogprobs(nn.Module):
+    """Log-probabilities (and entropies) of completion tokens under a backbone. This is the module
+    DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
+    completion positions, never over the prompt."""
+
+    def __init__(self, backbone: Backbone):
+        super().__init__()
+        self.backbone = backbone
+
+    def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor):
+        hidden = self.backbone.hidden_states(input_ids)
+        h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+        logp = torch.log_softmax(self.backbone.logits(h).float(), dim=-1)
+        token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+        with torch.no_grad():
+            entropy = -(logp.exp() * logp).sum(-1)
+        return token_logp, entropy
+
+
+# ---- loss ---------------------------------------------------------------------------------------
+@dataclass
+class LossConfig:
+    loss_agg: str = "token"
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None  # None: same as clip_eps
+    beta: float = 0.0
+    max_new_tokens: int = 64  # dr_grpo's constant normaliser
+
+
+def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """This rank's share of the denominator. weights: one per sequence (density weight of its prompt)."""
+    if cfg.loss_agg == "token":
+        return (mask * weights[:, None]).sum().double()
+    has_tokens = (mask.sum(1) > 0).float()
+    if cfg.loss_agg == "sequence":
+        return (weights * has_tokens).sum().double()
+    if cfg.loss_agg == "dr_grpo":
+        return (weights * has_tokens).sum().double() * cfg.max_new_tokens
+    raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}")
+
+
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
+              mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig, normaliser: float):
+    """Clipped surrogate + beta * KL(k3) per token, aggregated as cfg.loss_agg and divided by the
+    global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens] on this rank."""
+    ratio = torch.exp(logp - old_logp)
+    adv = advantages[:, None]
+    high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
+    per_token = -surrogate
+    kl = torch.zeros_like(logp)
+    if ref_logp is not None and cfg.beta > 0:
+        delta = ref_logp - logp
+        kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
+        per_token = per_token + cfg.beta * kl
+    w = weights[:, None] * mask
+    if cfg.loss_agg == "sequence":
+        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+        loss = (weights * per_seq).sum() / normaliser
+    else:
+        loss = (per_token * w).sum() / normaliser
+    with torch.no_grad():
+        clipped = ((ratio < 1 - cfg.clip_eps) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
+        stats = torch.stack([(kl * mask).sum(), (clipped.float() * mask).sum(), mask.sum()]).double().cpu()
+    return loss, stats
+
+
+def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
+                    device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Forward + backward of one optimizer step over this rank's sequences in micro-batches of `micro`
+    (DDP syncs on the last). The normaliser covers the global batch and is summed before any backward;
+    the loss is scaled by the world size because DDP averages gradients. Every rank runs the same
+    number of micro-batches, so the collectives line up whatever the completion lengths.
+    Returns this rank's [loss, kl sum, clipped tokens, tokens, entropy sum]."""
+    normaliser = all_reduce_sum(loss_normaliser(batch["mask"], batch["weights"], cfg)).item()
+    normaliser = max(normaliser, 1e-8)  # every completion masked: the loss is 0, not NaN
+    world = get_world_size()
+    n = batch["input_ids"].size(0)
+    starts = list(range(0, n, micro))
+    out = torch.zeros(5, dtype=torch.float64)
+    for k, a in enumerate(starts):
+        b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
+        with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
+            logp, entropy = model(b["input_ids"], b["gather"], b["target"])
+            old = b["old_logp"] if "old_logp" in b else logp.detach()
+            loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
+                                    normaliser)
+            (loss * world).backward()
+        out += torch.cat([loss.detach().double().cpu().view(1), stats,
+                          (entropy * b["mask"]).sum().double().cpu().view(1)])
+    return out
+
+
+@torch.no_grad()
+def token_logprobs(model: CompletionLogprobs, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                   autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Log-probs of every completion token, without grad (reference model, or the old policy)."""
+    n, L = batch["target"].shape
+    out = torch.zeros(n, L)
+    for a in range(0, n, micro):
+        b = slice_batch(batch, slice(a, a + micro))
+        with autocast:
+            logp, _ = model(b["input_ids"].to(device), b["gather"].to(device), b["target"].to(device))
+        out[a:a + micro, :logp.size(1)] = logp.float().cpu()
+    return out

@@ -1,0 +1,91 @@
+"""Batched sampling with a KV cache: prompts are left-padded and prefilled once, each prompt's cache
+is repeated for its group of samples, then all rows decode in lockstep until every row has stopped.
+
+Randomness: each prompt has its own generator (seeded by the caller from seed, step and the
+prompt's global index) that draws all its uniforms up front; tokens come from the inverse CDF of
+the filtered distribution. A prompt's samples therefore do not depend on which rank or batch it
+sits in, and a resumed run draws exactly what the uninterrupted run drew.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanochat_ext.backbone import Backbone
+
+
+@dataclass
+class SamplingConfig:
+    max_new_tokens: int = 64
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    min_new_tokens: int = 0  # the stop token is not allowed before this many tokens
+
+
+def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """Temperature, then top-k, then top-p (nucleus), as log-space logits with -inf for removed tokens."""
+    logits = logits / cfg.temperature
+    if cfg.top_k and cfg.top_k < logits.size(-1):
+        kth = torch.topk(logits, cfg.top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = probs.cumsum(-1) - probs > cfg.top_p  # keep the smallest prefix reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """One token per row: argmax at temperature 0, else inverse CDF at the row's uniform u in [0, 1)."""
+    if cfg.temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
+    cdf = probs.cumsum(-1)
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    return idx.clamp(max=logits.size(-1) - 1)
+
+
+@dataclass
+class Samples:
+    completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
+    truncated: list[bool]  # stopped by max_new_tokens, not by the stop token
+
+
+@torch.no_grad()
+def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: SamplingConfig, stop_id: int,
+             pad_id: int, generators: list[torch.Generator]) -> Samples:
+    device = next(model.parameters()).device
+    n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
+    ids = torch.full((n, P), pad_id, dtype=torch.long)
+    key_mask = torch.zeros((n, P), dtype=torch.bool)
+    for i, p in enumerate(prompts):  # left padding: every prompt ends at position P-1
+        ids[i, P - len(p):] = torch.tensor(p)
+        key_mask[i, P - len(p):] = True
+    ids, key_mask = ids.to(device), key_mask.to(device)
+    uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
+
+    logits, cache = model.prefill(ids, key_mask, P + cfg.max_new_tokens)
+    model.repeat_cache(cache, G)
+    logits = logits.repeat_interleave(G, dim=0)
+    key_mask = key_mask.repeat_interleave(G, dim=0)
+    out = torch.full((n * G, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
+    done = torch.zeros(n * G, dtype=torch.bool, device=device)
+    lengths = torch.full((n * G,), cfg.max_new_tokens, dtype=torch.long, device=device)
+    for t in range(cfg.max_new_tokens):
+        if t < cfg.min_new_tokens:
+            logits[:, stop_id] = float("-inf")
+        token = torch.where(done, pad_id, sample_token(logits, uniforms[:, t], cfg))
+        out[:, t] = token
+        stopped = ~done & (token == stop_id)
+        lengths[stopped] = t + 1
+        done |= stopped
+        if t == cfg.max_new_tokens - 1 or bool(done.all()):
+            break
+        key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
+        logits = model.decode(cache, token, key_mask)
+    lengths, done = lengths.tolist(), done.tolist()
+    out = out.tolist()
+    return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done])

@@ -1,0 +1,389 @@
+"""GRPO: for each prompt the policy samples a group of G completions, a reward model and/or rule-based
+reward functions score them, each completion's advantage is its reward relative to its group, and
+the policy takes clipped-surrogate steps with a KL penalty to a frozen reference.
+
+    python -m scripts.kat_train_grpo --policy SFT_CKPT --rm RM_DIR --prompts prompts.jsonl
+    torchrun --standalone --nproc_per_node=8 -m scripts.kat_train_grpo -- --policy ... --prompts ...
+    --reward_fn mypkg.rewards:exact_match   # f(prompt, completion, row) -> float, repeatable
+
+The policy is saved as a nanochat checkpoint (or an HF dir) that loads again as --policy/--backbone.
+The last line printed on success names the checkpoint written.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import check_writable, new_stamp, resolve_resume
+from nanochat_ext.cli import add_dashed_aliases, run_script, script_argv
+from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
+                               split_by_prefix, truncate)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, check_params_in_sync, print0, raise_if_any,
+                                     seed_everything, wrap_ddp)
+from nanochat_ext.errors import InputError
+from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, CompletionLogprobs, LossConfig, call_reward_fn,
+                               group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
+                               token_logprobs)
+from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.reward import RewardScorer, load_reward_model
+from nanochat_ext.sampling import SamplingConfig, generate
+from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.tracking import Tracker
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kat_train_grpo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("inputs")
+    g.add_argument("--policy", required=True,
+                   help="the model to train: nanochat checkpoint dir/file or local Hugging Face causal-LM dir")
+    g.add_argument("--tokenizer", default=None, help="default: found beside the policy, else $NANOCHAT_BASE_DIR/tokenizer")
+    g.add_argument("--rm", default=None,
+                   help="reward-model checkpoint file, or a dir (its newest complete checkpoint), as written by "
+                        "kat_train_rm; optional when --reward_fn is given")
+    g.add_argument("--prompts", required=True,
+                   help="JSONL {prompt: str | [messages], answer?, prefix_id?}; a pairs file works too (its prompts)")
+    g.add_argument("--eval_prompts", default=None,
+                   help="held-out prompts for --eval_every (default: --val_ratio of --prompts, split by prefix_id)")
+    g.add_argument("--density", default=None,
+                   help="per-prompt density weights (as for kat_train_rm): scale each prompt's share of the loss")
+    g.add_argument("--reward_fn", action="append", default=[],
+                   help="rule-based reward 'module:function', called f(prompt, completion, row) -> float; repeatable")
+    g.add_argument("--reward_weights", type=float, nargs="+", default=None,
+                   help="one weight per reward, in order: the RM (if --rm) then each --reward_fn (default: all 1)")
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--batch_size", type=int, default=8, help="GLOBAL prompts per step (default: %(default)s)")
+    g.add_argument("--group_size", type=int, default=8, help="completions per prompt, G >= 2 (default: %(default)s)")
+    g.add_argument("--max_new_tokens", type=int, default=64, help="completion length limit (default: %(default)s)")
+    g.add_argument("--min_new_tokens", type=int, default=0, help="the stop token is held back until this many tokens")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
+    g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--mask_truncated", action="store_true",
+                   help="leave completions that hit --max_new_tokens out of the loss")
+    g = p.add_argument_group("loss")
+    g.add_argument("--scale_rewards", choices=SCALE_REWARDS, default="group",
+                   help="advantage = (r - group mean) / std of the group, of the batch, or unscaled (default: group)")
+    g.add_argument("--loss_agg", choices=LOSS_AGGS, default="token",
+                   help="token: mean over all completion tokens of the global batch; sequence: mean per completion, "
+                        "then over completions; dr_grpo: token sum / (completions x max_new_tokens) (default: token)")
+    g.add_argument("--clip_eps", type=float, default=0.2, help="PPO clip range (default: %(default)s)")
+    g.add_argument("--clip_eps_high", type=float, default=None, help="upper clip range (DAPO's clip-higher); default: clip_eps")
+    g.add_argument("--beta", type=float, default=0.04,
+                   help="weight of the k3 KL to the frozen reference; 0 skips the reference model (default: %(default)s)")
+    g.add_argument("--num_iterations", type=int, default=1, help="optimizer updates per rollout batch, mu (default: 1)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--device_batch_size", type=int, default=None,
+                   help="sequences per forward on each rank (default: all of the rank's prompts x group_size)")
+    g.add_argument("--max_steps", type=int, default=100, help="rollout steps (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup_steps", type=int, default=0)
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
+    g.add_argument("--seed", type=int, default=0, help="data order and sampling (default: %(default)s)")
+    g = p.add_argument_group("evaluation and outputs")
+    g.add_argument("--val_ratio", type=float, default=0.1, help="share of prompts held out when no --eval_prompts")
+    g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps and at the end (0: only at the end)")
+    g.add_argument("--log_every", type=int, default=1, help="log train metrics every N steps")
+    g.add_argument("--out", default=None, help="checkpoint dir (default: $NANOCHAT_BASE_DIR/grpo_checkpoints/<tag>)")
+    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
+    g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None, help="'latest' (newest in --out) or a checkpoint path; continues exactly")
+    g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
+    add_dashed_aliases(p)
+    return p.parse_args(script_argv(argv))
+
+
+class Rewards:
+    """The RM score and the rule-based functions, each weighted; per-reward values kept for logging."""
+
+    def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None):
+        self.rm = rm
+        self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
+        self.names = (["rm"] if rm else []) + [name for name, _ in self.fns]
+        if not self.names:
+            raise InputError("no reward: give --rm and/or --reward_fn")
+        self.weights = weights if weights is not None else [1.0] * len(self.names)
+        if len(self.weights) != len(self.names):
+            raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
+                             f"({', '.join(self.names)})")
+
+    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
+              tok: TokenizerWrapper, G: int) -> torch.Tensor:
+        """(n*G, n_rewards) raw rewards. A reward function's bad value is raised on every rank."""
+        n = len(samples.completions)
+        out = torch.zeros(n, len(self.names), dtype=torch.float64)
+        col = 0
+        if self.rm is not None:
+            seqs = [truncate(prompt_ids[i // G], c, self.rm.max_len, tok.bos_id)
+                    for i, c in enumerate(samples.completions)]
+            out[:, 0] = torch.tensor(self.rm.score_ids(seqs))
+            col = 1
+        error = None
+        texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in samples.completions]
+        try:
+            for j, (name, fn) in enumerate(self.fns):
+                for i, text in enumerate(texts):
+                    row = rows[i // G]
+                    out[i, col + j] = call_reward_fn(name, fn, row.messages[-1]["content"], text, row.row,
+                                                     indices[i // G])
+        except InputError as e:
+            error = str(e)
+        raise_if_any(error)
+        return out
+
+    def total(self, per_reward: torch.Tensor) -> torch.Tensor:
+        return per_reward @ torch.tensor(self.weights, dtype=torch.float64)
+
+
+def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) -> None:
+    """The RM scores the policy's token ids directly, so both must speak the same tokenizer."""
+    probe = "Hello there! 12 + 30 = 42, isn't it?"
+    if (rm.tokenizer.vocab_size, rm.tokenizer.encode(probe), rm.tokenizer.eos_id) != \
+            (tok.vocab_size, tok.encode(probe), tok.eos_id):
+        raise InputError(f"reward model was trained with another tokenizer ({rm.tokenizer.source}, "
+                         f"{rm.tokenizer.vocab_size} ids) than the policy's ({tok.source}, {tok.vocab_size} ids)",
+                         path=rm_path)
+
+
+def train(args: argparse.Namespace, env: DistEnv) -> Path:
+    seed_everything(args.seed)
+    tag = args.tag or ("density" if args.density else "uniform")
+    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+    out_dir = Path(args.out) if args.out else base_dir / "grpo_checkpoints" / tag
+    log_dir = Path(args.log_dir) if args.log_dir else out_dir / "logs"
+    G = args.group_size
+
+    # ---- validate every input before anything is trained or written ---------------------------
+    if G < 2:
+        raise InputError(f"--group_size must be at least 2 (advantages are relative to the group), got {G}")
+    if args.num_iterations < 1:
+        raise InputError(f"--num_iterations must be at least 1, got {args.num_iterations}")
+    prompts = load_prompts(args.prompts)
+    if args.density:
+        attach_density(prompts, load_density(args.density), args.density)
+    if args.eval_prompts:
+        train_rows, eval_rows = prompts, load_prompts(args.eval_prompts)
+    else:
+        train_rows, eval_rows = split_by_prefix(prompts, args.val_ratio)
+    plan = BatchPlan.make(args.batch_size, env.world_size, None)
+    seqs_per_rank = plan.per_rank * G
+    micro = args.device_batch_size or seqs_per_rank
+    if micro <= 0 or seqs_per_rank % micro:
+        raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
+                         f"which --device_batch_size {micro} does not divide")
+    loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
+    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    policy = load_backbone(args.policy, env.device)
+    tok = load_tokenizer_for(policy, args.tokenizer)
+    rm = None
+    if args.rm:
+        rm = load_reward_model(args.rm, env.device)
+        check_rm_tokenizer(rm, tok, args.rm)
+    rewards = Rewards(rm, args.reward_fn, args.reward_weights)
+    prompt_ids = encode_prompts(train_rows, tok, policy, args)
+    eval_ids = encode_prompts(eval_rows, tok, policy, args)
+    raise_if_any(check_writable(out_dir) if env.is_main else None)
+
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens)
+    loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens)
+    print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
+    print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
+           f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
+
+    # ---- models, optimizer, resume ----------------------------------------------------------------
+    policy.set_trainable("all")
+    reference = None
+    if args.beta > 0:
+        reference = CompletionLogprobs(load_backbone(args.policy, env.device).requires_grad_(False))
+    model = CompletionLogprobs(policy)
+    ddp_model = wrap_ddp(model, env)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
+    start_step = 0
+    if resume is not None:
+        start_step = load_resume_state(policy, optimizer, resume, args, env.device)
+        print0(f"resume: from {resume[0]} at step {start_step}")
+    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and env.device.type == "cuda")
+    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    if env.device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
+           f"reference {'loaded' if reference else 'off (beta 0)'}")
+
+    def save(step: int, metrics: dict) -> Path:
+        check_params_in_sync(trainable)
+        if env.is_distributed:
+            print0(f"ddp: trainable parameters identical on {env.world_size} ranks")
+        stamp = new_stamp(out_dir)
+        path = out_dir / (f"model_{stamp}.pt" if policy.kind == "nanochat" else f"model_{stamp}")
+        if env.is_main:
+            meta = {"kind": "grpo_policy", "stamp": stamp, "step": step, "source_policy": str(Path(args.policy).resolve()),
+                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
+            path = policy.save(out_dir, stamp, meta, tok, {"step": step, "optimizer": optimizer.state_dict(),
+                                                           "args": vars(args)})
+        return path
+
+    # ---- train ------------------------------------------------------------------------------------
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
+    n_rewards = len(rewards.names)
+    # window: reward sum, reward sq sum, samples, per-reward sums (n_rewards), completion tokens, truncated,
+    # zero-std groups, groups, loss, kl sum, clipped, loss tokens, entropy sum, gen s, train s, steps
+    window = torch.zeros(15 + n_rewards, dtype=torch.float64)
+    metrics: dict = {}
+    for step in range(start_step, args.max_steps):
+        indices = [i for mb in loader.micro_batches(step) for i in mb]
+        rows = [train_rows[i] for i in indices]
+        t0 = time.time()
+        policy.eval()
+        with autocast:
+            samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
+                               [torch.Generator().manual_seed(sample_seed(args.seed, step, i)) for i in indices])
+        t_gen = time.time() - t0
+        per_reward = rewards.score(rows, indices, [prompt_ids[i] for i in indices], samples, tok, G)
+        total = rewards.total(per_reward)
+        batch = make_sequences([prompt_ids[i] for i in indices], samples.completions, G, tok.pad_id)
+        batch["advantages"] = group_advantages(total, G, args.scale_rewards)
+        batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
+        if args.mask_truncated:
+            batch["mask"][torch.tensor(samples.truncated)] = 0.0
+        if reference is not None:
+            batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
+        if args.num_iterations > 1:
+            batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
+        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        stats = torch.zeros(5, dtype=torch.float64)
+        for _ in range(args.num_iterations):
+            stats += policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        t_train = time.time() - t0 - t_gen
+        lengths = torch.tensor([len(c) for c in samples.completions], dtype=torch.float64)
+        group_std = total.view(-1, G).std(dim=1, unbiased=False)
+        window += torch.cat([torch.tensor([total.sum(), (total * total).sum(), len(total)], dtype=torch.float64),
+                             per_reward.sum(0),
+                             torch.tensor([lengths.sum(), sum(samples.truncated), (group_std < 1e-8).sum(),
+                                           len(group_std)], dtype=torch.float64),
+                             stats / args.num_iterations,
+                             torch.tensor([t_gen, t_train, 1.0], dtype=torch.float64)])
+        tracker.advance()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            metrics = window_metrics(all_reduce_sum(window.clone()), rewards.names, env.world_size, lr, float(grad_norm))
+            tracker.log(done, metrics)
+            window.zero_()
+        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+            if eval_rows:
+                ev = evaluate(policy, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
+                tracker.log(done, ev)
+                metrics.update(ev)
+        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+            print0(f"checkpoint: {save(done, metrics)}")
+    tracker.close()
+    return save(args.max_steps, metrics)
+
+
+def window_metrics(s: torch.Tensor, names: list[str], world: int, lr: float, grad_norm: float) -> dict:
+    k = len(names)
+    n = s[2].item()
+    mean = s[0].item() / n
+    (tokens, truncated, zero_std, groups, loss, kl, clipped, loss_tokens, entropy,
+     t_gen, t_train, steps) = s[3 + k:].tolist()
+    steps /= world  # every rank counted its steps; times are summed over ranks too
+    m = {"train/reward": mean, "train/reward_std": max(s[1].item() / n - mean * mean, 0.0) ** 0.5}
+    m.update({f"train/reward_{name}": s[3 + j].item() / n for j, name in enumerate(names)})
+    m.update({"train/loss": loss / steps, "train/kl": kl / max(loss_tokens, 1), "train/entropy": entropy / max(loss_tokens, 1),
+              "train/clip_frac": clipped / max(loss_tokens, 1), "train/completion_len": tokens / n,
+              "train/truncated_frac": truncated / n, "train/zero_std_groups": zero_std / groups, "train/lr": lr,
+              "train/grad_norm": grad_norm, "perf/gen_tokens_per_s": tokens / (t_gen / world),
+              "perf/completions_per_s": n / ((t_gen + t_train) / world),
+              "perf/train_tokens_per_s": loss_tokens / (t_train / world)})
+    return m
+
+
+@torch.no_grad()
+def evaluate(policy: Backbone, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
+             tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv, autocast, tracker: Tracker,
+             step: int) -> dict:
+    """Mean rewards (each one and the weighted total) on held-out prompts, one completion each, greedy and
+    at the training temperature. Each rank takes every W-th prompt; one reduction at the end."""
+    mine = list(range(env.rank, len(rows), env.world_size))
+    k = len(rewards.names)
+    sums = torch.zeros(2 * (k + 1) + 1, dtype=torch.float64)
+    policy.eval()
+    for j, temperature in enumerate((0.0, sampling.temperature)):
+        if not mine:  # fewer eval prompts than ranks: still take part in the reward check's collective
+            raise_if_any(None)
+            continue
+        cfg = SamplingConfig(sampling.max_new_tokens, temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens)
+        with autocast:
+            samples = generate(policy, [prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
+                               [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
+        per_reward = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
+        sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1), per_reward.sum(0)])
+        if temperature == 0 and env.is_main:
+            for i in range(min(3, len(mine))):
+                tracker.text(step, f"eval/sample_{i}", f"**prompt:** {rows[mine[i]].messages[-1]['content']}\n\n"
+                             f"**completion:** {tok.decode(samples.completions[i])}")
+    sums[-1] = len(mine)
+    sums = all_reduce_sum(sums)
+    n = max(sums[-1].item(), 1.0)
+    out = {}
+    for j, mode in enumerate(("greedy", "sampled")):
+        out[f"eval/reward_{mode}"] = sums[j * (k + 1)].item() / n
+        for r, name in enumerate(rewards.names):
+            out[f"eval/{name}_{mode}"] = sums[j * (k + 1) + 1 + r].item() / n
+    return out
+
+
+def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbone, args) -> list[list[int]]:
+    out = []
+    for r in rows:
+        ids = tok.render_prompt(r.messages)
+        if len(ids) + args.max_new_tokens > policy.max_seq_len:
+            raise InputError(f"prompt of {len(ids)} tokens + --max_new_tokens {args.max_new_tokens} exceeds the "
+                             f"policy's context of {policy.max_seq_len}", path=args.prompts, line=r.line, field="prompt")
+        out.append(ids)
+    return out
+
+
+def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args, device) -> int:
+    model_path, _, state_path = resume
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    for key in ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens"):
+        if state["args"].get(key) != getattr(args, key):
+            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+                             f"{state['args'].get(key)!r}; resume with the same setting", path=str(model_path))
+    saved = load_backbone(model_path, device)
+    with torch.no_grad():
+        for p, q in zip(policy.parameters(), saved.parameters()):
+            p.copy_(q)
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace, env: DistEnv) -> None:
+        print0(f"checkpoint: {train(args, env)}")
+
+    return run_script(parse_args(argv), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""KV-cache generation equals generation by full re-forward, for the nanochat GPT and an HF model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.sampling import SamplingConfig, filter_logits, generate, sample_token
+
+
+def reference_generate(model, prompts, G, cfg, stop_id, pad_id, generators):
+    """No cache: re-run the whole (unpadded) sequence for every new token, one sample at a time."""
+    out, truncated = [], []
+    for p, g in zip(prompts, generators):
+        uniforms = torch.rand(G, cfg.max_new_tokens, generator=g)
+        for s in range(G):
+            seq, comp = list(p), []
+            for t in range(cfg.max_new_tokens):
+                with torch.no_grad():
+                    logits = model(torch.tensor([seq]))[:, -1].float()
+                if t < cfg.min_new_tokens:
+                    logits[:, stop_id] = float("-inf")
+                tok = int(sample_token(logits, uniforms[s:s + 1, t], cfg))
+                comp.append(tok)
+                seq.append(tok)
+                if tok == stop_id:
+                    break
+            out.append(comp)
+            truncated.append(comp[-1] != stop_id)
+    return out, truncated
+
+
+@pytest.mark.parametrize("name", ["gpt", "gpt_modern", "hf"])
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
+def test_kv_cache_generation_matches_full_reforward(assets, name, temperature, top_k, top_p):
+    model = load_backbone(assets[name])
+    vocab = min(model.vocab_size, 300)
+    prompts = [[5, 17, 42, 99, 7], [3, 250], [11, 12, 13, 14, 15, 16, 17, 18]]  # ragged: left padding in play
+    cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)
+    stop_id = 101  # random weights: rows stop at different times, or not at all
+    gens = lambda: [torch.Generator().manual_seed(1000 + i) for i in range(len(prompts))]  # noqa: E731
+    got = generate(model, prompts, 3, cfg, stop_id, 0, gens())
+    want, want_trunc = reference_generate(model, prompts, 3, cfg, stop_id, 0, gens())
+    assert got.completions == want
+    assert got.truncated == want_trunc
+    assert all(0 <= t < model.vocab_size for c in got.completions for t in c) and vocab
+
+
+def test_sampling_repeats_with_the_same_seed_and_differs_with_another(assets):
+    model = load_backbone(assets["gpt"])
+    cfg = SamplingConfig(max_new_tokens=10, temperature=1.0)
+    a = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
+    b = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
+    c = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(2)])
+    assert a.completions == b.completions != c.completions
+    assert len({tuple(x) for x in a.completions}) > 1  # the group's samples differ from each other
+
+
+def test_min_new_tokens_holds_back_the_stop_token(assets):
+    model = load_backbone(assets["gpt"])
+    greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
+    first = generate(model, [[1, 2, 3]], 1, greedy, 0, 0, [torch.Generator()]).completions[0][0]
+    # Greedy decoding would stop at once if `first` were the stop token...
+    assert generate(model, [[1, 2, 3]], 1, greedy, first, 0, [torch.Generator()]).completions == [[first]]
+    # ...but not before min_new_tokens.
+    held = SamplingConfig(max_new_tokens=6, temperature=0.0, min_new_tokens=3)
+    out = generate(model, [[1, 2, 3]], 1, held, first, 0, [torch.Generator()]).completions[0]
+    assert len(out) >= 3 and first not in out[:3]
+
+
+def test_top_k_and_top_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda cfg: torch.isfinite(filter_logits(logits, cfg))[0].tolist()  # noqa: E731
+    assert kept(SamplingConfig(top_k=2)) == [True, True, False, False]
+    assert kept(SamplingConfig(top_p=0.7)) == [True, True, False, False]
+    assert kept(SamplingConfig(top_p=0.85)) == [True, True, True, False]

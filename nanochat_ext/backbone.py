@@ -27,7 +27,7 @@ class Backbone(nn.Module):
         if kind == "nanochat":
             self.hidden_size = model.config.n_embd
             self.vocab_size = model.config.vocab_size
-            self.max_seq_len = model.cos.size(1)
+            self.max_seq_len = model.config.sequence_len  # the trained context (the rotary table is longer)
         else:
             cfg = model.config
             self.hidden_size = cfg.hidden_size
@@ -147,10 +147,19 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -
     if p.is_dir() and (p / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
+        quiet_transformers()
         model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
         return Backbone("hf", model.to(device), str(p)).eval()
     raise InputError("not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat) "
                      "or config.json (Hugging Face causal LM)", path=str(p))
+
+
+def quiet_transformers() -> None:
+    """No per-load progress bars or info chatter from transformers: our logs stay one line per event."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
 
 
 def default_tokenizer_path(backbone_path: str | os.PathLike) -> Path:

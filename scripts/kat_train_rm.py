@@ -63,8 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     g.add_argument("--seed", type=int, default=0, help="data order and head init (default: %(default)s)")
-    g.add_argument("--max_len", type=int, default=512,
-                   help="tokens per sequence; prompts are cut from the left, responses from the right")
+    g.add_argument("--max_len", type=int, default=None,
+                   help="tokens per sequence; prompts are cut from the left, responses from the right "
+                        "(default: the backbone's context, at most 1024)")
     g.add_argument("--unfreeze_last", default="0",
                    help="train the last N backbone blocks too, or 'all' for a full fine-tune (default: 0)")
     g = p.add_argument_group("evaluation and outputs")
@@ -113,6 +114,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     resume = resolve_resume(args.resume, out_dir) if args.resume else None
     backbone = load_backbone(args.backbone, env.device)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
+    if args.max_len is None:
+        args.max_len = min(1024, backbone.max_seq_len)
     if args.max_len > backbone.max_seq_len:
         raise InputError(f"--max_len {args.max_len} exceeds the backbone's context of {backbone.max_seq_len}")
     raise_if_any(check_writable(out_dir) if env.is_main else None)

@@ -1,0 +1,197 @@
+"""GRPO: DDP/micro-batch invariance of the loss for every aggregation, advantages, learning, resume,
+checkpoints that reload as backbones, and bad input."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_script
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.grpo import LOSS_AGGS, group_advantages
+from scripts import kat_train_grpo, kat_train_rm
+
+
+# ---- loss invariance ------------------------------------------------------------------------------
+def _grad_run(assets, tmp_path, nproc, n_micro):
+    out = tmp_path / f"grpo_{nproc}x{n_micro}.pt"
+    worker = str(REPO / "tests" / "workers" / "grpo_grad_worker.py")
+    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                     f"--nproc_per_node={nproc}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([*launcher, worker, str(assets["dir"]), str(n_micro), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return torch.load(out, weights_only=True)
+
+
+def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
+    runs = {(n, m): _grad_run(assets, tmp_path, n, m) for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
+    base = runs[(1, 1)]
+    for agg in LOSS_AGGS:
+        assert base[agg]["clipped"] > 0 and base[agg]["tokens"] > 0  # the clip really bites in this batch
+        for key, run in runs.items():
+            assert run[agg]["loss"] == pytest.approx(base[agg]["loss"], rel=1e-5, abs=1e-7), (agg, key)
+            for name, g in base[agg]["grads"].items():
+                torch.testing.assert_close(run[agg]["grads"][name], g, atol=1e-6, rtol=1e-4, msg=f"{agg} {key} {name}")
+    # The aggregations really differ, so the invariance above is not one number checked three times.
+    losses = [base[agg]["loss"] for agg in LOSS_AGGS]
+    assert len({round(x, 6) for x in losses}) == 3
+
+
+def test_advantages():
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, 3.0])
+    adv = group_advantages(rewards, 4, "group")
+    assert torch.equal(adv[:4], torch.zeros(4))  # a zero-std group: zero, not NaN
+    assert torch.isfinite(adv).all() and adv[4:].mean().abs() < 1e-6
+    torch.testing.assert_close(adv[4:], torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (1.25 ** 0.5 + 1e-4))
+    torch.testing.assert_close(group_advantages(rewards, 4, "none")[4:], torch.tensor([-1.5, -0.5, 0.5, 1.5]))
+    batch_std = rewards.std(unbiased=False)
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch")[4:],
+                               torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (batch_std + 1e-4))
+
+
+# ---- end to end -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def grpo_assets(assets, tmp_path_factory):
+    d = tmp_path_factory.mktemp("grpo")
+    rows = synthetic.make_pairs(200, seed=5)
+    prompts = synthetic.write_jsonl(d / "prompts.jsonl", [{"prompt": r["prompt"], "answer": "Sure"} for r in rows])
+    rm_dir = d / "rm"
+    assert kat_train_rm.main(["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
+                              "--pairs", str(assets["pairs"]), "--max_steps", "30", "--batch_size", "16",
+                              "--unfreeze_last", "1", "--max_len", "64", "--eval_every", "0", "--out", str(rm_dir),
+                              "--device", "cpu"]) == 0
+    return {"prompts": prompts, "rm": rm_dir}
+
+
+def grpo_args(assets, grpo_assets, out, *extra) -> list[str]:
+    return ["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
+            "--prompts", str(grpo_assets["prompts"]), "--batch_size", "8", "--group_size", "8",
+            "--max_new_tokens", "8", "--lr", "1e-2", "--log_every", "5", "--device", "cpu", "--out", str(out), *extra]
+
+
+def read_metrics(out):
+    return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_rule_reward_rises(assets, grpo_assets, tmp_path):
+    out = tmp_path / "grpo"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "30",
+                     "--beta", "0")
+    assert kat_train_grpo.main(args) == 0
+    rewards = [m["train/reward"] for m in read_metrics(out) if "train/reward" in m]
+    assert rewards[-1] > rewards[0] + 0.2, rewards  # ~0.37 -> ~0.85 on this seed
+    assert all(k in read_metrics(out)[-2] for k in ("train/kl", "train/entropy", "train/clip_frac",
+                                                    "train/zero_std_groups", "perf/gen_tokens_per_s"))
+
+
+def test_reward_model_score_rises(assets, grpo_assets, tmp_path):
+    out = tmp_path / "grpo"
+    args = grpo_args(assets, grpo_assets, out, "--rm", str(grpo_assets["rm"]), "--max_steps", "30", "--beta", "0.01")
+    assert kat_train_grpo.main(args) == 0
+    scores = [m["train/reward_rm"] for m in read_metrics(out) if "train/reward_rm" in m]
+    assert scores[-1] > scores[0] + 0.5, scores
+
+
+def test_resume_continues_exactly_and_policy_reloads(assets, grpo_assets, tmp_path):
+    common = ("--reward_fn", "rewards_for_tests:vowel_share", "--rm", str(grpo_assets["rm"]), "--max_steps", "4",
+              "--batch_size", "4", "--group_size", "4")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, straight, *common)) == 0
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, crashed, *common, "--save_every", "2")) == 0
+    stamps = sorted(int(p.stem.split("_")[1]) for p in crashed.glob("model_*.pt"))
+    for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
+        (crashed / name).unlink()
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, crashed, *common, "--resume", "latest")) == 0
+    a, b = load_backbone(straight), load_backbone(crashed)  # the saved policy loads back as a backbone
+    assert a.kind == "nanochat" and json.loads(sorted(crashed.glob("meta_*.json"))[-1].read_text())["step"] == 4
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=0, msg=name)
+    moved = a.model.state_dict()["lm_head.weight"] - load_backbone(assets["gpt"]).model.state_dict()["lm_head.weight"]
+    assert moved.abs().max() > 1e-4
+    # ...and as the next stage's input, with the tokenizer it was saved with.
+    assert kat_train_rm.main(["--backbone", str(straight), "--pairs", str(assets["pairs"]), "--max_steps", "1",
+                              "--out", str(tmp_path / "rm_on_policy"), "--device", "cpu", "--max_len", "64"]) == 0
+
+
+def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):
+    out = tmp_path / "hf"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2",
+                     "--batch_size", "2", "--group_size", "4")
+    args[1], args[2:4] = str(assets["hf"]), []
+    assert kat_train_grpo.main(args) == 0
+    saved = sorted(p for p in out.glob("model_*") if p.is_dir())
+    assert len(saved) == 1 and (saved[0] / "config.json").is_file() and not list(out.glob("*.tmp"))
+    assert load_backbone(out).kind == "hf"
+
+
+def test_two_ranks_match_one_rank(assets, grpo_assets, tmp_path):
+    # lr 1e-3: Adam turns float noise in near-zero gradients into updates of about +-lr, so the
+    # float-level gap between the two runs scales with lr.
+    common = ["--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "4",
+              "--group_size", "4", "--beta", "0.04", "--lr", "1e-3"]
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    one = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, tmp_path / "one", *common), env=env)
+    two = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, tmp_path / "two", *common,
+                                                         "--device_batch_size", "4"), nproc=2, env=env)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    assert "ddp: trainable parameters identical on 2 ranks" in two.stdout
+    assert len(list((tmp_path / "two").glob("model_*.pt"))) == 1
+    a, b = load_backbone(tmp_path / "one"), load_backbone(tmp_path / "two")
+    init = load_backbone(assets["gpt"]).model.state_dict()
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+        assert (p - init[name]).abs().max() > 1e-4  # every tensor trained
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def _fails(args, capsys, expected, out):
+    assert kat_train_grpo.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, err
+    assert not list(out.glob("model_*")) if out.exists() else True
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--group_size", "1", "--reward_fn", "rewards_for_tests:vowel_share"], "--group_size must be at least 2"),
+    (["--reward_fn", "no_such_module:f"], "cannot import 'no_such_module'"),
+    (["--reward_fn", "rewards_for_tests:missing"], "has no function 'missing'"),
+    ([], "no reward: give --rm and/or --reward_fn"),
+    (["--reward_fn", "rewards_for_tests:not_a_number", "--max_steps", "1"], "reward function not_a_number returned nan for prompt"),
+    (["--rm", "/nonexistent/rm"], "no reward-model checkpoint"),
+    (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"], "exceeds the policy's context of 256"),
+])
+def test_bad_input(assets, grpo_assets, tmp_path, capsys, extra, expected):
+    out = tmp_path / "out"
+    _fails(grpo_args(assets, grpo_assets, out, "--max_steps", "2", *extra), capsys, expected, out)
+
+
+def test_rm_with_another_tokenizer(assets, grpo_assets, tmp_path, capsys):
+    rm_hf = tmp_path / "rm_hf"
+    assert kat_train_rm.main(["--backbone", str(assets["hf"]), "--pairs", str(assets["pairs"]), "--max_steps", "1",
+                              "--out", str(rm_hf), "--device", "cpu", "--max_len", "64"]) == 0
+    out = tmp_path / "out"
+    _fails(grpo_args(assets, grpo_assets, out, "--rm", str(rm_hf)), capsys,
+           "reward model was trained with another tokenizer", out)
+
+
+@pytest.mark.parametrize("content,expected", [
+    ("", "no prompts in file"),
+    ('{"prompt": "ok"}\n{"nope": 1}\n', ":2: field 'prompt': missing"),
+    ('{"prompt": "ok"}\n[1, 2]\n', ":2: expected a JSON object"),
+    ('{"prompt": [{"role": "assistant", "content": "x"}]}\n', ":1: field 'prompt': the prompt must end with a user turn"),
+])
+def test_bad_prompt_files(assets, grpo_assets, tmp_path, capsys, content, expected):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    out = tmp_path / "out"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share")
+    args[args.index("--prompts") + 1] = str(prompts)
+    _fails(args, capsys, expected, out)

@@ -1,7 +1,9 @@
 """Load a backbone from a nanochat checkpoint (dir or model_<N>.pt file) or a local Hugging Face
-causal-LM dir, behind one interface: hidden states, logits, blocks, freezing.
+causal-LM dir, behind one interface: hidden states, logits, blocks, freezing, KV-cache decoding, save.
 
-Nothing is downloaded: Hugging Face loads use local_files_only.
+Nanochat checkpoints run on our GPT (gpt.py). HF dirs of the Llama family run on our native Llama
+(llama.py), which is much cheaper per call; any other HF architecture runs on transformers' own
+module. Nothing is downloaded: Hugging Face loads use local_files_only.
 """
 from __future__ import annotations
 
@@ -14,38 +16,50 @@ import torch.nn as nn
 
 from nanochat_ext.checkpoint import find_checkpoint, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, KVCache, config_from_state_dict
+from nanochat_ext.gpt import GPT, config_from_state_dict
+from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.tokenizer import TokenizerWrapper
 
-class Backbone(nn.Module):
-    """A causal LM seen as: token ids -> final hidden states (B, T, H) -> logits."""
 
-    def __init__(self, kind: str, model: nn.Module, source: str, meta: dict | None = None):
+class Backbone(nn.Module):
+    """A causal LM seen as: token ids -> final hidden states (B, T, H) -> logits.
+
+    kind is the source format ("nanochat" or "hf"), which is also the format it saves in; native
+    says whether the model is one of ours (GPT, Llama) or a transformers module.
+    """
+
+    def __init__(self, kind: str, model: nn.Module, source: str, meta: dict | None = None, hf_config=None):
         super().__init__()
         self.kind, self.source, self.meta = kind, source, meta or {}
         self.model = model
-        if kind == "nanochat":
-            self.hidden_size = model.config.n_embd
+        self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
+        self.native = isinstance(model, (GPT, Llama))
+        if self.native:
+            self.hidden_size = model.config.n_embd if isinstance(model, GPT) else model.config.hidden_size
             self.vocab_size = model.config.vocab_size
-            self.max_seq_len = model.config.sequence_len  # the trained context (the rotary table is longer)
+            self.max_seq_len = model.max_seq_len
         else:
-            cfg = model.config
-            self.hidden_size = cfg.hidden_size
+            self.hidden_size = model.config.hidden_size
             self.vocab_size = model.get_input_embeddings().num_embeddings
-            self.max_seq_len = getattr(cfg, "max_position_embeddings", 1 << 30)
+            self.max_seq_len = getattr(model.config, "max_position_embeddings", 1 << 30)
 
     @property
     def blocks(self) -> nn.ModuleList:
-        if self.kind == "nanochat":
-            return self.model.transformer.h
+        if self.native:
+            return self.model.blocks
         base = self.model.base_model
         for name in ("layers", "h", "blocks"):
             if isinstance(getattr(base, name, None), nn.ModuleList):
                 return getattr(base, name)
         raise InputError(f"cannot find the transformer blocks of {type(self.model).__name__}", path=self.source)
 
+    def _final_norm(self) -> nn.Module | nn.Parameter | None:
+        if isinstance(self.model, Llama):
+            return self.model.norm
+        return None if self.native else getattr(self.model.base_model, "norm", None)
+
     def set_trainable(self, unfreeze_last: int | str) -> None:
-        """Freeze everything, then unfreeze the last N blocks (and the HF final norm), or 'all'."""
+        """Freeze everything, then unfreeze the last N blocks (and a learned final norm), or 'all'."""
         if unfreeze_last == "all":
             self.requires_grad_(True)
             return
@@ -57,32 +71,31 @@ class Backbone(nn.Module):
             return
         for block in self.blocks[len(self.blocks) - n:]:
             block.requires_grad_(True)
-        final_norm = getattr(self.model.base_model, "norm", None) if self.kind == "hf" else None
+        final_norm = self._final_norm()
         if final_norm is not None:
             final_norm.requires_grad_(True)
 
-    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.kind == "nanochat":
+    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Final hidden states of right-padded rows (causal attention: pads cannot reach real tokens)."""
+        if self.native:
             return self.model.hidden_states(input_ids)
-        out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state
+        return self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.kind == "nanochat":
+        if self.native:
             return self.model.logits(hidden)
         return self.model.get_output_embeddings()(hidden).float()
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        return self.logits(self.hidden_states(input_ids, attention_mask))
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(self.hidden_states(input_ids))
 
     # ---- incremental decoding (KV cache) ------------------------------------------------------------
-    def prefill(self, input_ids: torch.Tensor, key_mask: torch.Tensor, max_len: int):
-        """Run left-padded prompts (key_mask False on padding); return (last-position logits, cache)."""
-        if self.kind == "nanochat":
-            p = next(self.model.parameters())
-            cache = KVCache(self.model.config, input_ids.size(0), max_len, p.device, p.dtype)
-            h = self.model.hidden_states(input_ids, key_mask, cache)
-            return self.model.logits(h[:, -1]), cache
+    def prefill(self, input_ids: torch.Tensor, key_mask: torch.Tensor | None, max_len: int):
+        """Run left-padded prompts (key_mask False on padding; None: no padding, native models only);
+        return (last-position logits, cache)."""
+        if self.native:
+            cache = self.model.new_kv_cache(input_ids.size(0), max_len)
+            return self.model.logits(self.model.hidden_states(input_ids, key_mask, cache)[:, -1]), cache
         from transformers import DynamicCache
 
         positions = (key_mask.long().cumsum(-1) - 1).clamp(min=0)  # real tokens count from 0
@@ -90,15 +103,22 @@ class Backbone(nn.Module):
                          past_key_values=DynamicCache(), use_cache=True)
         return out.logits[:, -1].float(), out.past_key_values
 
-    def decode(self, cache, tokens: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+    def decode(self, cache, tokens: torch.Tensor, key_mask: torch.Tensor | None) -> torch.Tensor:
         """Append one token per row (B,) to the cache; key_mask covers every cached position plus it."""
-        if self.kind == "nanochat":
+        if self.native:
             return self.model.logits(self.model.hidden_states(tokens[:, None], key_mask, cache)[:, -1])
         positions = key_mask.long().sum(-1, keepdim=True) - 1
         out = self.model(input_ids=tokens[:, None], attention_mask=key_mask.long(), position_ids=positions,
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float()
 
+    def repeat_cache(self, cache, n: int) -> None:
+        if self.native:
+            cache.repeat_interleave(n)
+        else:
+            cache.batch_repeat_interleave(n)
+
+    # ---- saving -------------------------------------------------------------------------------------
     def save(self, out_dir: str | os.PathLike, stamp: int, meta: dict, tokenizer: TokenizerWrapper,
              train_state: dict | None = None) -> Path:
         """Rank 0: write the model so that load_backbone() takes it back: a nanochat checkpoint
@@ -110,25 +130,27 @@ class Backbone(nn.Module):
             return save_checkpoint(out_dir, stamp, state, meta, train_state)
 
         def write_dir(d: Path) -> None:
-            self.model.save_pretrained(str(d))
+            if isinstance(self.model, Llama):
+                from safetensors.torch import save_file
+
+                d.mkdir(parents=True)
+                self.hf_config.save_pretrained(str(d))
+                save_file(self.model.to_hf_state_dict(), str(d / "model.safetensors"), metadata={"format": "pt"})
+            else:
+                self.model.save_pretrained(str(d))
             tokenizer.save(d)
 
         return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)
 
-    def repeat_cache(self, cache, n: int) -> None:
-        if self.kind == "nanochat":
-            cache.repeat_interleave(n)
-        else:
-            cache.batch_repeat_interleave(n)
 
-
-def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -> Backbone:
-    """A nanochat checkpoint (dir: newest model_<N>.pt with its meta; or the .pt file) or an HF dir."""
+def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True) -> Backbone:
+    """A nanochat checkpoint (dir: newest model_<N>.pt with its meta; or the .pt file) or an HF dir.
+    native=False keeps transformers' own module even for the Llama family (used to cross-check)."""
     p = Path(path)
     if not p.exists():
         raise InputError("backbone path does not exist", path=str(p))
     found = find_checkpoint(p)
-    if found is not None and found[0].is_dir():  # a policy saved by GRPO with save_pretrained
+    if found is not None and found[0].is_dir():  # a policy saved by GRPO as an HF dir
         p = found[0]
     elif found is not None:
         model_file, meta_file = found
@@ -148,8 +170,12 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu") -
         from transformers import AutoModelForCausalLM
 
         quiet_transformers()
-        model = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
-        return Backbone("hf", model.to(device), str(p)).eval()
+        hf = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
+        cfg = config_from_hf(hf.config) if native else None
+        if cfg is not None:
+            model = Llama.from_hf_state_dict(cfg, hf.state_dict())
+            return Backbone("hf", model.to(device), str(p), hf_config=hf.config).eval()
+        return Backbone("hf", hf.to(device), str(p)).eval()
     raise InputError("not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat) "
                      "or config.json (Hugging Face causal LM)", path=str(p))
 

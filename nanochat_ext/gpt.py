@@ -61,6 +61,14 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3).to(x.dtype)
 
 
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query."""
+    gqa = q.size(1) != k.size(1)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -87,11 +95,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
-        gqa = self.n_head != self.n_kv_head
-        if attn_mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
+        y = attend(q, k, v, attn_mask)
         return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -103,6 +107,30 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+def attn_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor | None,
+               device: torch.device) -> list[torch.Tensor | None]:
+    """Per-layer boolean masks for queries at positions T0..T0+T-1 over keys 0..T0+T-1. None means no
+    mask is needed: causal attention over the whole sequence (T0 == 0) or one new token seeing every
+    cached key (T == 1), with no padding and a window that covers it all (see `attend`)."""
+    Tk = T0 + T
+    masks, cache = [], {}
+    for w in window_sizes:
+        if key_mask is None and w >= Tk and (T0 == 0 or T == 1):
+            masks.append(None)
+            continue
+        if w not in cache:
+            i = torch.arange(T0, Tk, device=device)
+            d = i[:, None] - torch.arange(Tk, device=device)[None, :]
+            m = (d >= 0) & (d <= w)  # query i sees keys i-w..i (FA3's window (w, 0))
+            if key_mask is not None:
+                # Padding keys are hidden; a pad query still sees itself, so no row is fully masked
+                # (that would be NaN, and NaN leaks through 0-weighted values).
+                m = (m & key_mask[:, None, None, :Tk]) | (d == 0)
+            cache[w] = m
+        masks.append(cache[w])
+    return masks
 
 
 class Block(nn.Module):
@@ -120,9 +148,8 @@ class Block(nn.Module):
 class KVCache:
     """Keys/values of every layer for a batch being decoded: (n_layer, B, n_kv_head, max_len, head_dim)."""
 
-    def __init__(self, config: GPTConfig, batch: int, max_len: int, device, dtype):
-        head_dim = config.n_embd // config.n_head
-        shape = (config.n_layer, batch, config.n_kv_head, max_len, head_dim)
+    def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, device, dtype):
+        shape = (n_layer, batch, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # tokens already cached
@@ -201,28 +228,6 @@ class GPT(nn.Module):
             self.resid_lambdas.fill_(1.0)
             self.x0_lambdas.fill_(0.1)
 
-    def _attn_masks(self, T: int, T0: int, key_mask: torch.Tensor | None,
-                    device: torch.device) -> list[torch.Tensor | None]:
-        """Per-layer boolean masks for queries at positions T0..T0+T-1 over keys 0..T0+T-1; None means
-        plain causal attention (no cache, no padding, window covering the sequence)."""
-        Tk = T0 + T
-        masks, cache = [], {}
-        for w in self.window_sizes:
-            if T0 == 0 and key_mask is None and w >= T:
-                masks.append(None)
-                continue
-            if w not in cache:
-                i = torch.arange(T0, Tk, device=device)
-                d = i[:, None] - torch.arange(Tk, device=device)[None, :]
-                m = (d >= 0) & (d <= w)  # query i sees keys i-w..i (FA3's window (w, 0))
-                if key_mask is not None:
-                    # Padding keys are hidden; a pad query still sees itself, so no row is fully
-                    # masked (that would be NaN, and NaN leaks through 0-weighted values).
-                    m = (m & key_mask[:, None, None, :Tk]) | (d == 0)
-                cache[w] = m
-            masks.append(cache[w])
-        return masks
-
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                       kv_cache: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states (B, T, n_embd) of `idx`, which continues the cache if one is given.
@@ -232,7 +237,7 @@ class GPT(nn.Module):
         if T0 + T > self.cos.size(1):
             raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
         cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
-        masks = self._attn_masks(T, T0, key_mask, idx.device)
+        masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
         x = norm(self.transformer.wte(idx))
         x0 = x
         for i, block in enumerate(self.transformer.h):
@@ -242,6 +247,19 @@ class GPT(nn.Module):
                 ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
             x = block(x, ve, cos_sin, masks[i], kv_cache)
         return norm(x)
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.config.sequence_len
+
+    def new_kv_cache(self, batch: int, max_len: int) -> KVCache:
+        p = self.transformer.wte.weight
+        c = self.config
+        return KVCache(c.n_layer, batch, c.n_kv_head, c.n_embd // c.n_head, max_len, p.device, p.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()

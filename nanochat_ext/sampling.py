@@ -65,9 +65,11 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
         ids[i, P - len(p):] = torch.tensor(p)
         key_mask[i, P - len(p):] = True
     ids, key_mask = ids.to(device), key_mask.to(device)
+    # Prompts of one length need no mask at all (our models); transformers' always takes one.
+    use_mask = not bool(key_mask.all()) or not model.native
     uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
 
-    logits, cache = model.prefill(ids, key_mask, P + cfg.max_new_tokens)
+    logits, cache = model.prefill(ids, key_mask if use_mask else None, P + cfg.max_new_tokens)
     model.repeat_cache(cache, G)
     logits = logits.repeat_interleave(G, dim=0)
     key_mask = key_mask.repeat_interleave(G, dim=0)
@@ -84,8 +86,9 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
         done |= stopped
         if t == cfg.max_new_tokens - 1 or bool(done.all()):
             break
-        key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
-        logits = model.decode(cache, token, key_mask)
+        if use_mask:
+            key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
+        logits = model.decode(cache, token, key_mask if use_mask else None)
     lengths, done = lengths.tolist(), done.tolist()
     out = out.tolist()
     return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done])

@@ -10,7 +10,7 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, GPTConfig
+from nanochat_ext.gpt import GPT, GPTConfig, attn_masks
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
 
 
@@ -58,7 +58,7 @@ def test_sliding_window_masks():
     cfg = GPTConfig(sequence_len=8, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="S")
     model = GPT(cfg)
     assert model.window_sizes == [4, 8]  # last layer always full context
-    short, full = model._attn_masks(6, 0, None, torch.device("cpu"))
+    short, full = attn_masks(model.window_sizes, 6, 0, None, torch.device("cpu"))
     assert full is None
     i, j = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
     assert torch.equal(short, (j <= i) & (i - j <= 4))
@@ -85,14 +85,15 @@ def test_foreign_state_dict_is_a_clear_error(tmp_path):
         load_backbone(tmp_path)
 
 
-def test_hf_backbone_and_partial_unfreeze(assets):
-    bb = load_backbone(assets["hf"])
-    assert bb.kind == "hf" and bb.hidden_size == 64
+@pytest.mark.parametrize("native", [True, False])
+def test_hf_backbone_and_partial_unfreeze(assets, native):
+    bb = load_backbone(assets["hf"], native=native)
+    assert bb.kind == "hf" and bb.hidden_size == 64 and bb.native == native
     ids = torch.randint(0, 300, (2, 7))
     assert bb.hidden_states(ids).shape == (2, 7, 64) and bb(ids).shape[-1] == bb.vocab_size
     bb.set_trainable(1)
     trainable = {n for n, p in bb.named_parameters() if p.requires_grad}
-    assert trainable and all(".layers.1." in n or n.endswith("norm.weight") for n in trainable)
+    assert trainable and all(".layers.1." in n or n.endswith("norm.weight") or n == "model.norm" for n in trainable)
     bb.set_trainable("all")
     assert all(p.requires_grad for p in bb.parameters())
     with pytest.raises(InputError, match="--unfreeze_last must be 0..2"):
@@ -123,3 +124,25 @@ def test_check_writable(tmp_path):
     assert list((tmp_path / "new" / "dir").iterdir()) == []
     (tmp_path / "f").write_text("x")
     assert "cannot be written" in check_writable(tmp_path / "f" / "sub")
+
+
+def test_native_llama_matches_transformers(assets, tmp_path):
+    """Our Llama gives transformers' logits, and what it saves transformers loads back unchanged."""
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.randint(0, 500, (3, 20))
+    hf = load_backbone(assets["hf"], native=False)
+    ours = load_backbone(assets["hf"])
+    assert ours.native and not hf.native
+    with torch.no_grad():
+        want = hf(ids)
+        torch.testing.assert_close(ours(ids), want, atol=1e-4, rtol=1e-4)
+        with torch.no_grad():
+            for p in ours.parameters():
+                p.add_(0.01)
+        tok = TokenizerWrapper.load(assets["hf"])
+        saved = ours.save(tmp_path, 7, {"step": 0}, tok)
+        assert saved == tmp_path / "model_7" and (saved / "tokenizer.json").is_file()
+        reloaded = AutoModelForCausalLM.from_pretrained(str(saved), local_files_only=True)
+        torch.testing.assert_close(reloaded(ids).logits.float(), ours(ids), atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(reloaded(ids).logits.float(), want, atol=1e-3)

@@ -30,10 +30,10 @@ def reference_generate(model, prompts, G, cfg, stop_id, pad_id, generators):
     return out, truncated
 
 
-@pytest.mark.parametrize("name", ["gpt", "gpt_modern", "hf"])
+@pytest.mark.parametrize("name,native", [("gpt", True), ("gpt_modern", True), ("hf", True), ("hf", False)])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.8, 20, 0.9)])
-def test_kv_cache_generation_matches_full_reforward(assets, name, temperature, top_k, top_p):
-    model = load_backbone(assets[name])
+def test_kv_cache_generation_matches_full_reforward(assets, name, native, temperature, top_k, top_p):
+    model = load_backbone(assets[name], native=native)
     vocab = min(model.vocab_size, 300)
     prompts = [[5, 17, 42, 99, 7], [3, 250], [11, 12, 13, 14, 15, 16, 17, 18]]  # ragged: left padding in play
     cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)

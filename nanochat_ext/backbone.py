@@ -75,6 +75,16 @@ class Backbone(nn.Module):
         if final_norm is not None:
             final_norm.requires_grad_(True)
 
+    def output_head_params(self) -> list[nn.Parameter]:
+        """Parameters only logits() uses (an LM head not tied to the input embeddings). A reward model
+        never calls logits(), so it freezes these: DDP refuses trainable parameters that get no grad."""
+        if isinstance(self.model, GPT):
+            return [self.model.lm_head.weight]
+        if isinstance(self.model, Llama):
+            return [] if self.model.lm_head is None else [self.model.lm_head.weight]
+        out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
+        return [] if out is None or out.weight is inp.weight else list(out.parameters())
+
     def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Final hidden states of right-padded rows (causal attention: pads cannot reach real tokens)."""
         if self.native:

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat_ext.ddp_common import broadcast_object, is_main
+from nanochat_ext.ddp_common import broadcast_object, check_params_in_sync, get_world_size, is_main, print0
 from nanochat_ext.errors import InputError
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
@@ -78,6 +78,24 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
     tmp.write_text(json.dumps(meta, indent=1, default=str))
     os.replace(tmp, d / f"meta_{stamp}.json")
     return model_path
+
+
+def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path]) -> Path:
+    """Collective save: check that every rank holds the same trainable parameters, let rank 0 pick the
+    stamp and call write(stamp) -> path. Returns that path on every rank."""
+    check_params_in_sync(params)
+    if get_world_size() > 1:
+        print0(f"ddp: trainable parameters identical on {get_world_size()} ranks")
+    stamp = new_stamp(out_dir)
+    return broadcast_object(write(stamp) if is_main() else None)
+
+
+def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path) -> None:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...)."""
+    for key in keys:
+        if saved.get(key) != getattr(args, key):
+            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+                             f"{saved.get(key)!r}; resume with the same setting", path=str(path))
 
 
 def resolve_resume(resume: str, out_dir: str | os.PathLike) -> tuple[Path, Path, Path]:

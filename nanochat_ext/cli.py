@@ -3,8 +3,13 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
+from pathlib import Path
 from typing import Callable
+
+import torch
 
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError
@@ -20,6 +25,43 @@ def add_dashed_aliases(parser: argparse.ArgumentParser) -> None:
                 alias = flag.replace("_", "-")
                 action.option_strings.append(alias)
                 parser._option_string_actions[alias] = action
+
+
+def add_output_args(parser: argparse.ArgumentParser, stage_dir: str) -> None:
+    """--out/--tag/--save_every/--resume/--log_dir, shared by the training scripts."""
+    g = parser.add_argument_group("outputs")
+    g.add_argument("--out", default=None, help=f"checkpoint dir (default: $NANOCHAT_BASE_DIR/{stage_dir}/<tag>)")
+    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
+    g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    g.add_argument("--resume", default=None,
+                   help="'latest' (newest checkpoint in --out) or a checkpoint path; continues exactly")
+    g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
+
+
+def add_runtime_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("runtime")
+    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
+                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
+    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
+
+
+def output_dirs(args: argparse.Namespace, stage_dir: str) -> tuple[Path, Path]:
+    """(checkpoint dir, log dir): --out, else $NANOCHAT_BASE_DIR/<stage_dir>/<tag>."""
+    tag = args.tag or ("density" if args.density else "uniform")
+    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+    out_dir = Path(args.out) if args.out else base_dir / stage_dir / tag
+    return out_dir, Path(args.log_dir) if args.log_dir else out_dir / "logs"
+
+
+def precision(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context for --dtype (auto: bf16 on CUDA, fp32 on CPU); TF32 matmuls on CUDA."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
 def script_argv(argv: list[str] | None) -> list[str]:

@@ -1,5 +1,5 @@
 """Demo stage: make the synthetic chat domain's assets in $NANOCHAT_BASE_DIR when no real ones are
-given: a RustBPE tokenizer, a tiny nanochat base checkpoint and preference pairs.
+given: a RustBPE tokenizer, a tiny nanochat base checkpoint, preference pairs and GRPO prompts.
 
     python -m scripts.kat_demo_data [--n_pairs 2000] [--seed 0]
 """
@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt = synthetic.make_tiny_gpt(base / "base_checkpoints" / "demo", tok.vocab_size, args.seed, n_layer=4,
                                    n_embd=128, n_head=4, n_kv_head=2)
     pairs = synthetic.write_jsonl(base / "demo" / "pairs.jsonl", synthetic.make_pairs(args.n_pairs, args.seed))
-    print(f"demo: tokenizer {base / 'tokenizer'}, backbone {ckpt}, pairs {pairs}")
+    prompts = synthetic.write_jsonl(base / "demo" / "prompts.jsonl",
+                                    [{"prompt": r["prompt"]} for r in synthetic.make_pairs(args.n_pairs // 4, args.seed + 7)])
+    print(f"demo: tokenizer {base / 'tokenizer'}, backbone {ckpt}, pairs {pairs}, prompts {prompts}")
     return 0
 
 

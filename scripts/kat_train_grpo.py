@@ -12,7 +12,6 @@ The last line printed on success names the checkpoint written.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,12 +19,12 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_writable, new_stamp, resolve_resume
-from nanochat_ext.cli import add_dashed_aliases, run_script, script_argv
+from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
+from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+                              run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix, truncate)
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, check_params_in_sync, print0, raise_if_any,
-                                     seed_everything, wrap_ddp)
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, CompletionLogprobs, LossConfig, call_reward_fn,
                                group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
@@ -87,21 +86,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=0, help="data order and sampling (default: %(default)s)")
-    g = p.add_argument_group("evaluation and outputs")
+    g = p.add_argument_group("evaluation and logging")
     g.add_argument("--val_ratio", type=float, default=0.1, help="share of prompts held out when no --eval_prompts")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps and at the end (0: only at the end)")
     g.add_argument("--log_every", type=int, default=1, help="log train metrics every N steps")
-    g.add_argument("--out", default=None, help="checkpoint dir (default: $NANOCHAT_BASE_DIR/grpo_checkpoints/<tag>)")
-    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
-    g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None, help="'latest' (newest in --out) or a checkpoint path; continues exactly")
-    g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
-    g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
+    add_output_args(p, "grpo_checkpoints")
+    add_runtime_args(p)
     add_dashed_aliases(p)
     return p.parse_args(script_argv(argv))
 
@@ -160,10 +150,7 @@ def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) ->
 
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
-    tag = args.tag or ("density" if args.density else "uniform")
-    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
-    out_dir = Path(args.out) if args.out else base_dir / "grpo_checkpoints" / tag
-    log_dir = Path(args.log_dir) if args.log_dir else out_dir / "logs"
+    out_dir, log_dir = output_dirs(args, "grpo_checkpoints")
     G = args.group_size
 
     # ---- validate every input before anything is trained or written ---------------------------
@@ -216,26 +203,19 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if resume is not None:
         start_step = load_resume_state(policy, optimizer, resume, args, env.device)
         print0(f"resume: from {resume[0]} at step {start_step}")
-    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and env.device.type == "cuda")
-    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    if env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    autocast = precision(args.dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
            f"reference {'loaded' if reference else 'off (beta 0)'}")
 
     def save(step: int, metrics: dict) -> Path:
-        check_params_in_sync(trainable)
-        if env.is_distributed:
-            print0(f"ddp: trainable parameters identical on {env.world_size} ranks")
-        stamp = new_stamp(out_dir)
-        path = out_dir / (f"model_{stamp}.pt" if policy.kind == "nanochat" else f"model_{stamp}")
-        if env.is_main:
-            meta = {"kind": "grpo_policy", "stamp": stamp, "step": step, "source_policy": str(Path(args.policy).resolve()),
-                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
-            path = policy.save(out_dir, stamp, meta, tok, {"step": step, "optimizer": optimizer.state_dict(),
-                                                           "args": vars(args)})
-        return path
+        def write(stamp: int) -> Path:
+            meta = {"kind": "grpo_policy", "stamp": stamp, "step": step,
+                    "source_policy": str(Path(args.policy).resolve()), "world_size": env.world_size,
+                    "metrics": metrics, "args": vars(args)}
+            state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
+            return policy.save(out_dir, stamp, meta, tok, state)
+
+        return save_synced(out_dir, trainable, write)
 
     # ---- train ------------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
@@ -366,10 +346,8 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
 def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args, device) -> int:
     model_path, _, state_path = resume
     state = torch.load(state_path, map_location="cpu", weights_only=False)
-    for key in ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens"):
-        if state["args"].get(key) != getattr(args, key):
-            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
-                             f"{state['args'].get(key)!r}; resume with the same setting", path=str(model_path))
+    check_resume_args(state["args"], args, ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens"),
+                      model_path)
     saved = load_backbone(model_path, device)
     with torch.no_grad():
         for p, q in zip(policy.parameters(), saved.parameters()):

@@ -10,8 +10,6 @@ names the checkpoint written.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -19,12 +17,12 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.cli import add_dashed_aliases, run_script, script_argv
-from nanochat_ext.checkpoint import check_writable, new_stamp, resolve_resume, save_checkpoint
+from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+                              run_script, script_argv)
+from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_checkpoint, save_synced
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
                                load_pairs, split_by_prefix, tokenize_pairs)
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, check_params_in_sync, print0, raise_if_any,
-                                     seed_everything, wrap_ddp)
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
 from nanochat_ext.errors import InputError
 from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -68,24 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: the backbone's context, at most 1024)")
     g.add_argument("--unfreeze_last", default="0",
                    help="train the last N backbone blocks too, or 'all' for a full fine-tune (default: 0)")
-    g = p.add_argument_group("evaluation and outputs")
+    g = p.add_argument_group("evaluation and logging")
     g.add_argument("--val_ratio", type=float, default=0.1,
                    help="share of prompts (by prefix_id) held out for validation (default: %(default)s)")
     g.add_argument("--eval_every", type=int, default=50, help="validate every N steps, and at the end (0: end only)")
     g.add_argument("--log_every", type=int, default=10, help="print/log train metrics every N steps")
-    g.add_argument("--out", default=None,
-                   help="checkpoint dir (default: $NANOCHAT_BASE_DIR/rm_checkpoints/<tag>)")
-    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
-    g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None,
-                   help="'latest' (newest checkpoint in --out) or a checkpoint path; continues exactly")
-    g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
-    g = p.add_argument_group("runtime")
-    g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
-                   help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
-    g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
+    add_output_args(p, "rm_checkpoints")
+    add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
     if args.unfreeze_last != "all" and not args.unfreeze_last.isdigit():
@@ -95,10 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
-    tag = args.tag or ("density" if args.density else "uniform")
-    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
-    out_dir = Path(args.out) if args.out else base_dir / "rm_checkpoints" / tag
-    log_dir = Path(args.log_dir) if args.log_dir else out_dir / "logs"
+    out_dir, log_dir = output_dirs(args, "rm_checkpoints")
 
     # ---- validate every input before anything is trained or written ---------------------------
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
@@ -121,6 +105,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     raise_if_any(check_writable(out_dir) if env.is_main else None)
 
     backbone.set_trainable(args.unfreeze_last)
+    for p in backbone.output_head_params():  # the RM reads hidden states; the LM head gets no gradient
+        p.requires_grad_(False)
     train_pairs = tokenize_pairs(train_rows, tokenizer, args.max_len)
     val_pairs = tokenize_pairs(val_rows, tokenizer, args.max_len)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
@@ -141,27 +127,19 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if resume is not None:
         start_step = load_resume_state(model, optimizer, resume, args)
         print0(f"resume: from {resume[0]} at step {start_step}")
-    use_bf16 = args.dtype == "bfloat16" or (args.dtype == "auto" and env.device.type == "cuda")
-    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=use_bf16)
-    if env.device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    autocast = precision(args.dtype, env.device)
 
     def save(step: int, metrics: dict) -> Path:
-        check_params_in_sync(trainable)
-        if env.is_distributed:
-            print0(f"ddp: trainable parameters identical on {env.world_size} ranks")
-        stamp = new_stamp(out_dir)
-        path = out_dir / f"model_{stamp}.pt"
-        if env.is_main:
-            meta = {"kind": "reward_model", "stamp": stamp, "step": step, "backbone": str(Path(backbone.source).resolve()),
-                    "backbone_kind": backbone.kind, "tokenizer": str(Path(tokenizer.source).resolve()),
-                    "tokenizer_kind": tokenizer.kind, "max_len": args.max_len, "unfreeze_last": args.unfreeze_last,
-                    "hidden_size": backbone.hidden_size, "world_size": env.world_size, "metrics": metrics,
-                    "args": vars(args)}
+        def write(stamp: int) -> Path:
+            meta = {"kind": "reward_model", "stamp": stamp, "step": step,
+                    "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
+                    "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
+                    "max_len": args.max_len, "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
+                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
             state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
-            save_checkpoint(out_dir, stamp, trainable_state(model), meta, state)
-        return path
+            return save_checkpoint(out_dir, stamp, trainable_state(model), meta, state)
+
+        return save_synced(out_dir, trainable, write)
 
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
@@ -224,10 +202,8 @@ def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: 
 def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args) -> int:
     model_path, meta_path, state_path = resume
     state = torch.load(state_path, map_location="cpu", weights_only=False)
-    for key in ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap", "max_len"):
-        if state["args"].get(key) != getattr(args, key):
-            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
-                             f"{state['args'].get(key)!r}; resume with the same setting", path=str(model_path))
+    check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
+                                            "max_len"), model_path)
     weights = torch.load(model_path, map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:

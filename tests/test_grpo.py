@@ -3,14 +3,11 @@ checkpoints that reload as backbones, and bad input."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import REPO, run_script
+from conftest import REPO, run_script, run_worker
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.grpo import LOSS_AGGS, group_advantages
@@ -18,20 +15,9 @@ from scripts import kat_train_grpo, kat_train_rm
 
 
 # ---- loss invariance ------------------------------------------------------------------------------
-def _grad_run(assets, tmp_path, nproc, n_micro):
-    out = tmp_path / f"grpo_{nproc}x{n_micro}.pt"
-    worker = str(REPO / "tests" / "workers" / "grpo_grad_worker.py")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, worker, str(assets["dir"]), str(n_micro), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return torch.load(out, weights_only=True)
-
-
 def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
-    runs = {(n, m): _grad_run(assets, tmp_path, n, m) for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
+    runs = {(n, m): run_worker("grpo_grad_worker", assets, n, m, tmp_path / f"grpo_{n}x{m}.pt")
+            for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
     base = runs[(1, 1)]
     for agg in LOSS_AGGS:
         assert base[agg]["clipped"] > 0 and base[agg]["tokens"] > 0  # the clip really bites in this batch

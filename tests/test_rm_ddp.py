@@ -1,15 +1,11 @@
 """DDP correctness of the reward-model trainer with real gloo process groups."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO, run_script
+from conftest import run_script, run_worker
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.data import collate_pairs, load_pairs, tokenize_pairs
 from nanochat_ext.reward import RewardModel
@@ -25,6 +21,18 @@ def rm_args(assets, out, *extra) -> list[str]:
 
 def checkpoints(d):
     return sorted(d.glob("model_*.pt"))
+
+
+def test_full_fine_tune_of_an_hf_backbone_on_two_ranks(assets, tmp_path):
+    """--unfreeze_last all under DDP: every parameter the RM uses trains, the unused LM head stays frozen."""
+    args = rm_args(assets, tmp_path / "all", "--unfreeze_last", "all", "--max_steps", "2")
+    args[args.index("--backbone") + 1] = str(assets["hf"])
+    del args[args.index("--tokenizer"):args.index("--tokenizer") + 2]
+    proc = run_script("scripts.kat_train_rm", args, nproc=2)
+    assert proc.returncode == 0, proc.stderr
+    saved = torch.load(checkpoints(tmp_path / "all")[0], weights_only=True)
+    assert "backbone.model.embed.weight" in saved and "backbone.model.layers.0.attn.qkv.weight" in saved
+    assert not any("lm_head" in k for k in saved)
 
 
 def test_two_ranks_match_one_rank(assets, tmp_path):
@@ -54,20 +62,9 @@ def test_two_ranks_match_one_rank(assets, tmp_path):
     assert moved.abs().max() > 1e-3
 
 
-def _grad_run(assets, tmp_path, nproc, n_micro):
-    out = tmp_path / f"grads_{nproc}x{n_micro}.pt"
-    worker = str(REPO / "tests" / "workers" / "rm_grad_worker.py")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([*launcher, worker, str(assets["dir"]), str(n_micro), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr
-    return torch.load(out, weights_only=True)
-
-
 def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
-    runs = {(n, m): _grad_run(assets, tmp_path, n, m) for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
+    runs = {(n, m): run_worker("rm_grad_worker", assets, n, m, tmp_path / f"grads_{n}x{m}.pt")
+            for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
     reference = _reference_losses(assets)
     for mode in ("mean", "sum", "none"):
         base = runs[(1, 1)][mode]

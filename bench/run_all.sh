@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Ours beside Hugging Face TRL (../shared/anchor-bench) in one sitting, interleaved, ROUNDS times;
+# one JSON line per run on stdout, tagged with "run". Machines are noisy: compare within a sitting.
+#   ANCHOR_VENV=/tmp/anchor-venv ANCHOR_ASSETS=/tmp/anchor-assets ROUNDS=2 bash bench/run_all.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+source scripts/setup_env.sh
+ANCHOR=${ANCHOR:-../shared/anchor-bench}
+ANCHOR_VENV=${ANCHOR_VENV:-/tmp/anchor-venv}
+export ANCHOR_ASSETS=${ANCHOR_ASSETS:-/tmp/anchor-assets}
+ROUNDS=${ROUNDS:-1}
+A=$ANCHOR_ASSETS
+[ -d "$A/tiny-llama" ] || "$ANCHOR_VENV/bin/python" "$ANCHOR/make_assets.py" >/dev/null
+tag() { python -c "import json,sys; r=json.loads(sys.stdin.read().strip().splitlines()[-1]); r['run']='$1'; print(json.dumps(r))"; }
+trl() { (cd "$ANCHOR" && "$ANCHOR_VENV/bin/$1" "${@:2}" 2>/dev/null); }
+ours() { "$@" 2>/dev/null; }
+TR="-m torch.distributed.run --standalone --nproc_per_node 2"
+for _ in $(seq "$ROUNDS"); do
+  trl python trl_rm.py --threads 2 | tag trl_rm_1x2
+  ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 2 --unfreeze_last all | tag ours_rm_full_1x2
+  ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 2 | tag ours_rm_frozen_1x2
+  trl python trl_rm.py --threads 1 | tag trl_rm_1x1
+  ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 --unfreeze_last all | tag ours_rm_full_1x1
+  trl torchrun --standalone --nproc_per_node 2 trl_rm.py --threads 1 | tag trl_rm_2x1
+  ours python $TR bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 --unfreeze_last all | tag ours_rm_full_2x1
+  trl python trl_grpo.py --threads 2 | tag trl_grpo_1x2
+  ours python bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 2 | tag ours_grpo_1x2
+  trl torchrun --standalone --nproc_per_node 2 trl_grpo.py --threads 1 | tag trl_grpo_2x1
+  ours python $TR bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 1 | tag ours_grpo_2x1
+done

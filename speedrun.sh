@@ -1,70 +1,113 @@
 #!/usr/bin/env bash
-# The pipeline, one torchrun call per stage. Every artifact goes to $NANOCHAT_BASE_DIR; a stage whose
-# output exists is skipped (FORCE=1 re-runs it) and an interrupted stage resumes from its last
-# checkpoint, so re-running after a crash picks up where it stopped.
+# The whole pipeline, one torchrun call per stage:
+#   demo data -> SFT -> density weights -> reward models (uniform, density) -> GRPO -> evaluation report
+# Every artifact goes to $NANOCHAT_BASE_DIR (default ~/.cache/nanochat). A finished stage is skipped
+# (FORCE=1 re-runs everything); an interrupted one resumes from its last checkpoint, so re-running
+# after a crash or Ctrl-C finishes the pipeline with no cleanup.
 #
-#   bash speedrun.sh                                                  # demo: synthetic data, tiny model
-#   BACKBONE=/path/ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
+#   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~10 min on 2 CPU cores
+#   BACKBONE=/path/sft_ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
+#   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
+# Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
+# DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+B=$NANOCHAT_BASE_DIR
 GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
 NPROC_PER_NODE="${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
 FORCE="${FORCE:-0}"
+SFT_STEPS="${SFT_STEPS:-400}"
 RM_STEPS="${RM_STEPS:-150}"
-GRPO_STEPS="${GRPO_STEPS:-40}"
-t0=$SECONDS
+GRPO_STEPS="${GRPO_STEPS:-200}"
+EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
+SEED="${SEED:-0}"
+GRPO_TAG=$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)
+mkdir -p "$B"
+t_start=$SECONDS
 
-run() { torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$@"; }
-done_in() { ls "$1"/meta_*.json >/dev/null 2>&1; }
-# stage NAME DIR CMD...: skip when DIR holds a final checkpoint, resume when it holds a partial one.
-stage() {
-    local name=$1 dir=$2; shift 2
-    if [ "$FORCE" != 1 ] && [ -f "$dir/.complete" ]; then
-        echo "== stage $name: skipped ($dir is complete)"; return
-    fi
+record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
+    { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
+    mv "$B/timings.tsv.tmp" "$B/timings.tsv"
+}
+skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
+# train NAME DIR SCRIPT ARGS...: skipped when DIR/.complete exists, resumed when DIR has a checkpoint.
+train() {
+    local name=$1 dir=$2 script=$3; shift 3
+    if skip "$dir/.complete"; then echo "== $name: skipped (done: $dir)"; return; fi
     local resume=()
-    [ "$FORCE" != 1 ] && ls "$dir"/state_*.pt >/dev/null 2>&1 && resume=(--resume latest)
-    echo "== stage $name ($NPROC_PER_NODE ranks)"
+    if [ "$FORCE" != 1 ] && ls "$dir"/state_*.pt >/dev/null 2>&1; then resume=(--resume latest); fi
+    [ "$FORCE" = 1 ] && rm -rf "$dir"
+    echo "== $name ($NPROC_PER_NODE ranks)${resume:+, resuming}"
     local s=$SECONDS
-    run "$@" --out "$dir" "${resume[@]}"
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" --out "$dir" "${resume[@]}"
     touch "$dir/.complete"
-    echo "== stage $name: $((SECONDS - s)) s"
+    record_time "$name" $((SECONDS - s))
 }
 
+# ---- demo stages: only when no real backbone and pairs are given ----------------------------------
 if [ -z "${BACKBONE:-}" ] || [ -z "${PAIRS:-}" ]; then
-    BACKBONE="$NANOCHAT_BASE_DIR/base_checkpoints/demo"
-    TOKENIZER="$NANOCHAT_BASE_DIR/tokenizer"
-    PAIRS="$NANOCHAT_BASE_DIR/demo/pairs.jsonl"
-    PROMPTS="$NANOCHAT_BASE_DIR/demo/prompts.jsonl"
-    if [ "$FORCE" = 1 ] || [ ! -f "$PROMPTS" ] || ! done_in "$BACKBONE"; then
-        echo "== stage demo_data"
-        python -m scripts.kat_demo_data
-    else
-        echo "== stage demo_data: skipped (exists)"
+    if skip "$B/demo/.complete"; then echo "== demo_data: skipped (done)"; else
+        echo "== demo_data"; s=$SECONDS
+        python -m scripts.kat_demo_data --seed "$SEED" ${DEMO_ARGS:-}
+        touch "$B/demo/.complete"; record_time demo_data $((SECONDS - s))
     fi
+    TOKENIZER="$B/tokenizer"
+    PAIRS="$B/demo/pairs.jsonl"
+    PROMPTS="$B/demo/prompts.jsonl"
+    train sft "$B/chatsft_checkpoints/default" scripts.kat_sft --backbone "$B/base_checkpoints/demo" \
+        --tokenizer "$TOKENIZER" --conversations "$B/demo/sft.jsonl" --max_steps "$SFT_STEPS" --batch_size 32 \
+        --lr 3e-3 --save_every 100 --seed "$SEED"
+    BACKBONE="$B/chatsft_checkpoints/default"
 fi
 PROMPTS="${PROMPTS:-$PAIRS}"
 TOK=()
 [ -n "${TOKENIZER:-}" ] && TOK=(--tokenizer "$TOKENIZER")
+for f in "$PAIRS" "$PROMPTS"; do
+    [ -s "$f" ] || { echo "speedrun: $f is missing or empty (PAIRS/PROMPTS, or the demo_data stage makes them)" >&2; exit 2; }
+done
 
-RM_DIR="$NANOCHAT_BASE_DIR/rm_checkpoints/uniform"
-GRPO_DIR="$NANOCHAT_BASE_DIR/grpo_checkpoints/uniform"
-stage reward_model "$RM_DIR" scripts.kat_train_rm -- --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" \
-    --max_steps "$RM_STEPS" --batch_size 32 --unfreeze_last 1 --save_every 50
-stage grpo "$GRPO_DIR" scripts.kat_train_grpo -- --policy "$BACKBONE" "${TOK[@]}" --rm "$RM_DIR" \
-    --prompts "$PROMPTS" --max_steps "$GRPO_STEPS" --batch_size 8 --group_size 8 --max_new_tokens 16 \
-    --lr 3e-3 --beta 0.01 --eval_every 20 --save_every 20
+# ---- density, reward models, GRPO ----------------------------------------------------------------
+WEIGHTS="$B/density/weights.jsonl"
+if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
+    echo "== density ($NPROC_PER_NODE ranks)"; s=$SECONDS
+    mkdir -p "$B/density"
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_compute_density -- \
+        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS"
+    record_time density $((SECONDS - s))
+fi
+RM_ARGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
+         --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
+train rm_uniform "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_ARGS[@]}"
+train rm_density "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$WEIGHTS"
+GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --rm "$B/rm_checkpoints/$GRPO_TAG" --prompts "$PROMPTS"
+           --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
+           --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
+[ "${DENSITY:-0}" = 1 ] && GRPO_ARGS+=(--density "$WEIGHTS")
+train "grpo_$GRPO_TAG" "$B/grpo_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
 
-echo "== done in $((SECONDS - t0)) s; artifacts in $NANOCHAT_BASE_DIR"
-python - "$RM_DIR" "$GRPO_DIR" <<'PY'
+# ---- evaluation report ---------------------------------------------------------------------------
+if skip "$B/report.md" && [ "$B/report.md" -nt "$B/grpo_checkpoints/$GRPO_TAG/.complete" ]; then
+    echo "== eval: skipped (done: $B/report.md)"
+else
+    echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
+    EVAL=(--seed "$SEED" --policy_after "$B/grpo_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
+    [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}"
+    record_time eval $((SECONDS - s))
+fi
+
+echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
+python - "$B/report.json" <<'PY'
 import json, sys
-from nanochat_ext.checkpoint import find_checkpoint
-for d in sys.argv[1:]:
-    model, meta = find_checkpoint(d)
-    m = json.loads(meta.read_text())["metrics"]
-    print(f"{model}\n  " + ", ".join(f"{k} {v:.3f}" for k, v in m.items() if k.startswith(("val/", "eval/"))))
+r = json.load(open(sys.argv[1]))
+for d, m in r["reward_models"].items():
+    print(f"  rm {d.rsplit('/', 1)[-1]}: held-out accuracy {m['overall']['accuracy']:.3f}")
+for name, p in r["policies"].items():
+    acc = p["task_accuracy_sampled"]
+    print(f"  policy {name}: task accuracy (sampled) {'-' if acc is None else f'{acc:.3f}'}, "
+          f"RM score (sampled) {p['rm_score_sampled']:.3f}, distinct-2 {p['distinct_2']:.3f}")
 PY

@@ -27,11 +27,12 @@ def add_dashed_aliases(parser: argparse.ArgumentParser) -> None:
                 parser._option_string_actions[alias] = action
 
 
-def add_output_args(parser: argparse.ArgumentParser, stage_dir: str) -> None:
+def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
+                    tag_help: str = "'density' with --density, else 'uniform'") -> None:
     """--out/--tag/--save_every/--resume/--log_dir, shared by the training scripts."""
     g = parser.add_argument_group("outputs")
     g.add_argument("--out", default=None, help=f"checkpoint dir (default: $NANOCHAT_BASE_DIR/{stage_dir}/<tag>)")
-    g.add_argument("--tag", default=None, help="output tag (default: 'density' with --density, else 'uniform')")
+    g.add_argument("--tag", default=None, help=f"output tag (default: {tag_help})")
     g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
     g.add_argument("--resume", default=None,
                    help="'latest' (newest checkpoint in --out) or a checkpoint path; continues exactly")
@@ -47,9 +48,10 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
 
 
-def output_dirs(args: argparse.Namespace, stage_dir: str) -> tuple[Path, Path]:
-    """(checkpoint dir, log dir): --out, else $NANOCHAT_BASE_DIR/<stage_dir>/<tag>."""
-    tag = args.tag or ("density" if args.density else "uniform")
+def output_dirs(args: argparse.Namespace, stage_dir: str, default_tag: str | None = None) -> tuple[Path, Path]:
+    """(checkpoint dir, log dir): --out, else $NANOCHAT_BASE_DIR/<stage_dir>/<tag>; the tag defaults to
+    default_tag, else 'density' or 'uniform' by whether --density was given."""
+    tag = args.tag or default_tag or ("density" if getattr(args, "density", None) else "uniform")
     base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
     out_dir = Path(args.out) if args.out else base_dir / stage_dir / tag
     return out_dir, Path(args.log_dir) if args.log_dir else out_dir / "logs"

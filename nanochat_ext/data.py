@@ -221,6 +221,21 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
     return rows
 
 
+def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str, int]]:
+    """SFT data: JSONL {messages: [...]} ending with the assistant reply to learn ->
+    (prompt messages, reply, line)."""
+    out = []
+    for lineno, obj in read_jsonl(path):
+        msgs = _messages(obj.get("messages"), str(path), lineno, "messages")
+        if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
+            raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
+                             "messages")
+        out.append((msgs[:-1], _answer(msgs[-1]["content"], str(path), lineno, "messages"), lineno))
+    if not out:
+        raise InputError("no conversations in file", path=str(path))
+    return out
+
+
 # ---- weights ------------------------------------------------------------------------------------
 def _positive(w, path, line, field="weight") -> float:
     if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w) or w <= 0:

@@ -187,11 +187,7 @@ def raise_if_any(error: str | None) -> None:
     Checks that only one rank can make (is the output dir writable?) must stop all ranks, or the
     others hang in the next collective.
     """
-    errors = [error]
-    if _is_dist():
-        errors = [None] * get_world_size()
-        dist.all_gather_object(errors, error)
-    first = next((e for e in errors if e), None)
+    first = next((e for e in gather_objects(error) if e), None)
     if first:
         raise InputError(first)
 
@@ -207,7 +203,7 @@ def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     frozen += [n for n, _ in module.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DDP(module, device_ids=device_ids, broadcast_buffers=False)
+    return DDP(module, device_ids=device_ids)
 
 
 @torch.no_grad()
@@ -223,3 +219,12 @@ def check_params_in_sync(params: list[torch.Tensor]) -> None:
     dist.all_reduce(diff, op=dist.ReduceOp.MAX)
     if diff.item() != 0.0:
         raise RuntimeError(f"trainable parameters differ across ranks (max abs diff {diff.item():.3g})")
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Collective: every rank's object, in rank order, on every rank (small results: eval rows)."""
+    if not _is_dist():
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out

@@ -183,30 +183,53 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, stats
 
 
-def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
-                    device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
-    """Forward + backward of one optimizer step over this rank's sequences in micro-batches of `micro`
-    (DDP syncs on the last). The normaliser covers the global batch and is summed before any backward;
-    the loss is scaled by the world size because DDP averages gradients. Every rank runs the same
-    number of micro-batches, so the collectives line up whatever the completion lengths.
-    Returns this rank's [loss, kl sum, clipped tokens, tokens, entropy sum]."""
-    normaliser = all_reduce_sum(loss_normaliser(batch["mask"], batch["weights"], cfg)).item()
-    normaliser = max(normaliser, 1e-8)  # every completion masked: the loss is 0, not NaN
+def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                        autocast: contextlib.AbstractContextManager, loss_fn) -> torch.Tensor:
+    """Forward + backward over this rank's sequences in micro-batches of `micro` (DDP syncs on the
+    last one). loss_fn(b, logp, entropy) -> (loss already divided by a global normaliser, stats); the
+    loss is scaled by the world size because DDP averages gradients. Every rank runs the same number
+    of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
+    [loss, *stats]."""
     world = get_world_size()
-    n = batch["input_ids"].size(0)
-    starts = list(range(0, n, micro))
-    out = torch.zeros(5, dtype=torch.float64)
+    starts = list(range(0, batch["input_ids"].size(0), micro))
+    total = None
     for k, a in enumerate(starts):
         b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
         with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
             logp, entropy = model(b["input_ids"], b["gather"], b["target"])
-            old = b["old_logp"] if "old_logp" in b else logp.detach()
-            loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
-                                    normaliser)
+            loss, stats = loss_fn(b, logp, entropy)
             (loss * world).backward()
-        out += torch.cat([loss.detach().double().cpu().view(1), stats,
-                          (entropy * b["mask"]).sum().double().cpu().view(1)])
-    return out
+        row = torch.cat([loss.detach().double().cpu().view(1), stats])
+        total = row if total is None else total + row
+    return total
+
+
+def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
+                    device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch
+    (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, entropy sum]."""
+    normaliser = all_reduce_sum(loss_normaliser(batch["mask"], batch["weights"], cfg)).item()
+    normaliser = max(normaliser, 1e-8)  # every completion masked: the loss is 0, not NaN
+
+    def loss_fn(b, logp, entropy):
+        old = b["old_logp"] if "old_logp" in b else logp.detach()
+        loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
+                                normaliser)
+        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1)])
+
+    return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
+
+
+def sft_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                 autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Supervised fine-tuning step: mean negative log-likelihood of the reply tokens over the global
+    batch. Returns [loss, tokens]."""
+    normaliser = max(all_reduce_sum(batch["mask"].sum().double()).item(), 1.0)
+
+    def loss_fn(b, logp, entropy):
+        return -(logp * b["mask"]).sum() / normaliser, b["mask"].sum().double().cpu().view(1)
+
+    return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
 
 
 @torch.no_grad()

@@ -1,14 +1,17 @@
 """A small, deterministic synthetic chat domain and tiny models for the demo and the tests.
 
-Preference rule (ground truth): the chosen reply is courteous (its words come from a helpful
-vocabulary), the rejected one is dismissive, both about the prompt's topic. Topics are skewed on
-purpose, a few dense and several rare, so density weighting has something to act on.
-Nothing here is downloaded; everything follows from `seed`.
+Ground truth: a good reply is courteous (words from a helpful vocabulary, none dismissive) and on
+topic (it names something from the prompt's topic); `judge` checks exactly that. Preference pairs
+put a good reply against a dismissive one or, as a harder negative, a courteous reply about another
+topic. SFT conversations are deliberately imperfect, so the SFT policy leaves headroom for RL.
+Topics are skewed on purpose, a few dense and several rare, so density weighting has something to
+act on. Nothing here is downloaded; everything follows from `seed`.
 """
 from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import torch
@@ -32,8 +35,10 @@ TOPIC_WORDS = {
 }
 HELPFUL = ["sure", "glad", "happy", "gladly", "certainly", "welcome", "thanks", "great", "kindly", "gently"]
 DISMISSIVE = ["no", "whatever", "boring", "ugh", "nope", "meh", "stop", "never", "pointless", "annoying"]
-QUESTIONS = ["Can you tell me about {w}?", "What should I know about the {w}?", "Any advice on {w} today?",
-             "How does the {w} work?", "Explain the {w} to me."]
+QUESTIONS = ["Can you tell me about the {a} {w}?", "What should I know about the {a} {w}?",
+             "Any advice on the {a} {w} today?", "How does the {a} {w} work?", "Explain the {a} {w} to me."]
+# 12 x 6 x 5 = 360 distinct prompts per topic: dense topics fill many of them, rare ones few.
+ADJECTIVES = ["old", "new", "big", "small", "red", "blue", "quiet", "loud", "odd", "fine", "long", "short"]
 
 
 def _topic(rng: random.Random) -> str:
@@ -46,17 +51,67 @@ def _reply(rng: random.Random, tone: list[str], topic_words: list[str]) -> str:
     return " ".join(words).capitalize() + "."
 
 
-def make_pairs(n: int, seed: int = 0) -> list[dict]:
-    """`n` preference pairs {prompt, chosen, rejected, topic}; prompts repeat, as real prompts do."""
+def _prompt(rng: random.Random) -> tuple[str, str]:
+    topic = _topic(rng)
+    question = rng.choice(QUESTIONS).format(a=rng.choice(ADJECTIVES), w=rng.choice(TOPIC_WORDS[topic]))
+    return question + f" ({topic})", topic
+
+
+def _other_topic(rng: random.Random, topic: str) -> str:
+    return rng.choice([t for t, _ in TOPICS if t != topic])
+
+
+def make_pairs(n: int, seed: int = 0, p_off_topic: float = 0.0) -> list[dict]:
+    """`n` preference pairs {prompt, chosen, rejected, topic}; prompts repeat, as real prompts do.
+    The rejected reply is dismissive, or with probability p_off_topic courteous but off topic."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
-        topic = _topic(rng)
+        prompt, topic = _prompt(rng)
         words = TOPIC_WORDS[topic]
-        prompt = rng.choice(QUESTIONS).format(w=rng.choice(words)) + f" ({topic})"
-        rows.append({"prompt": prompt, "chosen": _reply(rng, HELPFUL, words),
-                     "rejected": _reply(rng, DISMISSIVE, words), "topic": topic})
+        chosen = _reply(rng, HELPFUL, words)
+        if rng.random() < p_off_topic:
+            rejected = _reply(rng, HELPFUL, TOPIC_WORDS[_other_topic(rng, topic)])
+        else:
+            rejected = _reply(rng, DISMISSIVE, words)
+        rows.append({"prompt": prompt, "chosen": chosen, "rejected": rejected, "topic": topic})
     return rows
+
+
+def make_conversations(n: int, seed: int = 0, p_good: float = 0.5) -> list[dict]:
+    """SFT conversations {messages, topic}: the reply is good with probability p_good, else
+    dismissive or off topic, so a model trained on them is right only part of the time."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        prompt, topic = _prompt(rng)
+        r = rng.random()
+        if r < p_good:
+            reply = _reply(rng, HELPFUL, TOPIC_WORDS[topic])
+        elif r < p_good + (1 - p_good) / 2:
+            reply = _reply(rng, DISMISSIVE, TOPIC_WORDS[topic])
+        else:
+            reply = _reply(rng, HELPFUL, TOPIC_WORDS[_other_topic(rng, topic)])
+        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": reply}],
+                     "topic": topic})
+    return rows
+
+
+def make_prompts(n: int, seed: int = 0) -> list[dict]:
+    """GRPO / evaluation prompts {prompt, topic}."""
+    rng = random.Random(seed)
+    return [dict(zip(("prompt", "topic"), _prompt(rng))) for _ in range(n)]
+
+
+def judge(topic: str, completion: str) -> bool:
+    """Ground truth: courteous (a helpful word, no dismissive one) and on topic (a word of `topic`)."""
+    words = set(re.findall(r"[a-z]+", completion.lower()))
+    return bool(words & set(HELPFUL)) and not words & set(DISMISSIVE) and bool(words & set(TOPIC_WORDS[topic]))
+
+
+def task_reward(prompt: str, completion: str, row: dict) -> float:
+    """`judge` as a rule-based GRPO reward: --reward_fn nanochat_ext.synthetic:task_reward."""
+    return float(judge(row["topic"], completion))
 
 
 def corpus(seed: int = 0, n: int = 2000) -> list[str]:

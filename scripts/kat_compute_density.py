@@ -1,0 +1,128 @@
+"""Density stage: inverse-density weights per prompt. Each distinct prompt (prefix_id) is embedded with
+the backbone (mean of the final hidden states over its real tokens, L2-normalised); its weight grows
+with the mean distance to its k nearest neighbours, so prompts from crowded regions of conversation
+space weigh less and rare ones more. Weights are normalised to mean 1, then capped (--cap).
+
+    python -m scripts.kat_compute_density --backbone CKPT --pairs pairs.jsonl
+    torchrun --standalone --nproc_per_node=2 -m scripts.kat_compute_density -- --backbone ... --pairs ...
+
+Writes JSONL {prefix_id, weight} (what kat_train_rm/kat_train_grpo --density read); the last line
+printed on success names it. Embedding is sharded over ranks; rank 0 writes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import check_writable
+from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
+from nanochat_ext.data import load_pairs, load_prompts
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any
+from nanochat_ext.errors import InputError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kat_compute_density", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--backbone", required=True, help="embedding model: nanochat checkpoint dir/file or local HF dir")
+    p.add_argument("--tokenizer", default=None, help="default: found beside the backbone")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--pairs", help="preference pairs JSONL: its distinct prompts are weighted")
+    src.add_argument("--prompts", help="prompts JSONL (as for GRPO)")
+    p.add_argument("--k", type=int, default=10, help="neighbours per prompt (default: %(default)s)")
+    p.add_argument("--cap", type=float, default=None, help="clip weights (after normalising to mean 1) to at most this")
+    p.add_argument("--batch", type=int, default=64, help="prompts per forward (default: %(default)s)")
+    p.add_argument("--max_len", type=int, default=256, help="prompt tokens kept, from the end (default: %(default)s)")
+    p.add_argument("--out", default=None,
+                   help="weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)")
+    add_runtime_args(p)
+    add_dashed_aliases(p)
+    return p.parse_args(script_argv(argv))
+
+
+@torch.no_grad()
+def embed(backbone, prompts: list[list[int]], batch: int, pad_id: int, autocast) -> torch.Tensor:
+    """Mean-pooled, L2-normalised final hidden states over each prompt's real tokens (right padding)."""
+    out = []
+    for a in range(0, len(prompts), batch):
+        chunk = prompts[a:a + batch]
+        lengths = torch.tensor([len(p) for p in chunk])
+        ids = torch.full((len(chunk), int(lengths.max())), pad_id, dtype=torch.long)
+        for i, p in enumerate(chunk):
+            ids[i, :len(p)] = torch.tensor(p)
+        with autocast:
+            h = backbone.hidden_states(ids.to(next(backbone.parameters()).device)).float().cpu()
+        real = (torch.arange(ids.size(1))[None, :] < lengths[:, None]).float().unsqueeze(-1)
+        out.append(F.normalize((h * real).sum(1) / lengths[:, None], dim=-1))
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def knn_weights(emb: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:
+    """Mean distance to the k nearest other points, by chunks of rows (never an N x N matrix at once)."""
+    n = emb.size(0)
+    k = min(k, n - 1)
+    out = torch.empty(n)
+    for a in range(0, n, chunk):
+        d = torch.cdist(emb[a:a + chunk], emb)
+        d[torch.arange(d.size(0)), torch.arange(a, a + d.size(0))] = float("inf")  # not its own neighbour
+        out[a:a + chunk] = d.topk(k, dim=1, largest=False).values.mean(1)
+    return out
+
+
+def compute(args: argparse.Namespace, env: DistEnv) -> Path:
+    base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+    out = Path(args.out) if args.out else base / "density" / "weights.jsonl"
+    if args.pairs:
+        rows = [(r.prefix_id, r.prompt) for r in load_pairs(args.pairs)[0]]
+    else:
+        rows = [(r.prefix_id, r.messages) for r in load_prompts(args.prompts)]
+    first: dict[str, list[dict]] = {}
+    for pid, messages in rows:
+        first.setdefault(pid, messages)
+    ids = sorted(first)
+    if len(ids) < 2:
+        raise InputError(f"{len(ids)} distinct prompt(s): density needs at least 2", path=args.pairs or args.prompts)
+    if args.k < 1 or (args.cap is not None and args.cap <= 0):
+        raise InputError("--k must be at least 1 and --cap positive")
+    backbone = load_backbone(args.backbone, env.device)
+    tok = load_tokenizer_for(backbone, args.tokenizer)
+    raise_if_any(check_writable(out.parent) if env.is_main else None)
+
+    tokens = [tok.render_prompt(first[pid])[-args.max_len:] for pid in ids]
+    mine = list(range(env.rank, len(ids), env.world_size))
+    emb = torch.zeros(len(ids), backbone.hidden_size, dtype=torch.float32)
+    mine_emb = embed(backbone, [tokens[i] for i in mine], args.batch, tok.pad_id, precision(args.dtype, env.device))
+    if mine:
+        emb[mine] = mine_emb
+    emb = all_reduce_sum(emb)  # every rank filled its own rows
+    dist = knn_weights(emb, args.k)
+    weights = dist / dist.mean()
+    if args.cap is not None:
+        weights = weights.clamp(max=args.cap)
+    print0(f"density: {len(ids)} prompts, k={min(args.k, len(ids) - 1)}, weights min {weights.min():.3f} "
+           f"mean {weights.mean():.3f} max {weights.max():.3f}")
+    if env.is_main:
+        tmp = out.with_name(out.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(json.dumps({"prefix_id": pid, "weight": round(w, 6)}) + "\n"
+                         for pid, w in zip(ids, weights.tolist()))
+        os.replace(tmp, out)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace, env: DistEnv) -> None:
+        print0(f"weights: {compute(args, env)}")
+
+    return run_script(parse_args(argv), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

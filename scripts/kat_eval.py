@@ -1,0 +1,261 @@
+"""Evaluation stage: writes $NANOCHAT_BASE_DIR/report.md (+ report.json and one PNG per training stage).
+
+- Each reward model: held-out pair accuracy and mean margin, overall, per topic, and for dense vs
+  rare topics (when pairs carry a "topic" field; dense = at least an equal share of the pairs).
+- The policy before and after GRPO on held-out prompts: mean RM score, task accuracy by ground truth
+  (demo prompts carry a "topic", judged by nanochat_ext.synthetic.judge), diversity (distinct-1/2
+  within each prompt's samples, bigram entropy over all samples), completion length; one greedy
+  completion and --samples sampled ones per prompt.
+- Wall time per stage (from timings.tsv, written by speedrun.sh) and training curves.
+
+    python -m scripts.kat_eval
+    torchrun --standalone --nproc_per_node=2 -m scripts.kat_eval -- --policy_after .../grpo_checkpoints/uniform
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import torch
+
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
+from nanochat_ext.data import load_pairs, load_prompts, truncate
+from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
+from nanochat_ext.errors import InputError
+from nanochat_ext.grpo import sample_seed
+from nanochat_ext.reward import RewardScorer, load_reward_model
+from nanochat_ext.sampling import SamplingConfig, generate
+
+PLOT_KEYS = {"chatsft_checkpoints": ["train/loss"], "rm_checkpoints": ["train/accuracy", "val/accuracy"],
+             "grpo_checkpoints": ["train/reward", "eval/reward_sampled"]}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+    p = argparse.ArgumentParser(prog="kat_eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base_dir", default=str(base), help="artifact root (default: $NANOCHAT_BASE_DIR)")
+    p.add_argument("--rm", nargs="*", default=None,
+                   help="reward-model dirs to evaluate (default: every dir in <base>/rm_checkpoints)")
+    p.add_argument("--score_rm", default=None,
+                   help="the RM whose score is reported for the policies (default: <base>/rm_checkpoints/uniform)")
+    p.add_argument("--policy_before", default=None, help="default: <base>/chatsft_checkpoints/default")
+    p.add_argument("--policy_after", default=None, help="default: <base>/grpo_checkpoints/uniform")
+    p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
+    p.add_argument("--eval_prompts", default=None, help="held-out prompts (default: <base>/demo/eval_prompts.jsonl)")
+    p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--max_new_tokens", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="report path (default: <base>/report.md)")
+    add_runtime_args(p)
+    add_dashed_aliases(p)
+    args = p.parse_args(script_argv(argv))
+    b = Path(args.base_dir)
+    args.rm = args.rm if args.rm is not None else sorted(str(d) for d in (b / "rm_checkpoints").glob("*") if d.is_dir())
+    args.score_rm = args.score_rm or str(b / "rm_checkpoints" / "uniform")
+    args.policy_before = args.policy_before or str(b / "chatsft_checkpoints" / "default")
+    args.policy_after = args.policy_after or str(b / "grpo_checkpoints" / "uniform")
+    args.eval_pairs = args.eval_pairs or str(b / "demo" / "eval_pairs.jsonl")
+    args.eval_prompts = args.eval_prompts or str(b / "demo" / "eval_prompts.jsonl")
+    args.out = args.out or str(b / "report.md")
+    return args
+
+
+def topics_of(path: str) -> dict[int, str]:
+    """line number -> "topic" field, for rows that have one."""
+    out = {}
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if line.strip() and isinstance(topic := json.loads(line).get("topic"), str):
+                out[lineno] = topic
+    return out
+
+
+def dense_topics(counts: Counter) -> set[str]:
+    return {t for t, c in counts.items() if c >= sum(counts.values()) / len(counts)}
+
+
+def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv) -> dict:
+    scorer = load_reward_model(rm_dir, env.device)
+    mine = pairs[env.rank::env.world_size]
+    prompts = [r.prompt for r in mine]
+    margins = [c - r for c, r in zip(scorer.score(prompts, [r.chosen for r in mine]),
+                                      scorer.score(prompts, [r.rejected for r in mine]))]
+    rows = [(topics.get(r.line, "all"), m) for r, m in zip(mine, margins)]
+    rows = [x for part in gather_objects(rows) for x in part]
+    groups: dict[str, list[float]] = defaultdict(list)
+    for topic, m in rows:
+        groups[topic].append(m)
+    dense = dense_topics(Counter(t for t, _ in rows)) if topics else set()
+    if topics:
+        groups["dense topics"] = [m for t, m in rows if t in dense]
+        groups["rare topics"] = [m for t, m in rows if t not in dense]
+    groups["overall"] = [m for _, m in rows]
+    return {g: {"n": len(v), "accuracy": sum(m > 0 for m in v) / len(v), "margin": sum(v) / len(v)}
+            for g, v in groups.items() if v}
+
+
+def ngrams(tokens: list[str], n: int) -> list[tuple]:
+    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+
+
+def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, autocast) -> dict:
+    policy = load_backbone(path, env.device)
+    tok = load_tokenizer_for(policy, None)
+    mine = list(range(env.rank, len(rows), env.world_size))
+    prompt_ids = [tok.render_prompt(rows[i].messages) for i in mine]
+    results = []
+    for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
+        cfg = SamplingConfig(args.max_new_tokens, temperature)
+        with autocast:
+            out = generate(policy, prompt_ids, n, cfg, tok.eos_id, tok.pad_id,
+                           [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
+                if mine else None
+        comps = out.completions if out else []
+        scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)
+                                   for k, c in enumerate(comps)]) if scorer and comps else [math.nan] * len(comps)
+        texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in comps]
+        results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
+    greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
+    if not env.is_main:
+        return {}
+
+    def judged(items):
+        topics = [rows[i].row.get("topic") for i, *_ in items]
+        if not all(t in synthetic.TOPIC_WORDS for t in topics):
+            return None
+        return sum(synthetic.judge(t, text) for t, (_, text, _, _) in zip(topics, items)) / len(items)
+
+    by_prompt = defaultdict(list)
+    for i, text, _, _ in sampled:
+        by_prompt[i].append(text.lower().split())
+    distinct = {n: sum(len(set(g)) / max(len(g), 1) for g in ([x for t in s for x in ngrams(t, n)]
+                                                             for s in by_prompt.values())) / len(by_prompt)
+                for n in (1, 2)}
+    bigrams = Counter(x for s in by_prompt.values() for t in s for x in ngrams(t, 2))
+    total = sum(bigrams.values())
+    entropy = -sum(c / total * math.log2(c / total) for c in bigrams.values()) if total else 0.0
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"checkpoint": str(find_checkpoint(path)[0]), "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
+            "rm_score_sampled": mean([s for _, _, s, _ in sampled]), "task_accuracy_greedy": judged(greedy),
+            "task_accuracy_sampled": judged(sampled), "distinct_1": distinct[1], "distinct_2": distinct[2],
+            "bigram_entropy_bits": entropy, "completion_len": mean([n for *_, n in sampled]),
+            "examples": [text for _, text, _, _ in sampled[:4]]}
+
+
+def plot_curves(base: Path, out_dir: Path) -> list[tuple[str, Path]]:
+    """One PNG per training stage that logged metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = []
+    for stage_dir, keys in PLOT_KEYS.items():
+        for run in sorted((base / stage_dir).glob("*/logs/metrics.jsonl")):
+            rows = [json.loads(line) for line in run.read_text().splitlines()]
+            name = f"{stage_dir.split('_')[0]}_{run.parent.parent.name}"
+            fig, ax = plt.subplots(figsize=(5, 3))
+            for key in keys:
+                pts = [(r["step"], r[key]) for r in rows if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=key)
+            ax.set_xlabel("step")
+            ax.set_title(name)
+            ax.legend()
+            fig.tight_layout()
+            path = out_dir / f"{name}.png"
+            fig.savefig(path, dpi=80)
+            plt.close(fig)
+            plots.append((name, path))
+    return plots
+
+
+def fmt(x) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float]], plots) -> str:
+    lines = ["# nanochat_ext report", "", f"Artifacts: `{args.base_dir}`", ""]
+    if timings:
+        lines += ["## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
+        lines += [f"| {name} | {sec:.0f} |" for name, sec in timings] + [f"| total | {sum(s for _, s in timings):.0f} |", ""]
+    if rms:
+        groups = sorted({g for r in rms.values() for g in r}, key=lambda g: (g != "overall", "topics" not in g, g))
+        lines += ["## Reward models on held-out pairs", "", "accuracy (mean margin), by group", "",
+                  "| group | n | " + " | ".join(Path(d).name for d in rms) + " |", "|---|---|" + "---|" * len(rms)]
+        for g in groups:
+            n = next(r[g]["n"] for r in rms.values() if g in r)
+            cells = [f"{r[g]['accuracy']:.3f} ({r[g]['margin']:.2f})" if g in r else "-" for r in rms.values()]
+            lines.append(f"| {g} | {n} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if policies:
+        keys = ["rm_score_greedy", "rm_score_sampled", "task_accuracy_greedy", "task_accuracy_sampled",
+                "distinct_1", "distinct_2", "bigram_entropy_bits", "completion_len"]
+        lines += ["## Policy before and after GRPO on held-out prompts", "",
+                  f"greedy: one completion per prompt; sampled: {args.samples} per prompt at temperature "
+                  f"{args.temperature}; RM score from `{Path(args.score_rm).name}`", "",
+                  "| metric | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
+        lines += [f"| {k} | " + " | ".join(fmt(p[k]) for p in policies.values()) + " |" for k in keys]
+        lines.append("")
+        for name, p in policies.items():
+            lines += [f"Samples from {name} (`{p['checkpoint']}`):", ""] + [f"- {t}" for t in p["examples"]] + [""]
+    if plots:
+        lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]
+    return "\n".join(lines)
+
+
+def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
+    base, out = Path(args.base_dir), Path(args.out)
+    autocast = precision(args.dtype, env.device)
+    rms = {}
+    if args.rm and Path(args.eval_pairs).is_file():
+        pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
+        for d in args.rm:
+            rms[d] = eval_rm(d, pairs, topics, env)
+            print0(f"eval: rm {d} accuracy {rms[d]['overall']['accuracy']:.3f}")
+    policies = {}
+    if Path(args.eval_prompts).is_file():
+        rows = load_prompts(args.eval_prompts)
+        scorer = load_reward_model(args.score_rm, env.device) if find_checkpoint(args.score_rm) else None
+        for name, path in (("before (SFT)", args.policy_before), ("after (GRPO)", args.policy_after)):
+            if find_checkpoint(path) is None and not (Path(path) / "config.json").is_file():
+                print0(f"eval: no policy at {path}, skipped")
+                continue
+            policies[name] = eval_policy(path, rows, scorer, args, env, autocast)
+            if env.is_main:
+                print0(f"eval: {name} task accuracy sampled {fmt(policies[name]['task_accuracy_sampled'])}, "
+                       f"rm score sampled {fmt(policies[name]['rm_score_sampled'])}")
+    if not rms and not policies:
+        raise InputError("nothing to evaluate: no reward model with eval pairs, no policy with eval prompts "
+                         "(run the earlier stages, or pass --rm/--policy_after/--eval_pairs/--eval_prompts)",
+                         path=str(base))
+    if env.is_main:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        timings_file = base / "timings.tsv"
+        timings = [(n, float(s)) for n, s in (line.split("\t") for line in timings_file.read_text().splitlines()
+                                             if line.strip())] if timings_file.is_file() else []
+        plots = plot_curves(base, out.parent)
+        out.with_suffix(".json").write_text(json.dumps({"reward_models": rms, "policies": policies,
+                                                        "timings_s": dict(timings)}, indent=1))
+        out.write_text(write_report(args, rms, policies, timings, plots))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace, env: DistEnv) -> None:
+        print0(f"report: {evaluate(args, env)}")
+
+    return run_script(parse_args(argv), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

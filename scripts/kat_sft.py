@@ -1,0 +1,139 @@
+"""Supervised fine-tuning of a chat model on conversations: next-token loss on the last assistant
+reply, averaged over the reply tokens of the global batch. The demo pipeline uses it to make the
+tiny policy that RM and GRPO start from; it works on any nanochat or local HF checkpoint.
+
+    python -m scripts.kat_sft --backbone BASE_CKPT --conversations convs.jsonl
+    torchrun --standalone --nproc_per_node=2 -m scripts.kat_sft -- --backbone ... --conversations ...
+
+Conversations: JSONL {"messages": [{"role": "user", ...}, ..., {"role": "assistant", ...}]}.
+The model is saved as a nanochat checkpoint (HF models as a model_<unix>/ dir); the last line
+printed on success names it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
+from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+                              run_script, script_argv)
+from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
+from nanochat_ext.errors import InputError
+from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
+from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.tracking import Tracker
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kat_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("inputs")
+    g.add_argument("--backbone", required=True, help="model to fine-tune: nanochat checkpoint dir/file or local HF dir")
+    g.add_argument("--tokenizer", default=None, help="default: found beside the backbone, else $NANOCHAT_BASE_DIR/tokenizer")
+    g.add_argument("--conversations", required=True, help="JSONL {messages: [...]} ending with the reply to learn")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--batch_size", type=int, default=32, help="GLOBAL conversations per step (default: %(default)s)")
+    g.add_argument("--device_batch_size", type=int, default=None, help="conversations per forward on each rank")
+    g.add_argument("--max_steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
+    g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--warmup_steps", type=int, default=10)
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max_len", type=int, default=None, help="tokens per conversation (default: the model's context)")
+    g.add_argument("--log_every", type=int, default=20, help="log train metrics every N steps")
+    add_output_args(p, "chatsft_checkpoints", tag_help="'default'")
+    add_runtime_args(p)
+    add_dashed_aliases(p)
+    return p.parse_args(script_argv(argv))
+
+
+def train(args: argparse.Namespace, env: DistEnv) -> Path:
+    seed_everything(args.seed)
+    out_dir, log_dir = output_dirs(args, "chatsft_checkpoints", default_tag="default")
+    conversations = load_conversations(args.conversations)
+    plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
+    loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
+    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    model_bb = load_backbone(resume[0] if resume else args.backbone, env.device)
+    tok = load_tokenizer_for(model_bb, args.tokenizer)
+    max_len = args.max_len or model_bb.max_seq_len
+    if max_len > model_bb.max_seq_len:
+        raise InputError(f"--max_len {max_len} exceeds the model's context of {model_bb.max_seq_len}")
+    raise_if_any(check_writable(out_dir) if env.is_main else None)
+
+    # (prompt ids, reply ids) per conversation, cut like the RM's pairs: prompt left, reply right.
+    examples = []
+    for prompt, reply, _ in conversations:
+        p, r = tok.render_prompt(prompt), tok.render_response(reply)
+        ids = truncate(p, r, max_len, tok.bos_id)
+        n_prompt = min(len(p), len(ids) - 1)
+        examples.append((ids[:n_prompt], ids[n_prompt:]))
+    print0(f"data: {len(examples)} conversations from {args.conversations}; {loader.steps_per_epoch} steps per epoch")
+
+    model_bb.set_trainable("all")
+    model = CompletionLogprobs(model_bb)
+    ddp_model = wrap_ddp(model, env)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
+    start_step = 0
+    if resume is not None:
+        state = torch.load(resume[2], map_location="cpu", weights_only=False)
+        check_resume_args(state["args"], args, ("batch_size", "seed", "max_len"), resume[0])
+        optimizer.load_state_dict(state["optimizer"])
+        start_step = int(state["step"])
+        print0(f"resume: from {resume[0]} at step {start_step}")
+    autocast = precision(args.dtype, env.device)
+
+    def save(step: int, metrics: dict) -> Path:
+        def write(stamp: int) -> Path:
+            meta = {"kind": "sft", "stamp": stamp, "step": step, "source": str(Path(args.backbone).resolve()),
+                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
+            return model_bb.save(out_dir, stamp, meta, tok, {"step": step, "optimizer": optimizer.state_dict(),
+                                                              "args": vars(args)})
+
+        return save_synced(out_dir, trainable, write)
+
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft")
+    window = torch.zeros(3, dtype=torch.float64)  # loss, tokens, steps
+    t0, metrics = time.time(), {}
+    for step in range(start_step, args.max_steps):
+        mine = [i for mb in loader.micro_batches(step) for i in mb]
+        batch = make_sequences([examples[i][0] for i in mine], [examples[i][1] for i in mine], 1, tok.pad_id)
+        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        window[:2] += sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
+        window[2] += 1
+        torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        tracker.advance()
+        done = step + 1
+        if done % args.log_every == 0 or done == args.max_steps:
+            s = all_reduce_sum(window.clone())
+            metrics = {"train/loss": s[0].item() / window[2].item(), "train/lr": lr,
+                       "perf/tokens_per_s": s[1].item() / (time.time() - t0)}
+            tracker.log(done, metrics)
+            window.zero_()
+            t0 = time.time()
+        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+            print0(f"checkpoint: {save(done, metrics)}")
+    tracker.close()
+    return save(args.max_steps, metrics)
+
+
+def main(argv: list[str] | None = None) -> int:
+    def body(args: argparse.Namespace, env: DistEnv) -> None:
+        print0(f"checkpoint: {train(args, env)}")
+
+    return run_script(parse_args(argv), body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""speedrun.sh end to end with tiny settings: every stage runs, a re-run skips them all, an interrupted
+stage resumes, and a missing artifact stops the pipeline with a message."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+from conftest import REPO
+
+TINY = {"NPROC_PER_NODE": "2", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS": "4", "EVAL_SAMPLES": "2",
+        "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
+
+
+def speedrun(base, **env) -> subprocess.CompletedProcess:
+    full = {**os.environ, **TINY, "NANOCHAT_BASE_DIR": str(base), **env}
+    return subprocess.run(["bash", str(REPO / "speedrun.sh")], env=full, capture_output=True, text=True, timeout=600)
+
+
+def test_speedrun_end_to_end_skip_and_resume(tmp_path):
+    base = tmp_path / "base"
+    first = speedrun(base)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "eval"):
+        assert f"== {stage}" in first.stdout
+    report = json.loads((base / "report.json").read_text())
+    assert set(report["policies"]) == {"before (SFT)", "after (GRPO)"}
+    assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
+    assert "rare topics" in report["reward_models"][str(base / "rm_checkpoints" / "uniform")]
+    md = (base / "report.md").read_text()
+    assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (base / "grpo_uniform.png").is_file()
+
+    # Everything present: every stage is skipped.
+    again = speedrun(base)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert again.stdout.count(": skipped") == 7, again.stdout  # demo, sft, density, 2 RMs, GRPO, eval
+
+    # GRPO "killed" after its step-2 checkpoint: the re-run resumes it and finishes the pipeline.
+    grpo = base / "grpo_checkpoints" / "uniform"
+    (grpo / ".complete").unlink()
+    stamps = sorted(int(p.stem.split("_")[1]) for p in grpo.glob("model_*.pt"))
+    for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
+        (grpo / name).unlink()
+    resumed = speedrun(base, GRPO_STEPS="4")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "== grpo_uniform (2 ranks), resuming" in resumed.stdout and "resume: from" in resumed.stdout
+    assert "== sft: skipped" in resumed.stdout and "== eval (2 ranks)" in resumed.stdout
+
+
+def test_missing_data_stops_the_pipeline(tmp_path):
+    empty = tmp_path / "pairs.jsonl"
+    empty.write_text("")
+    proc = speedrun(tmp_path / "base", BACKBONE=str(tmp_path / "nope"), PAIRS=str(empty))
+    assert proc.returncode != 0
+    assert "pairs.jsonl is missing or empty" in proc.stderr

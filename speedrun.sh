@@ -5,10 +5,11 @@
 # (FORCE=1 re-runs everything); an interrupted one resumes from its last checkpoint, so re-running
 # after a crash or Ctrl-C finishes the pipeline with no cleanup.
 #
-#   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~10 min on 2 CPU cores
+#   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~4 min on 2 CPU cores
 #   BACKBONE=/path/sft_ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
+# EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
 # DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -34,16 +35,18 @@ record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest 
     mv "$B/timings.tsv.tmp" "$B/timings.tsv"
 }
 skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
-# train NAME DIR SCRIPT ARGS...: skipped when DIR/.complete exists, resumed when DIR has a checkpoint.
+# train NAME NEEDS DIR SCRIPT ARGS...: skipped when DIR/.complete exists, resumed when DIR has a
+# checkpoint; on failure says what the stage needed and which stage makes it.
 train() {
-    local name=$1 dir=$2 script=$3; shift 3
+    local name=$1 needs=$2 dir=$3 script=$4; shift 4
     if skip "$dir/.complete"; then echo "== $name: skipped (done: $dir)"; return; fi
     local resume=()
     if [ "$FORCE" != 1 ] && ls "$dir"/state_*.pt >/dev/null 2>&1; then resume=(--resume latest); fi
     [ "$FORCE" = 1 ] && rm -rf "$dir"
     echo "== $name ($NPROC_PER_NODE ranks)${resume:+, resuming}"
     local s=$SECONDS
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" --out "$dir" "${resume[@]}"
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" --out "$dir" "${resume[@]}" ||
+        { echo "speedrun: stage $name failed (see the error above); it needs $needs" >&2; exit 1; }
     touch "$dir/.complete"
     record_time "$name" $((SECONDS - s))
 }
@@ -58,7 +61,7 @@ if [ -z "${BACKBONE:-}" ] || [ -z "${PAIRS:-}" ]; then
     TOKENIZER="$B/tokenizer"
     PAIRS="$B/demo/pairs.jsonl"
     PROMPTS="$B/demo/prompts.jsonl"
-    train sft "$B/chatsft_checkpoints/default" scripts.kat_sft --backbone "$B/base_checkpoints/demo" \
+    train sft "the base model and demo/sft.jsonl, made by demo_data" "$B/chatsft_checkpoints/default" scripts.kat_sft --backbone "$B/base_checkpoints/demo" \
         --tokenizer "$TOKENIZER" --conversations "$B/demo/sft.jsonl" --max_steps "$SFT_STEPS" --batch_size 32 \
         --lr 3e-3 --save_every 100 --seed "$SEED"
     BACKBONE="$B/chatsft_checkpoints/default"
@@ -76,27 +79,34 @@ if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
     echo "== density ($NPROC_PER_NODE ranks)"; s=$SECONDS
     mkdir -p "$B/density"
     torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_compute_density -- \
-        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS"
+        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS" ||
+        { echo "speedrun: stage density failed; it needs a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) and pairs ($PAIRS)" >&2; exit 1; }
     record_time density $((SECONDS - s))
 fi
 RM_ARGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
          --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
-train rm_uniform "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_ARGS[@]}"
-train rm_density "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$WEIGHTS"
+NEEDS_RM="a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) with its tokenizer, and pairs ($PAIRS)"
+train rm_uniform "$NEEDS_RM" "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_ARGS[@]}"
+train rm_density "$NEEDS_RM and density weights (made by the density stage)" "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$WEIGHTS"
 GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --rm "$B/rm_checkpoints/$GRPO_TAG" --prompts "$PROMPTS"
            --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
            --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
 [ "${DENSITY:-0}" = 1 ] && GRPO_ARGS+=(--density "$WEIGHTS")
-train "grpo_$GRPO_TAG" "$B/grpo_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
+train "grpo_$GRPO_TAG" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$GRPO_TAG (made by the rm_$GRPO_TAG stage)" \
+    "$B/grpo_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
 
 # ---- evaluation report ---------------------------------------------------------------------------
 if skip "$B/report.md" && [ "$B/report.md" -nt "$B/grpo_checkpoints/$GRPO_TAG/.complete" ]; then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
-    EVAL=(--seed "$SEED" --policy_after "$B/grpo_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
+    # Held-out sets: the demo's, or EVAL_PAIRS / EVAL_PROMPTS (default: the training files, not held out).
+    EVAL_PAIRS="${EVAL_PAIRS:-$([ -f "$B/demo/eval_pairs.jsonl" ] && echo "$B/demo/eval_pairs.jsonl" || echo "$PAIRS")}"
+    EVAL_PROMPTS="${EVAL_PROMPTS:-$([ -f "$B/demo/eval_prompts.jsonl" ] && echo "$B/demo/eval_prompts.jsonl" || echo "$PROMPTS")}"
+    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" --policy_after "$B/grpo_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}"
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}" ||
+        { echo "speedrun: stage eval failed; it needs the reward models, the GRPO policy and held-out data" >&2; exit 1; }
     record_time eval $((SECONDS - s))
 fi
 

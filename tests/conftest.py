@@ -29,18 +29,6 @@ def assets(tmp_path_factory) -> dict[str, Path]:
             "gpt_small_vocab": d / "gpt_small_vocab", "hf": d / "hf", "pairs": d / "pairs.jsonl"}
 
 
-# torchrun picks a free port for its workers, releases it, and binds it later: another process can take
-# it in between. Such a launch failure (and only that) is retried once; any other failure stands.
-PORT_RACE = ("EADDRINUSE", "address already in use", "DistNetworkError")
-
-
-def run_launch(cmd: list[str], env: dict, timeout: float, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0 and any(s.lower() in (proc.stderr + proc.stdout).lower() for s in PORT_RACE):
-        proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return proc
-
-
 def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
                timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `python -m scripts.X` (nproc 1) or `torchrun --standalone --nproc_per_node N -m scripts.X --`."""
@@ -50,7 +38,7 @@ def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = 
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", module, "--", *args]
-    return run_launch(cmd, full_env, timeout)
+    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
 def run_worker(worker: str, assets: dict, nproc: int, n_micro: int, out: Path) -> dict:
@@ -59,6 +47,7 @@ def run_worker(worker: str, assets: dict, nproc: int, n_micro: int, out: Path) -
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
-    proc = run_launch([*launcher, path, str(assets["dir"]), str(n_micro), str(out)], env, 300)
+    proc = subprocess.run([*launcher, path, str(assets["dir"]), str(n_micro), str(out)], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return torch.load(out, weights_only=True)

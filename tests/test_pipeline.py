@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 
-from conftest import REPO, run_launch
+from conftest import REPO
 
 TINY = {"NPROC_PER_NODE": "2", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS": "4", "EVAL_SAMPLES": "2",
         "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
@@ -14,7 +14,7 @@ TINY = {"NPROC_PER_NODE": "2", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS"
 
 def speedrun(base, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, **TINY, "NANOCHAT_BASE_DIR": str(base), **env}
-    return run_launch(["bash", str(REPO / "speedrun.sh")], full, 600)
+    return subprocess.run(["bash", str(REPO / "speedrun.sh")], env=full, capture_output=True, text=True, timeout=600)
 
 
 def test_speedrun_end_to_end_skip_and_resume(tmp_path):

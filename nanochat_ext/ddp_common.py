@@ -100,7 +100,14 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
     env = init_dist(device, backend, timeout_s)
     try:
         yield env
+        barrier()
+    except InputError:
+        barrier()  # bad input is raised on every rank (validation is collective), so all get here
+        raise
     finally:
+        # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
+        # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
+        # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
         destroy_dist()
 
 

@@ -28,9 +28,9 @@ class Backbone(nn.Module):
     says whether the model is one of ours (GPT, Llama) or a transformers module.
     """
 
-    def __init__(self, kind: str, model: nn.Module, source: str, meta: dict | None = None, hf_config=None):
+    def __init__(self, kind: str, model: nn.Module, source: str, hf_config=None):
         super().__init__()
-        self.kind, self.source, self.meta = kind, source, meta or {}
+        self.kind, self.source = kind, source
         self.model = model
         self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
         self.native = isinstance(model, (GPT, Llama))
@@ -175,7 +175,7 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
         except RuntimeError as e:
             raise InputError(f"state dict does not fit a nanochat GPT: {str(e).splitlines()[0]}",
                              path=str(model_file)) from None
-        return Backbone("nanochat", model.to(device), str(model_file), meta).eval()
+        return Backbone("nanochat", model.to(device), str(model_file)).eval()
     if p.is_dir() and (p / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 

@@ -72,12 +72,15 @@ def script_argv(argv: list[str] | None) -> list[str]:
     return argv[1:] if argv[:1] == ["--"] else argv
 
 
-def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, DistEnv], None]) -> int:
-    """Run body(args, env) inside a process-group session that is always torn down. InputError:
-    rank 0 prints `error: ...` to stderr and every rank exits with EXIT_BAD_INPUT."""
+def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, DistEnv], Path], label: str) -> int:
+    """Run body(args, env) inside a process-group session that is always torn down; rank 0 prints
+    `<label>: <path returned>` as the last line. InputError: rank 0 prints `error: ...` to stderr and
+    every rank exits with EXIT_BAD_INPUT."""
     try:
         with dist_session(args.device, args.backend, args.dist_timeout) as env:
-            body(args, env)
+            result = body(args, env)
+            if env.is_main:
+                print(f"{label}: {result}", flush=True)
     except InputError as e:
         if detect_launcher()[1] == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)

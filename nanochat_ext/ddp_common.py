@@ -147,11 +147,6 @@ def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
     return all_reduce_sum(t).item()
 
 
-def all_reduce_mean(x: torch.Tensor | float) -> torch.Tensor | float:
-    out = all_reduce_sum(x)
-    return out / get_world_size()
-
-
 def all_reduce_max(x: float) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64, device=_collective_device())
     if _is_dist():

@@ -64,16 +64,17 @@ def embed(backbone, prompts: list[list[int]], batch: int, pad_id: int, autocast)
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def knn_weights(emb: torch.Tensor, k: int, chunk: int = 2048) -> torch.Tensor:
-    """Mean distance to the k nearest other points, by chunks of rows (never an N x N matrix at once)."""
-    n = emb.size(0)
-    k = min(k, n - 1)
-    out = torch.empty(n)
-    for a in range(0, n, chunk):
-        d = torch.cdist(emb[a:a + chunk], emb)
-        d[torch.arange(d.size(0)), torch.arange(a, a + d.size(0))] = float("inf")  # not its own neighbour
-        out[a:a + chunk] = d.topk(k, dim=1, largest=False).values.mean(1)
-    return out
+def knn_distances(emb: torch.Tensor, rows: list[int], k: int, chunk: int = 2048) -> torch.Tensor:
+    """Mean distance from each of `rows` to its k nearest other points, by chunks of rows (never an
+    N x N matrix at once)."""
+    k = min(k, emb.size(0) - 1)
+    out = []
+    for a in range(0, len(rows), chunk):
+        idx = torch.tensor(rows[a:a + chunk], dtype=torch.long)
+        d = torch.cdist(emb[idx], emb)
+        d[torch.arange(len(idx)), idx] = float("inf")  # not its own neighbour
+        out.append(d.topk(k, dim=1, largest=False).values.mean(1))
+    return torch.cat(out) if out else torch.zeros(0)
 
 
 def compute(args: argparse.Namespace, env: DistEnv) -> Path:
@@ -102,7 +103,10 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
     if mine:
         emb[mine] = mine_emb
     emb = all_reduce_sum(emb)  # every rank filled its own rows
-    dist = knn_weights(emb, args.k)
+    dist = torch.zeros(len(ids))
+    if mine:
+        dist[mine] = knn_distances(emb, mine, args.k)  # each rank its own rows again
+    dist = all_reduce_sum(dist)
     weights = dist / dist.mean()
     if args.cap is not None:
         weights = weights.clamp(max=args.cap)
@@ -118,11 +122,7 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def body(args: argparse.Namespace, env: DistEnv) -> None:
-        print0(f"weights: {compute(args, env)}")
-
-    return run_script(parse_args(argv), body)
-
+    return run_script(parse_args(argv), compute, "weights")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -251,11 +251,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    def body(args: argparse.Namespace, env: DistEnv) -> None:
-        print0(f"report: {evaluate(args, env)}")
-
-    return run_script(parse_args(argv), body)
-
+    return run_script(parse_args(argv), evaluate, "report")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -357,11 +357,7 @@ def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume
 
 
 def main(argv: list[str] | None = None) -> int:
-    def body(args: argparse.Namespace, env: DistEnv) -> None:
-        print0(f"checkpoint: {train(args, env)}")
-
-    return run_script(parse_args(argv), body)
-
+    return run_script(parse_args(argv), train, "checkpoint")
 
 if __name__ == "__main__":
     sys.exit(main())

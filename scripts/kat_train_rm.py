@@ -216,12 +216,7 @@ def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resu
 
 
 def main(argv: list[str] | None = None) -> int:
-    def body(args: argparse.Namespace, env: DistEnv) -> None:
-        path = train(args, env)
-        print0(f"checkpoint: {path}")
-
-    return run_script(parse_args(argv), body)
-
+    return run_script(parse_args(argv), train, "checkpoint")
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,9 +14,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from nanochat_ext.checkpoint import find_checkpoint, save_checkpoint
+from nanochat_ext.checkpoint import find_checkpoint, incomplete_reason, resolve_model_path, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, config_from_state_dict
+from nanochat_ext.gpt import GPT, gpt_from_checkpoint
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -28,11 +28,16 @@ class Backbone(nn.Module):
     says whether the model is one of ours (GPT, Llama) or a transformers module.
     """
 
-    def __init__(self, kind: str, model: nn.Module, source: str, hf_config=None):
+    def __init__(self, kind: str, model: nn.Module, source: str, hf_config=None,
+                 source_meta: dict | None = None, source_dtypes: dict[str, torch.dtype] | None = None):
         super().__init__()
         self.kind, self.source = kind, source
         self.model = model
         self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
+        # A nanochat checkpoint is saved back in its own layout: its model_config verbatim, each
+        # tensor in the dtype it came in (nanochat's GPU checkpoints keep embeddings in bf16).
+        self.source_meta = source_meta or {}
+        self.source_dtypes = source_dtypes or {}
         self.native = isinstance(model, (GPT, Llama))
         if self.native:
             self.hidden_size = model.config.n_embd if isinstance(model, GPT) else model.config.hidden_size
@@ -42,6 +47,11 @@ class Backbone(nn.Module):
             self.hidden_size = model.config.hidden_size
             self.vocab_size = model.get_input_embeddings().num_embeddings
             self.max_seq_len = getattr(model.config, "max_position_embeddings", 1 << 30)
+
+    @property
+    def vintage(self) -> str | None:
+        """The nanochat vintage this backbone computes as (None for HF models)."""
+        return self.model.config.vintage if isinstance(self.model, GPT) else None
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -128,6 +138,17 @@ class Backbone(nn.Module):
         else:
             cache.batch_repeat_interleave(n)
 
+    @torch.no_grad()
+    def restore(self, train_state: dict, saved: "Backbone | None" = None) -> None:
+        """For --resume: take a saved checkpoint's weights (if given), then the fp32 masters its
+        train state holds where the layout stored a lower precision."""
+        if saved is not None:
+            for p, q in zip(self.parameters(), saved.parameters()):
+                p.copy_(q)
+        own = self.model.state_dict()
+        for k, v in train_state.get("fp32_masters", {}).items():
+            own[k].copy_(v)
+
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, out_dir: str | os.PathLike, stamp: int, meta: dict, tokenizer: TokenizerWrapper,
              train_state: dict | None = None) -> Path:
@@ -135,8 +156,13 @@ class Backbone(nn.Module):
         (model_<stamp>.pt + meta with model_config, tokenizer beside it) or an HF dir model_<stamp>/."""
         if self.kind == "nanochat":
             tokenizer.save(out_dir)
-            meta = {**meta, "model_config": self.model.config.nanochat_dict()}
-            state = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            config = self.source_meta.get("model_config") or self.model.config.nanochat_dict()
+            meta = {**meta, "model_config": config, "nanochat_vintage": self.vintage}
+            full = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            state = {k: v.to(self.source_dtypes.get(k, v.dtype)) for k, v in full.items()}
+            if train_state is not None:  # a resumed run continues from the fp32 masters, not the bf16 copy
+                train_state = {**train_state, "fp32_masters": {k: v for k, v in full.items()
+                                                                if state[k].dtype != v.dtype}}
             return save_checkpoint(out_dir, stamp, state, meta, train_state)
 
         def write_dir(d: Path) -> None:
@@ -153,29 +179,21 @@ class Backbone(nn.Module):
         return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)
 
 
-def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True) -> Backbone:
-    """A nanochat checkpoint (dir: newest model_<N>.pt with its meta; or the .pt file) or an HF dir.
+def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True,
+                  vintage: str | None = None) -> Backbone:
+    """A nanochat checkpoint (a dir: its largest model_<N>.pt with the meta of the same N; a
+    model_<N>.pt file; a checkpoints root such as chatsft_checkpoints/, taking its largest d<N> tag;
+    or the short form base|sft|rl[:tag] under $NANOCHAT_BASE_DIR), or a local HF dir.
+    vintage picks the nanochat vintage where the checkpoint cannot tell (see gpt.VINTAGES).
     native=False keeps transformers' own module even for the Llama family (used to cross-check)."""
-    p = Path(path)
+    p = resolve_model_path(path)
     if not p.exists():
         raise InputError("backbone path does not exist", path=str(p))
     found = find_checkpoint(p)
     if found is not None and found[0].is_dir():  # a policy saved by GRPO as an HF dir
         p = found[0]
     elif found is not None:
-        model_file, meta_file = found
-        meta = json.loads(meta_file.read_text())
-        if "model_config" not in meta:
-            raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
-        state = torch.load(model_file, map_location="cpu", weights_only=True)
-        state = {k.removeprefix("_orig_mod."): v.float() for k, v in state.items()}
-        model = GPT(config_from_state_dict(state, meta["model_config"]))
-        try:
-            model.load_state_dict(state, strict=True)
-        except RuntimeError as e:
-            raise InputError(f"state dict does not fit a nanochat GPT: {str(e).splitlines()[0]}",
-                             path=str(model_file)) from None
-        return Backbone("nanochat", model.to(device), str(model_file)).eval()
+        return _load_nanochat(*found, device, vintage)
     if p.is_dir() and (p / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -186,8 +204,28 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
             model = Llama.from_hf_state_dict(cfg, hf.state_dict())
             return Backbone("hf", model.to(device), str(p), hf_config=hf.config).eval()
         return Backbone("hf", hf.to(device), str(p)).eval()
-    raise InputError("not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat) "
-                     "or config.json (Hugging Face causal LM)", path=str(p))
+    reason = incomplete_reason(p)
+    raise InputError(f"incomplete checkpoint: {reason}" if reason else
+                     "not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat), a checkpoints root "
+                     "with d<N> tags, or config.json (Hugging Face causal LM)", path=str(p))
+
+
+def _load_nanochat(model_file: Path, meta_file: Path, device: torch.device | str, vintage: str | None) -> Backbone:
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"meta is not valid JSON ({e})", path=str(meta_file)) from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
+        raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
+    try:
+        state = torch.load(model_file, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated or foreign file: torch raises many types
+        raise InputError(f"cannot read the checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
+                         path=str(model_file)) from None
+    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
+    dtypes = {k: v.dtype for k, v in state.items()}
+    model = gpt_from_checkpoint({k: v.float() for k, v in state.items()}, meta, vintage, str(model_file))
+    return Backbone("nanochat", model.to(device), str(model_file), source_meta=meta, source_dtypes=dtypes).eval()
 
 
 def quiet_transformers() -> None:
@@ -218,7 +256,11 @@ def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | N
     """Load the tokenizer and check that its ids fit the backbone's embedding table."""
     path = tokenizer_path or default_tokenizer_path(backbone.source)
     tok = TokenizerWrapper.load(path)
-    if tok.vocab_size > backbone.vocab_size:
-        raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone embeds only "
-                         f"{backbone.vocab_size}: they do not belong together", path=tok.source)
+    # nanochat asserts equality (its padded embedding rows beyond vocab_size are never produced);
+    # HF models often embed more rows than their tokenizer uses.
+    fits = tok.vocab_size == backbone.vocab_size if backbone.kind == "nanochat" else tok.vocab_size <= backbone.vocab_size
+    if not fits:
+        rows = backbone.model.transformer.wte.weight.shape[0] if isinstance(backbone.model, GPT) else backbone.vocab_size
+        raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone's vocab_size is {backbone.vocab_size} "
+                         f"({rows} embedding rows): they do not belong together", path=tok.source)
     return tok

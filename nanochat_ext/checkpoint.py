@@ -21,23 +21,84 @@ from nanochat_ext.ddp_common import broadcast_object, check_params_in_sync, get_
 from nanochat_ext.errors import InputError
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
+# nanochat's short names for its checkpoint roots under $NANOCHAT_BASE_DIR (checkpoint_manager.load_model)
+SOURCE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
+_SHORT_RE = re.compile(r"^(base|sft|rl)(?::([^/:]+))?$")
+
+
+def base_dir() -> Path:
+    """$NANOCHAT_BASE_DIR, else nanochat's default ~/.cache/nanochat."""
+    return Path(os.environ.get("NANOCHAT_BASE_DIR") or Path.home() / ".cache" / "nanochat")
 
 
 def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
-    """(model_<N>.pt or model_<N>/, meta_<N>.json) for a model path, or the newest complete pair in a
-    dir; else None."""
+    """(model_<N>.pt or model_<N>/, meta_<N>.json) for a model path, or the complete pair with the
+    largest N in a dir; else None. N is nanochat's zero-padded step (model_000500.pt) or our stamp:
+    the meta is the one with the same digits."""
     p = Path(path)
     m = _MODEL_RE.match(p.name)
     if m and p.exists():
-        meta = p.with_name(f"meta_{m.group(1)}.json") if m else None
-        return (p, meta) if meta is not None and meta.is_file() else None
+        meta = p.with_name(f"meta_{m.group(1)}.json")
+        return (p, meta) if meta.is_file() else None
     if not p.is_dir():
         return None
-    found = sorted((int(m.group(1)), f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
-    for stamp, model in reversed(found):
-        if (p / f"meta_{stamp}.json").is_file():
-            return model, p / f"meta_{stamp}.json"
+    found = sorted((int(m.group(1)), f.name, f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
+    for _, _, model in reversed(found):
+        meta = p / f"meta_{_MODEL_RE.match(model.name).group(1)}.json"
+        if meta.is_file():
+            return model, meta
     return None
+
+
+def incomplete_reason(path: str | os.PathLike) -> str | None:
+    """Why a path that looks like a checkpoint is not a complete one (a model without its meta, or a
+    meta without its model); None when it does not look like one at all."""
+    p = Path(path)
+    if _MODEL_RE.match(p.name) and p.exists():
+        return f"{p.name} has no meta_{_MODEL_RE.match(p.name).group(1)}.json beside it"
+    if not p.is_dir():
+        return None
+    models = sorted(f.name for f in p.iterdir() if _MODEL_RE.match(f.name))
+    metas = sorted(f.name for f in p.iterdir() if re.match(r"^meta_\d+\.json$", f.name))
+    if models:
+        return f"{models[-1]} has no matching meta_<N>.json (metas here: {', '.join(metas) or 'none'})"
+    if metas:
+        return f"{metas[-1]} has no matching model_<N>.pt"
+    return None
+
+
+def largest_model_tag(root: Path) -> str | None:
+    """nanochat's find_largest_model: the largest d<N> subdir, else the most recently modified one."""
+    tags = [d for d in root.iterdir() if d.is_dir()] if root.is_dir() else []
+    depths = [(int(m.group(1)), d.name) for d in tags if (m := re.match(r"^d(\d+)", d.name))]
+    if depths:
+        return max(depths)[1]
+    return max(tags, key=lambda d: d.stat().st_mtime).name if tags else None
+
+
+def resolve_model_path(spec: str | os.PathLike) -> Path:
+    """What nanochat users type, as a path: an existing path as is (a checkpoints root such as
+    chatsft_checkpoints/ resolves to its largest d<N> tag), or `base|sft|rl[:tag]` under
+    $NANOCHAT_BASE_DIR (e.g. sft:d20; without a tag, the largest)."""
+    p = Path(spec)
+    m = _SHORT_RE.match(str(spec))
+    if m and not p.exists():
+        root = base_dir() / SOURCE_DIRS[m.group(1)]
+        tag = m.group(2)
+        if tag is None:
+            tag = largest_model_tag(root)
+            if tag is None:
+                raise InputError(f"'{spec}': no model tags under {root} ($NANOCHAT_BASE_DIR/{SOURCE_DIRS[m.group(1)]})")
+        if not (root / tag).is_dir():
+            have = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
+            raise InputError(f"'{spec}': no checkpoint tag {tag!r} under {root} (tags there: {', '.join(have) or 'none'})")
+        return root / tag
+    if p.is_dir() and find_checkpoint(p) is None and incomplete_reason(p) is None \
+            and not (p / "config.json").is_file():
+        tag = largest_model_tag(p)  # a checkpoints root: chatsft_checkpoints/ -> chatsft_checkpoints/d20
+        if tag is not None and (find_checkpoint(p / tag) is not None or incomplete_reason(p / tag)):
+            return p / tag
+    return p
 
 
 def new_stamp(out_dir: str | os.PathLike) -> int:

@@ -1,23 +1,73 @@
-"""A nanochat-compatible GPT that loads nanochat state dicts.
+"""A nanochat-compatible GPT that loads every checkpoint layout nanochat has written since Oct 2025
+and computes exactly what that nanochat commit computes.
 
-Two generations of nanochat checkpoints are told apart by their state-dict keys:
-- "classic" (Oct 2025, what the density fork trained): rotary, QK norm, relu^2 MLP, functional
-  RMSNorm, untied wte/lm_head, GQA, logit softcap 15.
-- "modern" (2026): the above plus per-layer `resid_lambdas`/`x0_lambdas`, ResFormer value
-  embeddings on alternating layers with a per-head gate (`ve_gate`), sliding-window attention
-  (`window_pattern`) and a vocabulary padded to a multiple of 64.
-Parameter names match nanochat's, so its checkpoints load with strict=True and ours load in nanochat.
+nanochat has no version field: what a checkpoint needs is told apart by its state-dict keys and
+shapes (and, for the one week the keys cannot tell, by the meta or the user). `VINTAGES` below is the
+one place that says what each vintage changed; the model reads its behaviour from it. Parameter
+names match nanochat's, so its checkpoints load with strict=True and ours load in nanochat.
+Verified against nanochat's own forward pass at each vintage (tests/fixtures/nanochat-golden).
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VE_GATE_CHANNELS = 32  # nanochat's value-embedding gate reads the first 32 channels
-SOFTCAP = 15.0
+from nanochat_ext.errors import InputError
+
+NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
+
+
+@dataclass(frozen=True)
+class Vintage:
+    """What one era of nanochat's forward pass computes. Commits are karpathy/nanochat's."""
+    name: str
+    written_by: str  # the commits whose checkpoints have this layout and forward pass
+    lambdas: bool = False  # per-layer resid_lambdas / x0_lambdas
+    windows: bool = False  # sliding-window attention from `window_pattern`
+    short_window_div: int = 2  # S = sequence_len // div (rounded up to 128 when round128)
+    round128: bool = False
+    value_embeds: bool = False  # ResFormer value embeddings on alternating layers, with a per-head gate
+    ve_gate_channels: int = 32
+    ve_gate_scale: float = 2.0  # gate = scale * sigmoid(ve_gate(x[..., :channels]))
+    rotary_base: float = 10000.0
+    rotary_bf16: bool = True  # table kept in bf16 even on CPU (later: the compute dtype, fp32 on CPU)
+    qk_scale: float = 1.0  # q and k multiplied after the QK rms-norm
+    softcap: float = 15.0
+    smear: bool = False  # x[t] += smear_lambda * sigmoid(smear_gate(x[t, :24])) * x[t-1]
+    backout: bool = False  # x -= backout_lambda * (residual after block n_layer // 2) before the final norm
+
+    def short_window(self, sequence_len: int) -> int:
+        w = sequence_len // self.short_window_div
+        return -(-w // 128) * 128 if self.round128 else w
+
+
+_OCT = Vintage("oct2025", "a088b7a..f1bf69d (2025-10-21..2025-12-09; the density fork)")
+_JAN = Vintage("jan2026", "fbc1484..e85db6b (2026-01-11..2026-01-16)", lambdas=True, windows=True)
+_FEB = Vintage("feb2026", "e85db6b..aba30cb (2026-01-16..2026-03-02)", lambdas=True, windows=True,
+               value_embeds=True)
+_MAR_B = Vintage("mar2026b", "6ed7d1d..a825e63 (2026-03-09..2026-03-14)", lambdas=True, windows=True,
+                 short_window_div=3, round128=True, value_embeds=True, ve_gate_channels=12, ve_gate_scale=3.0,
+                 rotary_base=100000.0, rotary_bf16=False, qk_scale=1.15)
+VINTAGES: dict[str, Vintage] = {v.name: v for v in [
+    _OCT,
+    # Same forward pass; wte/lm_head rows padded to a multiple of 64, logits sliced back to vocab_size.
+    Vintage("dec2025", "f1bf69d..fbc1484 (2025-12-09..2026-01-11)"),
+    _JAN,
+    _FEB,
+    # Softcap 20; from 1076f97 dtypes follow COMPUTE_DTYPE (fp32 on CPU, the rotary table included).
+    Vintage("mar2026a", "aba30cb..6ed7d1d (2026-03-02..2026-03-09)", lambdas=True, windows=True,
+            value_embeds=True, rotary_bf16=False, softcap=20.0),
+    _MAR_B,
+    Vintage("current", "a825e63..today (2026-03-14..)", lambdas=True, windows=True, short_window_div=4,
+            round128=True, value_embeds=True, ve_gate_channels=12, ve_gate_scale=3.0, rotary_base=100000.0,
+            rotary_bf16=False, qk_scale=1.2, smear=True, backout=True),
+]}
+SMEAR_CHANNELS = 24
+VINTAGE_FLAG = "--nanochat_vintage"
 
 
 @dataclass
@@ -28,8 +78,8 @@ class GPTConfig:
     n_head: int = 6
     n_kv_head: int = 6
     n_embd: int = 768
-    window_pattern: str = "L"  # "L" full context, "S" half context, tiled over layers; last layer L
-    modern: bool = False  # resid/x0 lambdas + value embeddings (2026 nanochat)
+    window_pattern: str = "L"  # tiled over layers, last layer L; nanochat's loader patches a missing one to "L"
+    vintage: str = "current"
     padded_vocab_size: int = 0  # rows of wte/lm_head; 0 -> vocab_size
 
     @classmethod
@@ -37,11 +87,16 @@ class GPTConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
+    @property
+    def v(self) -> Vintage:
+        return VINTAGES[self.vintage]
+
     def nanochat_dict(self) -> dict:
-        """The `model_config` nanochat's own GPTConfig(**...) accepts (our extra fields left out)."""
-        keys = ["sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd"]
-        d = {k: v for k, v in asdict(self).items() if k in keys}
-        if self.modern:
+        """A `model_config` that vintage's GPTConfig(**...) accepts (for models we create ourselves;
+        a loaded checkpoint's own model_config is saved back verbatim)."""
+        d = {"sequence_len": self.sequence_len, "vocab_size": self.vocab_size, "n_layer": self.n_layer,
+             "n_head": self.n_head, "n_kv_head": self.n_kv_head, "n_embd": self.n_embd}
+        if self.v.windows:
             d["window_pattern"] = self.window_pattern
         return d
 
@@ -61,6 +116,22 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     return torch.cat([x1 * cos + x2 * sin, x1 * (-sin) + x2 * cos], 3).to(x.dtype)
 
 
+def row_positions(key_mask: torch.Tensor | None, T0: int, T: int) -> torch.Tensor | None:
+    """Positions (B, T) of the T tokens after T0 cached ones, counting only real tokens, so that a
+    left-padded row's first real token sits at position 0 and the row computes exactly what it would
+    unpadded. None when there is no padding: every row is at T0..T0+T-1."""
+    if key_mask is None:
+        return None
+    return (key_mask.long().cumsum(-1)[:, T0:T0 + T] - 1).clamp(min=0)
+
+
+def rotary_slice(table: torch.Tensor, positions: torch.Tensor | None, T0: int, T: int) -> torch.Tensor:
+    """Rows of a (L, D) rotary table for the new tokens: (1, T, D) shared, or (B, T, D) per row."""
+    if positions is None:
+        return table[T0:T0 + T][None]
+    return table[positions]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query."""
     gqa = q.size(1) != k.size(1)
@@ -72,14 +143,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
+        self.v = config.v
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
         self.head_dim = config.n_embd // config.n_head
         self.c_q = nn.Linear(config.n_embd, self.n_head * self.head_dim, bias=False)
         self.c_k = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_v = nn.Linear(config.n_embd, self.n_kv_head * self.head_dim, bias=False)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=False)
-        use_gate = config.modern and has_ve(layer_idx, config.n_layer)
-        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, self.n_kv_head, bias=False) if use_gate else None
+        use_gate = self.v.value_embeds and has_ve(layer_idx, config.n_layer)
+        self.ve_gate = nn.Linear(self.v.ve_gate_channels, self.n_kv_head, bias=False) if use_gate else None
 
     def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, layer_idx=0):
         B, T, _ = x.shape
@@ -87,11 +159,13 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))  # (B, T, n_kv_head) in (0, 2)
+            gate = self.v.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.v.ve_gate_channels]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
         q, k = norm(q), norm(k)
+        if self.v.qk_scale != 1.0:
+            q, k = q * self.v.qk_scale, k * self.v.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
@@ -113,7 +187,9 @@ def attn_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor 
                device: torch.device) -> list[torch.Tensor | None]:
     """Per-layer boolean masks for queries at positions T0..T0+T-1 over keys 0..T0+T-1. None means no
     mask is needed: causal attention over the whole sequence (T0 == 0) or one new token seeing every
-    cached key (T == 1), with no padding and a window that covers it all (see `attend`)."""
+    cached key (T == 1), with no padding and a window that covers it all (see `attend`).
+    Left padding is contiguous, so distances between a row's real tokens are the same in cache
+    indices as in positions and one window rule serves padded and unpadded rows."""
     Tk = T0 + T
     masks, cache = [], {}
     for w in window_sizes:
@@ -146,13 +222,15 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys/values of every layer for a batch being decoded: (n_layer, B, n_kv_head, max_len, head_dim)."""
+    """Keys/values of every layer for a batch being decoded: (n_layer, B, n_kv_head, max_len, head_dim),
+    plus the last token's embedding for the smear of the next one."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, device, dtype):
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # tokens already cached
+        self.prev_embedding: torch.Tensor | None = None  # (B, 1, n_embd), smear vintages only
 
     def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         end = self.pos + k.size(2)
@@ -168,54 +246,74 @@ class KVCache:
         """Each row becomes n rows: a prompt prefilled once serves its n samples."""
         self.k = self.k.repeat_interleave(n, dim=1)
         self.v = self.v.repeat_interleave(n, dim=1)
+        if self.prev_embedding is not None:
+            self.prev_embedding = self.prev_embedding.repeat_interleave(n, dim=0)
 
 
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
+        if config.vintage not in VINTAGES:
+            raise ValueError(f"unknown nanochat vintage {config.vintage!r}; known: {', '.join(VINTAGES)}")
         self.config = config
+        v = config.v
         vocab_rows = config.padded_vocab_size or config.vocab_size
         self.transformer = nn.ModuleDict({
             "wte": nn.Embedding(vocab_rows, config.n_embd),
             "h": nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
         })
         self.lm_head = nn.Linear(config.n_embd, vocab_rows, bias=False)
-        if config.modern:
-            kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
+        if v.lambdas:
             self.resid_lambdas = nn.Parameter(torch.ones(config.n_layer))
             self.x0_lambdas = nn.Parameter(torch.zeros(config.n_layer))
+        if v.smear:
+            self.smear_gate = nn.Linear(SMEAR_CHANNELS, 1, bias=False)
+            self.smear_lambda = nn.Parameter(torch.zeros(1))
+        if v.backout:
+            self.backout_lambda = nn.Parameter(0.2 * torch.ones(1))
+        if v.value_embeds:
+            kv_dim = config.n_kv_head * (config.n_embd // config.n_head)
             self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_rows, kv_dim)
                                                for i in range(config.n_layer) if has_ve(i, config.n_layer)})
         self.window_sizes = self._window_sizes(config)
-        cos, sin = self._rotary(config.sequence_len * 10, config.n_embd // config.n_head)
-        self.register_buffer("cos", cos, persistent=False)
+        cos, sin = self._rotary(config.sequence_len * 10, config.n_embd // config.n_head, v.rotary_base)
+        self.register_buffer("cos", cos, persistent=False)  # (10 * sequence_len, head_dim / 2), fp32
         self.register_buffer("sin", sin, persistent=False)
 
     @staticmethod
     def _window_sizes(config: GPTConfig) -> list[int]:
+        if not config.v.windows:
+            return [NO_WINDOW] * config.n_layer
         pattern = config.window_pattern.upper()
         if not pattern or any(c not in "SL" for c in pattern):
             raise ValueError(f"window_pattern must use only S and L, got {config.window_pattern!r}")
-        sizes = [config.sequence_len // 2 if pattern[i % len(pattern)] == "S" else config.sequence_len
-                 for i in range(config.n_layer)]
+        short = config.v.short_window(config.sequence_len)
+        sizes = [short if pattern[i % len(pattern)] == "S" else config.sequence_len for i in range(config.n_layer)]
         sizes[-1] = config.sequence_len
         return sizes
 
     @staticmethod
-    def _rotary(seq_len: int, head_dim: int, base: float = 10000.0):
+    def _rotary(seq_len: int, head_dim: int, base: float):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-        # nanochat keeps the tables in bf16; matching it keeps logits identical to nanochat's.
-        return freqs.cos().bfloat16()[None, :, None, :], freqs.sin().bfloat16()[None, :, None, :]
+        return freqs.cos(), freqs.sin()
+
+    def _rotary_dtype(self, device: torch.device) -> torch.dtype:
+        # Oct 2025 .. Feb 2026 keep the table in bf16 everywhere; later nanochat uses its compute dtype
+        # (bf16 on CUDA, fp32 on CPU). Matching it is worth ~1e-2 in the logits.
+        return torch.bfloat16 if self.config.v.rotary_bf16 or device.type == "cuda" else torch.float32
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
-        """nanochat-style init (used for tiny test/demo models; real ones come from checkpoints)."""
+        """Random init for tiny test/demo models (real ones come from checkpoints). Every parameter,
+        gates and scalars included, gets a non-trivial value, so each one matters to the output."""
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         n = self.config.n_embd
         s = 3 ** 0.5 * n ** -0.5
-        for p in [self.transformer.wte.weight] + ([e.weight for e in self.value_embeds.values()]
-                                                   if self.config.modern else []):
+        embeddings = [self.transformer.wte.weight]
+        if self.config.v.value_embeds:
+            embeddings += [e.weight for e in self.value_embeds.values()]
+        for p in embeddings:
             p.normal_(0.0, 1.0, generator=g)
         self.lm_head.weight.normal_(0.0, 0.02, generator=g)
         for block in self.transformer.h:
@@ -224,28 +322,58 @@ class GPT(nn.Module):
                 lin.weight.uniform_(-s, s, generator=g)
             if block.attn.ve_gate is not None:
                 block.attn.ve_gate.weight.uniform_(-s, s, generator=g)
-        if self.config.modern:
+        if self.config.v.lambdas:
             self.resid_lambdas.fill_(1.0)
             self.x0_lambdas.fill_(0.1)
+        if self.config.v.smear:
+            self.smear_gate.weight.uniform_(-s, s, generator=g)
+            self.smear_lambda.fill_(0.5)
+        if self.config.v.backout:
+            self.backout_lambda.fill_(0.2)
+
+    def _smear(self, x: torch.Tensor, positions: torch.Tensor | None, kv_cache: KVCache | None) -> torch.Tensor:
+        """Mix the previous token's normed embedding into each token that has one (position >= 1)."""
+        prev = kv_cache.prev_embedding if kv_cache is not None else None
+        if kv_cache is not None:
+            kv_cache.prev_embedding = x[:, -1:]
+        if x.size(1) > 1:
+            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+            if positions is not None:  # a left-padded row's first real token has no predecessor
+                gate = gate * (positions[:, 1:, None] > 0)
+            return torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
+        if prev is not None:  # one decoded token: its predecessor's embedding is in the cache
+            return x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * prev
+        return x
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                       kv_cache: KVCache | None = None) -> torch.Tensor:
         """Final-normed hidden states (B, T, n_embd) of `idx`, which continues the cache if one is given.
-        key_mask (B, cached + T) marks real tokens (False: left padding). Right padding needs no mask."""
+        key_mask (B, cached + T) marks real tokens (False: left padding); each row then counts its
+        positions from its own first real token. Right padding needs no mask."""
         B, T = idx.shape
+        v = self.config.v
         T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(1):
-            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(1)})")
-        cos_sin = self.cos[:, T0:T0 + T], self.sin[:, T0:T0 + T]
+        if T0 + T > self.cos.size(0):
+            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(0)})")
+        positions = row_positions(key_mask, T0, T)
+        dtype = self._rotary_dtype(idx.device)
+        cos_sin = tuple(rotary_slice(t, positions, T0, T).to(dtype)[:, :, None, :] for t in (self.cos, self.sin))
         masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
         x = norm(self.transformer.wte(idx))
-        x0 = x
+        if v.smear:
+            x = self._smear(x, positions, kv_cache)
+        x0, x_backout = x, None
         for i, block in enumerate(self.transformer.h):
             ve = None
-            if self.config.modern:
+            if v.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
-                ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            if v.value_embeds and str(i) in self.value_embeds:
+                ve = self.value_embeds[str(i)](idx)
             x = block(x, ve, cos_sin, masks[i], kv_cache)
+            if v.backout and i == self.config.n_layer // 2:
+                x_backout = x
+        if x_backout is not None:
+            x = x - self.backout_lambda * x_backout
         return norm(x)
 
     @property
@@ -263,18 +391,115 @@ class GPT(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)[..., :self.config.vocab_size].float()
-        return SOFTCAP * torch.tanh(logits / SOFTCAP)
+        cap = self.config.v.softcap
+        return cap * torch.tanh(logits / cap)
 
     def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         return self.logits(self.hidden_states(idx, key_mask, kv_cache))
 
 
-def config_from_state_dict(state: dict[str, torch.Tensor], meta_config: dict) -> GPTConfig:
-    """The checkpoint's `model_config`, completed with what only the weights say (generation, padding)."""
-    cfg = GPTConfig.from_dict(meta_config)
-    cfg.modern = "resid_lambdas" in state
-    cfg.padded_vocab_size = state["transformer.wte.weight"].shape[0]
-    if "window_pattern" not in meta_config:
-        cfg.window_pattern = "SSSL" if cfg.modern else "L"  # each generation's default
-    return cfg
+# ---- telling vintages apart ---------------------------------------------------------------------
+def layout_candidates(state: dict[str, torch.Tensor], vocab_size: int) -> list[str]:
+    """The vintages whose state-dict layout this is (all but the softcap-20 week are unique)."""
+    gates = [v for k, v in state.items() if k.endswith("attn.ve_gate.weight")]
+    if "smear_gate.weight" in state or "backout_lambda" in state:
+        return ["current"]
+    if gates and gates[0].shape[-1] == 12:
+        return ["mar2026b"]
+    if any(k.startswith("value_embeds.") for k in state):
+        return ["feb2026", "mar2026a"]
+    if "resid_lambdas" in state:
+        return ["jan2026"]
+    wte = state.get("transformer.wte.weight")
+    return ["dec2025"] if wte is not None and wte.shape[0] != vocab_size else ["oct2025"]
+
+
+def vintage_from_meta(meta: dict) -> str | None:
+    """What a meta says about the vintage: ours records it; nanochat's says it only indirectly.
+    chat_sft's `--dtype`/`--dry-run` were removed on 2026-02-16 and base_train's `--fp8` added on
+    2026-02-03, both before the softcap-20 week began (aba30cb, 2026-03-02)."""
+    if meta.get("nanochat_vintage"):
+        return meta["nanochat_vintage"]
+    user_config = meta.get("user_config") or {}
+    if "dtype" in user_config or "dry_run" in user_config:  # chat_sft before 2026-02-16
+        return "feb2026"
+    if "depth" in user_config and "fp8" not in user_config:  # base_train before 2026-02-03
+        return "feb2026"
+    return None
+
+
+def pick_vintage(state: dict[str, torch.Tensor], meta: dict, requested: str | None, path: str) -> str:
+    """The vintage to run a checkpoint as: the user's choice, else the only one its layout fits, else
+    what the meta says; never a guess."""
+    vocab_size = int(meta["model_config"].get("vocab_size", 0))
+    candidates = layout_candidates(state, vocab_size)
+    if requested is not None:
+        if requested not in VINTAGES:
+            raise InputError(f"{VINTAGE_FLAG} {requested!r} is not a nanochat vintage; known: {', '.join(VINTAGES)}")
+        return requested  # the strict load below refuses it if the layout does not fit
+    if len(candidates) == 1:
+        return candidates[0]
+    said = vintage_from_meta(meta)
+    if said in candidates:
+        return said
+    described = "; ".join(f"{c} (nanochat {VINTAGES[c].written_by}, logit softcap {VINTAGES[c].softcap:g})"
+                          for c in candidates)
+    raise InputError(f"cannot tell which nanochat wrote this checkpoint: its layout fits {described}, and its "
+                     f"meta does not say. Pass {VINTAGE_FLAG} " + " or ".join(candidates) +
+                     " (the nanochat commit you trained with decides)", path=path)
+
+
+def _shorten(keys: list[str], limit: int = 12) -> str:
+    """Keys with their layer numbers folded: 'transformer.h.{0,1}.attn.ve_gate.weight'."""
+    import re
+
+    groups: dict[str, list[str]] = {}
+    for k in keys:
+        m = re.match(r"^(.*?\.h\.)(\d+)(\..*)$", k) or re.match(r"^(value_embeds\.)(\d+)(\..*)$", k)
+        if m:
+            groups.setdefault(m.group(1) + "{}" + m.group(3), []).append(m.group(2))
+        else:
+            groups.setdefault(k, [])
+    out = [g.format("{" + ",".join(sorted(ix, key=int)) + "}") if ix else g for g, ix in groups.items()]
+    more = f" ... and {len(out) - limit} more" if len(out) > limit else ""
+    return ", ".join(out[:limit]) + more if out else "none"
+
+
+def check_layout(model: GPT, state: dict[str, torch.Tensor], path: str) -> None:
+    """Refuse a state dict that does not fit the model, naming every missing and unexpected key and
+    every shape that differs (layer numbers folded), and the vintages we know."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    shapes = [f"{k} {tuple(state[k].shape)} (expected {expected[k]})" for k in expected
+              if k in state and tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or shapes:
+        raise InputError(
+            f"state dict does not fit a nanochat GPT of vintage {model.config.vintage}: "
+            f"missing [{_shorten(missing)}]; unexpected [{_shorten(unexpected)}]; shapes differ "
+            f"[{', '.join(shapes[:8]) or 'none'}]. Known vintages: " +
+            ", ".join(f"{v.name} ({v.written_by})" for v in VINTAGES.values()), path=path)
+
+
+def gpt_from_checkpoint(state: dict[str, torch.Tensor], meta: dict, requested_vintage: str | None,
+                        path: str) -> GPT:
+    """Build and load the GPT a nanochat checkpoint describes, exactly as its nanochat computes it."""
+    vintage = pick_vintage(state, meta, requested_vintage, path)
+    model_config = meta["model_config"]
+    cfg = GPTConfig.from_dict({k: v for k, v in model_config.items() if k not in ("vintage", "padded_vocab_size")})
+    cfg.vintage = vintage
+    cfg.window_pattern = model_config.get("window_pattern", "L")
+    wte = state.get("transformer.wte.weight")
+    cfg.padded_vocab_size = wte.shape[0] if wte is not None else cfg.vocab_size
+    try:
+        model = GPT(cfg)
+    except (ValueError, TypeError) as e:
+        raise InputError(f"model_config does not describe a nanochat GPT: {e}", path=path, field="model_config")
+    check_layout(model, state, path)
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def padded(vocab_size: int, multiple: int = 64) -> int:
+    return math.ceil(vocab_size / multiple) * multiple

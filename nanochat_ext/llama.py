@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import KVCache, attend, attn_masks
+from nanochat_ext.gpt import KVCache, attend, attn_masks, row_positions, rotary_slice
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -110,8 +110,8 @@ class Llama(nn.Module):
         inv_freq = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim))
         freqs = torch.outer(torch.arange(c.max_position_embeddings, dtype=torch.float32), inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos()[None, None], persistent=False)  # (1, 1, T, head_dim)
-        self.register_buffer("sin", emb.sin()[None, None], persistent=False)
+        self.register_buffer("cos", emb.cos(), persistent=False)  # (max_position_embeddings, head_dim)
+        self.register_buffer("sin", emb.sin(), persistent=False)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -130,9 +130,10 @@ class Llama(nn.Module):
         """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states."""
         B, T = idx.shape
         T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(2):
-            raise ValueError(f"sequence of {T0 + T} tokens is longer than the context ({self.cos.size(2)})")
-        cos_sin = self.cos[:, :, T0:T0 + T], self.sin[:, :, T0:T0 + T]
+        if T0 + T > self.cos.size(0):
+            raise ValueError(f"sequence of {T0 + T} tokens is longer than the context ({self.cos.size(0)})")
+        positions = row_positions(key_mask, T0, T)  # a left-padded row starts at position 0
+        cos_sin = tuple(rotary_slice(t, positions, T0, T)[:, None] for t in (self.cos, self.sin))
         masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
         x = self.embed(idx)
         for block, mask in zip(self.layers, masks):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.checkpoint import save_checkpoint
-from nanochat_ext.gpt import GPT, GPTConfig
+from nanochat_ext.gpt import GPT, VINTAGES, GPTConfig, padded
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 # (topic, share of prompts): three dense topics, five rare ones.
@@ -136,17 +136,18 @@ def make_tokenizer(directory: str | Path, vocab_size: int = 512, seed: int = 0) 
     return tok
 
 
-def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, modern: bool = False,
+def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, vintage: str = "oct2025",
                   n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_kv_head: int = 2,
                   sequence_len: int = 256, step: int = 0) -> Path:
-    """A randomly initialised nanochat GPT saved as a nanochat checkpoint (model_<step>.pt + meta)."""
+    """A randomly initialised nanochat GPT of that vintage, saved as nanochat saves one
+    (model_<step>.pt + meta with model_config)."""
+    v = VINTAGES[vintage]
     cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
-                    n_kv_head=n_kv_head, n_embd=n_embd, modern=modern,
-                    window_pattern="SL" if modern else "L",
-                    padded_vocab_size=((vocab_size + 63) // 64) * 64 if modern else vocab_size)
+                    n_kv_head=n_kv_head, n_embd=n_embd, vintage=vintage, window_pattern="SL" if v.windows else "L",
+                    padded_vocab_size=vocab_size if vintage == "oct2025" else padded(vocab_size))
     model = GPT(cfg)
     model.init_weights(seed)
-    meta = {"step": step, "model_config": cfg.nanochat_dict()}
+    meta = {"step": step, "model_config": cfg.nanochat_dict(), "nanochat_vintage": vintage}
     return save_checkpoint(directory, step, model.state_dict(), meta)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 from typing import Iterable
 
@@ -98,6 +99,11 @@ class TokenizerWrapper:
         with open(tmp, "wb") as f:
             pickle.dump(self._impl, f)
         os.replace(tmp, d / "tokenizer.pkl")
+        # nanochat's evaluation (bits per byte) reads token_bytes.pt beside the tokenizer: keep it.
+        token_bytes = Path(self.source).parent / "token_bytes.pt"
+        if token_bytes.is_file() and token_bytes.parent.resolve() != d.resolve():
+            shutil.copyfile(token_bytes, d / "token_bytes.pt.tmp")
+            os.replace(d / "token_bytes.pt.tmp", d / "token_bytes.pt")
         return d / "tokenizer.pkl"
 
     # ---- encoding ------------------------------------------------------------------------------

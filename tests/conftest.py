@@ -21,7 +21,7 @@ def assets(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("assets")
     tok = synthetic.make_tokenizer(d / "tokenizer", vocab_size=512)
     synthetic.make_tiny_gpt(d / "gpt", tok.vocab_size, seed=0)
-    synthetic.make_tiny_gpt(d / "gpt_modern", tok.vocab_size, seed=1, modern=True)
+    synthetic.make_tiny_gpt(d / "gpt_modern", tok.vocab_size, seed=1, vintage="current")
     synthetic.make_tiny_gpt(d / "gpt_small_vocab", 300, seed=2)
     synthetic.make_tiny_hf_llama(d / "hf")
     synthetic.write_jsonl(d / "pairs.jsonl", synthetic.make_pairs(600, seed=0))

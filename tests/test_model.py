@@ -10,7 +10,7 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, GPTConfig, attn_masks
+from nanochat_ext.gpt import GPT, NO_WINDOW, VINTAGES, GPTConfig, attn_masks
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
 
 
@@ -40,13 +40,13 @@ def test_no_tokenizer_names_both_tries(tmp_path):
         TokenizerWrapper.load(tmp_path)
 
 
-@pytest.mark.parametrize("modern", [False, True])
-def test_right_padding_does_not_change_the_last_real_token(modern):
-    cfg = GPTConfig(sequence_len=16, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, modern=modern,
-                    window_pattern="SL", padded_vocab_size=320 if modern else 0)
+@pytest.mark.parametrize("vintage", list(VINTAGES))
+def test_right_padding_does_not_change_the_last_real_token(vintage):
+    cfg = GPTConfig(sequence_len=16, vocab_size=300, n_layer=3, n_head=4, n_kv_head=2, n_embd=64, vintage=vintage,
+                    window_pattern="SL", padded_vocab_size=320)
     model = GPT(cfg)
     model.init_weights(0)
-    ids = torch.randint(0, 300, (1, 12))  # longer than the short window (8): the sliding mask is used
+    ids = torch.randint(0, 300, (1, 12))  # longer than jan/feb2026's short window (8): the sliding mask is used
     padded = torch.cat([ids, torch.zeros(1, 5, dtype=torch.long)], 1)
     with torch.no_grad():
         a, b = model.hidden_states(ids), model.hidden_states(padded)
@@ -55,9 +55,13 @@ def test_right_padding_does_not_change_the_last_real_token(modern):
 
 
 def test_sliding_window_masks():
-    cfg = GPTConfig(sequence_len=8, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="S")
+    cfg = GPTConfig(sequence_len=8, vocab_size=300, n_layer=2, n_head=2, n_kv_head=2, n_embd=32, window_pattern="S",
+                    vintage="jan2026")
     model = GPT(cfg)
-    assert model.window_sizes == [4, 8]  # last layer always full context
+    assert model.window_sizes == [4, 8]  # S is half the context in Jan 2026; last layer always full context
+    for vintage, short in (("mar2026b", 256), ("current", 128), ("oct2025", NO_WINDOW)):  # ceil(L/3|4 / 128) * 128
+        cfg = GPTConfig(sequence_len=512, n_layer=2, window_pattern="S", vintage=vintage)
+        assert GPT._window_sizes(cfg) == [short, 512 if vintage != "oct2025" else NO_WINDOW]
     short, full = attn_masks(model.window_sizes, 6, 0, None, torch.device("cpu"))
     assert full is None
     i, j = torch.meshgrid(torch.arange(6), torch.arange(6), indexing="ij")
@@ -71,11 +75,21 @@ def test_nanochat_checkpoint_quirks_load(tmp_path, assets):
     meta = json.loads(find_checkpoint(assets["gpt_modern"])[1].read_text())
     assert set(meta["model_config"]) == {"sequence_len", "vocab_size", "n_layer", "n_head", "n_kv_head", "n_embd",
                                          "window_pattern"}
-    save_checkpoint(tmp_path, 123, state, meta)
-    bb = load_backbone(tmp_path)
-    assert bb.kind == "nanochat" and bb.model.config.modern and "value_embeds.1.weight" in bb.model.state_dict()
+    del meta["nanochat_vintage"]  # as nanochat writes it: the keys alone say "current"
+    save_checkpoint(tmp_path / "in", 123, state, meta)
+    bb = load_backbone(tmp_path / "in")
+    assert bb.vintage == "current" and "value_embeds.1.weight" in bb.model.state_dict()
     classic = load_backbone(assets["gpt"])
-    assert not classic.model.config.modern and not hasattr(classic.model, "value_embeds")
+    assert classic.vintage == "oct2025" and not hasattr(classic.model, "value_embeds")
+    # Saved back in its own layout: same keys (as nanochat's loader sees them) and dtypes, config verbatim.
+    with torch.no_grad():
+        bb.model.lm_head.weight.add_(0.5)
+    saved = bb.save(tmp_path / "out", 5, {"step": 1}, TokenizerWrapper.load(assets["tokenizer"]), {"step": 1})
+    back = torch.load(saved, weights_only=True)
+    assert {k: v.dtype for k, v in back.items()} == {k.removeprefix("_orig_mod."): v.dtype for k, v in state.items()}
+    assert json.loads((tmp_path / "out" / "meta_5.json").read_text())["model_config"] == meta["model_config"]
+    fp32 = torch.load(tmp_path / "out" / "state_5.pt", weights_only=True)["fp32_masters"]
+    assert set(fp32) == set(back) and fp32["lm_head.weight"].dtype == torch.float32  # resume keeps full precision
 
 
 def test_foreign_state_dict_is_a_clear_error(tmp_path):

@@ -181,7 +181,7 @@ def test_tokenizer_that_does_not_fit_the_backbone(assets, tmp_path, capsys):
     args = base_args(assets, tmp_path / "out", "--max_steps", "1")
     args[args.index("--backbone") + 1] = str(assets["gpt_small_vocab"])
     assert kat_train_rm.main(args) == 2
-    assert "tokenizer has 512 ids but the backbone embeds only 300" in capsys.readouterr().err
+    assert "tokenizer has 512 ids but the backbone's vocab_size is 300" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

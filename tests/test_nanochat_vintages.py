@@ -1,0 +1,244 @@
+"""Real nanochat checkpoints, proven against nanochat's own forward pass.
+
+tests/fixtures/nanochat-golden/<vintage>/ holds, for seven nanochat commits (Oct 2025 .. today), a
+chat-SFT checkpoint dir written by that commit's own save_checkpoint, its tokenizer, and golden.pt with
+the logits that commit's own loader and forward pass gave (CPU, fp32). See its README.md.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_script
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import resolve_model_path
+from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import VINTAGES
+from scripts import kat_train_grpo
+
+GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
+FIXTURES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.pt").is_file())
+AMBIGUOUS = {"mar2026a"}  # same keys, shapes and meta as feb2026: refused unless the user names it
+
+
+def fixture_dir(name: str) -> Path:
+    return GOLDEN / name / "chatsft_checkpoints" / "d2"
+
+
+def test_every_vintage_has_a_fixture():
+    assert set(FIXTURES) == set(VINTAGES)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_logits_match_nanochat(name):
+    """Loaded from nanochat's own dir (zero-padded model_000010.pt), the logits are nanochat's to 1e-4."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    if name in AMBIGUOUS:
+        with pytest.raises(InputError, match=r"feb2026 .*softcap 15.*mar2026a .*softcap 20.*--nanochat_vintage"):
+            load_backbone(fixture_dir(name))
+    bb = load_backbone(fixture_dir(name), vintage=name if name in AMBIGUOUS else None)
+    assert bb.vintage == name and bb.source.endswith("model_000010.pt")
+    worst = 0.0
+    with torch.no_grad():
+        for x, pos, ref in zip(golden["inputs"], golden["positions"], golden["logits"]):
+            out = bb.model(x)[:, pos, :golden["vocab_size"]]
+            worst = max(worst, (out - ref).abs().max().item())
+    print(f"golden {name}: max |logit diff| {worst:.2e}")
+    assert worst < 1e-4
+    # The tokenizer renders the chat exactly as nanochat did (the first golden input).
+    tok = load_tokenizer_for(bb, None)
+    user, assistant = golden["conversation"]["messages"]
+    assert tok.render_prompt([user]) + tok.render_response(assistant["content"]) == golden["inputs"][0][0].tolist()
+
+
+def test_a_wrong_vintage_is_really_wrong():
+    """The tolerance separates vintages: feb2026's weights run as mar2026a are off by far more than 1e-4."""
+    golden = torch.load(GOLDEN / "feb2026" / "golden.pt", weights_only=True)
+    bb = load_backbone(fixture_dir("feb2026"), vintage="mar2026a")
+    with torch.no_grad():
+        assert (bb.model(golden["inputs"][0]) - golden["logits"][0]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_left_padded_prompts_give_unpadded_logits(name):
+    """Each left-padded row counts positions from its own first token: prefill and every decode step
+    give the unpadded logits (smear, sliding windows and bf16 rotary tables included)."""
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 500, (n,), generator=g) for n in (5, 300, 9)]  # 300 > the short windows
+    P, steps = 300, 6
+    ids, key_mask = torch.zeros(3, P, dtype=torch.long), torch.zeros(3, P, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):], key_mask[i, P - len(p):] = p, True
+    new = torch.randint(0, 500, (3, steps), generator=g)
+    with torch.no_grad():
+        logits, cache = bb.prefill(ids, key_mask, P + steps)
+        got = [logits]
+        for t in range(steps - 1):
+            key_mask = torch.cat([key_mask, torch.ones(3, 1, dtype=torch.bool)], 1)
+            got.append(bb.decode(cache, new[:, t], key_mask))
+        for i, p in enumerate(prompts):
+            want = bb.model(torch.cat([p, new[i, :-1]])[None])[0, len(p) - 1:]
+            torch.testing.assert_close(torch.stack([x[i] for x in got]), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_left_padding_is_exact_for_hf_models_too(assets, native):
+    bb = load_backbone(assets["hf"], native=native)
+    prompts = [torch.tensor([5, 17, 42]), torch.tensor(list(range(20, 40)))]
+    P = 20
+    ids, key_mask = torch.zeros(2, P, dtype=torch.long), torch.zeros(2, P, dtype=torch.bool)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):], key_mask[i, P - len(p):] = p, True
+    with torch.no_grad():
+        logits, cache = bb.prefill(ids, key_mask, P + 2)
+        key_mask = torch.cat([key_mask, torch.ones(2, 1, dtype=torch.bool)], 1)
+        step = bb.decode(cache, torch.tensor([7, 8]), key_mask)
+        for i, p in enumerate(prompts):
+            want = bb(torch.cat([p, torch.tensor([7 + i])])[None])[0, -2:]
+            torch.testing.assert_close(torch.stack([logits[i], step[i]]), want, atol=1e-5, rtol=0)
+
+
+# ---- what nanochat users type -------------------------------------------------------------------
+@pytest.fixture
+def base_dir(tmp_path, monkeypatch) -> Path:
+    """A $NANOCHAT_BASE_DIR as nanochat lays it out: tokenizer/, chatsft_checkpoints/{d2,d12}."""
+    base = tmp_path / "base"
+    shutil.copytree(GOLDEN / "current", base)
+    shutil.copytree(base / "chatsft_checkpoints" / "d2", base / "chatsft_checkpoints" / "d12")
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
+    return base
+
+
+def test_short_forms_and_checkpoint_roots(base_dir):
+    sft = base_dir / "chatsft_checkpoints"
+    assert resolve_model_path("sft") == sft / "d12"  # the largest d<N>, as nanochat's find_largest_model
+    assert resolve_model_path("sft:d2") == sft / "d2"
+    assert resolve_model_path(sft) == sft / "d12"
+    for spec in ("sft", "sft:d2", str(sft), str(sft / "d2"), str(sft / "d2" / "model_000010.pt")):
+        assert load_backbone(spec).vintage == "current", spec
+    # Several steps in one dir: the largest number wins, zero-padded or not.
+    d2 = sft / "d2"
+    shutil.copy(d2 / "model_000010.pt", d2 / "model_000200.pt")
+    shutil.copy(d2 / "meta_000010.json", d2 / "meta_000200.json")
+    assert load_backbone(d2).source.endswith("model_000200.pt")
+
+
+def test_bad_checkpoints_are_one_clear_line(base_dir, tmp_path):
+    sft = base_dir / "chatsft_checkpoints"
+    with pytest.raises(InputError, match=r"no checkpoint tag 'd99' under .*chatsft_checkpoints \(tags there: d12, d2\)"):
+        load_backbone("sft:d99")
+    only_model, only_meta = tmp_path / "only_model", tmp_path / "only_meta"
+    only_model.mkdir(), only_meta.mkdir()
+    shutil.copy(sft / "d2" / "model_000010.pt", only_model)
+    shutil.copy(sft / "d2" / "meta_000010.json", only_meta)
+    with pytest.raises(InputError, match="model_000010.pt has no matching meta"):
+        load_backbone(only_model)
+    with pytest.raises(InputError, match="meta_000010.json has no matching model"):
+        load_backbone(only_meta)
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    shutil.copy(sft / "d2" / "model_000010.pt", no_config)
+    (no_config / "meta_000010.json").write_text(json.dumps({"step": 10}))
+    with pytest.raises(InputError, match="meta_000010.json: field 'model_config'"):
+        load_backbone(no_config)
+    # An unknown layout: every missing / unexpected key (layers folded) and the vintages we know.
+    state = torch.load(sft / "d2" / "model_000010.pt", weights_only=True)
+    state["transformer.h.0.attn.engram.weight"] = state["transformer.h.1.attn.engram.weight"] = torch.zeros(2)
+    del state["value_embeds.1.weight"]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    torch.save(state, foreign / "model_000010.pt")
+    shutil.copy(sft / "d2" / "meta_000010.json", foreign)
+    with pytest.raises(InputError) as e:
+        load_backbone(foreign)
+    msg = str(e.value)
+    assert "missing [value_embeds.{1}.weight]" in msg and "unexpected [transformer.h.{0,1}.attn.engram.weight]" in msg
+    assert all(v in msg for v in VINTAGES)
+    # A tokenizer whose vocabulary is not the checkpoint's.
+    small = tmp_path / "small_tok"
+    synthetic.make_tokenizer(small, vocab_size=400)
+    with pytest.raises(InputError, match=r"tokenizer has 400 ids but the backbone's vocab_size is 500 \(512 embedding rows\)"):
+        load_tokenizer_for(load_backbone("sft:d2"), small)
+
+
+def test_a_bad_tag_stops_a_script_with_exit_2(base_dir, tmp_path):
+    prompts = synthetic.write_jsonl(tmp_path / "p.jsonl", [{"prompt": "hi"}] * 4)
+    out = tmp_path / "out"
+    proc = run_script("scripts.kat_train_grpo", ["--policy", "sft:d99", "--prompts", str(prompts), "--out", str(out),
+                                                 "--eval_prompts", str(prompts), "--batch_size", "2",
+                                                 "--reward_fn", "rewards_for_tests:vowel_share"],
+                      env={"NANOCHAT_BASE_DIR": str(base_dir), "PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: 'sft:d99'")
+    assert not out.exists()
+
+
+# ---- GRPO on real checkpoints ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def ragged_prompts(tmp_path_factory) -> Path:
+    """Prompts of very different lengths, so left padding is always in play."""
+    words = "the comet orbit passes near our small blue planet every few years and we watch it".split()
+    rows = [{"prompt": " ".join(words[: 1 + (7 * i) % len(words)]) * (1 + i % 3)} for i in range(16)]
+    return synthetic.write_jsonl(tmp_path_factory.mktemp("ragged") / "prompts.jsonl", rows)
+
+
+def grpo_argv(name: str, prompts: Path, out: Path, *extra: str) -> list[str]:
+    return ["--policy", str(fixture_dir(name)), "--prompts", str(prompts), "--reward_fn",
+            "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4", "--max_new_tokens", "6",
+            "--device", "cpu", "--eval_prompts", str(prompts), "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_grpo_round_trip_keeps_the_layout(name, ragged_prompts, tmp_path):
+    """A policy trained from a vintage-X checkpoint is saved in X's layout (keys, shapes, dtypes, the
+    model_config verbatim, token_bytes.pt beside it) and reloads to the same logits."""
+    flag = ["--nanochat_vintage", name] if name in AMBIGUOUS else []
+    out = tmp_path / "rl"
+    assert kat_train_grpo.main(grpo_argv(name, ragged_prompts, out, "--max_steps", "1", "--lr", "1e-2", *flag)) == 0
+    (saved,) = out.glob("model_*.pt")
+    src = torch.load(fixture_dir(name) / "model_000010.pt", weights_only=True)
+    got = torch.load(saved, weights_only=True)
+    assert {k: (v.shape, v.dtype) for k, v in got.items()} == {k: (v.shape, v.dtype) for k, v in src.items()}
+    assert any((got[k] - src[k]).abs().max() > 1e-4 for k in src)  # it did train
+    src_meta = json.loads((fixture_dir(name) / "meta_000010.json").read_text())
+    meta = json.loads(next(out.glob("meta_*.json")).read_text())
+    assert meta["model_config"] == src_meta["model_config"] and meta["nanochat_vintage"] == name
+    assert (out / "token_bytes.pt").read_bytes() == (GOLDEN / name / "tokenizer" / "token_bytes.pt").read_bytes()
+    reloaded = load_backbone(out)  # no flag needed any more: our meta records the vintage
+    in_memory = load_backbone(fixture_dir(name), vintage=name)
+    in_memory.model.load_state_dict(got)
+    x = torch.randint(0, 500, (2, 40))
+    with torch.no_grad():
+        assert torch.equal(reloaded.model(x), in_memory.model(x))
+
+
+def test_grpo_two_ranks_match_one_rank_on_ragged_prompts(ragged_prompts, tmp_path):
+    """Today's nanochat (smear, windows), prompts of different lengths: 1 rank and 2 ranks sample the
+    same completions and end with the same weights."""
+    # lr 1e-4: Adam turns float noise in near-zero gradients into updates of about +-lr, so the float-level
+    # gap between the runs scales with lr (measured: 5.7e-5 at lr 1e-3, 5.7e-6 at 1e-4).
+    common = ["--max_steps", "2", "--lr", "1e-4", "--beta", "0.04", "--log_rollouts", "--log_every", "1"]
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    one = run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / "one", *common), env=env)
+    two = run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / "two", *common),
+                     nproc=2, env=env)
+    assert one.returncode == 0, one.stderr
+    assert two.returncode == 0, two.stderr
+    rollouts = [[json.loads(x) for x in (tmp_path / run / "logs" / "rollouts.jsonl").read_text().splitlines()]
+                for run in ("one", "two")]
+    assert len(rollouts[0]) == 2 * 4 * 4
+    assert len({len(r["completion_ids"]) for r in rollouts[0]}) > 1  # ragged completions too
+    assert [r["completion_ids"] for r in rollouts[0]] == [r["completion_ids"] for r in rollouts[1]]
+    a, b = load_backbone(tmp_path / "one"), load_backbone(tmp_path / "two")
+    for (k, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        if k == "backout_lambda":
+            # With n_layer 2 backout subtracts from the last block's output and the final rms-norm cancels
+            # it: its true gradient is exactly 0, so Adam moves it by noise alone, at most lr per step.
+            assert (p - q).abs().max() <= 2 * 2 * 1e-4
+            continue
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=k)

@@ -10,7 +10,10 @@
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
 # EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
-# DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training).
+# DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training),
+# BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
+# cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
+# NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -27,6 +30,9 @@ GRPO_STEPS="${GRPO_STEPS:-200}"
 EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
 GRPO_TAG=$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)
+RUNTIME=()  # flags every stage that runs models takes
+[ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
+[ -n "${NANOCHAT_VINTAGE:-}" ] && RUNTIME+=(--nanochat_vintage "$NANOCHAT_VINTAGE")
 mkdir -p "$B"
 t_start=$SECONDS
 
@@ -45,7 +51,7 @@ train() {
     [ "$FORCE" = 1 ] && rm -rf "$dir"
     echo "== $name ($NPROC_PER_NODE ranks)${resume:+, resuming}"
     local s=$SECONDS
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" --out "$dir" "${resume[@]}" ||
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" "${RUNTIME[@]}" --out "$dir" "${resume[@]}" ||
         { echo "speedrun: stage $name failed (see the error above); it needs $needs" >&2; exit 1; }
     touch "$dir/.complete"
     record_time "$name" $((SECONDS - s))
@@ -79,7 +85,7 @@ if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
     echo "== density ($NPROC_PER_NODE ranks)"; s=$SECONDS
     mkdir -p "$B/density"
     torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_compute_density -- \
-        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS" ||
+        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS" "${RUNTIME[@]}" ||
         { echo "speedrun: stage density failed; it needs a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) and pairs ($PAIRS)" >&2; exit 1; }
     record_time density $((SECONDS - s))
 fi
@@ -93,19 +99,19 @@ GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --rm "$B/rm_checkpoints/$GRPO_TAG" -
            --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
 [ "${DENSITY:-0}" = 1 ] && GRPO_ARGS+=(--density "$WEIGHTS")
 train "grpo_$GRPO_TAG" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$GRPO_TAG (made by the rm_$GRPO_TAG stage)" \
-    "$B/grpo_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
+    "$B/chatrl_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
 
 # ---- evaluation report ---------------------------------------------------------------------------
-if skip "$B/report.md" && [ "$B/report.md" -nt "$B/grpo_checkpoints/$GRPO_TAG/.complete" ]; then
+if skip "$B/report.md" && [ "$B/report.md" -nt "$B/chatrl_checkpoints/$GRPO_TAG/.complete" ]; then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     # Held-out sets: the demo's, or EVAL_PAIRS / EVAL_PROMPTS (default: the training files, not held out).
     EVAL_PAIRS="${EVAL_PAIRS:-$([ -f "$B/demo/eval_pairs.jsonl" ] && echo "$B/demo/eval_pairs.jsonl" || echo "$PAIRS")}"
     EVAL_PROMPTS="${EVAL_PROMPTS:-$([ -f "$B/demo/eval_prompts.jsonl" ] && echo "$B/demo/eval_prompts.jsonl" || echo "$PROMPTS")}"
-    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" --policy_after "$B/grpo_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
+    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" --policy_after "$B/chatrl_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}" ||
+    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}" "${RUNTIME[@]}" ||
         { echo "speedrun: stage eval failed; it needs the reward models, the GRPO policy and held-out data" >&2; exit 1; }
     record_time eval $((SECONDS - s))
 fi

@@ -11,8 +11,10 @@ from typing import Callable
 
 import torch
 
+from nanochat_ext.checkpoint import base_dir
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
 
 EXIT_BAD_INPUT = 2
 
@@ -39,12 +41,22 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
     g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
 
 
+MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "
+              "steps or our stamps), a model_<N>.pt file, a checkpoints root such as chatsft_checkpoints/ (its "
+              "largest d<N> tag), or base|sft|rl[:tag] under $NANOCHAT_BASE_DIR (e.g. sft:d20); or a local "
+              "Hugging Face causal-LM dir")
+
+
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
+    g.add_argument(VINTAGE_FLAG, default=None, choices=list(VINTAGES),
+                   help="which nanochat wrote the checkpoint, when its keys cannot tell (only the softcap-20 week "
+                        "of March 2026 needs it: feb2026 vs mar2026a); default: read from the checkpoint")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     g.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="auto: bf16 autocast on CUDA, fp32 on CPU")
-    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU)")
+    g.add_argument("--backend", default=None, help="process-group backend (default: nccl on CUDA, gloo on CPU). Given explicitly, a one-process "
+                        "run creates the group too, so one GPU runs the whole distributed path")
     g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
 
 
@@ -52,8 +64,7 @@ def output_dirs(args: argparse.Namespace, stage_dir: str, default_tag: str | Non
     """(checkpoint dir, log dir): --out, else $NANOCHAT_BASE_DIR/<stage_dir>/<tag>; the tag defaults to
     default_tag, else 'density' or 'uniform' by whether --density was given."""
     tag = args.tag or default_tag or ("density" if getattr(args, "density", None) else "uniform")
-    base_dir = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
-    out_dir = Path(args.out) if args.out else base_dir / stage_dir / tag
+    out_dir = Path(args.out) if args.out else base_dir() / stage_dir / tag
     return out_dir, Path(args.log_dir) if args.log_dir else out_dir / "logs"
 
 

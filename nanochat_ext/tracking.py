@@ -48,6 +48,13 @@ class Tracker:
         if self.bar is not None:
             self.bar.update(n)
 
+    def records(self, filename: str, rows: list[dict]) -> None:
+        """Append rows as JSON lines to <log_dir>/<filename> (e.g. every rollout of a step)."""
+        if self.metrics_file is None:
+            return
+        with open(Path(self.metrics_file.name).parent / filename, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
     def text(self, step: int, tag: str, text: str) -> None:
         if self.writer is not None:
             self.writer.add_text(tag, text, step)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable
-from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
+from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any
 from nanochat_ext.errors import InputError
@@ -31,7 +31,7 @@ from nanochat_ext.errors import InputError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_compute_density", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--backbone", required=True, help="embedding model: nanochat checkpoint dir/file or local HF dir")
+    p.add_argument("--backbone", required=True, help="embedding model: " + MODEL_HELP)
     p.add_argument("--tokenizer", default=None, help="default: found beside the backbone")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pairs", help="preference pairs JSONL: its distinct prompts are weighted")
@@ -92,7 +92,7 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"{len(ids)} distinct prompt(s): density needs at least 2", path=args.pairs or args.prompts)
     if args.k < 1 or (args.cap is not None and args.cap <= 0):
         raise InputError("--k must be at least 1 and --cap positive")
-    backbone = load_backbone(args.backbone, env.device)
+    backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(backbone, args.tokenizer)
     raise_if_any(check_writable(out.parent) if env.is_main else None)
 

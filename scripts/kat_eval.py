@@ -9,7 +9,7 @@
 - Wall time per stage (from timings.tsv, written by speedrun.sh) and training curves.
 
     python -m scripts.kat_eval
-    torchrun --standalone --nproc_per_node=2 -m scripts.kat_eval -- --policy_after .../grpo_checkpoints/uniform
+    torchrun --standalone --nproc_per_node=2 -m scripts.kat_eval -- --policy_after .../chatrl_checkpoints/uniform
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import torch
 
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts, truncate
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
@@ -34,8 +34,9 @@ from nanochat_ext.grpo import sample_seed
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig, generate
 
-PLOT_KEYS = {"chatsft_checkpoints": ["train/loss"], "rm_checkpoints": ["train/accuracy", "val/accuracy"],
-             "grpo_checkpoints": ["train/reward", "eval/reward_sampled"]}
+# stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
+PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]), "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
+             "chatrl_checkpoints": ("grpo", ["train/reward", "eval/reward_sampled"])}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--score_rm", default=None,
                    help="the RM whose score is reported for the policies (default: <base>/rm_checkpoints/uniform)")
     p.add_argument("--policy_before", default=None, help="default: <base>/chatsft_checkpoints/default")
-    p.add_argument("--policy_after", default=None, help="default: <base>/grpo_checkpoints/uniform")
+    p.add_argument("--policy_after", default=None, help="default: <base>/chatrl_checkpoints/uniform")
     p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
     p.add_argument("--eval_prompts", default=None, help="held-out prompts (default: <base>/demo/eval_prompts.jsonl)")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
@@ -62,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.rm = args.rm if args.rm is not None else sorted(str(d) for d in (b / "rm_checkpoints").glob("*") if d.is_dir())
     args.score_rm = args.score_rm or str(b / "rm_checkpoints" / "uniform")
     args.policy_before = args.policy_before or str(b / "chatsft_checkpoints" / "default")
-    args.policy_after = args.policy_after or str(b / "grpo_checkpoints" / "uniform")
+    args.policy_after = args.policy_after or str(b / "chatrl_checkpoints" / "uniform")
     args.eval_pairs = args.eval_pairs or str(b / "demo" / "eval_pairs.jsonl")
     args.eval_prompts = args.eval_prompts or str(b / "demo" / "eval_prompts.jsonl")
     args.out = args.out or str(b / "report.md")
@@ -108,7 +109,7 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
 
 
 def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, autocast) -> dict:
-    policy = load_backbone(path, env.device)
+    policy = load_backbone(path, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
     prompt_ids = [tok.render_prompt(rows[i].messages) for i in mine]
@@ -144,7 +145,7 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     total = sum(bigrams.values())
     entropy = -sum(c / total * math.log2(c / total) for c in bigrams.values()) if total else 0.0
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {"checkpoint": str(find_checkpoint(path)[0]), "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
+    return {"checkpoint": policy.source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
             "rm_score_sampled": mean([s for _, _, s, _ in sampled]), "task_accuracy_greedy": judged(greedy),
             "task_accuracy_sampled": judged(sampled), "distinct_1": distinct[1], "distinct_2": distinct[2],
             "bigram_entropy_bits": entropy, "completion_len": mean([n for *_, n in sampled]),
@@ -159,10 +160,10 @@ def plot_curves(base: Path, out_dir: Path) -> list[tuple[str, Path]]:
     import matplotlib.pyplot as plt
 
     plots = []
-    for stage_dir, keys in PLOT_KEYS.items():
+    for stage_dir, (prefix, keys) in PLOT_KEYS.items():
         for run in sorted((base / stage_dir).glob("*/logs/metrics.jsonl")):
             rows = [json.loads(line) for line in run.read_text().splitlines()]
-            name = f"{stage_dir.split('_')[0]}_{run.parent.parent.name}"
+            name = f"{prefix}_{run.parent.parent.name}"
             fig, ax = plt.subplots(figsize=(5, 3))
             for key in keys:
                 pts = [(r["step"], r[key]) for r in rows if key in r]
@@ -227,7 +228,8 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
         rows = load_prompts(args.eval_prompts)
         scorer = load_reward_model(args.score_rm, env.device) if find_checkpoint(args.score_rm) else None
         for name, path in (("before (SFT)", args.policy_before), ("after (GRPO)", args.policy_after)):
-            if find_checkpoint(path) is None and not (Path(path) / "config.json").is_file():
+            resolved = resolve_model_path(path)  # sft:d20 and checkpoint roots too
+            if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():
                 print0(f"eval: no policy at {path}, skipped")
                 continue
             policies[name] = eval_policy(path, rows, scorer, args, env, autocast)

@@ -20,7 +20,7 @@ import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
-from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
                               run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
@@ -33,7 +33,7 @@ from nanochat_ext.tracking import Tracker
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
-    g.add_argument("--backbone", required=True, help="model to fine-tune: nanochat checkpoint dir/file or local HF dir")
+    g.add_argument("--backbone", required=True, help="model to fine-tune: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None, help="default: found beside the backbone, else $NANOCHAT_BASE_DIR/tokenizer")
     g.add_argument("--conversations", required=True, help="JSONL {messages: [...]} ending with the reply to learn")
     g = p.add_argument_group("optimisation")
@@ -60,7 +60,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
     resume = resolve_resume(args.resume, out_dir) if args.resume else None
-    model_bb = load_backbone(resume[0] if resume else args.backbone, env.device)
+    model_bb = load_backbone(resume[0] if resume else args.backbone, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(model_bb, args.tokenizer)
     max_len = args.max_len or model_bb.max_seq_len
     if max_len > model_bb.max_seq_len:
@@ -85,6 +85,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if resume is not None:
         state = torch.load(resume[2], map_location="cpu", weights_only=False)
         check_resume_args(state["args"], args, ("batch_size", "seed", "max_len"), resume[0])
+        model_bb.restore(state)  # fp32 masters where the layout saved bf16
         optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"])
         print0(f"resume: from {resume[0]} at step {start_step}")

@@ -20,11 +20,12 @@ import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
-from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
                               run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix, truncate)
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, gather_objects, peak_memory_gb, print0, raise_if_any,
+                                      seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, CompletionLogprobs, LossConfig, call_reward_fn,
                                group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
@@ -40,8 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_train_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
-    g.add_argument("--policy", required=True,
-                   help="the model to train: nanochat checkpoint dir/file or local Hugging Face causal-LM dir")
+    g.add_argument("--policy", required=True, help="the model to train: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None, help="default: found beside the policy, else $NANOCHAT_BASE_DIR/tokenizer")
     g.add_argument("--rm", default=None,
                    help="reward-model checkpoint file, or a dir (its newest complete checkpoint), as written by "
@@ -90,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--val_ratio", type=float, default=0.1, help="share of prompts held out when no --eval_prompts")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps and at the end (0: only at the end)")
     g.add_argument("--log_every", type=int, default=1, help="log train metrics every N steps")
-    add_output_args(p, "grpo_checkpoints")
+    g.add_argument("--log_rollouts", action="store_true",
+                   help="write every completion (token ids, text, reward) of every step to <log_dir>/rollouts.jsonl, "
+                        "in global prompt order whatever the world size")
+    add_output_args(p, "chatrl_checkpoints")
     add_runtime_args(p)
     add_dashed_aliases(p)
     return p.parse_args(script_argv(argv))
@@ -150,7 +153,7 @@ def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) ->
 
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
-    out_dir, log_dir = output_dirs(args, "grpo_checkpoints")
+    out_dir, log_dir = output_dirs(args, "chatrl_checkpoints")
     G = args.group_size
 
     # ---- validate every input before anything is trained or written ---------------------------
@@ -173,7 +176,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
     resume = resolve_resume(args.resume, out_dir) if args.resume else None
-    policy = load_backbone(args.policy, env.device)
+    policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(policy, args.tokenizer)
     rm = None
     if args.rm:
@@ -194,7 +197,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     policy.set_trainable("all")
     reference = None
     if args.beta > 0:
-        reference = CompletionLogprobs(load_backbone(args.policy, env.device).requires_grad_(False))
+        reference = CompletionLogprobs(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
+                                       .requires_grad_(False))
     model = CompletionLogprobs(policy)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -235,6 +239,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         t_gen = time.time() - t0
         per_reward = rewards.score(rows, indices, [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
+        if args.log_rollouts:
+            log_rollouts(tracker, step + 1, indices, samples, total, tok, G)
         batch = make_sequences([prompt_ids[i] for i in indices], samples.completions, G, tok.pad_id)
         batch["advantages"] = group_advantages(total, G, args.scale_rewards)
         batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
@@ -266,6 +272,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
             metrics = window_metrics(all_reduce_sum(window.clone()), rewards.names, env.world_size, lr, float(grad_norm))
+            metrics.update(peak_memory_gb(env.device))
             tracker.log(done, metrics)
             window.zero_()
         if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
@@ -277,6 +284,16 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
     return save(args.max_steps, metrics)
+
+
+def log_rollouts(tracker: Tracker, step: int, indices: list[int], samples, total: torch.Tensor,
+                 tok: TokenizerWrapper, G: int) -> None:
+    """Collective: rank 0 writes every rank's completions of this step, ordered by global prompt index."""
+    mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": samples.completions[j * G + g],
+             "completion": tok.decode(samples.completions[j * G + g]), "reward": float(total[j * G + g])}
+            for j, i in enumerate(indices) for g in range(G)]
+    rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
+    tracker.records("rollouts.jsonl", rows)
 
 
 def window_metrics(s: torch.Tensor, names: list[str], world: int, lr: float, grad_norm: float) -> dict:
@@ -348,10 +365,7 @@ def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume
     state = torch.load(state_path, map_location="cpu", weights_only=False)
     check_resume_args(state["args"], args, ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens"),
                       model_path)
-    saved = load_backbone(model_path, device)
-    with torch.no_grad():
-        for p, q in zip(policy.parameters(), saved.parameters()):
-            p.copy_(q)
+    policy.restore(state, saved=load_backbone(model_path, device))
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"])
 

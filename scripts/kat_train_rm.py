@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
                               run_script, script_argv)
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_checkpoint, save_synced
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
                                load_pairs, split_by_prefix, tokenize_pairs)
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, peak_memory_gb, print0, raise_if_any, seed_everything,
+                                      wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -33,9 +34,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_train_rm", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("inputs")
-    g.add_argument("--backbone", required=True,
-                   help="nanochat checkpoint dir (newest model_<N>.pt + meta_<N>.json) or file, or a local "
-                        "Hugging Face causal-LM dir")
+    g.add_argument("--backbone", required=True, help="the RM's backbone: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (tokenizer.pkl or tokenizer.json); default: found beside the backbone, "
                         "else $NANOCHAT_BASE_DIR/tokenizer")
@@ -96,7 +95,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.weight_cap is not None and args.weight_cap <= 0:
         raise InputError(f"--weight_cap must be positive, got {args.weight_cap}")
     resume = resolve_resume(args.resume, out_dir) if args.resume else None
-    backbone = load_backbone(args.backbone, env.device)
+    backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
     if args.max_len is None:
         args.max_len = min(1024, backbone.max_seq_len)
@@ -133,6 +132,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         def write(stamp: int) -> Path:
             meta = {"kind": "reward_model", "stamp": stamp, "step": step,
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
+                    "backbone_vintage": backbone.vintage,
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
                     "max_len": args.max_len, "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
@@ -165,7 +165,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                        "train/accuracy": stats[1].item() / stats[3].item(),
                        "train/margin": stats[2].item() / stats[3].item(),
                        "train/lr": lr, "train/grad_norm": float(grad_norm),
-                       "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed}
+                       "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed,
+                       **peak_memory_gb(env.device)}
             tracker.log(done, metrics)
             window.zero_()
             t_log = time.time()

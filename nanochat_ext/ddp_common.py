@@ -2,9 +2,15 @@
 reductions, broadcasts, no_sync and seeding.
 
 A plain `python -m scripts.X` run needs no launcher and no env vars: it is world size 1 and no
-process group is created. Under torchrun, mpirun (OpenMPI / MVAPICH2) or srun the rank variables
-are read from the launcher's environment and a real process group is created (nccl on CUDA,
-gloo on CPU).
+process group is created, unless --backend asks for one (then one GPU runs the real NCCL path).
+Under torchrun, mpirun (OpenMPI / MVAPICH2) or srun the rank variables are read from the
+launcher's environment and a real process group is created (nccl on CUDA, gloo on CPU).
+
+Devices and backends: an nccl group serves CUDA tensors only; gloo serves CPU (and CUDA) tensors.
+Every collective here picks its group by the tensor's device: CUDA tensors go to the default group,
+CPU tensors to a group that serves CPU (the default one when its backend does, else a gloo group
+made beside it). Objects and barriers always use the CPU group. So a helper is right for any tensor
+on any backend, by construction, and callers never move tensors for a collective's sake.
 """
 from __future__ import annotations
 
@@ -71,27 +77,58 @@ def pick_device(device: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+_CPU_GROUP: Any = None  # the group CPU tensors, objects and barriers use (see the module docstring)
+
+
+def served_device_types(backend: str) -> set[str]:
+    """Device types a backend string serves: 'nccl' -> {cuda}; 'cpu:gloo,cuda:nccl' -> {cpu, cuda};
+    gloo (and mpi, ucc) -> both."""
+    if ":" in backend:
+        return {pair.split(":")[0].strip() for pair in backend.split(",")}
+    return {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
+
+
 def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
-    """Set up this process: pick the device and, when launched with world size > 1, the process group."""
+    """Set up this process: pick the device and, when launched with world size > 1 or asked for a
+    backend explicitly, the process group."""
+    global _CPU_GROUP
     launcher, rank, local_rank, world_size = detect_launcher()
     dev = pick_device(device, local_rank)
-    if world_size == 1:
+    if world_size == 1 and backend is None:
         return DistEnv(rank, local_rank, 1, dev, launcher, None)
-    # mpirun / srun do not set the rendezvous address; torchrun does.
+    # mpirun / srun (and a plain one-process run) do not set the rendezvous address; torchrun does.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port()) if world_size == 1 else "29500"
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size,
-                                  timeout=datetime.timedelta(seconds=timeout_s))
-    if backend == "nccl":
+    timeout = datetime.timedelta(seconds=timeout_s)
+    kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
+    if "nccl" in backend:
         kwargs["device_id"] = dev  # binds the communicator to our GPU up front
     dist.init_process_group(**kwargs)
+    serves_cpu = "cpu" in served_device_types(backend)
+    _CPU_GROUP = dist.group.WORLD if serves_cpu else dist.new_group(backend="gloo", timeout=timeout)
     return DistEnv(rank, local_rank, world_size, dev, launcher, backend)
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def group_for(device: torch.device) -> Any:
+    """The process group that serves tensors on `device` (None: the default group)."""
+    return _CPU_GROUP if device.type == "cpu" else None
+
+
 def destroy_dist() -> None:
+    global _CPU_GROUP
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    _CPU_GROUP = None
 
 
 @contextlib.contextmanager
@@ -134,24 +171,31 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def barrier() -> None:
     if _is_dist():
-        dist.barrier()
+        dist.barrier(group=_CPU_GROUP)
 
 
 def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
-    """Sum over ranks. Tensors are reduced in place (float64 for Python scalars, to keep sums exact)."""
+    """Sum over ranks, for a tensor on any device (reduced in place) or a Python number (float64, to
+    keep sums exact)."""
     if isinstance(x, torch.Tensor):
         if _is_dist():
-            dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group_for(x.device))
         return x
-    t = torch.tensor([float(x)], dtype=torch.float64, device=_collective_device())
-    return all_reduce_sum(t).item()
+    return all_reduce_sum(torch.tensor([float(x)], dtype=torch.float64)).item()
 
 
 def all_reduce_max(x: float) -> float:
-    t = torch.tensor([float(x)], dtype=torch.float64, device=_collective_device())
+    t = torch.tensor([float(x)], dtype=torch.float64)
     if _is_dist():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
     return t.item()
+
+
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
+    """Collective on CUDA: the largest torch.cuda.max_memory_allocated over ranks, in GiB; {} on CPU."""
+    if device.type != "cuda":
+        return {}
+    return {"perf/max_mem_allocated_gb": all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)}
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -159,15 +203,8 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not _is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=_collective_device())
+    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
     return box[0]
-
-
-def _collective_device() -> torch.device:
-    # nccl only moves CUDA tensors; gloo only CPU ones.
-    if _is_dist() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def no_sync(module: torch.nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager:
@@ -205,7 +242,7 @@ def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
     frozen += [n for n, _ in module.named_buffers()]
     DDP._set_params_and_buffers_to_ignore_for_model(module, frozen)
     device_ids = [env.device.index] if env.device.type == "cuda" else None
-    return DDP(module, device_ids=device_ids)
+    return DDP(module, device_ids=device_ids, process_group=group_for(env.device))
 
 
 @torch.no_grad()
@@ -214,11 +251,12 @@ def check_params_in_sync(params: list[torch.Tensor]) -> None:
     classic failure of a "DDP" trainer whose ranks silently train separate copies."""
     if not _is_dist():
         return
-    flat = torch.cat([p.detach().reshape(-1).float() for p in params]).to(_collective_device())
+    flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+    group = group_for(flat.device)
     reference = flat.clone()
-    dist.broadcast(reference, src=0)
+    dist.broadcast(reference, src=0, group=group)
     diff = (flat - reference).abs().max().reshape(1)
-    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX, group=group)
     if diff.item() != 0.0:
         raise RuntimeError(f"trainable parameters differ across ranks (max abs diff {diff.item():.3g})")
 
@@ -228,5 +266,5 @@ def gather_objects(obj: Any) -> list[Any]:
     if not _is_dist():
         return [obj]
     out: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=_CPU_GROUP)
     return out

@@ -121,18 +121,46 @@ class CompletionLogprobs(nn.Module):
     DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
     completion positions, never over the prompt."""
 
-    def __init__(self, backbone: Backbone):
+    def __init__(self, backbone: Backbone, chunk_tokens: int = 4096):
         super().__init__()
         self.backbone = backbone
+        self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
 
     def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor):
         hidden = self.backbone.hidden_states(input_ids)
         h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
-        logp = torch.log_softmax(self.backbone.logits(h).float(), dim=-1)
-        token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(-1)
-        return token_logp, entropy
+        return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens)
+
+
+def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits_fn(h).float(), dim=-1)
+    token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor,
+                           chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of `target` (B, L) under logits_fn(h) with h (B, L, H), never holding more
+    than chunk_tokens rows of vocabulary-sized logits: 256 completions x 512 tokens x a 65k vocabulary
+    would be 34 GB in fp32. Under autograd each chunk is recomputed in the backward pass
+    (activation checkpointing), so its logits are not kept either. Same values as one big chunk."""
+    B, L, H = h.shape
+    flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
+    if B * L <= chunk_tokens:
+        token_logp, entropy = _chunk_logprobs(logits_fn, flat_h, flat_t)
+        return token_logp.view(B, L), entropy.view(B, L)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for a in range(0, B * L, chunk_tokens):
+        hc, tc = flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            parts.append(checkpoint(_chunk_logprobs, logits_fn, hc, tc, use_reentrant=False))
+        else:
+            parts.append(_chunk_logprobs(logits_fn, hc, tc))
+    return (torch.cat([p[0] for p in parts]).view(B, L), torch.cat([p[1] for p in parts]).view(B, L))
 
 
 # ---- loss ---------------------------------------------------------------------------------------

@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from conftest import REPO
-from nanochat_ext.ddp_common import detect_launcher, init_dist
+import torch.distributed as dist
+
+from nanochat_ext.ddp_common import all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, init_dist
 
 LAUNCHER_ENVS = {
     "torchrun": lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": "2"},
@@ -49,6 +51,33 @@ def _launch_two(launcher: str, *worker_args: str) -> list[dict]:
     outs = [p.communicate(timeout=120) for p in procs]
     assert all(p.returncode == 0 for p in procs), [e for _, e in outs]
     return sorted((json.loads(o.strip().splitlines()[-1]) for o, _ in outs), key=lambda d: d["rank"])
+
+
+def test_one_rank_with_a_backend_creates_the_group(monkeypatch):
+    """--backend with world size 1 runs the whole process-group path (one GPU exercises NCCL this way)."""
+    for names in LAUNCHER_ENVS.values():
+        for var in names("0"):
+            monkeypatch.delenv(var, raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    env = init_dist("cpu", "gloo")
+    try:
+        assert env.is_distributed and env.world_size == 1 and dist.is_initialized()
+        assert all_reduce_sum(2.5) == 2.5 and broadcast_object("x") == "x"
+    finally:
+        destroy_dist()
+    assert not dist.is_initialized()
+
+
+def test_collectives_obey_nccls_device_rule():
+    """A default group that serves only CUDA tensors (cuda:gloo, NCCL's rule on a CPU machine): every
+    helper still works with CPU tensors, numbers, objects and a DDP module, while the same CPU tensor
+    handed straight to the default group is refused exactly as NCCL refuses it."""
+    results = _launch_two("torchrun", "cuda:gloo")
+    for r in results:
+        assert r["backend"] == "cuda:gloo" and r["sum"] == 3.0 and r["tensor_sum"] == [2.0, 1.0] and r["max"] == 1.0
+        assert r["stamp"] == 1000 and r["gathered"] == [{"rank": 0}, {"rank": 1}] and r["in_sync"]
+        assert r["ddp_grad"] == [[1.5, 1.5]]  # mean of the ranks' inputs 1 and 2
+        assert r["raw_error"] == "No backend type associated with device type cpu"
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "slurm"])

@@ -181,3 +181,21 @@ def test_bad_prompt_files(assets, grpo_assets, tmp_path, capsys, content, expect
     args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share")
     args[args.index("--prompts") + 1] = str(prompts)
     _fails(args, capsys, expected, out)
+
+
+def test_chunked_lm_head_logprobs_equal_one_chunk():
+    """The LM head in chunks (with recompute in backward) gives the one-chunk values and gradients."""
+    from nanochat_ext.grpo import token_logprobs_chunked
+
+    torch.manual_seed(0)
+    weight = torch.randn(300, 16, requires_grad=True)
+    h = torch.randn(3, 7, 16, requires_grad=True)
+    target = torch.randint(0, 300, (3, 7))
+    whole, ent_whole = token_logprobs_chunked(lambda x: x @ weight.t(), h, target, 10**6)
+    grads_whole = torch.autograd.grad(whole.sum(), [h, weight])
+    chunked, ent_chunked = token_logprobs_chunked(lambda x: x @ weight.t(), h, target, 4)  # 21 rows: 6 chunks
+    grads_chunked = torch.autograd.grad(chunked.sum(), [h, weight])
+    torch.testing.assert_close(chunked, whole, atol=0, rtol=0)
+    torch.testing.assert_close(ent_chunked, ent_whole, atol=0, rtol=0)
+    for a, b in zip(grads_chunked, grads_whole):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -19,7 +19,10 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 def test_speedrun_end_to_end_skip_and_resume(tmp_path):
     base = tmp_path / "base"
-    first = speedrun(base)
+    # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
+    # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
+    # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
+    first = speedrun(base, BACKEND="cuda:gloo")
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "eval"):
         assert f"== {stage}" in first.stdout
@@ -36,7 +39,7 @@ def test_speedrun_end_to_end_skip_and_resume(tmp_path):
     assert again.stdout.count(": skipped") == 7, again.stdout  # demo, sft, density, 2 RMs, GRPO, eval
 
     # GRPO "killed" after its step-2 checkpoint: the re-run resumes it and finishes the pipeline.
-    grpo = base / "grpo_checkpoints" / "uniform"
+    grpo = base / "chatrl_checkpoints" / "uniform"
     (grpo / ".complete").unlink()
     stamps = sorted(int(p.stem.split("_")[1]) for p in grpo.glob("model_*.pt"))
     for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):

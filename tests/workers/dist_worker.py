@@ -1,26 +1,46 @@
 """Started twice by the test with a launcher's environment (torchrun, OpenMPI, MVAPICH2 or SLURM
-variables); exercises the collectives of ddp_common in a real gloo group and prints one JSON line."""
+variables); exercises every collective of ddp_common in a real group and prints one JSON line.
+argv: [backend] [diverge]. Backend 'cuda:gloo' makes the default group serve CUDA tensors only, as
+NCCL does, so each helper must route CPU tensors to a group that serves them."""
 import json
 import sys
 
 import torch
+import torch.distributed as dist
 
 from nanochat_ext import ddp_common as dc
 
 
-def main(diverge: bool) -> None:
-    with dc.dist_session("cpu") as env:
+def main(backend: str | None, diverge: bool) -> None:
+    with dc.dist_session("cpu", backend) as env:
         total = dc.all_reduce_sum(float(env.rank + 1))
+        summed = dc.all_reduce_sum(torch.tensor([1.0, env.rank], dtype=torch.float64))
+        top = dc.all_reduce_max(float(env.rank))
         stamp = dc.broadcast_object(1000 + env.rank)
+        gathered = dc.gather_objects({"rank": env.rank})
+        dc.barrier()
         params = [torch.ones(3) * (1.0 + (env.rank if diverge else 0))]
         try:
             dc.check_params_in_sync(params)
             in_sync = True
         except RuntimeError:
             in_sync = False
+        # DDP over a CPU module: gradients averaged over ranks through the group that serves CPU.
+        layer = torch.nn.Linear(2, 1, bias=False)
+        torch.nn.init.ones_(layer.weight)
+        ddp = dc.wrap_ddp(layer, env)
+        ddp(torch.full((1, 2), float(env.rank + 1))).sum().backward()
+        raw_error = None
+        try:  # the rule itself: a CPU tensor handed straight to the default group
+            dist.all_reduce(torch.ones(1))
+        except RuntimeError as e:
+            raw_error = str(e).splitlines()[0]
         print(json.dumps({"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
-                          "backend": env.backend, "sum": total, "stamp": stamp, "in_sync": in_sync}), flush=True)
+                          "backend": env.backend, "sum": total, "tensor_sum": summed.tolist(), "max": top,
+                          "stamp": stamp, "gathered": gathered, "in_sync": in_sync,
+                          "ddp_grad": layer.weight.grad.tolist(), "raw_error": raw_error}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] == ["diverge"])
+    args = sys.argv[1:]
+    main(next((a for a in args if a != "diverge"), None), "diverge" in args)

@@ -119,7 +119,7 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     meta = json.loads(meta_path.read_text())
     if meta.get("kind") != "reward_model":
         raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
-    backbone = load_backbone(meta["backbone"], device)
+    backbone = load_backbone(meta["backbone"], device, vintage=meta.get("backbone_vintage"))
     tokenizer = load_tokenizer_for(backbone, meta["tokenizer"])
     model = RewardModel(backbone).to(device)
     state = torch.load(model_path, map_location=device, weights_only=True)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -12,7 +11,8 @@ import pytest
 from conftest import REPO
 import torch.distributed as dist
 
-from nanochat_ext.ddp_common import all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, init_dist
+from nanochat_ext.ddp_common import (all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, free_port,
+                                     init_dist)
 
 LAUNCHER_ENVS = {
     "torchrun": lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": "2"},
@@ -35,16 +35,10 @@ def test_plain_run_needs_no_launcher(monkeypatch):
     assert (env.rank, env.world_size, env.backend, env.launcher, env.is_main) == (0, 1, None, "none", True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_two(launcher: str, *worker_args: str) -> list[dict]:
     base = {k: v for k, v in os.environ.items()
             if not any(k in LAUNCHER_ENVS[n]("0") for n in LAUNCHER_ENVS)}
-    base.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    base.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "workers" / "dist_worker.py"), *worker_args],
                               env={**base, **LAUNCHER_ENVS[launcher](str(r))}, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -11,6 +11,16 @@ import torch.distributed as dist
 from nanochat_ext import ddp_common as dc
 
 
+def ddp_step(env: dc.DistEnv) -> list:
+    """DDP over a CPU module: gradients averaged over ranks through the group that serves CPU. The module
+    is gone when this returns, as a trainer's is when its train function returns."""
+    layer = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.ones_(layer.weight)
+    ddp = dc.wrap_ddp(layer, env)
+    ddp(torch.full((1, 2), float(env.rank + 1))).sum().backward()
+    return layer.weight.grad.tolist()
+
+
 def main(backend: str | None, diverge: bool) -> None:
     with dc.dist_session("cpu", backend) as env:
         total = dc.all_reduce_sum(float(env.rank + 1))
@@ -25,11 +35,7 @@ def main(backend: str | None, diverge: bool) -> None:
             in_sync = True
         except RuntimeError:
             in_sync = False
-        # DDP over a CPU module: gradients averaged over ranks through the group that serves CPU.
-        layer = torch.nn.Linear(2, 1, bias=False)
-        torch.nn.init.ones_(layer.weight)
-        ddp = dc.wrap_ddp(layer, env)
-        ddp(torch.full((1, 2), float(env.rank + 1))).sum().backward()
+        ddp_grad = ddp_step(env)
         raw_error = None
         try:  # the rule itself: a CPU tensor handed straight to the default group
             dist.all_reduce(torch.ones(1))
@@ -38,7 +44,7 @@ def main(backend: str | None, diverge: bool) -> None:
         print(json.dumps({"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
                           "backend": env.backend, "sum": total, "tensor_sum": summed.tolist(), "max": top,
                           "stamp": stamp, "gathered": gathered, "in_sync": in_sync,
-                          "ddp_grad": layer.weight.grad.tolist(), "raw_error": raw_error}), flush=True)
+                          "ddp_grad": ddp_grad, "raw_error": raw_error}), flush=True)
 
 
 if __name__ == "__main__":

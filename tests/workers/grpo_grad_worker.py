@@ -41,33 +41,40 @@ def rollout(assets: Path, rank: int, world: int):
     return policy, batch
 
 
+def compute(assets: Path, n_micro: int, env) -> dict:
+    """The gradients of one global batch on this rank. The DDP module dies with this frame, before
+    the session tears the group down, as a trainer's does when its train function returns."""
+    policy, batch = rollout(assets, env.rank, env.world_size)
+    reference = load_backbone(assets / "gpt").requires_grad_(False)
+    with torch.no_grad():
+        for i, p in enumerate(reference.parameters()):
+            p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
+    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 64, env.device, contextlib.nullcontext())
+    # Old log-probs 0.3 nats off in a pattern fixed by (global row, token): ratios leave [0.8, 1.2] and
+    # the clip is exercised, identically whatever the split.
+    n, L = batch["ref_logp"].shape
+    rows = torch.arange(n)[:, None] + env.rank * n
+    batch["old_logp"] = batch["ref_logp"] + 0.3 * torch.cos(rows * 7.0 + torch.arange(L)[None, :])
+    policy.set_trainable("all")
+    model = CompletionLogprobs(policy)
+    ddp_model = wrap_ddp(model, env)
+    micro = N_PROMPTS // env.world_size * G // n_micro
+    results = {}
+    for agg in LOSS_AGGS:
+        cfg = LossConfig(loss_agg=agg, clip_eps=0.2, clip_eps_high=0.28, beta=0.1, max_new_tokens=8)
+        model.zero_grad(set_to_none=True)
+        stats = policy_backward(ddp_model, batch, micro, cfg, env.device, contextlib.nullcontext())
+        totals = all_reduce_sum(stats.clone())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[agg] = {"loss": totals[0].item(), "clipped": totals[2].item(), "tokens": totals[3].item(),
+                        "grads": grads}
+    return results
+
+
 def main(assets: Path, n_micro: int, out: Path) -> None:
     torch.set_num_threads(1)
     with dist_session("cpu") as env:
-        policy, batch = rollout(assets, env.rank, env.world_size)
-        reference = load_backbone(assets / "gpt").requires_grad_(False)
-        with torch.no_grad():
-            for i, p in enumerate(reference.parameters()):
-                p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
-        batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 64, env.device, contextlib.nullcontext())
-        # Old log-probs 0.3 nats off in a pattern fixed by (global row, token): ratios leave [0.8, 1.2] and
-        # the clip is exercised, identically whatever the split.
-        n, L = batch["ref_logp"].shape
-        rows = torch.arange(n)[:, None] + env.rank * n
-        batch["old_logp"] = batch["ref_logp"] + 0.3 * torch.cos(rows * 7.0 + torch.arange(L)[None, :])
-        policy.set_trainable("all")
-        model = CompletionLogprobs(policy)
-        ddp_model = wrap_ddp(model, env)
-        micro = N_PROMPTS // env.world_size * G // n_micro
-        results = {}
-        for agg in LOSS_AGGS:
-            cfg = LossConfig(loss_agg=agg, clip_eps=0.2, clip_eps_high=0.28, beta=0.1, max_new_tokens=8)
-            model.zero_grad(set_to_none=True)
-            stats = policy_backward(ddp_model, batch, micro, cfg, env.device, contextlib.nullcontext())
-            totals = all_reduce_sum(stats.clone())
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            results[agg] = {"loss": totals[0].item(), "clipped": totals[2].item(), "tokens": totals[3].item(),
-                            "grads": grads}
+        results = compute(assets, n_micro, env)
         if env.is_main:
             torch.save(results, out)
 

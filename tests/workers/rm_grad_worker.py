@@ -20,30 +20,37 @@ GLOBAL_BATCH = 8
 MODES = {"mean": 1.6, "sum": 1.6, "none": None}  # weight mode -> cap
 
 
+def compute(assets: Path, n_micro: int, env) -> dict:
+    """The gradients of one global batch on this rank. The DDP module dies with this frame, before
+    the session tears the group down, as a trainer's does when its train function returns."""
+    backbone = load_backbone(assets / "gpt")
+    tok = TokenizerWrapper.load(assets / "tokenizer")
+    backbone.set_trainable(1)
+    model = RewardModel(backbone)
+    model.init_head(0)
+    ddp_model = wrap_ddp(model, env)
+    rows = load_pairs(assets / "pairs.jsonl")[0][:GLOBAL_BATCH]
+    for i, r in enumerate(rows):
+        r.weight = 0.25 + 0.25 * i  # uneven weights, some above the cap
+    pairs = tokenize_pairs(rows, tok, 64)
+    plan = BatchPlan.make(GLOBAL_BATCH, env.world_size, GLOBAL_BATCH // env.world_size // n_micro)
+    mine = pairs[env.rank * plan.per_rank:(env.rank + 1) * plan.per_rank]
+    batches = [collate_pairs(mine[i:i + plan.device_batch_size], tok.pad_id)
+               for i in range(0, plan.per_rank, plan.device_batch_size)]
+    results = {}
+    for mode, cap in MODES.items():
+        model.zero_grad(set_to_none=True)
+        stats = rm_backward(ddp_model, batches, mode, cap, env.device, contextlib.nullcontext())
+        loss = all_reduce_sum(stats[:1].clone()).item()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[mode] = {"loss": loss, "grads": grads}
+    return results
+
+
 def main(assets: Path, n_micro: int, out: Path) -> None:
     torch.set_num_threads(1)
     with dist_session("cpu") as env:
-        backbone = load_backbone(assets / "gpt")
-        tok = TokenizerWrapper.load(assets / "tokenizer")
-        backbone.set_trainable(1)
-        model = RewardModel(backbone)
-        model.init_head(0)
-        ddp_model = wrap_ddp(model, env)
-        rows = load_pairs(assets / "pairs.jsonl")[0][:GLOBAL_BATCH]
-        for i, r in enumerate(rows):
-            r.weight = 0.25 + 0.25 * i  # uneven weights, some above the cap
-        pairs = tokenize_pairs(rows, tok, 64)
-        plan = BatchPlan.make(GLOBAL_BATCH, env.world_size, GLOBAL_BATCH // env.world_size // n_micro)
-        mine = pairs[env.rank * plan.per_rank:(env.rank + 1) * plan.per_rank]
-        batches = [collate_pairs(mine[i:i + plan.device_batch_size], tok.pad_id)
-                   for i in range(0, plan.per_rank, plan.device_batch_size)]
-        results = {}
-        for mode, cap in MODES.items():
-            model.zero_grad(set_to_none=True)
-            stats = rm_backward(ddp_model, batches, mode, cap, env.device, contextlib.nullcontext())
-            loss = all_reduce_sum(stats[:1].clone()).item()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            results[mode] = {"loss": loss, "grads": grads}
+        results = compute(assets, n_micro, env)
         if env.is_main:
             torch.save(results, out)
 

@@ -21,6 +21,7 @@ from nanochat_ext.ddp_common import broadcast_object, check_params_in_sync, get_
 from nanochat_ext.errors import InputError
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
+_META_RE = re.compile(r"^meta_(\d+)\.json$")
 # nanochat's short names for its checkpoint roots under $NANOCHAT_BASE_DIR (checkpoint_manager.load_model)
 SOURCE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 _SHORT_RE = re.compile(r"^(base|sft|rl)(?::([^/:]+))?$")
@@ -58,12 +59,13 @@ def incomplete_reason(path: str | os.PathLike) -> str | None:
         return f"{p.name} has no meta_{_MODEL_RE.match(p.name).group(1)}.json beside it"
     if not p.is_dir():
         return None
-    models = sorted(f.name for f in p.iterdir() if _MODEL_RE.match(f.name))
-    metas = sorted(f.name for f in p.iterdir() if re.match(r"^meta_\d+\.json$", f.name))
+    names = [f.name for f in p.iterdir()]
+    models = sorted((int(m.group(1)), n) for n in names if (m := _MODEL_RE.match(n)))
+    metas = sorted((int(m.group(1)), n) for n in names if (m := _META_RE.match(n)))
     if models:
-        return f"{models[-1]} has no matching meta_<N>.json (metas here: {', '.join(metas) or 'none'})"
+        return f"{models[-1][1]} has no matching meta_<N>.json (metas here: {', '.join(n for _, n in metas) or 'none'})"
     if metas:
-        return f"{metas[-1]} has no matching model_<N>.pt"
+        return f"{metas[-1][1]} has no matching model_<N>.pt"
     return None
 
 

@@ -10,6 +10,7 @@ Verified against nanochat's own forward pass at each vintage (tests/fixtures/nan
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,6 +27,7 @@ class Vintage:
     """What one era of nanochat's forward pass computes. Commits are karpathy/nanochat's."""
     name: str
     written_by: str  # the commits whose checkpoints have this layout and forward pass
+    pads_vocab: bool = True  # wte/lm_head rows padded to a multiple of 64, logits sliced back to vocab_size
     lambdas: bool = False  # per-layer resid_lambdas / x0_lambdas
     windows: bool = False  # sliding-window attention from `window_pattern`
     short_window_div: int = 2  # S = sequence_len // div (rounded up to 128 when round128)
@@ -45,7 +47,7 @@ class Vintage:
         return -(-w // 128) * 128 if self.round128 else w
 
 
-_OCT = Vintage("oct2025", "a088b7a..f1bf69d (2025-10-21..2025-12-09; the density fork)")
+_OCT = Vintage("oct2025", "a088b7a..f1bf69d (2025-10-21..2025-12-09; the density fork)", pads_vocab=False)
 _JAN = Vintage("jan2026", "fbc1484..e85db6b (2026-01-11..2026-01-16)", lambdas=True, windows=True)
 _FEB = Vintage("feb2026", "e85db6b..aba30cb (2026-01-16..2026-03-02)", lambdas=True, windows=True,
                value_embeds=True)
@@ -54,7 +56,7 @@ _MAR_B = Vintage("mar2026b", "6ed7d1d..a825e63 (2026-03-09..2026-03-14)", lambda
                  rotary_base=100000.0, rotary_bf16=False, qk_scale=1.15)
 VINTAGES: dict[str, Vintage] = {v.name: v for v in [
     _OCT,
-    # Same forward pass; wte/lm_head rows padded to a multiple of 64, logits sliced back to vocab_size.
+    # oct2025's forward pass with padded vocabulary rows.
     Vintage("dec2025", "f1bf69d..fbc1484 (2025-12-09..2026-01-11)"),
     _JAN,
     _FEB,
@@ -401,7 +403,8 @@ class GPT(nn.Module):
 
 # ---- telling vintages apart ---------------------------------------------------------------------
 def layout_candidates(state: dict[str, torch.Tensor], vocab_size: int) -> list[str]:
-    """The vintages whose state-dict layout this is (all but the softcap-20 week are unique)."""
+    """The vintages whose state-dict layout this is (all but the softcap-20 week are unique). A vocabulary
+    that is already a multiple of 64 leaves oct2025 and dec2025 identical: either computes the same."""
     gates = [v for k, v in state.items() if k.endswith("attn.ve_gate.weight")]
     if "smear_gate.weight" in state or "backout_lambda" in state:
         return ["current"]
@@ -452,8 +455,6 @@ def pick_vintage(state: dict[str, torch.Tensor], meta: dict, requested: str | No
 
 def _shorten(keys: list[str], limit: int = 12) -> str:
     """Keys with their layer numbers folded: 'transformer.h.{0,1}.attn.ve_gate.weight'."""
-    import re
-
     groups: dict[str, list[str]] = {}
     for k in keys:
         m = re.match(r"^(.*?\.h\.)(\d+)(\..*)$", k) or re.match(r"^(value_embeds\.)(\d+)(\..*)$", k)
@@ -487,10 +488,10 @@ def gpt_from_checkpoint(state: dict[str, torch.Tensor], meta: dict, requested_vi
     """Build and load the GPT a nanochat checkpoint describes, exactly as its nanochat computes it."""
     vintage = pick_vintage(state, meta, requested_vintage, path)
     model_config = meta["model_config"]
-    cfg = GPTConfig.from_dict({k: v for k, v in model_config.items() if k not in ("vintage", "padded_vocab_size")})
+    cfg = GPTConfig.from_dict(model_config)
     cfg.vintage = vintage
-    cfg.window_pattern = model_config.get("window_pattern", "L")
-    wte = state.get("transformer.wte.weight")
+    cfg.window_pattern = model_config.get("window_pattern", "L")  # nanochat's loader patches a missing one so
+    wte = state.get("transformer.wte.weight")  # rows as saved: the padding rule changed over time
     cfg.padded_vocab_size = wte.shape[0] if wte is not None else cfg.vocab_size
     try:
         model = GPT(cfg)

@@ -144,7 +144,7 @@ def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, vintage
     v = VINTAGES[vintage]
     cfg = GPTConfig(sequence_len=sequence_len, vocab_size=vocab_size, n_layer=n_layer, n_head=n_head,
                     n_kv_head=n_kv_head, n_embd=n_embd, vintage=vintage, window_pattern="SL" if v.windows else "L",
-                    padded_vocab_size=vocab_size if vintage == "oct2025" else padded(vocab_size))
+                    padded_vocab_size=padded(vocab_size) if v.pads_vocab else vocab_size)
     model = GPT(cfg)
     model.init_weights(seed)
     meta = {"step": step, "model_config": cfg.nanochat_dict(), "nanochat_vintage": vintage}

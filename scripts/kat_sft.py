@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
+from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_model_path, resolve_resume, save_synced
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
                               run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
@@ -93,7 +93,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
-            meta = {"kind": "sft", "stamp": stamp, "step": step, "source": str(Path(args.backbone).resolve()),
+            meta = {"kind": "sft", "stamp": stamp, "step": step, "source": str(resolve_model_path(args.backbone).resolve()),
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
             return model_bb.save(out_dir, stamp, meta, tok, {"step": step, "optimizer": optimizer.state_dict(),
                                                               "args": vars(args)})

@@ -214,7 +214,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
             meta = {"kind": "grpo_policy", "stamp": stamp, "step": step,
-                    "source_policy": str(Path(args.policy).resolve()), "world_size": env.world_size,
+                    "source_policy": str(Path(policy.source).resolve()), "world_size": env.world_size,
                     "metrics": metrics, "args": vars(args)}
             state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
             return policy.save(out_dir, stamp, meta, tok, state)

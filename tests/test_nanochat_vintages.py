@@ -56,6 +56,31 @@ def test_logits_match_nanochat(name):
     assert tok.render_prompt([user]) + tok.render_response(assistant["content"]) == golden["inputs"][0][0].tolist()
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_ragged_batches_match_nanochat(name):
+    """Rows of different lengths in one batch, as the trainers build them, still give nanochat's logits:
+    right-padded (RM scoring, log-probs) and left-padded with a key mask (sampling), the latter with
+    more padding than the short window so windows and padding interact."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    long_row, rows60 = golden["inputs"][3][0], golden["inputs"][2]  # 300 tokens; 2 x 60 tokens
+    want_long, want60 = golden["logits"][3][0], golden["logits"][2]  # long row: positions 236..299 only
+    n = 35  # a causal prefix of row 1: its logits are the first n of nanochat's
+    with torch.no_grad():
+        right = torch.zeros(2, 60, dtype=torch.long)
+        right[0], right[1, :n] = rows60[0], rows60[1, :n]
+        out = bb.model(right)
+        torch.testing.assert_close(out[0], want60[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(out[1, :n], want60[1, :n], atol=1e-4, rtol=0)
+        left = torch.zeros(2, 300, dtype=torch.long)
+        key_mask = torch.zeros(2, 300, dtype=torch.bool)
+        left[0], key_mask[0] = long_row, True
+        left[1, 300 - 60:], key_mask[1, 300 - 60:] = rows60[0], True
+        out = bb.model(left, key_mask=key_mask)
+        torch.testing.assert_close(out[0, 236:], want_long, atol=1e-4, rtol=0)
+        torch.testing.assert_close(out[1, 300 - 60:], want60[0], atol=1e-4, rtol=0)
+
+
 def test_a_wrong_vintage_is_really_wrong():
     """The tolerance separates vintages: feb2026's weights run as mar2026a are off by far more than 1e-4."""
     golden = torch.load(GOLDEN / "feb2026" / "golden.pt", weights_only=True)

@@ -124,11 +124,13 @@ def row_positions(key_mask: torch.Tensor | None, T0: int, T: int) -> torch.Tenso
     unpadded. None when there is no padding: every row is at T0..T0+T-1."""
     if key_mask is None:
         return None
+    if T == 1:  # one decoded token: its position is the number of real tokens before it
+        return key_mask.sum(-1, keepdim=True) - 1
     return (key_mask.long().cumsum(-1)[:, T0:T0 + T] - 1).clamp(min=0)
 
 
 def rotary_slice(table: torch.Tensor, positions: torch.Tensor | None, T0: int, T: int) -> torch.Tensor:
-    """Rows of a (L, D) rotary table for the new tokens: (1, T, D) shared, or (B, T, D) per row."""
+    """Rows of a (L, ...) rotary table for the new tokens: (1, T, ...) shared, or (B, T, ...) per row."""
     if positions is None:
         return table[T0:T0 + T][None]
     return table[positions]
@@ -278,9 +280,11 @@ class GPT(nn.Module):
             self.value_embeds = nn.ModuleDict({str(i): nn.Embedding(vocab_rows, kv_dim)
                                                for i in range(config.n_layer) if has_ve(i, config.n_layer)})
         self.window_sizes = self._window_sizes(config)
-        cos, sin = self._rotary(config.sequence_len * 10, config.n_embd // config.n_head, v.rotary_base)
-        self.register_buffer("cos", cos, persistent=False)  # (10 * sequence_len, head_dim / 2), fp32
-        self.register_buffer("sin", sin, persistent=False)
+        # (10 * sequence_len, 2, head_dim / 2): cos and sin side by side, so a batch of per-row positions
+        # takes one gather; kept in the dtype this vintage uses on CPU (see _rotary_dtype).
+        rotary = self._rotary(config.sequence_len * 10, config.n_embd // config.n_head, v.rotary_base)
+        self.register_buffer("rotary", rotary.to(torch.bfloat16 if v.rotary_bf16 else torch.float32),
+                             persistent=False)
 
     @staticmethod
     def _window_sizes(config: GPTConfig) -> list[int]:
@@ -295,10 +299,10 @@ class GPT(nn.Module):
         return sizes
 
     @staticmethod
-    def _rotary(seq_len: int, head_dim: int, base: float):
+    def _rotary(seq_len: int, head_dim: int, base: float) -> torch.Tensor:
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-        return freqs.cos(), freqs.sin()
+        return torch.stack([freqs.cos(), freqs.sin()], dim=1)  # computed in fp32, as nanochat does
 
     def _rotary_dtype(self, device: torch.device) -> torch.dtype:
         # Oct 2025 .. Feb 2026 keep the table in bf16 everywhere; later nanochat uses its compute dtype
@@ -355,11 +359,11 @@ class GPT(nn.Module):
         B, T = idx.shape
         v = self.config.v
         T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(0):
-            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.cos.size(0)})")
+        if T0 + T > self.rotary.size(0):
+            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.rotary.size(0)})")
         positions = row_positions(key_mask, T0, T)
-        dtype = self._rotary_dtype(idx.device)
-        cos_sin = tuple(rotary_slice(t, positions, T0, T).to(dtype)[:, :, None, :] for t in (self.cos, self.sin))
+        table = rotary_slice(self.rotary, positions, T0, T).to(self._rotary_dtype(idx.device))  # no-op on CPU
+        cos_sin = table[:, :, None, 0], table[:, :, None, 1]  # (1 or B, T, 1, head_dim / 2)
         masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
         x = norm(self.transformer.wte(idx))
         if v.smear:

@@ -179,13 +179,28 @@ class Backbone(nn.Module):
         return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)
 
 
+def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Keep every parameter that does not train in the compute dtype (bf16 under bf16 autocast, a
+    no-op in fp32). A frozen weight needs no fp32 master, and autocast would cast it to bf16 for every
+    matmul anyway: the RM's frozen backbone, GRPO's reference and the eval models take half the memory.
+    Trainable parameters keep their fp32 masters. Training and scoring an RM apply the same rule, so an
+    RM scores exactly as it was validated."""
+    for p in module.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+    return module
+
+
 def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True,
-                  vintage: str | None = None) -> Backbone:
+                  vintage: str | None = None, frozen: torch.dtype | None = None) -> Backbone:
     """A nanochat checkpoint (a dir: its largest model_<N>.pt with the meta of the same N; a
     model_<N>.pt file; a checkpoints root such as chatsft_checkpoints/, taking its largest d<N> tag;
     or the short form base|sft|rl[:tag] under $NANOCHAT_BASE_DIR), or a local HF dir.
     vintage picks the nanochat vintage where the checkpoint cannot tell (see gpt.VINTAGES).
-    native=False keeps transformers' own module even for the Llama family (used to cross-check)."""
+    native=False keeps transformers' own module even for the Llama family (used to cross-check).
+    frozen: load for inference only (no gradients), weights held in that compute dtype."""
+    if frozen is not None:
+        return hold_frozen_in(load_backbone(path, device, native, vintage).requires_grad_(False), frozen)
     p = resolve_model_path(path)
     if not p.exists():
         raise InputError("backbone path does not exist", path=str(p))

@@ -3,13 +3,10 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from nanochat_ext.checkpoint import base_dir
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
@@ -66,15 +63,6 @@ def output_dirs(args: argparse.Namespace, stage_dir: str, default_tag: str | Non
     tag = args.tag or default_tag or ("density" if getattr(args, "density", None) else "uniform")
     out_dir = Path(args.out) if args.out else base_dir() / stage_dir / tag
     return out_dir, Path(args.log_dir) if args.log_dir else out_dir / "logs"
-
-
-def precision(dtype: str, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context for --dtype (auto: bf16 on CUDA, fp32 on CPU); TF32 matmuls on CUDA."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    use_bf16 = dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda")
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
 def script_argv(argv: list[str] | None) -> list[str]:

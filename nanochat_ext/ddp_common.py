@@ -204,6 +204,23 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
     return {"perf/max_mem_allocated_gb": all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)}
 
 
+def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """The matmul dtype --dtype asks for: bf16 when given, or auto on CUDA; fp32 otherwise."""
+    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return torch.float32
+
+
+def precision(dtype: str | torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context for --dtype (auto: bf16 on CUDA, fp32 on CPU) or a compute dtype; TF32
+    matmuls on CUDA."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    use_bf16 = (dtype if isinstance(dtype, torch.dtype) else compute_dtype(dtype, device)) == torch.bfloat16
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank `src`'s object on every rank (run stamp, resolved paths, an error message)."""
     if not _is_dist():

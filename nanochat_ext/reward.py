@@ -11,10 +11,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
+from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.data import truncate
-from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync, precision
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -77,10 +77,13 @@ def trainable_state(model: RewardModel) -> dict[str, torch.Tensor]:
 
 
 class RewardScorer:
-    """A trained reward model, ready to score (prompt, response) pairs."""
+    """A trained reward model, ready to score (prompt, response) pairs in the precision it was trained
+    in (dtype: its matmul dtype; bf16 means frozen weights in bf16 under bf16 autocast, as in training)."""
 
-    def __init__(self, model: RewardModel, tokenizer: TokenizerWrapper, max_len: int, meta: dict):
+    def __init__(self, model: RewardModel, tokenizer: TokenizerWrapper, max_len: int, meta: dict,
+                 dtype: torch.dtype = torch.float32):
         self.model, self.tokenizer, self.max_len, self.meta = model.eval(), tokenizer, max_len, meta
+        self.dtype = dtype
 
     @property
     def device(self) -> torch.device:
@@ -106,12 +109,14 @@ class RewardScorer:
             ids = torch.full((len(chunk), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
             for j, s in enumerate(chunk):
                 ids[j, :len(s)] = torch.tensor(s)
-            out += self.model(ids.to(self.device), lengths.to(self.device)).float().tolist()
+            with precision(self.dtype, self.device):
+                out += self.model(ids.to(self.device), lengths.to(self.device)).float().tolist()
         return out
 
 
 def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> RewardScorer:
-    """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint)."""
+    """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint), set to
+    score in the precision it was trained in (checkpoints without a recorded dtype: fp32)."""
     found = find_checkpoint(path)
     if found is None:
         raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
@@ -129,8 +134,16 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
         raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
                          path=str(model_path))
     model.load_state_dict(state, strict=False)
+    dtype_name = meta.get("dtype", "float32")
+    if dtype_name not in ("float32", "bfloat16"):
+        raise InputError(f"unknown dtype {dtype_name!r} (float32 or bfloat16)", path=str(meta_path), field="dtype")
+    dtype = getattr(torch, dtype_name)
+    # As in training: what was frozen is held in the compute dtype, what trained keeps fp32 (the head too).
+    for name, p in model.backbone.named_parameters():
+        p.requires_grad_(f"backbone.{name}" in state)
+    hold_frozen_in(model.backbone, dtype)
     model.requires_grad_(False)
-    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta)
+    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta, dtype)
 
 
 def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, weight_cap: float | None,

@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable
-from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
+from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any
 from nanochat_ext.errors import InputError
 
 
@@ -92,14 +92,15 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"{len(ids)} distinct prompt(s): density needs at least 2", path=args.pairs or args.prompts)
     if args.k < 1 or (args.cap is not None and args.cap <= 0):
         raise InputError("--k must be at least 1 and --cap positive")
-    backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
+    dtype = compute_dtype(args.dtype, env.device)
+    backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage, frozen=dtype)
     tok = load_tokenizer_for(backbone, args.tokenizer)
     raise_if_any(check_writable(out.parent) if env.is_main else None)
 
     tokens = [tok.render_prompt(first[pid])[-args.max_len:] for pid in ids]
     mine = list(range(env.rank, len(ids), env.world_size))
     emb = torch.zeros(len(ids), backbone.hidden_size, dtype=torch.float32)
-    mine_emb = embed(backbone, [tokens[i] for i in mine], args.batch, tok.pad_id, precision(args.dtype, env.device))
+    mine_emb = embed(backbone, [tokens[i] for i in mine], args.batch, tok.pad_id, precision(dtype, env.device))
     if mine:
         emb[mine] = mine_emb
     emb = all_reduce_sum(emb)  # every rank filled its own rows

@@ -26,9 +26,9 @@ import torch
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
-from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, precision, run_script, script_argv
+from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts, truncate
-from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
+from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import sample_seed
 from nanochat_ext.reward import RewardScorer, load_reward_model
@@ -109,7 +109,7 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
 
 
 def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, autocast) -> dict:
-    policy = load_backbone(path, env.device, vintage=args.nanochat_vintage)
+    policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=compute_dtype(args.dtype, env.device))
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
     prompt_ids = [tok.render_prompt(rows[i].messages) for i in mine]

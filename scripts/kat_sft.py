@@ -20,10 +20,10 @@ import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_model_path, resolve_resume, save_synced
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
                               run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, print0, raise_if_any, seed_everything, wrap_ddp
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, precision, print0, raise_if_any, seed_everything, wrap_ddp
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.optim import lr_multiplier, make_adamw

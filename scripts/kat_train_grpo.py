@@ -20,12 +20,12 @@ import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
                               run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix, truncate)
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, gather_objects, peak_memory_gb, print0, raise_if_any,
-                                      seed_everything, wrap_ddp)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
+                                      print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, CompletionLogprobs, LossConfig, call_reward_fn,
                                group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
@@ -197,8 +197,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     policy.set_trainable("all")
     reference = None
     if args.beta > 0:
-        reference = CompletionLogprobs(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
-                                       .requires_grad_(False))
+        reference = CompletionLogprobs(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage,
+                                                     frozen=compute_dtype(args.dtype, env.device)))
     model = CompletionLogprobs(policy)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs, precision,
+from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
                               run_script, script_argv)
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_checkpoint, save_synced
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
                                load_pairs, split_by_prefix, tokenize_pairs)
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, peak_memory_gb, print0, raise_if_any, seed_everything,
-                                      wrap_ddp)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
+                                      raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -106,6 +106,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     backbone.set_trainable(args.unfreeze_last)
     for p in backbone.output_head_params():  # the RM reads hidden states; the LM head gets no gradient
         p.requires_grad_(False)
+    dtype = compute_dtype(args.dtype, env.device)
+    hold_frozen_in(backbone, dtype)
     train_pairs = tokenize_pairs(train_rows, tokenizer, args.max_len)
     val_pairs = tokenize_pairs(val_rows, tokenizer, args.max_len)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
@@ -126,7 +128,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if resume is not None:
         start_step = load_resume_state(model, optimizer, resume, args)
         print0(f"resume: from {resume[0]} at step {start_step}")
-    autocast = precision(args.dtype, env.device)
+    autocast = precision(dtype, env.device)
 
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
@@ -134,7 +136,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
                     "backbone_vintage": backbone.vintage,
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
-                    "max_len": args.max_len, "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
+                    "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
+                    "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
             state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
             return save_checkpoint(out_dir, stamp, trainable_state(model), meta, state)

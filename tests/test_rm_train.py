@@ -194,3 +194,29 @@ def test_output_dir_that_cannot_be_written(assets, tmp_path, capsys):
 def test_batch_size_that_micro_batches_do_not_divide(assets, tmp_path, capsys):
     assert kat_train_rm.main(base_args(assets, tmp_path / "out", "--max_steps", "1", "--device_batch_size", "5")) == 2
     assert "--device_batch_size 5 does not divide" in capsys.readouterr().err
+
+
+def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, tmp_path):
+    """Under bf16 autocast (what --dtype auto means on CUDA) the frozen backbone is held in bf16 and the
+    trained block and head keep fp32 masters; the reloaded RM scores in that same precision, so it
+    reproduces the validation margin the run logged."""
+    out = tmp_path / "rm"
+    args = base_args(assets, out, "--max_steps", "20", "--unfreeze_last", "1", "--dtype", "bfloat16",
+                     "--val_ratio", "0.1")
+    assert kat_train_rm.main(args) == 0
+    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
+    assert meta["dtype"] == "bfloat16"
+    scorer = load_reward_model(out)
+    assert scorer.dtype == torch.bfloat16
+    params = dict(scorer.model.named_parameters())
+    last = len(scorer.model.backbone.blocks) - 1
+    assert params["backbone.model.transformer.wte.weight"].dtype == torch.bfloat16
+    assert params["backbone.model.transformer.h.0.attn.c_q.weight"].dtype == torch.bfloat16
+    assert params[f"backbone.model.transformer.h.{last}.attn.c_q.weight"].dtype == torch.float32
+    assert params["head.weight"].dtype == torch.float32
+    from nanochat_ext.data import split_by_prefix, tokenize_pairs
+    _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
+    val = tokenize_pairs(val_rows, scorer.tokenizer, 64)
+    margins = np.array(scorer.score_ids([p.chosen for p in val])) - np.array(scorer.score_ids([p.rejected for p in val]))
+    assert meta["metrics"]["val/accuracy"] == pytest.approx(np.mean(margins > 0), abs=1 / len(val))
+    assert meta["metrics"]["val/margin"] == pytest.approx(margins.mean(), abs=2e-3)

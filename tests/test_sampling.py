@@ -76,3 +76,21 @@ def test_top_k_and_top_p_filtering():
     assert kept(SamplingConfig(top_k=2)) == [True, True, False, False]
     assert kept(SamplingConfig(top_p=0.7)) == [True, True, False, False]
     assert kept(SamplingConfig(top_p=0.85)) == [True, True, True, False]
+
+
+@pytest.mark.parametrize("name", ["gpt_modern", "hf"])
+def test_kv_cache_is_held_in_the_autocast_dtype_with_the_same_logits(assets, name):
+    """Under bf16 autocast (what CUDA runs) the cache stores bf16, half of fp32, and decoding gives
+    bitwise the logits of an fp32 cache: attention reads keys and values in bf16 either way."""
+    model = load_backbone(assets[name]).model
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3], [3, 250, 8, 9, 10, 11]])
+    out = {}
+    for cache_dtype in (torch.bfloat16, torch.float32):
+        fp32_cache = model.new_kv_cache(2, 10)  # made outside autocast: the weights' fp32
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            cache = model.new_kv_cache(2, 10) if cache_dtype == torch.bfloat16 else fp32_cache
+            assert cache.k.dtype == cache_dtype
+            first = model(ids, kv_cache=cache)[:, -1]
+            second = model(torch.tensor([[1], [2]]), kv_cache=cache)[:, -1]
+        out[cache_dtype] = torch.cat([first, second])
+    assert torch.equal(out[torch.bfloat16], out[torch.float32])

@@ -1,0 +1,238 @@
+"""GPU throughput and memory of the RM and GRPO steps on nanochat-shaped models (random init, today's
+architecture), run through the library's own step functions. One JSON line per measurement.
+
+    python bench/bench_gpu.py                                   # d12 and d20 on the GPU, bf16 autocast
+    python bench/bench_gpu.py --shapes tiny --device cpu --steps 1 --warmup 0   # smoke test (CI runs it)
+
+Shapes: dN = nanochat's depth-N model: N layers, width 64*N, heads of 128, vocab 65536, context
+2048. Peak memory without a GPU: bench/memory_estimate.py.
+
+FLOPs, in nanochat's convention (a (m x k)(k x n) matmul is 2mkn; attention counts its full key
+range, no causal halving, a windowed layer its window). Per token of a T-token sequence, one forward
+pass through blocks B costs
+    fwd(B) = 2 * matmul_params(B) + 4 * sum over layers l in B of d_model * min(window_l, T)
+and a backward pass twice that. So
+    RM step   = tokens * (fwd(all blocks) + 2 * fwd(trainable blocks))   (no LM head; frozen blocks
+                below the first trainable one need no backward at all)
+    GRPO step = tokens * 3 * fwd(all blocks) + completion tokens * 6 * d_model * vocab   (LM head only
+                at completion positions)
+MFU = FLOPs / seconds / peak, the peak being the device's dense bf16 tensor-core rate (H100/H200 SXM:
+989 TFLOP/s; --peak_tflops for another). Generation is memory-bound and is given in tokens/s only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
+from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
+from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
+                               policy_backward, token_logprobs)
+from nanochat_ext.optim import make_adamw  # noqa: E402
+from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
+from nanochat_ext.sampling import SamplingConfig, generate  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
+
+
+def shape_config(name: str, vintage: str = "current") -> GPTConfig:
+    """nanochat's depth-parameterised model (model_dim = 64 * depth, head_dim 128) of that vintage.
+    d20 is 561M parameters up to dec2025; today's value embeddings bring it to 1.40B."""
+    if name == "tiny":
+        return GPTConfig(sequence_len=256, vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, n_embd=64,
+                         window_pattern="SL", vintage=vintage, padded_vocab_size=512)
+    depth = int(name.removeprefix("d"))
+    width = 64 * depth
+    heads = max(1, width // 128)
+    return GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=heads, n_kv_head=heads,
+                     n_embd=width, window_pattern="SSSL", vintage=vintage, padded_vocab_size=padded(65536))
+
+
+def make_backbone(cfg: GPTConfig, device: torch.device, seed: int) -> Backbone:
+    model = GPT(cfg)
+    model.init_weights(seed)  # on CPU: its generator is a CPU one
+    return Backbone("nanochat", model.to(device), f"random {cfg.n_layer}x{cfg.n_embd}").eval()
+
+
+def block_fwd_flops(cfg: GPTConfig, blocks: list, T: int) -> float:
+    """Forward FLOPs per token through `blocks` (see the module docstring)."""
+    matmul = sum(p.numel() for b in blocks for p in b.parameters() if p.dim() == 2)
+    windows = GPT._window_sizes(cfg)
+    first = cfg.n_layer - len(blocks)
+    return 2 * matmul + 4 * sum(cfg.n_embd * min(windows[first + i], T) for i in range(len(blocks)))
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+class Clock:
+    """Wall time of a phase (synchronised on CUDA) and its peak allocated memory."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_gb = torch.cuda.max_memory_allocated(self.device) / 2**30
+        else:
+            self.peak_gb = None
+        self.s = time.perf_counter() - self.t0
+
+
+def autocast_for(device: torch.device) -> torch.autocast:
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.device) -> dict:
+    cfg = shape_config(shape, b.vintage)
+    T = min(b.rm_len, cfg.sequence_len)
+    backbone = make_backbone(cfg, device, 0)
+    backbone.set_trainable(unfreeze)
+    backbone.model.lm_head.weight.requires_grad_(False)
+    hold_frozen_in(backbone, torch.bfloat16)
+    model = RewardModel(backbone).to(device)
+    model.init_head(0)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_adamw(trainable, 1e-5, 0.0, device)
+    g = torch.Generator().manual_seed(0)
+    n = b.rm_pairs
+    batch = {"input_ids": torch.randint(0, cfg.vocab_size, (2 * n, T), generator=g),
+             "lengths": torch.full((2 * n,), T), "weights": torch.ones(n)}
+    times, peaks = [], []
+    for step in range(b.warmup + b.steps):
+        with Clock(device) as c:
+            rm_backward(model, [batch], "mean", None, device, autocast_for(device))
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if step >= b.warmup:
+            times.append(c.s)
+            peaks.append(c.peak_gb)
+    s = sum(times) / len(times)
+    trainable_blocks = [blk for blk in backbone.blocks if any(p.requires_grad for p in blk.parameters())]
+    flops = 2 * n * T * (block_fwd_flops(cfg, list(backbone.blocks), T) + 2 * block_fwd_flops(cfg, trainable_blocks, T))
+    peak = peak_tflops(device, b.peak_tflops)
+    return {"bench": "gpu_rm", "shape": shape, "vintage": b.vintage, "unfreeze_last": unfreeze, "pairs_per_step": n, "seq_len": T,
+            "params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in trainable),
+            "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2), "tokens_per_s": round(2 * n * T / s, 1),
+            "tflops": round(flops / s / 1e12, 3), "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
+            "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None}
+
+
+def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
+    cfg = shape_config(shape, b.vintage)
+    G, n, P, L = b.group_size, b.grpo_prompts, b.prompt_len, b.new_tokens
+    policy = make_backbone(cfg, device, 0)
+    reference = CompletionLogprobs(hold_frozen_in(make_backbone(cfg, device, 0).requires_grad_(False), torch.bfloat16))
+    rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
+    hold_frozen_in(rm_model.backbone, torch.bfloat16)
+    scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
+    model = CompletionLogprobs(policy)
+    trainable = list(model.parameters())
+    optimizer = make_adamw(trainable, 1e-6, 0.0, device)
+    stop = cfg.vocab_size - 1
+    sampling = SamplingConfig(max_new_tokens=L, temperature=1.0, min_new_tokens=L)  # every completion runs L tokens
+    loss_cfg = LossConfig("token", 0.2, None, 0.04, L)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
+    phases = {"generation": [], "scoring": [], "reference": [], "training": []}
+    peaks = dict.fromkeys(phases, 0.0)
+    for step in range(b.warmup + b.steps):
+        clocks = {}
+        with Clock(device) as clocks["generation"], autocast_for(device):
+            policy.eval()
+            samples = generate(policy, prompts, G, sampling, stop, 0,
+                               [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
+        with Clock(device) as clocks["scoring"]:
+            rewards = torch.tensor(scorer.score_ids([prompts[i // G] + c for i, c in enumerate(samples.completions)],
+                                                    batch_size=b.micro), dtype=torch.float64)
+        batch = make_sequences(prompts, samples.completions, G, 0)
+        batch["advantages"] = group_advantages(rewards, G, "group")
+        batch["weights"] = torch.ones(n * G)
+        with Clock(device) as clocks["reference"]:
+            batch["ref_logp"] = token_logprobs(reference, batch, b.micro, device, autocast_for(device))
+        with Clock(device) as clocks["training"]:
+            policy_backward(model, batch, b.micro, loss_cfg, device, autocast_for(device))
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if step >= b.warmup:
+            for k, c in clocks.items():
+                phases[k].append(c.s)
+                peaks[k] = max(peaks[k], c.peak_gb or 0.0)
+    s = {k: sum(v) / len(v) for k, v in phases.items()}
+    T = P + L
+    completions = n * G
+    train_flops = (completions * T * 3 * block_fwd_flops(cfg, list(policy.blocks), T)
+                   + completions * L * 6 * cfg.n_embd * cfg.vocab_size)
+    peak = peak_tflops(device, b.peak_tflops)
+    step_s = sum(s.values())
+    return {"bench": "gpu_grpo", "shape": shape, "vintage": b.vintage, "prompts": n, "group_size": G, "prompt_len": P, "new_tokens": L,
+            "micro_batch": b.micro, "params": sum(p.numel() for p in trainable),
+            "s_per_step": round(step_s, 3), **{f"s_{k}": round(v, 3) for k, v in s.items()},
+            "completions_per_s": round(completions / step_s, 2),
+            "gen_tokens_per_s": round(completions * L / s["generation"], 1),
+            "train_tokens_per_s": round(completions * T / s["training"], 1),
+            "train_tflops": round(train_flops / s["training"] / 1e12, 3),
+            "train_mfu": round(train_flops / s["training"] / 1e12 / peak, 4) if peak else None,
+            "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
+    p.add_argument("--vintage", default="current", help="nanochat architecture (gpt.VINTAGES; default: today's)")
+    p.add_argument("--only", choices=("rm", "grpo", "both"), default="both")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
+    p.add_argument("--rm_len", type=int, default=512, help="tokens per RM sequence")
+    p.add_argument("--grpo_prompts", type=int, default=16, help="prompts per GRPO step (x group_size completions)")
+    p.add_argument("--group_size", type=int, default=16)
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--micro", type=int, default=64, help="sequences per forward in scoring / reference / training")
+    p.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak, if not known here")
+    b = p.parse_args()
+    device = torch.device(b.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    for shape in b.shapes:
+        if b.only in ("rm", "both"):
+            for unfreeze in ("0", "2", "all"):
+                print(json.dumps({**bench_rm(shape, unfreeze, b, device), "device": device_name(device),
+                                  "torch": torch.__version__}), flush=True)
+        if b.only in ("grpo", "both"):
+            print(json.dumps({**bench_grpo(shape, b, device), "device": device_name(device),
+                              "torch": torch.__version__}), flush=True)
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Peak memory of the RM and GRPO steps on a nanochat d20-shaped model, estimated without a GPU.
+
+The steps run on fake tensors (torch's FakeTensorMode: shapes and dtypes, no data, no compute) under
+bf16 autocast, with the library's own modules; a dispatch hook counts the bytes of every live tensor
+storage and keeps the peak. That is what torch.cuda.max_memory_allocated measures, less the caching
+allocator's rounding and the kernels' workspaces (cuBLAS, SDPA), so read it as a lower bound within
+a few percent. "before" is the code before the GPU work (frozen weights fp32, KV cache fp32, the LM
+head's log-softmax over the whole batch at once); "after" is today's.
+
+    python bench/memory_estimate.py            # one JSON line per configuration
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import weakref
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gpu import shape_config  # noqa: E402
+from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
+from nanochat_ext.gpt import GPT  # noqa: E402
+from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss  # noqa: E402
+from nanochat_ext.optim import make_adamw  # noqa: E402
+from nanochat_ext.reward import RewardModel  # noqa: E402
+
+GiB = 2**30
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensor storage alive now and at the peak (each storage counted once, freed when collected)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = WeakIdKeyDictionary()
+        self.live = self.peak = 0
+
+    def _free(self, n: int) -> None:
+        self.live -= n
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s not in self.seen:
+                    self.seen[s] = n = s.nbytes()
+                    self.live += n
+                    weakref.finalize(s, self._free, n)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def backbone(cfg, frozen_dtype: torch.dtype | None) -> Backbone:
+    bb = Backbone("nanochat", GPT(cfg), "fake").eval()
+    if frozen_dtype is not None:
+        hold_frozen_in(bb.requires_grad_(False), frozen_dtype)
+    return bb
+
+
+def rm_step(cfg, unfreeze: str, after: bool, pairs: int, T: int) -> float:
+    with FakeTensorMode(), LiveBytes() as mem:
+        bb = backbone(cfg, None)
+        bb.set_trainable(unfreeze)
+        bb.model.lm_head.weight.requires_grad_(False)
+        if after:
+            hold_frozen_in(bb, torch.bfloat16)
+        model = RewardModel(bb)
+        opt = make_adamw([p for p in model.parameters() if p.requires_grad], 1e-5, 0.0, torch.device("cpu"))
+        ids, lengths = torch.randint(0, cfg.vocab_size, (2 * pairs, T)), torch.full((2 * pairs,), T)
+        for _ in range(2):  # the second step holds the optimizer state
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                r = model(ids, lengths).float()
+                loss = -F.logsigmoid(r[:pairs] - r[pairs:]).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            del r, loss
+        return mem.peak / GiB
+
+
+def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int) -> dict[str, float]:
+    """Peaks of the phases of one GRPO step, each on top of what lives through the whole run (policy,
+    its AdamW state, reference, RM): generation (prefill, cache x G, one decode step), reference
+    log-probs and RM scoring of the whole batch, and a training micro-batch (forward, loss, backward,
+    AdamW step)."""
+    frozen = torch.bfloat16 if after else torch.float32
+    chunk = 4096 if after else 1 << 40
+    n = prompts * G
+    out = {}
+    with FakeTensorMode(), LiveBytes() as mem:
+        policy = backbone(cfg, None)
+        model = CompletionLogprobs(policy, chunk)
+        reference = CompletionLogprobs(backbone(cfg, frozen), chunk)
+        rm = RewardModel(backbone(cfg, frozen)).requires_grad_(False)
+        opt = make_adamw(list(model.parameters()), 1e-6, 0.0, torch.device("cpu"))
+        # AdamW's state exists after the first step: allocate it as the step would.
+        for p in model.parameters():
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        resident = mem.live
+        out["resident"] = resident / GiB
+
+        mem.peak = mem.live
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            if not after:  # the cache took the weights' fp32 before
+                policy.model.new_kv_cache = _fp32_cache(policy.model)
+            logits, cache = policy.prefill(torch.randint(0, cfg.vocab_size, (prompts, P)), None, P + L)
+            policy.repeat_cache(cache, G)
+            logits = logits.repeat_interleave(G, dim=0)
+            cache.pos = P + L - 1  # the last decode step attends over the full length
+            logits = policy.decode(cache, torch.zeros(n, dtype=torch.long), None)
+            del logits, cache
+        out["generation"] = mem.peak / GiB
+
+        T = P + L
+        ids = torch.randint(0, cfg.vocab_size, (micro, T))
+        gather = torch.arange(P - 1, T - 1).expand(micro, L)
+        target = torch.randint(0, cfg.vocab_size, (micro, L))
+        mem.peak = mem.live
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            ref = torch.zeros(n, L)  # all completions' reference log-probs, kept for training (as the trainer does)
+            ref[:micro] = reference(ids, gather, target)[0].float()
+            rm(ids, torch.full((micro,), T))
+        out["reference_and_scoring"] = mem.peak / GiB
+
+        mem.peak = mem.live
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, _ = model(ids, gather, target)
+            loss, _ = grpo_loss(logp, logp.detach(), ref[:micro], torch.ones(micro), torch.ones(micro, L),
+                                torch.ones(micro), LossConfig("token", beta=0.04, max_new_tokens=L), float(n * L))
+        loss.backward()
+        del logp, loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["training"] = mem.peak / GiB
+    return out
+
+
+def _fp32_cache(model: GPT):
+    from nanochat_ext.gpt import KVCache
+
+    def new_kv_cache(batch: int, max_len: int) -> KVCache:
+        c = model.config
+        with torch.autocast("cpu", enabled=False):
+            return KVCache(c.n_layer, batch, c.n_kv_head, c.n_embd // c.n_head, max_len, "cpu", torch.float32)
+    return new_kv_cache
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="d20")
+    p.add_argument("--vintage", default="current", help="dec2025: the 561M-parameter d20 (no value embeddings)")
+    p.add_argument("--rm_pairs", type=int, default=32)
+    p.add_argument("--rm_len", type=int, default=512)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group_size", type=int, default=16)
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=512)
+    p.add_argument("--micro", type=int, default=32, help="sequences per training / reference forward")
+    b = p.parse_args()
+    cfg = shape_config(b.shape, b.vintage)
+    with FakeTensorMode():
+        params = sum(q.numel() for q in GPT(cfg).parameters())
+    for when in ("before", "after"):
+        for unfreeze in ("0", "2", "all"):
+            print(json.dumps({"bench": "memory_rm", "shape": b.shape, "vintage": b.vintage, "params": params, "code": when,
+                              "unfreeze_last": unfreeze, "pairs": b.rm_pairs, "seq_len": b.rm_len,
+                              "peak_gb": round(rm_step(cfg, unfreeze, when == "after", b.rm_pairs, b.rm_len), 2)}),
+                  flush=True)
+        phases = grpo_step(cfg, when == "after", b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro)
+        print(json.dumps({"bench": "memory_grpo", "shape": b.shape, "vintage": b.vintage, "params": params, "code": when,
+                          "completions": b.prompts * b.group_size, "prompt_len": b.prompt_len,
+                          "new_tokens": b.new_tokens, "micro": b.micro,
+                          **{f"peak_gb_{k}": round(v, 2) for k, v in phases.items()},
+                          "peak_gb": round(max(phases.values()), 2)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

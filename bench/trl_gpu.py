@@ -1,0 +1,147 @@
+"""Hugging Face TRL's GRPOTrainer at bench_gpu.py's settings, on a Llama of the same size: the peer
+figure for GRPO completions/s on a GPU. One JSON line.
+
+Same as bench_gpu.py's GRPO: 16 prompts of 128 random tokens x 16 completions of exactly 256 new tokens
+(min_new_tokens), a reward model of the policy's size (random), beta 0.04 (reference model), micro-
+batches of 64 sequences (TRL: per_device_train_batch_size 64, 4 accumulation steps = one generation
+batch of 256), bf16 on CUDA, transformers' generate (no vLLM). The Llama has nanochat dN's width, depth,
+heads, 4x MLP and 65536 vocabulary. It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
+
+    python bench/trl_gpu.py --shape d20
+    python bench/trl_gpu.py --shape tiny --device cpu --steps 1 --warmup 0    # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,  # noqa: E402
+                          PreTrainedTokenizerFast, TrainerCallback, set_seed)
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+
+def llama_config(shape: str) -> LlamaConfig:
+    if shape == "tiny":
+        width, depth, vocab = 64, 2, 512
+    else:
+        depth = int(shape.removeprefix("d"))
+        width, vocab = 64 * depth, 65536
+    heads = max(1, width // 128) if shape != "tiny" else 4
+    return LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
+                       num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
+                       tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def word_tokenizer(vocab: int) -> PreTrainedTokenizerFast:
+    """Token i is the word 't<i>': a prompt of k random words is exactly k tokens."""
+    words = {f"t{i}": i for i in range(vocab)}
+    bpe = Tokenizer(models.WordLevel(words, unk_token="t3"))
+    bpe.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, pad_token="t0", bos_token="t1", eos_token="t2", unk_token="t3")
+    tok.padding_side = "left"
+    return tok
+
+
+class StepClock(TrainerCallback):
+    def __init__(self):
+        self.starts, self.ends = [], []
+
+    def on_step_begin(self, args, state, control, **kw):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.starts.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kw):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.ends.append(time.perf_counter())
+
+
+class TimedGRPO(GRPOTrainer):
+    """Wall time of each rollout (generation + reward + reference) and of generate() within it."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.gen_s, self.rollout_s = [], []
+
+    def _generate_single_turn(self, *a, **kw):
+        t = time.perf_counter()
+        out = super()._generate_single_turn(*a, **kw)
+        self.gen_s.append(time.perf_counter() - t)
+        return out
+
+    def _generate_and_score_completions(self, inputs):
+        t = time.perf_counter()
+        out = super()._generate_and_score_completions(inputs)
+        self.rollout_s.append(time.perf_counter() - t)
+        return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="d20")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group_size", type=int, default=16)
+    p.add_argument("--prompt_len", type=int, default=128)
+    p.add_argument("--new_tokens", type=int, default=256)
+    p.add_argument("--micro", type=int, default=64)
+    b = p.parse_args()
+    set_seed(0)
+    cfg = llama_config(b.shape)
+    cuda = b.device == "cuda"
+    tok = word_tokenizer(cfg.vocab_size)
+    # TRL builds its reference model from the policy's path: save the random models, load them back.
+    models_dir = tempfile.mkdtemp(prefix="trl_gpu_models_")
+    LlamaForCausalLM(cfg).save_pretrained(f"{models_dir}/policy")
+    LlamaForSequenceClassification(LlamaConfig(**{**cfg.to_dict(), "num_labels": 1})).save_pretrained(f"{models_dir}/rm")
+    policy = LlamaForCausalLM.from_pretrained(f"{models_dir}/policy")
+    rm = LlamaForSequenceClassification.from_pretrained(f"{models_dir}/rm")
+    g = torch.Generator().manual_seed(0)
+    prompts = [" ".join(f"t{int(i)}" for i in torch.randint(4, cfg.vocab_size, (b.prompt_len,), generator=g))
+               for _ in range(b.prompts * (b.warmup + b.steps))]
+    completions_per_step = b.prompts * b.group_size
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_gpu_"), per_device_train_batch_size=b.micro,
+        gradient_accumulation_steps=completions_per_step // b.micro, num_generations=b.group_size,
+        max_completion_length=b.new_tokens, generation_kwargs={"min_new_tokens": b.new_tokens}, temperature=1.0,
+        beta=0.04, learning_rate=1e-6, max_steps=b.warmup + b.steps, use_vllm=False, bf16=cuda, use_cpu=not cuda,
+        logging_strategy="no", save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+        seed=0)
+    clock = StepClock()
+    trainer = TimedGRPO(model=policy, reward_funcs=rm, reward_processing_classes=tok, args=args,
+                        train_dataset=Dataset.from_list([{"prompt": q} for q in prompts]), processing_class=tok,
+                        callbacks=[clock])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    w = b.warmup
+    step_s = [e - s for s, e in zip(clock.starts, clock.ends)][w:]
+    secs = sum(step_s)
+    gen_s, roll_s = sum(trainer.gen_s[w:]), sum(trainer.rollout_s[w:])
+    n = b.steps * completions_per_step
+    print(json.dumps({
+        "bench": "trl_gpu_grpo", "shape": b.shape, "params": sum(q.numel() for q in policy.parameters()),
+        "prompts": b.prompts, "group_size": b.group_size, "prompt_len": b.prompt_len, "new_tokens": b.new_tokens,
+        "micro_batch": b.micro, "s_per_step": round(secs / b.steps, 3), "s_generation": round(gen_s / b.steps, 3),
+        "s_scoring_and_reference": round((roll_s - gen_s) / b.steps, 3),
+        "s_training": round((secs - roll_s) / b.steps, 3), "completions_per_s": round(n / secs, 2),
+        "gen_tokens_per_s": round(n * b.new_tokens / gen_s, 1),
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+        "trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The CUDA path, run where a GPU is: `python -m pytest -m cuda` (skipped without one). One rank with
+--backend nccl goes through the whole distributed code path (process group, DDP, every collective)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from test_pipeline import speedrun
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_pipeline_on_one_gpu_with_nccl(tmp_path):
+    base = tmp_path / "base"
+    proc = speedrun(base, NPROC_PER_NODE="1", BACKEND="nccl")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("rm_uniform", "grpo_uniform"):
+        logs = base / ("rm_checkpoints" if stage.startswith("rm") else "chatrl_checkpoints") / "uniform" / "logs"
+        rows = [json.loads(line) for line in (logs / "metrics.jsonl").read_text().splitlines()]
+        assert any(r.get("perf/max_mem_allocated_gb", 0) > 0 for r in rows), stage
+
+
+def test_cuda_precision_rules(assets, tmp_path):
+    """bf16 autocast, TF32, fused AdamW, and frozen weights held in bf16 on CUDA."""
+    from nanochat_ext.backbone import hold_frozen_in, load_backbone
+    from nanochat_ext.ddp_common import compute_dtype, precision
+    from nanochat_ext.optim import make_adamw
+
+    device = torch.device("cuda")
+    assert compute_dtype("auto", device) == torch.bfloat16
+    with precision("auto", device):
+        assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
+    assert torch.backends.cuda.matmul.allow_tf32
+    bb = load_backbone(assets["gpt_modern"], device)
+    bb.set_trainable(1)
+    hold_frozen_in(bb, torch.bfloat16)
+    assert bb.model.transformer.wte.weight.dtype == torch.bfloat16
+    trainable = [p for p in bb.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    opt = make_adamw(trainable, 1e-3, 0.0, device)
+    assert opt.defaults["fused"]
+    with precision("auto", device):
+        loss = bb(torch.randint(0, 500, (2, 16), device=device)).float().logsumexp(-1).mean()
+    loss.backward()
+    opt.step()
+    assert all(torch.isfinite(p).all() for p in trainable)

@@ -119,29 +119,36 @@ def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.
 class CompletionLogprobs(nn.Module):
     """Log-probabilities (and entropies) of completion tokens under a backbone. This is the module
     DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
-    completion positions, never over the prompt."""
+    completion positions, never over the prompt.
 
-    def __init__(self, backbone: Backbone, chunk_tokens: int = 4096):
+    temperature: the distribution the completions were sampled from, softmax(logits / T). The ratio,
+    the KL and the entropy must use that one (as TRL does), or the policy gradient is biased at T != 1."""
+
+    def __init__(self, backbone: Backbone, chunk_tokens: int = 4096, temperature: float = 1.0):
         super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
         self.backbone = backbone
         self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
+        self.temperature = temperature
 
     def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor):
         hidden = self.backbone.hidden_states(input_ids)
         h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
-        return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens)
+        return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
 
 
-def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(logits_fn(h).float(), dim=-1)
+def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits_fn(h).float() / temperature, dim=-1)
     token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)
     return token_logp, entropy
 
 
-def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor,
-                           chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chunk_tokens: int,
+                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies of `target` (B, L) under logits_fn(h) with h (B, L, H), never holding more
     than chunk_tokens rows of vocabulary-sized logits: 256 completions x 512 tokens x a 65k vocabulary
     would be 34 GB in fp32. Under autograd each chunk is recomputed in the backward pass
@@ -149,7 +156,7 @@ def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor,
     B, L, H = h.shape
     flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
     if B * L <= chunk_tokens:
-        token_logp, entropy = _chunk_logprobs(logits_fn, flat_h, flat_t)
+        token_logp, entropy = _chunk_logprobs(logits_fn, flat_h, flat_t, temperature)
         return token_logp.view(B, L), entropy.view(B, L)
     from torch.utils.checkpoint import checkpoint
 
@@ -157,9 +164,9 @@ def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor,
     for a in range(0, B * L, chunk_tokens):
         hc, tc = flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens]
         if torch.is_grad_enabled() and hc.requires_grad:
-            parts.append(checkpoint(_chunk_logprobs, logits_fn, hc, tc, use_reentrant=False))
+            parts.append(checkpoint(_chunk_logprobs, logits_fn, hc, tc, temperature, use_reentrant=False))
         else:
-            parts.append(_chunk_logprobs(logits_fn, hc, tc))
+            parts.append(_chunk_logprobs(logits_fn, hc, tc, temperature))
     return (torch.cat([p[0] for p in parts]).view(B, L), torch.cat([p[1] for p in parts]).view(B, L))
 
 
@@ -177,11 +184,13 @@ def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) 
     """This rank's share of the denominator. weights: one per sequence (density weight of its prompt)."""
     if cfg.loss_agg == "token":
         return (mask * weights[:, None]).sum().double()
-    has_tokens = (mask.sum(1) > 0).float()
+    # Per-completion aggregations count every completion, masked ones too (--mask_truncated zeroes
+    # their tokens, not their place in the batch): dr_grpo's normaliser stays the constant
+    # completions x max_new_tokens, as in TRL and the Dr. GRPO paper.
     if cfg.loss_agg == "sequence":
-        return (weights * has_tokens).sum().double()
+        return weights.sum().double()
     if cfg.loss_agg == "dr_grpo":
-        return (weights * has_tokens).sum().double() * cfg.max_new_tokens
+        return weights.sum().double() * cfg.max_new_tokens
     raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}")
 
 

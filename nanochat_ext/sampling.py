@@ -44,7 +44,9 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
         return logits.argmax(-1)
     probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
     cdf = probs.cumsum(-1)
-    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    # right=True: the first token whose CDF exceeds u * total, never one of probability 0 (with the
+    # default left side, u = 0 picked token 0 even when top-k / top-p had removed it).
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
     return idx.clamp(max=logits.size(-1) - 1)
 
 

@@ -61,7 +61,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--group_size", type=int, default=8, help="completions per prompt, G >= 2 (default: %(default)s)")
     g.add_argument("--max_new_tokens", type=int, default=64, help="completion length limit (default: %(default)s)")
     g.add_argument("--min_new_tokens", type=int, default=0, help="the stop token is held back until this many tokens")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; the ratio, KL and entropy use the same softmax(logits / T) "
+                        "(default: %(default)s)")
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     g.add_argument("--mask_truncated", action="store_true",
@@ -159,6 +161,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- validate every input before anything is trained or written ---------------------------
     if G < 2:
         raise InputError(f"--group_size must be at least 2 (advantages are relative to the group), got {G}")
+    if not args.temperature > 0:
+        raise InputError(f"--temperature must be > 0 for training (log-probs are taken at it), got {args.temperature}")
     if args.num_iterations < 1:
         raise InputError(f"--num_iterations must be at least 1, got {args.num_iterations}")
     prompts = load_prompts(args.prompts)
@@ -198,8 +202,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     reference = None
     if args.beta > 0:
         reference = CompletionLogprobs(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage,
-                                                     frozen=compute_dtype(args.dtype, env.device)))
-    model = CompletionLogprobs(policy)
+                                                     frozen=compute_dtype(args.dtype, env.device)),
+                                       temperature=args.temperature)
+    model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)

@@ -302,18 +302,29 @@ def split_by_prefix(rows: list, val_ratio: float) -> tuple[list, list]:
     return train, val
 
 
-def truncate(prompt: list[int], response: list[int], max_len: int, bos_id: int | None) -> list[int]:
-    """Prompt cut from the left, response from the right. The prompt keeps at least half the budget
-    (when it is that long) so the response is never judged without its question; a cut prompt keeps BOS."""
+def cut_to_fit(prompt: list[int], response: list[int], max_len: int,
+               bos_id: int | None) -> tuple[list[int], list[int]]:
+    """(prompt, response) cut to max_len tokens together: the prompt from the left, the response from the
+    right. The prompt keeps at least half the budget (when it is that long) so the response is never
+    judged without its question; a cut prompt keeps BOS."""
     if len(prompt) + len(response) <= max_len:
-        return prompt + response
+        return prompt, response
     keep_prompt = min(len(prompt), max_len // 2)
     response = response[:max_len - keep_prompt]
     n = max_len - len(response)
     if n < len(prompt):
         head = [bos_id] if bos_id is not None and prompt[:1] == [bos_id] else []
         prompt = head + prompt[len(prompt) - (n - len(head)):]
-    return prompt + response
+    return prompt, response
+
+
+def truncate(prompt: list[int], response: list[int], max_len: int, bos_id: int | None) -> list[int]:
+    """prompt + response in at most max_len tokens (see cut_to_fit)."""
+    p, r = cut_to_fit(prompt, response, max_len, bos_id)
+    return p + r
+
+
+LONG_PAIRS = ("truncate", "drop")
 
 
 @dataclass
@@ -323,13 +334,24 @@ class TokenizedPair:
     weight: float
 
 
-def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int) -> list[TokenizedPair]:
-    out = []
+def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int,
+                   long_pairs: str = "truncate") -> tuple[list[TokenizedPair], int]:
+    """Token ids of each pair and how many pairs did not fit max_len. A pair that does not fit is
+    dropped ('drop', as TRL does) or cut ('truncate'): both sides get the same prompt window (the one
+    the longer response leaves), so chosen and rejected are always judged on the same context."""
+    out, n_long = [], 0
     for r in rows:
         p = tok.render_prompt(r.prompt)
-        out.append(TokenizedPair(truncate(p, tok.render_response(r.chosen), max_len, tok.bos_id),
-                                 truncate(p, tok.render_response(r.rejected), max_len, tok.bos_id), r.weight))
-    return out
+        chosen, rejected = tok.render_response(r.chosen), tok.render_response(r.rejected)
+        longer = max(chosen, rejected, key=len)
+        if len(p) + len(longer) > max_len:
+            n_long += 1
+            if long_pairs == "drop":
+                continue
+            p, _ = cut_to_fit(p, longer, max_len, tok.bos_id)
+            chosen, rejected = chosen[:max_len - len(p)], rejected[:max_len - len(p)]
+        out.append(TokenizedPair(p + chosen, p + rejected, r.weight))
+    return out, n_long
 
 
 # ---- batching -----------------------------------------------------------------------------------

@@ -60,19 +60,29 @@ def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: d
 
 
 # ---- advantages ---------------------------------------------------------------------------------
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str) -> torch.Tensor:
+STD_MODES = ("sample", "population")
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample") -> torch.Tensor:
     """(r - group mean) / (std + eps): std of the group ('group'), of the whole global batch ('batch',
-    one all-reduce), or no scaling ('none'). A group whose rewards are all equal gets 0, not NaN."""
+    one all-reduce), or no scaling ('none'). std_mode 'sample' divides the squared deviations by n - 1
+    (TRL, torch.std), 'population' by n (1.41x larger advantages at G=2). A group whose rewards are all
+    equal gets 0, not NaN."""
+    if std_mode not in STD_MODES:
+        raise ValueError(f"unknown std_mode {std_mode!r}")
     r = rewards.double().view(-1, group_size)
     centred = r - r.mean(dim=1, keepdim=True)
     if scale == "group":
-        std = r.std(dim=1, keepdim=True, unbiased=False)
+        std = r.std(dim=1, keepdim=True, unbiased=std_mode == "sample")
         return (centred / (std + ADV_EPS)).view(-1).float()
     if scale == "batch":
         stats = all_reduce_sum(torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=r.dtype)]))
-        mean = stats[0] / stats[2]
-        std = (stats[1] / stats[2] - mean * mean).clamp(min=0).sqrt()
-        return (centred / (std + ADV_EPS)).view(-1).float()
+        n = stats[2]
+        mean = stats[0] / n
+        var = (stats[1] / n - mean * mean).clamp(min=0)
+        if std_mode == "sample":
+            var = var * n / (n - 1).clamp(min=1)
+        return (centred / (var.sqrt() + ADV_EPS)).view(-1).float()
     if scale == "none":
         return centred.view(-1).float()
     raise ValueError(f"unknown scale_rewards {scale!r}")

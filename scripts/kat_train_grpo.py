@@ -27,7 +27,7 @@ from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_d
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, CompletionLogprobs, LossConfig, call_reward_fn,
+from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, STD_MODES, CompletionLogprobs, LossConfig, call_reward_fn,
                                group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
                                token_logprobs)
 from nanochat_ext.optim import lr_multiplier, make_adamw
@@ -71,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("loss")
     g.add_argument("--scale_rewards", choices=SCALE_REWARDS, default="group",
                    help="advantage = (r - group mean) / std of the group, of the batch, or unscaled (default: group)")
+    g.add_argument("--std_mode", choices=STD_MODES, default="sample",
+                   help="std for --scale_rewards: sample (divide by n - 1, as TRL and torch.std do, so a TRL config "
+                        "means the same lr and beta here) or population (divide by n: at G=2 advantages 1.41x "
+                        "larger) (default: %(default)s)")
     g.add_argument("--loss_agg", choices=LOSS_AGGS, default="token",
                    help="token: mean over all completion tokens of the global batch; sequence: mean per completion, "
                         "then over completions; dr_grpo: token sum / (completions x max_new_tokens) (default: token)")
@@ -116,15 +120,17 @@ class Rewards:
                              f"({', '.join(self.names)})")
 
     def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
-              tok: TokenizerWrapper, G: int) -> torch.Tensor:
-        """(n*G, n_rewards) raw rewards. A reward function's bad value is raised on every rank."""
+              tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
+        """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it
+        scores what it was trained on: prompt cut from the left, completion from the right). A
+        reward function's bad value is raised on every rank."""
         n = len(samples.completions)
         out = torch.zeros(n, len(self.names), dtype=torch.float64)
-        col = 0
+        col, rm_cut = 0, 0
         if self.rm is not None:
-            seqs = [truncate(prompt_ids[i // G], c, self.rm.max_len, tok.bos_id)
-                    for i, c in enumerate(samples.completions)]
-            out[:, 0] = torch.tensor(self.rm.score_ids(seqs))
+            full = [(prompt_ids[i // G], c) for i, c in enumerate(samples.completions)]
+            rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
+            out[:, 0] = torch.tensor(self.rm.score_ids([truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]))
             col = 1
         error = None
         texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in samples.completions]
@@ -137,7 +143,7 @@ class Rewards:
         except InputError as e:
             error = str(e)
         raise_if_any(error)
-        return out
+        return out, rm_cut
 
     def total(self, per_reward: torch.Tensor) -> torch.Tensor:
         return per_reward @ torch.tensor(self.weights, dtype=torch.float64)
@@ -230,8 +236,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
     n_rewards = len(rewards.names)
     # window: reward sum, reward sq sum, samples, per-reward sums (n_rewards), completion tokens, truncated,
-    # zero-std groups, groups, loss, kl sum, clipped, loss tokens, entropy sum, gen s, train s, steps
-    window = torch.zeros(15 + n_rewards, dtype=torch.float64)
+    # cut for the RM, zero-std groups, groups, loss, kl sum, clipped, loss tokens, entropy sum, gen s, train s, steps
+    window = torch.zeros(16 + n_rewards, dtype=torch.float64)
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
         indices = [i for mb in loader.micro_batches(step) for i in mb]
@@ -242,12 +248,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(args.seed, step, i)) for i in indices])
         t_gen = time.time() - t0
-        per_reward = rewards.score(rows, indices, [prompt_ids[i] for i in indices], samples, tok, G)
+        per_reward, rm_cut = rewards.score(rows, indices, [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
         if args.log_rollouts:
             log_rollouts(tracker, step + 1, indices, samples, total, tok, G)
         batch = make_sequences([prompt_ids[i] for i in indices], samples.completions, G, tok.pad_id)
-        batch["advantages"] = group_advantages(total, G, args.scale_rewards)
+        batch["advantages"] = group_advantages(total, G, args.scale_rewards, args.std_mode)
         batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
         if args.mask_truncated:
             batch["mask"][torch.tensor(samples.truncated)] = 0.0
@@ -269,7 +275,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         group_std = total.view(-1, G).std(dim=1, unbiased=False)
         window += torch.cat([torch.tensor([total.sum(), (total * total).sum(), len(total)], dtype=torch.float64),
                              per_reward.sum(0),
-                             torch.tensor([lengths.sum(), sum(samples.truncated), (group_std < 1e-8).sum(),
+                             torch.tensor([lengths.sum(), sum(samples.truncated), rm_cut, (group_std < 1e-8).sum(),
                                            len(group_std)], dtype=torch.float64),
                              stats / args.num_iterations,
                              torch.tensor([t_gen, t_train, 1.0], dtype=torch.float64)])
@@ -305,14 +311,14 @@ def window_metrics(s: torch.Tensor, names: list[str], world: int, lr: float, gra
     k = len(names)
     n = s[2].item()
     mean = s[0].item() / n
-    (tokens, truncated, zero_std, groups, loss, kl, clipped, loss_tokens, entropy,
+    (tokens, truncated, rm_cut, zero_std, groups, loss, kl, clipped, loss_tokens, entropy,
      t_gen, t_train, steps) = s[3 + k:].tolist()
     steps /= world  # every rank counted its steps; times are summed over ranks too
     m = {"train/reward": mean, "train/reward_std": max(s[1].item() / n - mean * mean, 0.0) ** 0.5}
     m.update({f"train/reward_{name}": s[3 + j].item() / n for j, name in enumerate(names)})
     m.update({"train/loss": loss / steps, "train/kl": kl / max(loss_tokens, 1), "train/entropy": entropy / max(loss_tokens, 1),
               "train/clip_frac": clipped / max(loss_tokens, 1), "train/completion_len": tokens / n,
-              "train/truncated_frac": truncated / n, "train/zero_std_groups": zero_std / groups, "train/lr": lr,
+              "train/truncated_frac": truncated / n, "train/rm_truncated_frac": rm_cut / n, "train/zero_std_groups": zero_std / groups, "train/lr": lr,
               "train/grad_norm": grad_norm, "perf/gen_tokens_per_s": tokens / (t_gen / world),
               "perf/completions_per_s": n / ((t_gen + t_train) / world),
               "perf/train_tokens_per_s": loss_tokens / (t_train / world)})
@@ -337,7 +343,7 @@ def evaluate(policy: Backbone, rows: list[PromptRow], prompt_ids: list[list[int]
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
-        per_reward = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
+        per_reward, _ = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
         sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1), per_reward.sum(0)])
         if temperature == 0 and env.is_main:
             for i in range(min(3, len(mine))):

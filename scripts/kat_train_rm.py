@@ -20,8 +20,8 @@ from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
                               run_script, script_argv)
 from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_checkpoint, save_synced
-from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, attach_density, collate_pairs, load_density,
-                               load_pairs, split_by_prefix, tokenize_pairs)
+from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, collate_pairs,
+                               load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                       raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max_len", type=int, default=None,
                    help="tokens per sequence; prompts are cut from the left, responses from the right "
                         "(default: the backbone's context, at most 1024)")
+    g.add_argument("--long_pairs", choices=LONG_PAIRS, default="truncate",
+                   help="a pair longer than --max_len: truncate (both sides keep the same prompt window, the "
+                        "responses are cut from the right) or drop it, as TRL does (default: %(default)s)")
     g.add_argument("--unfreeze_last", default="0",
                    help="train the last N backbone blocks too, or 'all' for a full fine-tune (default: 0)")
     g = p.add_argument_group("evaluation and logging")
@@ -91,7 +94,6 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         attach_density(rows, load_density(args.density), args.density)
     train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
-    loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
     if args.weight_cap is not None and args.weight_cap <= 0:
         raise InputError(f"--weight_cap must be positive, got {args.weight_cap}")
     resume = resolve_resume(args.resume, out_dir) if args.resume else None
@@ -108,8 +110,15 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         p.requires_grad_(False)
     dtype = compute_dtype(args.dtype, env.device)
     hold_frozen_in(backbone, dtype)
-    train_pairs = tokenize_pairs(train_rows, tokenizer, args.max_len)
-    val_pairs = tokenize_pairs(val_rows, tokenizer, args.max_len)
+    train_pairs, long_train = tokenize_pairs(train_rows, tokenizer, args.max_len, args.long_pairs)
+    val_pairs, long_val = tokenize_pairs(val_rows, tokenizer, args.max_len, args.long_pairs)
+    if long_train or long_val:
+        print0(f"data: {long_train} of {len(train_rows)} train and {long_val} of {len(val_rows)} val pairs are longer "
+               f"than --max_len {args.max_len}: {'dropped' if args.long_pairs == 'drop' else 'truncated'}")
+    if not train_pairs:
+        raise InputError(f"no training pairs left: every pair is longer than --max_len {args.max_len} "
+                         f"(--long_pairs drop)", path=args.pairs)
+    loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
            f"{len({r.prefix_id for r in rows})} prompts; {loader.steps_per_epoch} steps per epoch")
     print0(f"batch: {plan.batch_size} global = {env.world_size} ranks x {plan.accum_steps} micro-batches x "
@@ -207,7 +216,7 @@ def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resu
     model_path, meta_path, state_path = resume
     state = torch.load(state_path, map_location="cpu", weights_only=False)
     check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
-                                            "max_len"), model_path)
+                                            "max_len", "long_pairs"), model_path)
     weights = torch.load(model_path, map_location="cpu", weights_only=True)
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:

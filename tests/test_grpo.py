@@ -30,16 +30,23 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
     assert len({round(x, 6) for x in losses}) == 3
 
 
-def test_advantages():
+@pytest.mark.parametrize("std_mode,unbiased", [("sample", True), ("population", False)])
+def test_advantages(std_mode, unbiased):
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 2.0, 3.0])
-    adv = group_advantages(rewards, 4, "group")
+    adv = group_advantages(rewards, 4, "group", std_mode)
     assert torch.equal(adv[:4], torch.zeros(4))  # a zero-std group: zero, not NaN
     assert torch.isfinite(adv).all() and adv[4:].mean().abs() < 1e-6
-    torch.testing.assert_close(adv[4:], torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (1.25 ** 0.5 + 1e-4))
-    torch.testing.assert_close(group_advantages(rewards, 4, "none")[4:], torch.tensor([-1.5, -0.5, 0.5, 1.5]))
-    batch_std = rewards.std(unbiased=False)
-    torch.testing.assert_close(group_advantages(rewards, 4, "batch")[4:],
-                               torch.tensor([-1.5, -0.5, 0.5, 1.5]) / (batch_std + 1e-4))
+    centred = torch.tensor([-1.5, -0.5, 0.5, 1.5])
+    var = 5.0 / (3 if unbiased else 4)  # squared deviations 5.0 over n - 1 (sample, TRL) or n (population)
+    torch.testing.assert_close(adv[4:], centred / (var ** 0.5 + 1e-4))
+    torch.testing.assert_close(group_advantages(rewards, 4, "none", std_mode)[4:], centred)
+    batch_std = rewards.std(unbiased=unbiased)
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch", std_mode)[4:], centred / (batch_std + 1e-4))
+
+
+def test_advantages_default_to_trls_sample_std():
+    rewards = torch.tensor([0.0, 1.0])  # G=2: TRL's advantages are +-0.7071, population std would give +-1
+    torch.testing.assert_close(group_advantages(rewards, 2, "group"), torch.tensor([-0.5, 0.5]) / (0.5 ** 0.5 + 1e-4))
 
 
 # ---- end to end -----------------------------------------------------------------------------------

@@ -44,3 +44,26 @@ def test_masked_completions_keep_their_place_in_the_denominator(agg):
     cfg = LossConfig(loss_agg=agg, max_new_tokens=5)
     expected = weights.sum().item() * (5 if agg == "dr_grpo" else 1)
     assert loss_normaliser(mask, weights, cfg).item() == expected
+
+
+def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(assets, tmp_path):
+    from nanochat_ext import synthetic
+    from nanochat_ext.data import load_pairs, tokenize_pairs
+    from nanochat_ext.tokenizer import TokenizerWrapper
+
+    tok = TokenizerWrapper.load(assets["tokenizer"])
+    long_prompt = " ".join(f"question part {i}" for i in range(30))
+    rows = [{"prompt": long_prompt, "chosen": "Yes.", "rejected": " ".join(["no"] * 60)},
+            {"prompt": "hi", "chosen": "hello", "rejected": "bye"}]
+    synthetic.write_jsonl(tmp_path / "pairs.jsonl", rows)
+    pairs = load_pairs(tmp_path / "pairs.jsonl")[0]
+    cut, n_long = tokenize_pairs(pairs, tok, 64, "truncate")
+    assert n_long == 1 and len(cut) == 2
+    chosen_resp, rejected_resp = tok.render_response("Yes."), tok.render_response(" ".join(["no"] * 60))
+    prompt_c = cut[0].chosen[:len(cut[0].chosen) - len(chosen_resp)]
+    assert cut[0].chosen == prompt_c + chosen_resp  # the short response is whole
+    assert cut[0].rejected[:len(prompt_c)] == prompt_c  # ... and both sides saw the same prompt window
+    assert len(cut[0].rejected) == 64 and cut[0].rejected[len(prompt_c):] == rejected_resp[:64 - len(prompt_c)]
+    assert prompt_c[0] == tok.bos_id and len(prompt_c) >= 32  # the prompt keeps BOS and half the budget
+    kept, n_long = tokenize_pairs(pairs, tok, 64, "drop")
+    assert n_long == 1 and len(kept) == 1 and kept[0].chosen == cut[1].chosen

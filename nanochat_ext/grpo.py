@@ -21,6 +21,10 @@ from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
 from nanochat_ext.errors import InputError
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
+# TRL's --loss_type names for the same aggregations. bnpo divides each micro-batch by its own token count
+# in TRL; here by the global batch's (as TRL's dapo): the same when a step is one micro-batch on one rank.
+TRL_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo": "dr_grpo"}
+IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4
 
@@ -86,6 +90,13 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mod
     if scale == "none":
         return centred.view(-1).float()
     raise ValueError(f"unknown scale_rewards {scale!r}")
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer tokens, then falling linearly to
+    -penalty at max_new_tokens (a completion cut there gets the full -penalty)."""
+    start = max_new_tokens - buffer
+    return -penalty * ((lengths.double() - start) / buffer).clamp(min=0.0, max=1.0)
 
 
 # ---- batches ------------------------------------------------------------------------------------
@@ -188,6 +199,7 @@ class LossConfig:
     clip_eps_high: float | None = None  # None: same as clip_eps
     beta: float = 0.0
     max_new_tokens: int = 64  # dr_grpo's constant normaliser
+    importance_level: str = "token"  # sequence: GSPO's one ratio per completion
 
 
 def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -207,8 +219,17 @@ def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
               mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig, normaliser: float):
     """Clipped surrogate + beta * KL(k3) per token, aggregated as cfg.loss_agg and divided by the
-    global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens] on this rank."""
-    ratio = torch.exp(logp - old_logp)
+    global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens] on this rank.
+
+    importance_level 'token': a ratio per token, pi(y_t) / pi_old(y_t) (GRPO). 'sequence' (GSPO): one
+    ratio per completion, the geometric mean of its token ratios exp(mean_t log(pi / pi_old)), clipped
+    as a whole, so a completion's tokens are all kept or all clipped."""
+    log_ratio = logp - old_logp
+    if cfg.importance_level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    elif cfg.importance_level != "token":
+        raise ValueError(f"unknown importance_level {cfg.importance_level!r}")
+    ratio = torch.exp(log_ratio)
     adv = advantages[:, None]
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)

@@ -27,7 +27,7 @@ from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_d
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import (LOSS_AGGS, SCALE_REWARDS, STD_MODES, CompletionLogprobs, LossConfig, call_reward_fn,
+from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES, overlong_penalty, CompletionLogprobs, LossConfig, call_reward_fn,
                                group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
                                token_logprobs)
 from nanochat_ext.optim import lr_multiplier, make_adamw
@@ -68,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     g.add_argument("--mask_truncated", action="store_true",
                    help="leave completions that hit --max_new_tokens out of the loss")
+    g.add_argument("--overlong_buffer", type=int, default=0,
+                   help="DAPO's soft overlong penalty: a completion longer than max_new_tokens - N tokens gets "
+                        "-penalty x (length - (max_new_tokens - N)) / N added to its reward (0: off)")
+    g.add_argument("--overlong_penalty", type=float, default=1.0,
+                   help="the penalty at max_new_tokens, with --overlong_buffer (default: %(default)s)")
     g = p.add_argument_group("loss")
     g.add_argument("--scale_rewards", choices=SCALE_REWARDS, default="group",
                    help="advantage = (r - group mean) / std of the group, of the batch, or unscaled (default: group)")
@@ -76,8 +81,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "means the same lr and beta here) or population (divide by n: at G=2 advantages 1.41x "
                         "larger) (default: %(default)s)")
     g.add_argument("--loss_agg", choices=LOSS_AGGS, default="token",
-                   help="token: mean over all completion tokens of the global batch; sequence: mean per completion, "
-                        "then over completions; dr_grpo: token sum / (completions x max_new_tokens) (default: token)")
+                   help="with l_it the loss of token t of completion i (mask m_it) over the global batch: "
+                        "token: sum_it l_it / sum_it m_it (DAPO); sequence: mean_i (sum_t l_it / sum_t m_it) "
+                        "(GRPO paper); dr_grpo: sum_it l_it / (completions x max_new_tokens) (default: token)")
+    g.add_argument("--loss_type", choices=list(TRL_LOSS_TYPES), default=None,
+                   help="TRL's name for --loss_agg: dapo = token, grpo = sequence, dr_grpo = dr_grpo, bnpo = token "
+                        "(TRL's bnpo normalises each micro-batch by its own tokens; here the global batch's)")
+    g.add_argument("--importance_level", choices=IMPORTANCE_LEVELS, default="token",
+                   help="token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); sequence: GSPO's "
+                        "s_i = exp(mean_t log r_it) for every token of completion i, clipped per completion")
     g.add_argument("--clip_eps", type=float, default=0.2, help="PPO clip range (default: %(default)s)")
     g.add_argument("--clip_eps_high", type=float, default=None, help="upper clip range (DAPO's clip-higher); default: clip_eps")
     g.add_argument("--beta", type=float, default=0.04,
@@ -102,22 +114,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_output_args(p, "chatrl_checkpoints")
     add_runtime_args(p)
     add_dashed_aliases(p)
-    return p.parse_args(script_argv(argv))
+    args = p.parse_args(script_argv(argv))
+    if args.loss_type:
+        args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
+    return args
 
 
 class Rewards:
     """The RM score and the rule-based functions, each weighted; per-reward values kept for logging."""
 
-    def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None):
+    def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
+                 overlong: tuple[int, int, float] | None = None):
         self.rm = rm
         self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns]
         if not self.names:
             raise InputError("no reward: give --rm and/or --reward_fn")
-        self.weights = weights if weights is not None else [1.0] * len(self.names)
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.names)
         if len(self.weights) != len(self.names):
             raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
                              f"({', '.join(self.names)})")
+        self.overlong = overlong  # (max_new_tokens, buffer, penalty): one more reward column, weight 1
+        if overlong:
+            self.names.append("overlong")
+            self.weights.append(1.0)
 
     def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
               tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
@@ -143,6 +163,8 @@ class Rewards:
         except InputError as e:
             error = str(e)
         raise_if_any(error)
+        if self.overlong:
+            out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
         return out, rm_cut
 
     def total(self, per_reward: torch.Tensor) -> torch.Tensor:
@@ -192,13 +214,17 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.rm:
         rm = load_reward_model(args.rm, env.device)
         check_rm_tokenizer(rm, tok, args.rm)
-    rewards = Rewards(rm, args.reward_fn, args.reward_weights)
+    if args.overlong_buffer < 0 or args.overlong_buffer > args.max_new_tokens:
+        raise InputError(f"--overlong_buffer must be 0..--max_new_tokens ({args.max_new_tokens}), got {args.overlong_buffer}")
+    overlong = (args.max_new_tokens, args.overlong_buffer, args.overlong_penalty) if args.overlong_buffer else None
+    rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong)
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
     raise_if_any(check_writable(out_dir) if env.is_main else None)
 
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens)
-    loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens)
+    loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
+                          args.importance_level)
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
     print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
            f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")

@@ -10,7 +10,7 @@ import torch
 from conftest import REPO, run_script, run_worker
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone
-from nanochat_ext.grpo import LOSS_AGGS, group_advantages
+from nanochat_ext.grpo import group_advantages
 from scripts import kat_train_grpo, kat_train_rm
 
 
@@ -19,15 +19,16 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
     runs = {(n, m): run_worker("grpo_grad_worker", assets, n, m, tmp_path / f"grpo_{n}x{m}.pt")
             for n, m in ((1, 1), (1, 4), (2, 1), (2, 2))}
     base = runs[(1, 1)]
-    for agg in LOSS_AGGS:
-        assert base[agg]["clipped"] > 0 and base[agg]["tokens"] > 0  # the clip really bites in this batch
+    assert len(base) == 6  # 3 aggregations x token / sequence (GSPO) importance ratios
+    for cfg in base:
+        assert base[cfg]["clipped"] > 0 and base[cfg]["tokens"] > 0  # the clip really bites in this batch
         for key, run in runs.items():
-            assert run[agg]["loss"] == pytest.approx(base[agg]["loss"], rel=1e-5, abs=1e-7), (agg, key)
-            for name, g in base[agg]["grads"].items():
-                torch.testing.assert_close(run[agg]["grads"][name], g, atol=1e-6, rtol=1e-4, msg=f"{agg} {key} {name}")
-    # The aggregations really differ, so the invariance above is not one number checked three times.
-    losses = [base[agg]["loss"] for agg in LOSS_AGGS]
-    assert len({round(x, 6) for x in losses}) == 3
+            assert run[cfg]["loss"] == pytest.approx(base[cfg]["loss"], rel=1e-5, abs=1e-7), (cfg, key)
+            for name, g in base[cfg]["grads"].items():
+                torch.testing.assert_close(run[cfg]["grads"][name], g, atol=1e-6, rtol=1e-4, msg=f"{cfg} {key} {name}")
+    # The configurations really differ, so the invariance above is not one number checked six times.
+    losses = [base[cfg]["loss"] for cfg in base]
+    assert len({round(x, 6) for x in losses}) == 6
 
 
 @pytest.mark.parametrize("std_mode,unbiased", [("sample", True), ("population", False)])

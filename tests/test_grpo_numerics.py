@@ -67,3 +67,44 @@ def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(as
     assert prompt_c[0] == tok.bos_id and len(prompt_c) >= 32  # the prompt keeps BOS and half the budget
     kept, n_long = tokenize_pairs(pairs, tok, 64, "drop")
     assert n_long == 1 and len(kept) == 1 and kept[0].chosen == cut[1].chosen
+
+
+def test_gspo_takes_one_clipped_ratio_per_completion():
+    """Sequence level: every token of a completion carries exp(mean_t log ratio), and the clip keeps
+    or drops a completion whole. Token level clips token by token."""
+    from nanochat_ext.grpo import grpo_loss
+
+    logp = torch.zeros(2, 4, requires_grad=True)
+    # completion 0: token ratios e^0.3, e^-0.3, e^0.3, e^-0.3 -> geometric mean 1; completion 1: all e^0.5
+    old = -torch.tensor([[0.3, -0.3, 0.3, -0.3], [0.5, 0.5, 0.5, 0.5]])
+    mask, adv, w = torch.ones(2, 4), torch.tensor([1.0, 1.0]), torch.ones(2)
+    token_cfg = LossConfig(loss_agg="token", clip_eps=0.2)
+    seq_cfg = LossConfig(loss_agg="token", clip_eps=0.2, importance_level="sequence")
+    _, token_stats = grpo_loss(logp, old, None, adv, mask, w, token_cfg, 8.0)
+    assert token_stats[1] == 6  # tokens 0, 2 of completion 0 and all of completion 1 are past 1.2
+    loss, seq_stats = grpo_loss(logp, old, None, adv, mask, w, seq_cfg, 8.0)
+    assert seq_stats[1] == 4  # completion 0's ratio is 1: kept whole; completion 1's is e^0.5: clipped whole
+    loss.backward()
+    # Completion 0's 4 tokens each carry s_0 = exp(mean log ratio) = 1: loss -4 s_0 / 8, and ds_0/dlogp_t = 1/4,
+    # so -1/8 on each token; completion 1 is clipped whole: no gradient.
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1 / 8] * 4, [0.0] * 4]))
+    # Unclipped, the sequence ratio is the geometric mean of the token ratios.
+    loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, w, LossConfig(clip_eps=10.0, importance_level="sequence"),
+                        1.0)
+    torch.testing.assert_close(loss, -(1.0 * 4 + float(torch.exp(torch.tensor(0.5))) * 4) * 1.0)
+
+
+def test_overlong_penalty_is_dapos_soft_punishment():
+    from nanochat_ext.grpo import overlong_penalty
+
+    got = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, penalty=0.5)
+    torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5], dtype=torch.float64))
+
+
+def test_trl_loss_types_are_aliases(assets):
+    from scripts.kat_train_grpo import parse_args
+
+    base = ["--policy", "x", "--prompts", "y"]
+    for trl, ours in (("dapo", "token"), ("bnpo", "token"), ("grpo", "sequence"), ("dr_grpo", "dr_grpo")):
+        assert parse_args(base + ["--loss_type", trl]).loss_agg == ours
+    assert parse_args(base).loss_agg == "token" and parse_args(base).std_mode == "sample"

@@ -1,6 +1,7 @@
 """Loss and gradients of one fixed GRPO rollout batch (4 prompts x G=4, uneven density weights, a
-reference model, old log-probs that make the clip bite), split over however many ranks this was
-launched with and N_MICRO micro-batches per rank, for every --loss_agg. Rank 0 saves them.
+reference model, old log-probs that make the clip bite, temperature 0.8, two completions masked as
+--mask_truncated does), split over however many ranks this was launched with and N_MICRO micro-batches
+per rank, for every --loss_agg x --importance_level. Rank 0 saves them.
 
     python tests/workers/grpo_grad_worker.py ASSETS N_MICRO OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
@@ -13,11 +14,12 @@ import torch
 
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
-from nanochat_ext.grpo import (LOSS_AGGS, CompletionLogprobs, LossConfig, group_advantages, make_sequences,
+from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, CompletionLogprobs, LossConfig, group_advantages, make_sequences,
                                policy_backward, token_logprobs)
 from nanochat_ext.sampling import SamplingConfig, generate
 
 N_PROMPTS, G = 4, 4
+TEMPERATURE = 0.8
 PROMPTS = [[5, 17, 42], [3, 250, 7, 7], [11, 12], [400, 401, 402, 403, 404]]
 
 
@@ -38,6 +40,9 @@ def rollout(assets: Path, rank: int, world: int):
         rewards[:G] = 1.0  # global prompt 0: a group with zero reward spread
     batch["advantages"] = group_advantages(rewards, G, "group")
     batch["weights"] = torch.tensor([0.5 + i for i in mine], dtype=torch.float32).repeat_interleave(G)
+    for r in range(len(completions)):  # global rows 5 and 10 masked, as --mask_truncated masks cut completions
+        if (first_row + r) in (5, 10):
+            batch["mask"][r] = 0.0
     return policy, batch
 
 
@@ -49,25 +54,27 @@ def compute(assets: Path, n_micro: int, env) -> dict:
     with torch.no_grad():
         for i, p in enumerate(reference.parameters()):
             p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
-    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 64, env.device, contextlib.nullcontext())
+    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference, temperature=TEMPERATURE), batch, 64, env.device, contextlib.nullcontext())
     # Old log-probs 0.3 nats off in a pattern fixed by (global row, token): ratios leave [0.8, 1.2] and
     # the clip is exercised, identically whatever the split.
     n, L = batch["ref_logp"].shape
     rows = torch.arange(n)[:, None] + env.rank * n
     batch["old_logp"] = batch["ref_logp"] + 0.3 * torch.cos(rows * 7.0 + torch.arange(L)[None, :])
     policy.set_trainable("all")
-    model = CompletionLogprobs(policy)
+    model = CompletionLogprobs(policy, temperature=TEMPERATURE)
     ddp_model = wrap_ddp(model, env)
     micro = N_PROMPTS // env.world_size * G // n_micro
     results = {}
     for agg in LOSS_AGGS:
-        cfg = LossConfig(loss_agg=agg, clip_eps=0.2, clip_eps_high=0.28, beta=0.1, max_new_tokens=8)
-        model.zero_grad(set_to_none=True)
-        stats = policy_backward(ddp_model, batch, micro, cfg, env.device, contextlib.nullcontext())
-        totals = all_reduce_sum(stats.clone())
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[agg] = {"loss": totals[0].item(), "clipped": totals[2].item(), "tokens": totals[3].item(),
-                        "grads": grads}
+        for level in IMPORTANCE_LEVELS:
+            cfg = LossConfig(loss_agg=agg, clip_eps=0.2, clip_eps_high=0.28, beta=0.1, max_new_tokens=8,
+                             importance_level=level)
+            model.zero_grad(set_to_none=True)
+            stats = policy_backward(ddp_model, batch, micro, cfg, env.device, contextlib.nullcontext())
+            totals = all_reduce_sum(stats.clone())
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results[f"{agg}/{level}"] = {"loss": totals[0].item(), "clipped": totals[2].item(),
+                                         "tokens": totals[3].item(), "grads": grads}
     return results
 
 

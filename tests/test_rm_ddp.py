@@ -91,7 +91,7 @@ def _reference_losses(assets) -> dict[str, float]:
     rows = load_pairs(assets["pairs"])[0][:8]
     for i, r in enumerate(rows):
         r.weight = 0.25 + 0.25 * i
-    b = collate_pairs(tokenize_pairs(rows, tok, 64), tok.pad_id)
+    b = collate_pairs(tokenize_pairs(rows, tok, 64)[0], tok.pad_id)
     with torch.no_grad():
         r = model(b["input_ids"], b["lengths"])
     per_pair = -F.logsigmoid(r[:8] - r[8:]).double()

@@ -216,7 +216,7 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     assert params["head.weight"].dtype == torch.float32
     from nanochat_ext.data import split_by_prefix, tokenize_pairs
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
-    val = tokenize_pairs(val_rows, scorer.tokenizer, 64)
+    val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)
     margins = np.array(scorer.score_ids([p.chosen for p in val])) - np.array(scorer.score_ids([p.rejected for p in val]))
     assert meta["metrics"]["val/accuracy"] == pytest.approx(np.mean(margins > 0), abs=1 / len(val))
     assert meta["metrics"]["val/margin"] == pytest.approx(margins.mean(), abs=2e-3)

@@ -32,7 +32,7 @@ def compute(assets: Path, n_micro: int, env) -> dict:
     rows = load_pairs(assets / "pairs.jsonl")[0][:GLOBAL_BATCH]
     for i, r in enumerate(rows):
         r.weight = 0.25 + 0.25 * i  # uneven weights, some above the cap
-    pairs = tokenize_pairs(rows, tok, 64)
+    pairs, _ = tokenize_pairs(rows, tok, 64)
     plan = BatchPlan.make(GLOBAL_BATCH, env.world_size, GLOBAL_BATCH // env.world_size // n_micro)
     mine = pairs[env.rank * plan.per_rank:(env.rank + 1) * plan.per_rank]
     batches = [collate_pairs(mine[i:i + plan.device_batch_size], tok.pad_id)

@@ -211,14 +211,13 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def precision(dtype: str | torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context for --dtype (auto: bf16 on CUDA, fp32 on CPU) or a compute dtype; TF32
-    matmuls on CUDA."""
+def precision(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
+    """The autocast context for a compute dtype (see compute_dtype): bf16 autocast, or none for fp32;
+    TF32 matmuls on CUDA."""
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
-    use_bf16 = (dtype if isinstance(dtype, torch.dtype) else compute_dtype(dtype, device)) == torch.bfloat16
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

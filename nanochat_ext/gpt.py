@@ -230,8 +230,8 @@ class KVCache:
     plus the last token's embedding for the smear of the next one."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, device, dtype):
-        # Under autocast attention reads keys and values in the autocast dtype, so the cache holds that:
-        # half the memory of fp32 under bf16, the same attention output.
+        # dtype: the weights'. Under autocast attention reads keys and values in the autocast dtype, so the
+        # cache holds that instead: half the memory of fp32 under bf16, the same attention output.
         if torch.is_autocast_enabled(torch.device(device).type):
             dtype = torch.get_autocast_dtype(torch.device(device).type)
         shape = (n_layer, batch, n_kv_head, max_len, head_dim)

@@ -108,8 +108,9 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
     return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
 
-def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, autocast) -> dict:
-    policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=compute_dtype(args.dtype, env.device))
+def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, dtype: torch.dtype) -> dict:
+    policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=dtype)
+    autocast = precision(dtype, env.device)
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
     prompt_ids = [tok.render_prompt(rows[i].messages) for i in mine]
@@ -216,7 +217,7 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
 
 def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     base, out = Path(args.base_dir), Path(args.out)
-    autocast = precision(args.dtype, env.device)
+    dtype = compute_dtype(args.dtype, env.device)
     rms = {}
     if args.rm and Path(args.eval_pairs).is_file():
         pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
@@ -232,7 +233,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
             if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():
                 print0(f"eval: no policy at {path}, skipped")
                 continue
-            policies[name] = eval_policy(path, rows, scorer, args, env, autocast)
+            policies[name] = eval_policy(path, rows, scorer, args, env, dtype)
             if env.is_main:
                 print0(f"eval: {name} task accuracy sampled {fmt(policies[name]['task_accuracy_sampled'])}, "
                        f"rm score sampled {fmt(policies[name]['rm_score_sampled'])}")

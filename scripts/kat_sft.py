@@ -23,7 +23,8 @@ from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_m
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
                               run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, precision, print0, raise_if_any, seed_everything, wrap_ddp
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any,
+                                      seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.optim import lr_multiplier, make_adamw
@@ -89,7 +90,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"])
         print0(f"resume: from {resume[0]} at step {start_step}")
-    autocast = precision(args.dtype, env.device)
+    autocast = precision(compute_dtype(args.dtype, env.device), env.device)
 
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:

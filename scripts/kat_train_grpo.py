@@ -27,9 +27,9 @@ from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_d
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES, overlong_penalty, CompletionLogprobs, LossConfig, call_reward_fn,
-                               group_advantages, load_reward_fn, make_sequences, policy_backward, sample_seed,
-                               token_logprobs)
+from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
+                               CompletionLogprobs, LossConfig, call_reward_fn, group_advantages, load_reward_fn,
+                               make_sequences, overlong_penalty, policy_backward, sample_seed, token_logprobs)
 from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig, generate
@@ -89,7 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(TRL's bnpo normalises each micro-batch by its own tokens; here the global batch's)")
     g.add_argument("--importance_level", choices=IMPORTANCE_LEVELS, default="token",
                    help="token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); sequence: GSPO's "
-                        "s_i = exp(mean_t log r_it) for every token of completion i, clipped per completion")
+                        "s_i = exp(mean_t log r_it) for every token of completion i, clipped per completion. The "
+                        "GSPO paper pairs it with --loss_agg sequence; token sums weight a completion by its length")
     g.add_argument("--clip_eps", type=float, default=0.2, help="PPO clip range (default: %(default)s)")
     g.add_argument("--clip_eps_high", type=float, default=None, help="upper clip range (DAPO's clip-higher); default: clip_eps")
     g.add_argument("--beta", type=float, default=0.04,
@@ -231,10 +232,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- models, optimizer, resume ----------------------------------------------------------------
     policy.set_trainable("all")
+    dtype = compute_dtype(args.dtype, env.device)
     reference = None
     if args.beta > 0:
         reference = CompletionLogprobs(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage,
-                                                     frozen=compute_dtype(args.dtype, env.device)),
+                                                     frozen=dtype),
                                        temperature=args.temperature)
     model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
@@ -244,7 +246,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if resume is not None:
         start_step = load_resume_state(policy, optimizer, resume, args, env.device)
         print0(f"resume: from {resume[0]} at step {start_step}")
-    autocast = precision(args.dtype, env.device)
+    autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
            f"reference {'loaded' if reference else 'off (beta 0)'}")
 

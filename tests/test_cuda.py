@@ -31,7 +31,7 @@ def test_cuda_precision_rules(assets, tmp_path):
 
     device = torch.device("cuda")
     assert compute_dtype("auto", device) == torch.bfloat16
-    with precision("auto", device):
+    with precision(compute_dtype("auto", device), device):
         assert torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda") == torch.bfloat16
     assert torch.backends.cuda.matmul.allow_tf32
     bb = load_backbone(assets["gpt_modern"], device)
@@ -42,7 +42,7 @@ def test_cuda_precision_rules(assets, tmp_path):
     assert trainable and all(p.dtype == torch.float32 for p in trainable)
     opt = make_adamw(trainable, 1e-3, 0.0, device)
     assert opt.defaults["fused"]
-    with precision("auto", device):
+    with precision(torch.bfloat16, device):
         loss = bb(torch.randint(0, 500, (2, 16), device=device)).float().logsumexp(-1).mean()
     loss.backward()
     opt.step()

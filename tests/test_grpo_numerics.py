@@ -101,7 +101,7 @@ def test_overlong_penalty_is_dapos_soft_punishment():
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5], dtype=torch.float64))
 
 
-def test_trl_loss_types_are_aliases(assets):
+def test_trl_loss_types_are_aliases():
     from scripts.kat_train_grpo import parse_args
 
     base = ["--policy", "x", "--prompts", "y"]

@@ -214,9 +214,18 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     assert params["backbone.model.transformer.h.0.attn.c_q.weight"].dtype == torch.bfloat16
     assert params[f"backbone.model.transformer.h.{last}.attn.c_q.weight"].dtype == torch.float32
     assert params["head.weight"].dtype == torch.float32
-    from nanochat_ext.data import split_by_prefix, tokenize_pairs
+    # Score the validation pairs as the run did (same batches of 16 pairs: in bf16 the matmul shapes
+    # change the rounding), through the reloaded RM and its own precision: the logged numbers come back.
+    from nanochat_ext.data import collate_pairs, split_by_prefix, tokenize_pairs
+    from nanochat_ext.ddp_common import precision
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
     val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)
-    margins = np.array(scorer.score_ids([p.chosen for p in val])) - np.array(scorer.score_ids([p.rejected for p in val]))
-    assert meta["metrics"]["val/accuracy"] == pytest.approx(np.mean(margins > 0), abs=1 / len(val))
-    assert meta["metrics"]["val/margin"] == pytest.approx(margins.mean(), abs=2e-3)
+    margins = []
+    with torch.no_grad(), precision(scorer.dtype, scorer.device):
+        for i in range(0, len(val), 16):
+            b = collate_pairs(val[i:i + 16], scorer.tokenizer.pad_id)
+            r = scorer.model(b["input_ids"], b["lengths"]).float()
+            margins += (r[:len(r) // 2] - r[len(r) // 2:]).double().tolist()
+    margins = np.array(margins)
+    assert meta["metrics"]["val/accuracy"] == np.mean(margins > 0)
+    assert meta["metrics"]["val/margin"] == pytest.approx(margins.mean(), rel=1e-12)

@@ -153,12 +153,14 @@ def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: C
     return broadcast_object(write(stamp) if is_main() else None)
 
 
-def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path) -> None:
-    """A resumed run must keep the settings that decide what it computes (batch, seed, ...)."""
+def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...). `absent`:
+    the value a key had in checkpoints written before it was recorded."""
     for key in keys:
-        if saved.get(key) != getattr(args, key):
+        was = saved.get(key, (absent or {}).get(key))
+        if was != getattr(args, key):
             raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
-                             f"{saved.get(key)!r}; resume with the same setting", path=str(path))
+                             f"{was!r}; resume with the same setting", path=str(path))
 
 
 def resolve_resume(resume: str, out_dir: str | os.PathLike) -> tuple[Path, Path, Path]:

@@ -31,10 +31,11 @@ ADV_EPS = 1e-4
 RewardFn = Callable[[str, str, dict], float]
 
 
-def sample_seed(seed: int, step: int, prompt_index: int) -> int:
-    """Seed of one prompt's sampling generator: a function of (seed, step, prompt) only, so the samples
-    do not depend on the rank or batch the prompt landed in."""
-    return int(hashlib.sha256(f"{seed}:{step}:{prompt_index}".encode()).hexdigest()[:15], 16)
+def sample_seed(seed: int, draw: int, prompt_index: int) -> int:
+    """Seed of one prompt's sampling generator: a function of (seed, draw, prompt) only, so the samples
+    do not depend on the rank or batch the prompt landed in. A draw is one prompt batch (one per step,
+    more under dynamic sampling; -1 for evaluation)."""
+    return int(hashlib.sha256(f"{seed}:{draw}:{prompt_index}".encode()).hexdigest()[:15], 16)
 
 
 # ---- rewards ------------------------------------------------------------------------------------
@@ -97,6 +98,69 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
     -penalty at max_new_tokens (a completion cut there gets the full -penalty)."""
     start = max_new_tokens - buffer
     return -penalty * ((lengths.double() - start) / buffer).clamp(min=0.0, max=1.0)
+
+
+# ---- rollouts and DAPO's dynamic sampling -----------------------------------------------------------
+ZERO_STD = 1e-8  # a group whose total rewards spread less than this carries no signal
+
+
+@dataclass
+class Rollout:
+    """Prompts with their G completions each (prompt-major) and the raw rewards of every completion."""
+    indices: list[int]  # global prompt indices
+    completions: list[list[int]]
+    truncated: list[bool]
+    rewards: torch.Tensor  # (len(indices) * G, n_rewards), float64
+
+    def groups(self) -> list["Rollout"]:
+        """One Rollout per prompt."""
+        G = len(self.completions) // max(len(self.indices), 1)
+        return [Rollout([i], self.completions[j * G:(j + 1) * G], self.truncated[j * G:(j + 1) * G],
+                        self.rewards[j * G:(j + 1) * G]) for j, i in enumerate(self.indices)]
+
+    @staticmethod
+    def concat(parts: list["Rollout"], n_rewards: int) -> "Rollout":
+        return Rollout([i for p in parts for i in p.indices], [c for p in parts for c in p.completions],
+                       [t for p in parts for t in p.truncated],
+                       torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0, n_rewards, dtype=torch.float64))
+
+
+def zero_std_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(n_groups,) bool: the groups whose total rewards are all equal (their advantages are all 0)."""
+    return total.view(-1, group_size).std(dim=1, unbiased=False) < ZERO_STD
+
+
+def in_global_order(parts: list[list]) -> list:
+    """Every rank's share of one draw (GlobalBatchLoader's layout: rank r's j-th item is global position
+    r + j*W) back in global order, the order one rank would have drawn them in."""
+    per_rank = len(parts[0])
+    return [parts[r][j] for j in range(per_rank) for r in range(len(parts))]
+
+
+class SignalFilter:
+    """DAPO's dynamic sampling: keep the groups whose rewards differ, in global draw order, until a
+    global batch is full; after the last allowed draw, top up with zero-spread groups (their advantages
+    are 0, so they add only the KL term) in the same order. The same draws give the same batch on any
+    number of ranks."""
+
+    def __init__(self, batch_size: int):
+        self.batch_size = batch_size
+        self.signal: list[Rollout] = []
+        self.flat: list[Rollout] = []
+
+    def add(self, groups: list[Rollout], flat: list[bool]) -> None:
+        for g, f in zip(groups, flat):
+            (self.flat if f else self.signal).append(g)
+
+    @property
+    def full(self) -> bool:
+        return len(self.signal) >= self.batch_size
+
+    def batch(self) -> tuple[list[Rollout], int]:
+        """The global batch in global order, and how many zero-spread groups filled it."""
+        chosen = self.signal[:self.batch_size]
+        filled = self.flat[:self.batch_size - len(chosen)]
+        return chosen + filled, len(filled)
 
 
 # ---- batches ------------------------------------------------------------------------------------

@@ -28,8 +28,9 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gat
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               CompletionLogprobs, LossConfig, call_reward_fn, group_advantages, load_reward_fn,
-                               make_sequences, overlong_penalty, policy_backward, sample_seed, token_logprobs)
+                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
+                               group_advantages, in_global_order, load_reward_fn, make_sequences, overlong_penalty,
+                               policy_backward, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig, generate
@@ -68,6 +69,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
     g.add_argument("--mask_truncated", action="store_true",
                    help="leave completions that hit --max_new_tokens out of the loss")
+    g.add_argument("--filter_zero_std", action="store_true",
+                   help="DAPO's dynamic sampling: drop groups whose rewards are all equal (zero advantage, no "
+                        "signal) and draw more prompts until the global batch has --batch_size groups that differ")
+    g.add_argument("--max_draws", type=int, default=4,
+                   help="with --filter_zero_std, prompt batches drawn per step at most; a batch still short after "
+                        "them is topped up with zero-spread groups, logged as train/filled_frac (default: %(default)s)")
     g.add_argument("--overlong_buffer", type=int, default=0,
                    help="DAPO's soft overlong penalty: a completion longer than max_new_tokens - N tokens gets "
                         "-penalty x (length - (max_new_tokens - N)) / N added to its reward (0: off)")
@@ -194,6 +201,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"--temperature must be > 0 for training (log-probs are taken at it), got {args.temperature}")
     if args.num_iterations < 1:
         raise InputError(f"--num_iterations must be at least 1, got {args.num_iterations}")
+    if args.max_draws < 1:
+        raise InputError(f"--max_draws must be at least 1, got {args.max_draws}")
     prompts = load_prompts(args.prompts)
     if args.density:
         attach_density(prompts, load_density(args.density), args.density)
@@ -242,10 +251,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
-    start_step = 0
+    start_step, draw = 0, 0  # draw: prompt batches drawn so far (one per step unless --filter_zero_std)
     if resume is not None:
-        start_step = load_resume_state(policy, optimizer, resume, args, env.device)
-        print0(f"resume: from {resume[0]} at step {start_step}")
+        start_step, draw = load_resume_state(policy, optimizer, resume, args, env.device)
+        print0(f"resume: from {resume[0]} at step {start_step} (draw {draw})")
     autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
            f"reference {'loaded' if reference else 'off (beta 0)'}")
@@ -255,7 +264,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             meta = {"kind": "grpo_policy", "stamp": stamp, "step": step,
                     "source_policy": str(Path(policy.source).resolve()), "world_size": env.world_size,
                     "metrics": metrics, "args": vars(args)}
-            state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
+            state = {"step": step, "draw": draw, "optimizer": optimizer.state_dict(), "args": vars(args)}
             return policy.save(out_dir, stamp, meta, tok, state)
 
         return save_synced(out_dir, trainable, write)
@@ -264,27 +273,62 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
     n_rewards = len(rewards.names)
     # window: reward sum, reward sq sum, samples, per-reward sums (n_rewards), completion tokens, truncated,
-    # cut for the RM, zero-std groups, groups, loss, kl sum, clipped, loss tokens, entropy sum, gen s, train s, steps
-    window = torch.zeros(16 + n_rewards, dtype=torch.float64)
-    metrics: dict = {}
-    for step in range(start_step, args.max_steps):
-        indices = [i for mb in loader.micro_batches(step) for i in mb]
-        rows = [train_rows[i] for i in indices]
+    # cut for the RM, zero-std groups, groups, draws, filled groups, loss, kl sum, clipped, loss tokens,
+    # entropy sum, gen s, train s, steps
+    window = torch.zeros(18 + n_rewards, dtype=torch.float64)
+
+    def rollout(draw: int) -> Rollout:
+        """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
+        indices = [i for mb in loader.micro_batches(draw) for i in mb]
         t0 = time.time()
         policy.eval()
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
-                               [torch.Generator().manual_seed(sample_seed(args.seed, step, i)) for i in indices])
-        t_gen = time.time() - t0
-        per_reward, rm_cut = rewards.score(rows, indices, [prompt_ids[i] for i in indices], samples, tok, G)
+                               [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
+        per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
+                                           [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
+        window[:3 + n_rewards] += torch.cat([torch.tensor([total.sum(), (total * total).sum(), len(total)],
+                                                          dtype=torch.float64), per_reward.sum(0)])
+        window[3 + n_rewards:9 + n_rewards] += torch.tensor(
+            [sum(map(len, samples.completions)), sum(samples.truncated), rm_cut,
+             zero_std_groups(total, G).sum(), len(indices), 1.0 / env.world_size], dtype=torch.float64)
+        window[-3] += time.time() - t0
+        return Rollout(indices, samples.completions, samples.truncated, per_reward)
+
+    def rollout_with_signal() -> tuple[Rollout, int]:
+        """--filter_zero_std: draw until the global batch holds batch_size groups with a reward spread (at
+        most --max_draws draws); every rank sees every group, then takes its share of the batch."""
+        nonlocal draw
+        kept = SignalFilter(args.batch_size)
+        for _ in range(args.max_draws):
+            groups = in_global_order(gather_objects(rollout(draw).groups()))
+            draw += 1
+            kept.add(groups, [bool(zero_std_groups(rewards.total(g.rewards), G)) for g in groups])
+            if kept.full:
+                break
+        batch, filled = kept.batch()
+        return Rollout.concat(batch[env.rank::env.world_size], n_rewards), filled
+
+    metrics: dict = {}
+    for step in range(start_step, args.max_steps):
+        t0 = time.time()
+        if args.filter_zero_std:
+            ro, filled = rollout_with_signal()
+            window[9 + n_rewards] += filled / (args.batch_size * env.world_size)
+        else:
+            ro = rollout(draw)
+            draw += 1
+        t_gen = time.time() - t0
+        rows = [train_rows[i] for i in ro.indices]
+        total = rewards.total(ro.rewards)
         if args.log_rollouts:
-            log_rollouts(tracker, step + 1, indices, samples, total, tok, G)
-        batch = make_sequences([prompt_ids[i] for i in indices], samples.completions, G, tok.pad_id)
+            log_rollouts(tracker, step + 1, ro, total, tok)
+        batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id)
         batch["advantages"] = group_advantages(total, G, args.scale_rewards, args.std_mode)
         batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
         if args.mask_truncated:
-            batch["mask"][torch.tensor(samples.truncated)] = 0.0
+            batch["mask"][torch.tensor(ro.truncated)] = 0.0
         if reference is not None:
             batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
         if args.num_iterations > 1:
@@ -298,15 +342,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        t_train = time.time() - t0 - t_gen
-        lengths = torch.tensor([len(c) for c in samples.completions], dtype=torch.float64)
-        group_std = total.view(-1, G).std(dim=1, unbiased=False)
-        window += torch.cat([torch.tensor([total.sum(), (total * total).sum(), len(total)], dtype=torch.float64),
-                             per_reward.sum(0),
-                             torch.tensor([lengths.sum(), sum(samples.truncated), rm_cut, (group_std < 1e-8).sum(),
-                                           len(group_std)], dtype=torch.float64),
-                             stats / args.num_iterations,
-                             torch.tensor([t_gen, t_train, 1.0], dtype=torch.float64)])
+        window[10 + n_rewards:15 + n_rewards] += stats / args.num_iterations
+        window[-2:] += torch.tensor([time.time() - t0 - t_gen, 1.0], dtype=torch.float64)
         tracker.advance()
         done = step + 1
         if done % args.log_every == 0 or done == args.max_steps:
@@ -325,12 +362,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     return save(args.max_steps, metrics)
 
 
-def log_rollouts(tracker: Tracker, step: int, indices: list[int], samples, total: torch.Tensor,
-                 tok: TokenizerWrapper, G: int) -> None:
-    """Collective: rank 0 writes every rank's completions of this step, ordered by global prompt index."""
-    mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": samples.completions[j * G + g],
-             "completion": tok.decode(samples.completions[j * G + g]), "reward": float(total[j * G + g])}
-            for j, i in enumerate(indices) for g in range(G)]
+def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, tok: TokenizerWrapper) -> None:
+    """Collective: rank 0 writes every rank's trained completions of this step, ordered by global prompt index."""
+    G = len(ro.completions) // len(ro.indices)
+    mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": ro.completions[j * G + g],
+             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g])}
+            for j, i in enumerate(ro.indices) for g in range(G)]
     rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
     tracker.records("rollouts.jsonl", rows)
 
@@ -339,14 +376,15 @@ def window_metrics(s: torch.Tensor, names: list[str], world: int, lr: float, gra
     k = len(names)
     n = s[2].item()
     mean = s[0].item() / n
-    (tokens, truncated, rm_cut, zero_std, groups, loss, kl, clipped, loss_tokens, entropy,
+    (tokens, truncated, rm_cut, zero_std, groups, draws, filled, loss, kl, clipped, loss_tokens, entropy,
      t_gen, t_train, steps) = s[3 + k:].tolist()
     steps /= world  # every rank counted its steps; times are summed over ranks too
     m = {"train/reward": mean, "train/reward_std": max(s[1].item() / n - mean * mean, 0.0) ** 0.5}
     m.update({f"train/reward_{name}": s[3 + j].item() / n for j, name in enumerate(names)})
     m.update({"train/loss": loss / steps, "train/kl": kl / max(loss_tokens, 1), "train/entropy": entropy / max(loss_tokens, 1),
               "train/clip_frac": clipped / max(loss_tokens, 1), "train/completion_len": tokens / n,
-              "train/truncated_frac": truncated / n, "train/rm_truncated_frac": rm_cut / n, "train/zero_std_groups": zero_std / groups, "train/lr": lr,
+              "train/truncated_frac": truncated / n, "train/rm_truncated_frac": rm_cut / n, "train/zero_std_groups": zero_std / groups,
+              "train/draws": draws / steps, "train/filled_frac": filled / steps, "train/lr": lr,
               "train/grad_norm": grad_norm, "perf/gen_tokens_per_s": tokens / (t_gen / world),
               "perf/completions_per_s": n / ((t_gen + t_train) / world),
               "perf/train_tokens_per_s": loss_tokens / (t_train / world)})
@@ -399,14 +437,21 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
     return out
 
 
-def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args, device) -> int:
+def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args,
+                      device) -> tuple[int, int]:
+    """Restores the policy and optimizer; returns (step, draw)."""
     model_path, _, state_path = resume
     state = torch.load(state_path, map_location="cpu", weights_only=False)
-    check_resume_args(state["args"], args, ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens"),
-                      model_path)
+    keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
+            "filter_zero_std") + (("max_draws",) if args.filter_zero_std else ())
+    check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
     policy.restore(state, saved=load_backbone(model_path, device))
     optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
+    return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step
+
+
+# What a checkpoint written before these flags existed was trained with.
+PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,6 +2,7 @@
 checkpoints that reload as backbones, and bad input."""
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 from conftest import REPO, run_script, run_worker
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone
+from nanochat_ext.checkpoint import check_resume_args
+from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import group_advantages
 from scripts import kat_train_grpo, kat_train_rm
 
@@ -143,6 +146,55 @@ def test_two_ranks_match_one_rank(assets, grpo_assets, tmp_path):
     for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
         assert (p - init[name]).abs().max() > 1e-4  # every tensor trained
+
+
+def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and_resumes(assets, grpo_assets,
+                                                                                          tmp_path, capsys):
+    """--filter_zero_std (DAPO): about half the prompts get a constant reward; every trained group has a
+    spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws."""
+    common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
+              "--max_steps", "3", "--batch_size", "4", "--group_size", "4", "--lr", "1e-3", "--log_rollouts",
+              "--log_every", "1"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common, "--save_every", "1",
+                                                          "--device_batch_size", "4"), nproc=2, env=env)
+    assert proc.returncode == 0, proc.stderr
+
+    def rollouts(out):
+        return [json.loads(line) for line in (out / "logs" / "rollouts.jsonl").read_text().splitlines()]
+
+    trained = rollouts(one)
+    assert len(trained) == 3 * 4 * 4
+    for k in range(0, len(trained), 4):
+        assert len({r["reward"] for r in trained[k:k + 4]}) > 1, trained[k:k + 4]  # a spread in every group
+    assert [(r["prompt_index"], r["completion_ids"]) for r in trained] == \
+        [(r["prompt_index"], r["completion_ids"]) for r in rollouts(two)]
+    draws = [m["train/draws"] for m in read_metrics(one) if "train/draws" in m]
+    assert sum(draws) > 3 and all(m["train/filled_frac"] == 0 for m in read_metrics(one) if "train/draws" in m)
+
+    # Resume the two-rank run from step 2 on one rank: the draw counter carries on where it was.
+    stamps = sorted(int(p.stem.split("_")[1]) for p in two.glob("model_*.pt"))
+    for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
+        (two / name).unlink()
+    state = torch.load(two / f"state_{stamps[-2]}.pt", weights_only=False)
+    assert state["step"] == 2 and state["draw"] > 2
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 0
+    a, b = load_backbone(one), load_backbone(two)
+    for (name, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=name)
+    common.remove("--filter_zero_std")
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
+    assert "--filter_zero_std is False but the checkpoint was trained with True" in capsys.readouterr().err
+
+
+def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
+    """A checkpoint from before --std_mode existed was trained with the population std."""
+    args = argparse.Namespace(std_mode="sample", filter_zero_std=False)
+    check_resume_args({}, args, ("filter_zero_std",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+    with pytest.raises(InputError, match="--std_mode is 'sample' but the checkpoint was trained with 'population'"):
+        check_resume_args({}, args, ("std_mode",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
 
 
 # ---- bad input ------------------------------------------------------------------------------------

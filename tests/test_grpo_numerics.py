@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nanochat_ext.backbone import load_backbone
-from nanochat_ext.grpo import CompletionLogprobs, LossConfig, loss_normaliser, make_sequences
+from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
+                               make_sequences, zero_std_groups)
 from nanochat_ext.sampling import SamplingConfig, sample_token
 
 
@@ -108,3 +109,25 @@ def test_trl_loss_types_are_aliases():
     for trl, ours in (("dapo", "token"), ("bnpo", "token"), ("grpo", "sequence"), ("dr_grpo", "dr_grpo")):
         assert parse_args(base + ["--loss_type", trl]).loss_agg == ours
     assert parse_args(base).loss_agg == "token" and parse_args(base).std_mode == "sample"
+
+
+def test_dynamic_sampling_keeps_groups_with_a_spread_in_global_order_then_fills():
+    def group(i, rewards):
+        return Rollout([i], [[i]] * len(rewards), [False] * len(rewards), torch.tensor(rewards, dtype=torch.float64)[:, None])
+
+    # Two ranks, two prompts each: rank r's j-th group is global position r + 2j.
+    parts = [[group(0, [1, 1]), group(2, [0, 1])], [group(1, [0, 2]), group(3, [5, 5])]]
+    groups = in_global_order(parts)
+    assert [g.indices[0] for g in groups] == [0, 1, 2, 3]
+    flat = zero_std_groups(torch.cat([g.rewards[:, 0] for g in groups]), 2).tolist()
+    assert flat == [True, False, False, True]
+    kept = SignalFilter(batch_size=3)
+    kept.add(groups, flat)
+    assert not kept.full  # two groups with a spread, three wanted: draw again
+    batch, filled = kept.batch()  # ... or, out of draws, top up with the first flat group
+    assert [g.indices[0] for g in batch] == [1, 2, 0] and filled == 1
+    kept.add([group(4, [0, 3]), group(5, [2, 2])], [False, True])
+    batch, filled = kept.batch()
+    assert kept.full and [g.indices[0] for g in batch] == [1, 2, 4] and filled == 0
+    mine = Rollout.concat(batch[0::2], 1)  # rank 0 of 2 trains positions 0 and 2
+    assert mine.indices == [1, 4] and mine.rewards[:, 0].tolist() == [0, 2, 0, 3] and mine.groups()[1].indices == [4]

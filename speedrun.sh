@@ -41,18 +41,33 @@ record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest 
     mv "$B/timings.tsv.tmp" "$B/timings.tsv"
 }
 skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
+# launch NAME NEEDS SCRIPT ARGS...: one torchrun stage. On failure it repeats the stage's last `error:`
+# line after torchrun's summary, then says what the stage needed and which stage makes it.
+launch() {
+    local name=$1 needs=$2 script=$3 errlog err; shift 3
+    errlog=$(mktemp)
+    # stderr goes to the terminal and, through tee, to errlog; stdout is untouched
+    if ! { torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" "${RUNTIME[@]}" \
+            2>&1 1>&3 | tee "$errlog" >&2; } 3>&1; then
+        err=$(grep -a '^error: ' "$errlog" | tail -n 1 || true)
+        rm -f "$errlog"
+        echo "speedrun: stage $name failed${err:+: ${err#error: }}" >&2
+        echo "speedrun: stage $name needs $needs" >&2
+        exit 1
+    fi
+    rm -f "$errlog"
+}
 # train NAME NEEDS DIR SCRIPT ARGS...: skipped when DIR/.complete exists, resumed when DIR has a
-# checkpoint; on failure says what the stage needed and which stage makes it.
+# complete checkpoint (a meta_<N>.json: written last).
 train() {
     local name=$1 needs=$2 dir=$3 script=$4; shift 4
     if skip "$dir/.complete"; then echo "== $name: skipped (done: $dir)"; return; fi
     local resume=()
-    if [ "$FORCE" != 1 ] && ls "$dir"/state_*.pt >/dev/null 2>&1; then resume=(--resume latest); fi
+    if [ "$FORCE" != 1 ] && ls "$dir"/meta_*.json >/dev/null 2>&1; then resume=(--resume latest); fi
     [ "$FORCE" = 1 ] && rm -rf "$dir"
     echo "== $name ($NPROC_PER_NODE ranks)${resume:+, resuming}"
     local s=$SECONDS
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" "${RUNTIME[@]}" --out "$dir" "${resume[@]}" ||
-        { echo "speedrun: stage $name failed (see the error above); it needs $needs" >&2; exit 1; }
+    launch "$name" "$needs" "$script" "$@" --out "$dir" "${resume[@]}"
     touch "$dir/.complete"
     record_time "$name" $((SECONDS - s))
 }
@@ -84,9 +99,8 @@ WEIGHTS="$B/density/weights.jsonl"
 if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
     echo "== density ($NPROC_PER_NODE ranks)"; s=$SECONDS
     mkdir -p "$B/density"
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_compute_density -- \
-        --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS" "${RUNTIME[@]}" ||
-        { echo "speedrun: stage density failed; it needs a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) and pairs ($PAIRS)" >&2; exit 1; }
+    launch density "a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) and pairs ($PAIRS)" \
+        scripts.kat_compute_density --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS"
     record_time density $((SECONDS - s))
 fi
 RM_ARGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
@@ -111,8 +125,7 @@ else
     EVAL_PROMPTS="${EVAL_PROMPTS:-$([ -f "$B/demo/eval_prompts.jsonl" ] && echo "$B/demo/eval_prompts.jsonl" || echo "$PROMPTS")}"
     EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" --policy_after "$B/chatrl_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
-    torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m scripts.kat_eval -- "${EVAL[@]}" "${RUNTIME[@]}" ||
-        { echo "speedrun: stage eval failed; it needs the reward models, the GRPO policy and held-out data" >&2; exit 1; }
+    launch eval "the reward models, the GRPO policy and held-out data" scripts.kat_eval "${EVAL[@]}"
     record_time eval $((SECONDS - s))
 fi
 

@@ -7,14 +7,14 @@ module. Nothing is downloaded: Hugging Face loads use local_files_only.
 """
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from nanochat_ext.checkpoint import find_checkpoint, incomplete_reason, resolve_model_path, save_checkpoint
+from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete_reason, read_json, resolve_model_path,
+                                     save_checkpoint, torch_load)
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT, gpt_from_checkpoint
 from nanochat_ext.llama import Llama, config_from_hf
@@ -207,8 +207,8 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
     found = find_checkpoint(p)
     if found is not None and found[0].is_dir():  # a policy saved by GRPO as an HF dir
         p = found[0]
-    elif found is not None:
-        return _load_nanochat(*found, device, vintage)
+    elif found is not None:  # the newest that loads: a corrupt one is skipped with a warning
+        return first_loadable(p, lambda model, meta: _load_nanochat(model, meta, device, vintage))
     if p.is_dir() and (p / "config.json").is_file():
         from transformers import AutoModelForCausalLM
 
@@ -226,17 +226,10 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
 
 
 def _load_nanochat(model_file: Path, meta_file: Path, device: torch.device | str, vintage: str | None) -> Backbone:
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise InputError(f"meta is not valid JSON ({e})", path=str(meta_file)) from None
+    meta = read_json(meta_file)
     if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
         raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
-    try:
-        state = torch.load(model_file, map_location="cpu", weights_only=True)
-    except Exception as e:  # truncated or foreign file: torch raises many types
-        raise InputError(f"cannot read the checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
-                         path=str(model_file)) from None
+    state = torch_load(model_file, "checkpoint")
     state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
     dtypes = {k: v.dtype for k, v in state.items()}
     model = gpt_from_checkpoint({k: v.float() for k, v in state.items()}, meta, vintage, str(model_file))

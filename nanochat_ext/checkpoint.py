@@ -2,26 +2,34 @@
 with what resuming needs). The stamp is unix seconds chosen by rank 0; it sorts by time and matches
 nanochat's `model_(\\d+).pt` pattern, so nanochat's own loader picks the newest too.
 
-Every file is written under a temporary name and renamed; the meta json goes last and marks the
-checkpoint complete, so a crash at any point leaves no file a reader would take.
+Every file is written under a temporary name, flushed to disk (fsync) and renamed; the meta json goes
+last and marks the checkpoint complete, so a crash or power cut at any point leaves no file a reader
+would take. A run holds an exclusive lock on its output dir and, at start, removes what an earlier
+crashed save left behind (temporary files, models and states without a meta).
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
 import shutil
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from nanochat_ext.ddp_common import broadcast_object, check_params_in_sync, get_world_size, is_main, print0
+from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, get_world_size, is_main, print0,
+                                     raise_if_any)
 from nanochat_ext.errors import InputError
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
 _META_RE = re.compile(r"^meta_(\d+)\.json$")
+_STATE_RE = re.compile(r"^state_(\d+)\.pt$")
+LOCK_FILE = ".lock"
 # nanochat's short names for its checkpoint roots under $NANOCHAT_BASE_DIR (checkpoint_manager.load_model)
 SOURCE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 _SHORT_RE = re.compile(r"^(base|sft|rl)(?::([^/:]+))?$")
@@ -32,23 +40,59 @@ def base_dir() -> Path:
     return Path(os.environ.get("NANOCHAT_BASE_DIR") or Path.home() / ".cache" / "nanochat")
 
 
-def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
-    """(model_<N>.pt or model_<N>/, meta_<N>.json) for a model path, or the complete pair with the
-    largest N in a dir; else None. N is nanochat's zero-padded step (model_000500.pt) or our stamp:
-    the meta is the one with the same digits."""
+def complete_checkpoints(path: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """Every (model_<N>.pt or model_<N>/, meta_<N>.json) pair: the one named for a model path, or all
+    complete pairs in a dir, largest N first. N is nanochat's zero-padded step (model_000500.pt) or
+    our stamp: the meta is the one with the same digits."""
     p = Path(path)
     m = _MODEL_RE.match(p.name)
     if m and p.exists():
         meta = p.with_name(f"meta_{m.group(1)}.json")
-        return (p, meta) if meta.is_file() else None
+        return [(p, meta)] if meta.is_file() else []
     if not p.is_dir():
-        return None
-    found = sorted((int(m.group(1)), f.name, f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name)))
-    for _, _, model in reversed(found):
-        meta = p / f"meta_{_MODEL_RE.match(model.name).group(1)}.json"
-        if meta.is_file():
-            return model, meta
-    return None
+        return []
+    found = sorted(((int(m.group(1)), f.name, f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name))), reverse=True)
+    pairs = [(model, p / f"meta_{_MODEL_RE.match(model.name).group(1)}.json") for _, _, model in found]
+    return [(model, meta) for model, meta in pairs if meta.is_file()]
+
+
+def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
+    """The newest complete checkpoint of complete_checkpoints(path), or None."""
+    found = complete_checkpoints(path)
+    return found[0] if found else None
+
+
+def first_loadable(path: str | os.PathLike, load: Callable[[Path, Path], Any]) -> Any:
+    """load(model, meta) of the newest complete checkpoint at path that loads; a corrupt one (an
+    InputError from load) is skipped with a warning when an older one is there to fall back on."""
+    found = complete_checkpoints(path)
+    for k, (model, meta) in enumerate(found):
+        try:
+            return load(model, meta)
+        except InputError as e:
+            if k == len(found) - 1:
+                raise
+            print0(f"warning: skipping a checkpoint that does not load ({e}); trying {found[k + 1][0].name}")
+    raise InputError("no complete checkpoint (model_<N>.pt + meta_<N>.json)", path=str(path))
+
+
+def read_json(path: str | os.PathLike, what: str = "meta") -> Any:
+    """A JSON file, or one line naming it when it is not valid JSON (truncated, binary, not UTF-8)."""
+    try:
+        return json.loads(Path(path).read_bytes().decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"{what} is not valid JSON ({e})", path=str(path)) from None
+    except OSError as e:
+        raise InputError(f"cannot read the {what} ({e.strerror or e})", path=str(path)) from None
+
+
+def torch_load(path: str | os.PathLike, what: str, weights_only: bool = True, map_location: Any = "cpu") -> Any:
+    """torch.load, or one line naming the file when it is truncated or not a torch file."""
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except Exception as e:  # truncated or foreign file: torch raises many types
+        raise InputError(f"cannot read the {what} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+                         f"the file is truncated or not a torch checkpoint", path=str(path)) from None
 
 
 def incomplete_reason(path: str | os.PathLike) -> str | None:
@@ -114,32 +158,65 @@ def new_stamp(out_dir: str | os.PathLike) -> int:
     return broadcast_object(stamp)
 
 
+def _fsync(path: Path) -> None:
+    """Flush a file, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Rename a fully written tmp file or dir into place, durably: contents first, then the rename."""
+    for f in ([tmp] if tmp.is_file() else [q for q in tmp.rglob("*") if q.is_file()] + [tmp]):
+        _fsync(f)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
 def _atomic_torch_save(obj: Any, path: Path) -> None:
     tmp = path.with_name(path.name + ".tmp")
     torch.save(obj, tmp)
-    os.replace(tmp, path)
+    _publish(tmp, path)
+
+
+# Called between a checkpoint's files, for fault-injection tests only (the crash-in-the-save-window case).
+_SAVE_HOOK: Callable[[str], None] = lambda file_written: None
 
 
 def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None], meta: dict,
                     train_state: dict | None = None) -> Path:
     """Rank 0 only. model_state is a state dict (-> model_<stamp>.pt) or a function that writes a
-    directory (-> model_<stamp>/, e.g. save_pretrained). Returns the model path."""
+    directory (-> model_<stamp>/, e.g. save_pretrained). Returns the model path. A failed write (disk
+    full, I/O error) removes every file of this stamp and raises one line with the free space; the
+    previous checkpoint stays the newest complete one."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
-    if callable(model_state):
-        model_path = d / f"model_{stamp}"
-        tmp_dir = d / f"model_{stamp}.tmp"
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        model_state(tmp_dir)
-        os.replace(tmp_dir, model_path)
-    else:
-        model_path = d / f"model_{stamp}.pt"
-        _atomic_torch_save(model_state, model_path)
-    if train_state is not None:
-        _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
-    tmp = d / f"meta_{stamp}.json.tmp"
-    tmp.write_text(json.dumps(meta, indent=1, default=str))
-    os.replace(tmp, d / f"meta_{stamp}.json")
+    try:
+        if callable(model_state):
+            model_path = d / f"model_{stamp}"
+            tmp_dir = d / f"model_{stamp}.tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            model_state(tmp_dir)
+            _publish(tmp_dir, model_path)
+        else:
+            model_path = d / f"model_{stamp}.pt"
+            _atomic_torch_save(model_state, model_path)
+        _SAVE_HOOK(model_path.name)
+        if train_state is not None:
+            _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
+            _SAVE_HOOK(f"state_{stamp}.pt")
+        tmp = d / f"meta_{stamp}.json.tmp"
+        tmp.write_text(json.dumps(meta, indent=1, default=str))
+        _publish(tmp, d / f"meta_{stamp}.json")
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        for f in d.glob(f"*_{stamp}*"):
+            shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+        free = shutil.disk_usage(d).free / 2**20
+        reason = os.strerror(e.errno) if getattr(e, "errno", None) else (str(e).splitlines() or [""])[0][:200]
+        raise InputError(f"could not write checkpoint {stamp} ({reason}); {free:.0f} MiB free there; its partial "
+                         f"files were removed, the previous checkpoint is intact", path=str(d)) from None
     return model_path
 
 
@@ -150,30 +227,114 @@ def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: C
     if get_world_size() > 1:
         print0(f"ddp: trainable parameters identical on {get_world_size()} ranks")
     stamp = new_stamp(out_dir)
-    return broadcast_object(write(stamp) if is_main() else None)
+    path, error = None, None
+    if is_main():
+        try:
+            path = write(stamp)
+        except InputError as e:
+            error = str(e)
+    raise_if_any(error)
+    return broadcast_object(path)
+
+
+SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps")  # may change on resume with --resume_extend only
 
 
 def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
-    """A resumed run must keep the settings that decide what it computes (batch, seed, ...). `absent`:
-    the value a key had in checkpoints written before it was recorded."""
-    for key in keys:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...), and its
+    learning-rate schedule unless args.resume_extend. `absent`: the value a key had in checkpoints
+    written before it was recorded."""
+    extend = getattr(args, "resume_extend", False)
+    for key in keys + (() if extend else SCHEDULE_KEYS):
         was = saved.get(key, (absent or {}).get(key))
         if was != getattr(args, key):
+            hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
             raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
-                             f"{was!r}; resume with the same setting", path=str(path))
+                             f"{was!r}; resume with the same setting{hint}", path=str(path))
 
 
-def resolve_resume(resume: str, out_dir: str | os.PathLike) -> tuple[Path, Path, Path]:
-    """`latest` (newest complete checkpoint in out_dir) or a path -> (model, meta, state) files."""
-    target = out_dir if resume == "latest" else resume
-    found = find_checkpoint(target)
-    if found is None:
+RESUME_HELP = ("'latest': the newest complete checkpoint in --out, or a fresh start (said in the log) when there is "
+               "none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A resumed run "
+               "continues exactly")
+
+
+def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
+    """--resume -> (model file, meta file, loaded train state), or None to start from scratch. A
+    complete checkpoint whose state does not load is skipped for an older one, with a warning."""
+    if resume is None:
+        return None
+    target = out_dir if resume in ("latest", "must") else resume
+    if not complete_checkpoints(target):
+        if resume == "latest":
+            print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
+            return None
         raise InputError("no complete checkpoint to resume from", path=str(target))
-    model_path, meta_path = found
-    state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
-    if not state_path.is_file():
-        raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
-    return model_path, meta_path, state_path
+
+    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, dict]:
+        state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
+        if not state_path.is_file():
+            raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+        return model_path, meta_path, torch_load(state_path, "resume state", weights_only=False)
+
+    return first_loadable(target, load)
+
+
+def remove_orphans(out_dir: Path) -> list[str]:
+    """What a crashed save leaves: *.tmp files and dirs, and models or states without their meta.
+    Removed; returns their names."""
+    if not out_dir.is_dir():
+        return []
+    names = {f.name for f in out_dir.iterdir()}
+    orphans = [n for n in names if n.endswith(".tmp")]
+    for n in names:
+        m = _MODEL_RE.match(n) or _STATE_RE.match(n)
+        if m and f"meta_{m.group(1)}.json" not in names:
+            orphans.append(n)
+    for n in orphans:
+        f = out_dir / n
+        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+    return sorted(orphans)
+
+
+_LOCKS: list[Any] = []  # open lock files of this process's runs, released by release_out_dirs()
+
+
+def _lock(out_dir: Path) -> str | None:
+    """Take the run lock on out_dir (flock, released by the OS on any exit); an error line if held."""
+    f = open(out_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        f.seek(0)
+        holder = f.read().strip() or "unknown"
+        f.close()
+        return (f"{out_dir}: another run is using this output dir (lock held by {holder}); wait for it to "
+                f"finish or give another --out")
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    _LOCKS.append(f)
+    return None
+
+
+def release_out_dirs() -> None:
+    while _LOCKS:
+        _LOCKS.pop().close()
+
+
+def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None = None) -> None:
+    """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir), checks they can
+    be written, locks out_dir for this run and removes what crashed saves left there."""
+    error = None
+    if is_main():
+        error = check_writable(out_dir) or (check_writable(log_dir) if log_dir is not None else None)
+        error = error or _lock(Path(out_dir))
+        if error is None and (removed := remove_orphans(Path(out_dir))):
+            print0(f"checkpoint: removed what an interrupted save left: {', '.join(removed)}")
+    raise_if_any(error)
 
 
 def check_writable(out_dir: str | os.PathLike) -> str | None:
@@ -186,5 +347,5 @@ def check_writable(out_dir: str | os.PathLike) -> str | None:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        return f"{d}: output dir cannot be written ({e.strerror or e})"
+        return f"{d}: dir cannot be written ({e.strerror or e})"
     return None

@@ -3,15 +3,18 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import traceback
 from pathlib import Path
 from typing import Callable
 
-
-from nanochat_ext.checkpoint import base_dir
+from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
+from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
+                                install_signal_handlers, restore_signal_handlers)
 
 EXIT_BAD_INPUT = 2
 
@@ -33,8 +36,13 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
     g.add_argument("--out", default=None, help=f"checkpoint dir (default: $NANOCHAT_BASE_DIR/{stage_dir}/<tag>)")
     g.add_argument("--tag", default=None, help=f"output tag (default: {tag_help})")
     g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
-    g.add_argument("--resume", default=None,
-                   help="'latest' (newest checkpoint in --out) or a checkpoint path; continues exactly")
+    g.add_argument("--resume", default=None, help=RESUME_HELP)
+    g.add_argument("--resume_extend", action="store_true",
+                   help="let --resume change --max_steps, --lr or --warmup_steps (the schedule is recomputed from "
+                        "the new values; without this flag a changed schedule is refused)")
+    g.add_argument("--skip_nonfinite", type=int, default=0,
+                   help="skip up to N steps whose loss or gradient is NaN/inf, logged (default 0: stop at the first, "
+                        "with nothing saved)")
     g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
 
 
@@ -73,15 +81,70 @@ def script_argv(argv: list[str] | None) -> list[str]:
 
 def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, DistEnv], Path], label: str) -> int:
     """Run body(args, env) inside a process-group session that is always torn down; rank 0 prints
-    `<label>: <path returned>` as the last line. InputError: rank 0 prints `error: ...` to stderr and
-    every rank exits with EXIT_BAD_INPUT."""
+    `<label>: <path returned>` as the last line. A failure ends with one `error: ...` line, the last on
+    stderr (of rank 0 for an error every rank shares, else of each failing rank), and an exit code:
+    EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed) or
+    1 for anything unforeseen (after its traceback)."""
+    rank = detect_launcher()[1]
+
+    def report(message: str, everyone: bool = False) -> None:
+        if rank == 0 or everyone:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+
+    install_signal_handlers()
     try:
         with dist_session(args.device, args.backend, args.dist_timeout) as env:
             result = body(args, env)
             if env.is_main:
                 print(f"{label}: {result}", flush=True)
+        return 0
     except InputError as e:
-        if detect_launcher()[1] == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+        report(str(e), everyone=not e.collective)
         return EXIT_BAD_INPUT
-    return 0
+    except NonFiniteError as e:
+        report(str(e))
+        return EXIT_NONFINITE
+    except Interrupted as e:
+        if rank == 0:
+            print(str(e), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as e:  # a bug or an environment failure: its traceback, then the one line
+        traceback.print_exc()
+        report(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", everyone=True)
+        return 1
+    finally:
+        release_out_dirs()
+        restore_signal_handlers()
+
+
+def _finite(v: float) -> bool:
+    return math.isfinite(v)
+
+
+# flag -> (test, what it must be): checked by check_flags before anything is loaded.
+COMMON_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "max_steps": (lambda v: v >= 1, ">= 1"),
+    "lr": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "grad_clip": (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0: off)"),
+    "log_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "skip_nonfinite": (lambda v: v >= 0, ">= 0"),
+    "dist_timeout": (lambda v: _finite(v) and v > 0, "a finite number of seconds > 0"),
+    "val_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+}
+
+
+def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[float], bool], str]] | None = None) -> None:
+    """Every numeric flag in its range, before the first step: one line naming the flag otherwise."""
+    for name, (ok, want) in {**COMMON_RANGES, **(ranges or {})}.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(value):
+            raise InputError(f"--{name} must be {want}, got {value!r}")
+
+
+def due(done: int, every: int) -> bool:
+    """Whether a `--X_every N` action is due after `done` steps (N = 0: never, only the final one)."""
+    return every > 0 and done % every == 0

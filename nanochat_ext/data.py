@@ -48,8 +48,13 @@ def _lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     p = Path(path)
     if not p.is_file():
         raise InputError("file not found", path=str(p))
-    with open(p, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(p, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise InputError(f"not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); JSONL files must be "
+                                 f"UTF-8 (a UTF-16 or binary file?)", path=str(p), line=lineno) from None
             if line.strip():
                 yield lineno, line
 

@@ -250,7 +250,9 @@ def raise_if_any(error: str | None) -> None:
     """
     first = next((e for e in gather_objects(error) if e), None)
     if first:
-        raise InputError(first)
+        e = InputError(first)
+        e.collective = True  # the same error on every rank: rank 0 reports it
+        raise e
 
 
 def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:

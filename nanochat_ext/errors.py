@@ -12,3 +12,4 @@ class InputError(Exception):
         what = f"field '{field}': " if field is not None else ""
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field
+        self.collective = False  # raised on every rank by ddp_common.raise_if_any

@@ -54,13 +54,23 @@ def load_reward_fn(spec: str) -> RewardFn:
     return fn
 
 
-def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int) -> float:
+def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int,
+                   clip: float | None = None) -> float:
+    """fn's value as a float, or one line naming the function and the prompt: when it raises anything,
+    returns something other than a real number (a bool or a string included), a NaN/inf, or a value
+    outside [-clip, clip]."""
+    where = f"reward function {name} on prompt {prompt_index}"
     try:
-        value = float(fn(prompt, completion, row))
-    except (TypeError, ValueError) as e:
-        raise InputError(f"reward function {name} did not return a number for prompt {prompt_index}: {e}") from None
+        value = fn(prompt, completion, row)
+    except Exception as e:  # the user's code: any failure becomes the run's one line
+        raise InputError(f"{where} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise InputError(f"{where} returned {value!r} ({type(value).__name__}), not a real number")
+    value = float(value)
     if not math.isfinite(value):
-        raise InputError(f"reward function {name} returned {value} for prompt {prompt_index}")
+        raise InputError(f"{where} returned {value}")
+    if clip is not None and abs(value) > clip:
+        raise InputError(f"{where} returned {value}, outside --reward_clip {clip}")
     return value
 
 

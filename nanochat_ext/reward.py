@@ -4,15 +4,15 @@ normalised over the global batch, and loading a trained RM back for scoring.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.checkpoint import complete_checkpoints, first_loadable, read_json, torch_load
 from nanochat_ext.data import truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync, precision
 from nanochat_ext.errors import InputError
@@ -117,33 +117,36 @@ class RewardScorer:
 def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu") -> RewardScorer:
     """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint), set to
     score in the precision it was trained in (checkpoints without a recorded dtype: fp32)."""
-    found = find_checkpoint(path)
-    if found is None:
+    if not complete_checkpoints(path):
         raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
-    model_path, meta_path = found
-    meta = json.loads(meta_path.read_text())
-    if meta.get("kind") != "reward_model":
-        raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
-    backbone = load_backbone(meta["backbone"], device, vintage=meta.get("backbone_vintage"))
-    tokenizer = load_tokenizer_for(backbone, meta["tokenizer"])
-    model = RewardModel(backbone).to(device)
-    state = torch.load(model_path, map_location=device, weights_only=True)
-    missing = [k for k in ("head.weight",) if k not in state]
-    unknown = [k for k in state if k not in dict(model.named_parameters())]
-    if missing or unknown:
-        raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
-                         path=str(model_path))
-    model.load_state_dict(state, strict=False)
-    dtype_name = meta.get("dtype", "float32")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise InputError(f"unknown dtype {dtype_name!r} (float32 or bfloat16)", path=str(meta_path), field="dtype")
-    dtype = getattr(torch, dtype_name)
+    model, tokenizer, meta, state, dtype = first_loadable(path, lambda m, meta: _load_rm_files(m, meta, device))
     # As in training: what was frozen is held in the compute dtype, what trained keeps fp32 (the head too).
     for name, p in model.backbone.named_parameters():
         p.requires_grad_(f"backbone.{name}" in state)
     hold_frozen_in(model.backbone, dtype)
     model.requires_grad_(False)
     return RewardScorer(model, tokenizer, int(meta["max_len"]), meta, dtype)
+
+
+def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str) -> tuple:
+    """(RewardModel with its head loaded, tokenizer, meta, state dict, scoring dtype); one line for a bad file."""
+    meta = read_json(meta_path)
+    if not isinstance(meta, dict) or meta.get("kind") != "reward_model":
+        raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
+    dtype_name = meta.get("dtype", "float32")
+    if dtype_name not in ("float32", "bfloat16"):
+        raise InputError(f"unknown dtype {dtype_name!r} (float32 or bfloat16)", path=str(meta_path), field="dtype")
+    state = torch_load(model_path, "reward-model checkpoint", map_location=device)
+    backbone = load_backbone(meta["backbone"], device, vintage=meta.get("backbone_vintage"))
+    model = RewardModel(backbone).to(device)
+    tokenizer = load_tokenizer_for(backbone, meta["tokenizer"])
+    missing = [k for k in ("head.weight",) if k not in state]
+    unknown = [k for k in state if k not in dict(model.named_parameters())]
+    if missing or unknown:
+        raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
+                         path=str(model_path))
+    model.load_state_dict(state, strict=False)
+    return model, tokenizer, meta, state, getattr(torch, dtype_name)
 
 
 def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, weight_cap: float | None,

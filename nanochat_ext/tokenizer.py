@@ -59,8 +59,12 @@ class TokenizerWrapper:
         p = Path(path)
         pkl = p / "tokenizer.pkl" if p.is_dir() else p
         if pkl.name == "tokenizer.pkl" and pkl.is_file():
-            with open(pkl, "rb") as f:
-                enc = pickle.load(f)
+            try:
+                with open(pkl, "rb") as f:
+                    enc = pickle.load(f)
+            except Exception as e:  # truncated or foreign pickle: unpickling raises many types
+                raise InputError(f"cannot read the tokenizer ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})",
+                                 path=str(pkl)) from None
             return cls("rustbpe", enc, str(pkl))
         hf_dir = p if p.is_dir() else p.parent
         if (hf_dir / "tokenizer.json").is_file():

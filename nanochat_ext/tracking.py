@@ -1,11 +1,17 @@
 """Rank-0 outputs of a run: TensorBoard scalars, a metrics.jsonl, one-line greppable log lines and a
-progress bar. Other ranks get a Tracker that does nothing, so call sites need no rank checks."""
+progress bar. Other ranks get a Tracker that does nothing, so call sites need no rank checks.
+
+A run that starts at step S (a resume, or 0) first drops every record past S that an interrupted
+run left in metrics.jsonl, rollouts.jsonl and TensorBoard, so no step is logged twice."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
+
+JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
 
 class Tracker:
@@ -19,7 +25,9 @@ class Tracker:
             from torch.utils.tensorboard import SummaryWriter
 
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            self.writer = SummaryWriter(str(log_dir))
+            for name in JSONL_LOGS:
+                drop_records_after(Path(log_dir) / name, start_step)
+            self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1)
             self.metrics_file = open(Path(log_dir) / "metrics.jsonl", "a")
         if sys.stderr.isatty():
             from tqdm import tqdm
@@ -60,6 +68,31 @@ class Tracker:
             self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
-        for h in (self.bar, self.writer, self.metrics_file):
-            if h is not None:
-                h.close()
+        if self.bar is not None:
+            self.bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        if self.metrics_file is not None:
+            self.metrics_file.close()
+        self.bar = self.writer = self.metrics_file = None
+
+
+def drop_records_after(path: Path, step: int) -> None:
+    """Rewrite a JSONL log without the records whose "step" is past `step` (atomically)."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+    keep = [line for line in lines if _step_of(line) <= step]
+    if len(keep) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _step_of(line: str) -> float:
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):  # a torn last line from a crash: drop it
+        return float("inf")
+

@@ -19,15 +19,16 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_model_path, resolve_resume, save_synced
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
-                              run_script, script_argv)
+from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_model_path, resolve_resume, save_synced
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
+                              output_dirs, run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any,
-                                      seed_everything, wrap_ddp)
+from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, precision, print0, seed_everything,
+                                      wrap_ddp)
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
-from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.tracking import Tracker
 
 
@@ -57,16 +58,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
     out_dir, log_dir = output_dirs(args, "chatsft_checkpoints", default_tag="default")
+    check_flags(args, {"max_len": (lambda v: v >= 3, ">= 3 (BOS, a prompt token and a reply token)")})
     conversations = load_conversations(args.conversations)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
-    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    resume = resolve_resume(args.resume, out_dir)
     model_bb = load_backbone(resume[0] if resume else args.backbone, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(model_bb, args.tokenizer)
     max_len = args.max_len or model_bb.max_seq_len
     if max_len > model_bb.max_seq_len:
         raise InputError(f"--max_len {max_len} exceeds the model's context of {model_bb.max_seq_len}")
-    raise_if_any(check_writable(out_dir) if env.is_main else None)
+    claim_out_dir(out_dir, log_dir)
 
     # (prompt ids, reply ids) per conversation, cut like the RM's pairs: prompt left, reply right.
     examples = []
@@ -84,7 +86,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
     start_step = 0
     if resume is not None:
-        state = torch.load(resume[2], map_location="cpu", weights_only=False)
+        state = resume[2]
         check_resume_args(state["args"], args, ("batch_size", "seed", "max_len"), resume[0])
         model_bb.restore(state)  # fp32 masters where the layout saved bf16
         optimizer.load_state_dict(state["optimizer"])
@@ -102,6 +104,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return save_synced(out_dir, trainable, write)
 
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft")
+    guard = StepGuard(args.skip_nonfinite)
     window = torch.zeros(3, dtype=torch.float64)  # loss, tokens, steps
     t0, metrics = time.time(), {}
     for step in range(start_step, args.max_steps):
@@ -110,21 +113,23 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        window[:2] += sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
-        window[2] += 1
-        torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        tracker.advance()
+        stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
         done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
+        guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+        window[:2] += stats
+        window[2] += 1
+        tracker.advance()
+        if due(done, args.log_every) or done == args.max_steps:
             s = all_reduce_sum(window.clone())
             metrics = {"train/loss": s[0].item() / window[2].item(), "train/lr": lr,
                        "perf/tokens_per_s": s[1].item() / (time.time() - t0)}
             tracker.log(done, metrics)
             window.zero_()
             t0 = time.time()
-        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+        if guard.stop and done < args.max_steps:
+            tracker.close()
+            raise Interrupted(done, save(done, metrics))
+        if due(done, args.save_every) and done < args.max_steps:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
     return save(args.max_steps, metrics)

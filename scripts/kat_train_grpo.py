@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_synced
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
-                              run_script, script_argv)
+from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_resume, save_synced
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
+                              output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix, truncate)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
@@ -31,7 +31,8 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
                                group_advantages, in_global_order, load_reward_fn, make_sequences, overlong_penalty,
                                policy_backward, sample_seed, token_logprobs, zero_std_groups)
-from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig, generate
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -55,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-prompt density weights (as for kat_train_rm): scale each prompt's share of the loss")
     g.add_argument("--reward_fn", action="append", default=[],
                    help="rule-based reward 'module:function', called f(prompt, completion, row) -> float; repeatable")
+    g.add_argument("--reward_clip", type=float, default=None,
+                   help="refuse (stop the run with the prompt named) a reward function value outside [-C, C]; "
+                        "NaN/inf and non-numbers are always refused")
     g.add_argument("--reward_weights", type=float, nargs="+", default=None,
                    help="one weight per reward, in order: the RM (if --rm) then each --reward_fn (default: all 1)")
     g = p.add_argument_group("rollouts")
@@ -132,8 +136,8 @@ class Rewards:
     """The RM score and the rule-based functions, each weighted; per-reward values kept for logging."""
 
     def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
-                 overlong: tuple[int, int, float] | None = None):
-        self.rm = rm
+                 overlong: tuple[int, int, float] | None = None, clip: float | None = None):
+        self.rm, self.clip = rm, clip
         self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns]
         if not self.names:
@@ -151,23 +155,27 @@ class Rewards:
               tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
         """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it
         scores what it was trained on: prompt cut from the left, completion from the right). A
-        reward function's bad value is raised on every rank."""
+        reward function's failure or bad value, or a non-finite RM score, is raised on every rank."""
         n = len(samples.completions)
         out = torch.zeros(n, len(self.names), dtype=torch.float64)
-        col, rm_cut = 0, 0
+        col, rm_cut, error = 0, 0, None
         if self.rm is not None:
             full = [(prompt_ids[i // G], c) for i, c in enumerate(samples.completions)]
             rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
             out[:, 0] = torch.tensor(self.rm.score_ids([truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]))
+            bad = (~torch.isfinite(out[:, 0])).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
+                         f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
             col = 1
-        error = None
         texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in samples.completions]
         try:
-            for j, (name, fn) in enumerate(self.fns):
+            for j, (name, fn) in enumerate(self.fns if error is None else []):
                 for i, text in enumerate(texts):
                     row = rows[i // G]
                     out[i, col + j] = call_reward_fn(name, fn, row.messages[-1]["content"], text, row.row,
-                                                     indices[i // G])
+                                                     indices[i // G], self.clip)
         except InputError as e:
             error = str(e)
         raise_if_any(error)
@@ -195,14 +203,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     G = args.group_size
 
     # ---- validate every input before anything is trained or written ---------------------------
-    if G < 2:
-        raise InputError(f"--group_size must be at least 2 (advantages are relative to the group), got {G}")
-    if not args.temperature > 0:
-        raise InputError(f"--temperature must be > 0 for training (log-probs are taken at it), got {args.temperature}")
-    if args.num_iterations < 1:
-        raise InputError(f"--num_iterations must be at least 1, got {args.num_iterations}")
-    if args.max_draws < 1:
-        raise InputError(f"--max_draws must be at least 1, got {args.max_draws}")
+    check_flags(args, GRPO_RANGES)
     prompts = load_prompts(args.prompts)
     if args.density:
         attach_density(prompts, load_density(args.density), args.density)
@@ -217,7 +218,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
-    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    resume = resolve_resume(args.resume, out_dir)
     policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(policy, args.tokenizer)
     rm = None
@@ -227,10 +228,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.overlong_buffer < 0 or args.overlong_buffer > args.max_new_tokens:
         raise InputError(f"--overlong_buffer must be 0..--max_new_tokens ({args.max_new_tokens}), got {args.overlong_buffer}")
     overlong = (args.max_new_tokens, args.overlong_buffer, args.overlong_penalty) if args.overlong_buffer else None
-    rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong)
+    rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong, args.reward_clip)
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
-    raise_if_any(check_writable(out_dir) if env.is_main else None)
+    claim_out_dir(out_dir, log_dir)
 
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens)
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
@@ -271,6 +272,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- train ------------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
+    guard = StepGuard(args.skip_nonfinite)
     n_rewards = len(rewards.names)
     # window: reward sum, reward sq sum, samples, per-reward sums (n_rewards), completion tokens, truncated,
     # cut for the RM, zero-std groups, groups, draws, filled groups, loss, kl sum, clipped, loss tokens,
@@ -337,26 +339,28 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         for group in optimizer.param_groups:
             group["lr"] = lr
         stats = torch.zeros(5, dtype=torch.float64)
+        done = step + 1
         for _ in range(args.num_iterations):
-            stats += policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
+            grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
+            stats += it
         window[10 + n_rewards:15 + n_rewards] += stats / args.num_iterations
         window[-2:] += torch.tensor([time.time() - t0 - t_gen, 1.0], dtype=torch.float64)
         tracker.advance()
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
-            metrics = window_metrics(all_reduce_sum(window.clone()), rewards.names, env.world_size, lr, float(grad_norm))
+        if due(done, args.log_every) or done == args.max_steps:
+            metrics = window_metrics(all_reduce_sum(window.clone()), rewards.names, env.world_size, lr, grad_norm)
             metrics.update(peak_memory_gb(env.device))
             tracker.log(done, metrics)
             window.zero_()
-        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+        if done == args.max_steps or due(done, args.eval_every):
             if eval_rows:
                 ev = evaluate(policy, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
                 tracker.log(done, ev)
                 metrics.update(ev)
-        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+        if guard.stop and done < args.max_steps:
+            tracker.close()
+            raise Interrupted(done, save(done, metrics))
+        if due(done, args.save_every) and done < args.max_steps:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
     return save(args.max_steps, metrics)
@@ -440,8 +444,7 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
 def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args,
                       device) -> tuple[int, int]:
     """Restores the policy and optimizer; returns (step, draw)."""
-    model_path, _, state_path = resume
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    model_path, _, state = resume
     keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
             "filter_zero_std") + (("max_draws",) if args.filter_zero_std else ())
     check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
@@ -449,6 +452,22 @@ def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume
     optimizer.load_state_dict(state["optimizer"])
     return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step
 
+
+GRPO_RANGES = {
+    "group_size": (lambda v: v >= 2, ">= 2 (advantages are relative to the group)"),
+    "temperature": (lambda v: v > 0 and v != float("inf"), "> 0 for training (log-probs are taken at it)"),
+    "top_k": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "min_new_tokens": (lambda v: v >= 0, ">= 0"),
+    "num_iterations": (lambda v: v >= 1, ">= 1"),
+    "max_draws": (lambda v: v >= 1, ">= 1"),
+    "clip_eps": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "clip_eps_high": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "beta": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "overlong_penalty": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
+    "reward_clip": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
+}
 
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False}

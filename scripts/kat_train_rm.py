@@ -17,15 +17,17 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, output_dirs,
-                              run_script, script_argv)
-from nanochat_ext.checkpoint import check_resume_args, check_writable, resolve_resume, save_checkpoint, save_synced
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
+                              output_dirs, run_script, script_argv)
+from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, resolve_resume, save_checkpoint, save_synced,
+                                     torch_load)
 from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, collate_pairs,
                                load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
-                                      raise_if_any, seed_everything, wrap_ddp)
+                                      seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
-from nanochat_ext.optim import lr_multiplier, make_adamw
+from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
 from nanochat_ext.tracking import Tracker
 
@@ -87,6 +89,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     out_dir, log_dir = output_dirs(args, "rm_checkpoints")
 
     # ---- validate every input before anything is trained or written ---------------------------
+    check_flags(args, {"max_len": (lambda v: v >= 3, ">= 3 (BOS, a prompt token and a response token)")})
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
     if skipped:
         print0(f"data: skipped {skipped} bad rows of {args.pairs}")
@@ -96,14 +99,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     if args.weight_cap is not None and args.weight_cap <= 0:
         raise InputError(f"--weight_cap must be positive, got {args.weight_cap}")
-    resume = resolve_resume(args.resume, out_dir) if args.resume else None
+    resume = resolve_resume(args.resume, out_dir)
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
     if args.max_len is None:
         args.max_len = min(1024, backbone.max_seq_len)
     if args.max_len > backbone.max_seq_len:
         raise InputError(f"--max_len {args.max_len} exceeds the backbone's context of {backbone.max_seq_len}")
-    raise_if_any(check_writable(out_dir) if env.is_main else None)
+    claim_out_dir(out_dir, log_dir)
 
     backbone.set_trainable(args.unfreeze_last)
     for p in backbone.output_head_params():  # the RM reads hidden states; the LM head gets no gradient
@@ -155,6 +158,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
+    guard = StepGuard(args.skip_nonfinite)
     window = torch.zeros(6, dtype=torch.float64)  # loss, correct, margin, pairs, tokens, steps since last log
     t_log = time.time()
     metrics: dict = {}
@@ -163,32 +167,34 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        window[:5] += rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, args.grad_clip if args.grad_clip > 0 else float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
+        done = step + 1
+        grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+        window[:5] += stats
         window[5] += 1
         tracker.advance()
-        done = step + 1
-        if done % args.log_every == 0 or done == args.max_steps:
+        if due(done, args.log_every) or done == args.max_steps:
             stats = all_reduce_sum(window.clone())
             elapsed = time.time() - t_log
             metrics = {"train/loss": stats[0].item() / window[5].item(),
                        "train/accuracy": stats[1].item() / stats[3].item(),
                        "train/margin": stats[2].item() / stats[3].item(),
-                       "train/lr": lr, "train/grad_norm": float(grad_norm),
+                       "train/lr": lr, "train/grad_norm": grad_norm,
                        "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed,
                        **peak_memory_gb(env.device)}
             tracker.log(done, metrics)
             window.zero_()
             t_log = time.time()
-        if done == args.max_steps or (args.eval_every and done % args.eval_every == 0):
+        if done == args.max_steps or due(done, args.eval_every):
             if val_pairs:
                 val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
                 tracker.log(done, val)
                 metrics.update(val)
             t_log = time.time()
-        if args.save_every and done % args.save_every == 0 and done < args.max_steps:
+        if guard.stop and done < args.max_steps:
+            tracker.close()
+            raise Interrupted(done, save(done, metrics))
+        if due(done, args.save_every) and done < args.max_steps:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
     return save(args.max_steps, metrics)
@@ -213,11 +219,10 @@ def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: 
 
 
 def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args) -> int:
-    model_path, meta_path, state_path = resume
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    model_path, _, state = resume
     check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
                                             "max_len", "long_pairs"), model_path)
-    weights = torch.load(model_path, map_location="cpu", weights_only=True)
+    weights = torch_load(model_path, "reward-model checkpoint")
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:
         raise InputError("checkpoint's trainable tensors do not match this run's --unfreeze_last", path=str(model_path))

@@ -188,7 +188,7 @@ def test_tokenizer_that_does_not_fit_the_backbone(assets, tmp_path, capsys):
 def test_output_dir_that_cannot_be_written(assets, tmp_path, capsys):
     blocker = _write(tmp_path / "a_file", "x")
     assert kat_train_rm.main(base_args(assets, blocker / "sub", "--max_steps", "1")) == 2
-    assert "output dir cannot be written" in capsys.readouterr().err
+    assert "a_file/sub: dir cannot be written (Not a directory)" in capsys.readouterr().err
 
 
 def test_batch_size_that_micro_batches_do_not_divide(assets, tmp_path, capsys):

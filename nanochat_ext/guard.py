@@ -1,0 +1,94 @@
+"""What stops a training run cleanly: a step whose loss or gradient is not finite, and SIGTERM/SIGINT.
+
+Both are decided on every rank together, by one all-reduce per step taken after the backward and
+before the optimizer step, so no rank runs ahead into a collective the others will never join:
+
+- non-finite loss or grad norm on any rank: the step is not taken; the run stops with one line
+  naming the step (EXIT_NONFINITE) and nothing new is saved, so the last good checkpoint is the one
+  to resume. `--skip_nonfinite N` skips up to N such steps instead (each logged).
+- SIGTERM (what SLURM and Kubernetes send before a kill) or SIGINT on any rank: the step finishes,
+  rank 0 writes a checkpoint, and every rank exits with EXIT_INTERRUPTED and one line saying how to
+  resume. A second signal a second or more after the first exits at once; one within the second is
+  the same event delivered twice (the terminal and torchrun both pass Ctrl-C / SIGTERM on).
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+
+from nanochat_ext.ddp_common import all_reduce_sum, print0
+
+EXIT_NONFINITE = 3
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (with --resume latest)
+
+
+class NonFiniteError(Exception):
+    """A step's loss or gradient was not finite on some rank (more often than --skip_nonfinite allows)."""
+
+
+class Interrupted(Exception):
+    """SIGTERM/SIGINT: the run checkpointed at `step` (to `path`) and stops."""
+
+    def __init__(self, step: int, path: object):
+        super().__init__(f"interrupted at step {step}; checkpoint {path}; resume with --resume latest")
+        self.step, self.path = step, path
+
+
+_signal_at: float | None = None  # when the first SIGTERM/SIGINT arrived
+
+
+def _on_signal(signum: int, frame) -> None:
+    global _signal_at
+    now = time.monotonic()
+    if _signal_at is None:
+        _signal_at = now
+        print(f"signal: {signal.Signals(signum).name}; finishing this step, then checkpointing (send it again "
+              f"to stop at once)", file=sys.stderr, flush=True)
+    elif now - _signal_at >= 1.0:
+        print(f"error: second {signal.Signals(signum).name}: stopped at once, without a checkpoint",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGINT ask the run to stop after the current step (main thread only)."""
+    global _signal_at
+    _signal_at = None
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _on_signal)
+
+
+def restore_signal_handlers() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class StepGuard:
+    """One collective check per optimizer step; see the module docstring."""
+
+    def __init__(self, skip_nonfinite: int = 0):
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped = 0
+        self.stop = False  # a signal arrived on some rank: checkpoint after this step and exit
+
+    def check(self, step: int, loss: float, grad_norm: float | torch.Tensor) -> bool:
+        """Collective, after the backward and before optimizer.step(): True when the step may be
+        taken. Raises NonFiniteError when it may not and no skip is left."""
+        flags = all_reduce_sum(torch.tensor([not math.isfinite(loss), not math.isfinite(float(grad_norm)),
+                                             _signal_at is not None], dtype=torch.float64))
+        self.stop = self.stop or bool(flags[2] > 0)
+        if flags[0] == 0 and flags[1] == 0:
+            return True
+        what = " and ".join(w for w, f in (("loss", flags[0]), ("gradient norm", flags[1])) if f > 0)
+        if self.skipped < self.skip_nonfinite:
+            self.skipped += 1
+            print0(f"nonfinite: step {step}: non-finite {what}; step skipped "
+                   f"({self.skipped} of --skip_nonfinite {self.skip_nonfinite})")
+            return False
+        raise NonFiniteError(f"step {step}: non-finite {what}; stopped before the optimizer step, nothing saved; "
+                             f"resume from the last checkpoint with a lower --lr (or allow --skip_nonfinite N)")

@@ -274,6 +274,8 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
         state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
         if not state_path.is_file():
             raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+        if model_path.is_file():  # read once here so a corrupt one falls back to the previous checkpoint
+            torch_load(model_path, "checkpoint")
         return model_path, meta_path, torch_load(state_path, "resume state", weights_only=False)
 
     return first_loadable(target, load)

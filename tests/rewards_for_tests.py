@@ -16,3 +16,19 @@ def flat_for_even_prompts(prompt, completion, row):
     """Zero spread for about half the prompts (a constant), vowel_share for the rest: DAPO's dynamic
     sampling has groups to drop."""
     return 0.0 if len(prompt) % 2 == 0 else vowel_share(prompt, completion, row)
+
+
+def raises_runtime_error(prompt, completion, row):
+    raise RuntimeError("the grader's service is down")
+
+
+def returns_bool(prompt, completion, row):
+    return True
+
+
+def returns_str(prompt, completion, row):
+    return "0.75"
+
+
+def returns_huge(prompt, completion, row):
+    return 1e300

@@ -1,0 +1,332 @@
+"""Reliability: non-finite steps, crashes in the save window, preemption signals, the out-dir lock,
+disk-full saves, corrupt inputs and flag ranges each end in one line, an exit code and the files
+the README promises; 2-rank gloo runs where ranks must agree."""
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import REPO, run_script
+from nanochat_ext import checkpoint
+from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
+from scripts import kat_train_grpo, kat_train_rm
+
+
+def rm_args(assets, out, *extra) -> list[str]:
+    return ["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
+            "--pairs", str(assets["pairs"]), "--batch_size", "8", "--max_len", "64", "--device", "cpu",
+            "--eval_every", "0", "--log_every", "1", "--unfreeze_last", "1", "--lr", "3e-3", "--out", str(out), *extra]
+
+
+def metas(out) -> list[dict]:
+    return sorted((json.loads(p.read_text()) for p in out.glob("meta_*.json")), key=lambda m: m["step"])
+
+
+def assert_same_weights(a, b):
+    wa, wb = (torch.load(checkpoint.find_checkpoint(d)[0], weights_only=True) for d in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=0, rtol=0, msg=k)
+
+
+def error_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert lines, stderr[-2000:]
+    return lines[-1]
+
+
+# ---- finite or stop -------------------------------------------------------------------------------
+def test_a_non_finite_step_stops_both_ranks_and_saves_nothing_new(assets, tmp_path):
+    out = tmp_path / "nan"
+    proc = run_script("scripts.kat_train_rm", rm_args(assets, out, "--lr", "1e30", "--max_steps", "6",
+                                                      "--save_every", "1"), nproc=2)
+    assert proc.returncode != 0
+    assert "error: step 2: non-finite loss and gradient norm; stopped before the optimizer step" in proc.stderr
+    assert "exitcode  : 3" in proc.stderr  # torchrun's summary: both ranks exited with EXIT_NONFINITE
+    assert [m["step"] for m in metas(out)] == [1]  # the last good checkpoint, nothing after it
+    assert not list(out.glob("*.tmp"))
+
+
+def test_skip_nonfinite_skips_the_bad_steps_and_saves_finite_weights(assets, tmp_path, capsys):
+    out = tmp_path / "skip"
+    assert kat_train_rm.main(rm_args(assets, out, "--lr", "1e30", "--max_steps", "4", "--skip_nonfinite", "5")) == 0
+    printed = capsys.readouterr().out
+    assert "nonfinite: step 2: non-finite loss and gradient norm; step skipped (1 of --skip_nonfinite 5)" in printed
+    weights = torch.load(checkpoint.find_checkpoint(out)[0], weights_only=True)
+    assert all(torch.isfinite(t).all() for t in weights.values())
+    assert kat_train_rm.main(rm_args(assets, tmp_path / "over", "--lr", "1e30", "--max_steps", "6",
+                                     "--skip_nonfinite", "2")) == EXIT_NONFINITE
+
+
+def test_a_non_finite_rm_score_stops_grpo_naming_the_prompt(assets, tmp_path, capsys):
+    rm = tmp_path / "rm"
+    assert kat_train_rm.main(rm_args(assets, rm, "--max_steps", "1")) == 0
+    model = checkpoint.find_checkpoint(rm)[0]
+    state = torch.load(model, weights_only=True)
+    state["head.weight"].fill_(float("nan"))
+    torch.save(state, model)
+    capsys.readouterr()
+    rc = kat_train_grpo.main(["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--rm", str(rm),
+                              "--prompts", str(assets["pairs"]), "--batch_size", "2", "--group_size", "2",
+                              "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu", "--out", str(tmp_path / "g")])
+    assert rc == 2
+    assert "the reward model scored nan on prompt" in capsys.readouterr().err
+
+
+# ---- crash-safe resume ----------------------------------------------------------------------------
+KILL_AT_SECOND_STATE = ("import os, sys; from nanochat_ext import checkpoint; n = []\n"
+                        "def hook(name):\n"
+                        "    n.append(name)\n"
+                        "    if sum(x.startswith('state_') for x in n) == 2: os._exit(9)\n"
+                        "checkpoint._SAVE_HOOK = hook\n"
+                        "from scripts import kat_train_rm; sys.exit(kat_train_rm.main(sys.argv[1:]))")
+
+
+def test_a_kill_between_state_and_meta_resumes_to_the_uninterrupted_result(assets, tmp_path):
+    args = ("--max_steps", "6", "--save_every", "2")
+    straight, crashed = tmp_path / "straight", tmp_path / "crashed"
+    assert kat_train_rm.main(rm_args(assets, straight, *args)) == 0
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", KILL_AT_SECOND_STATE, *rm_args(assets, crashed, *args)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9
+    assert len(list(crashed.glob("state_*.pt"))) == 2 and len(list(crashed.glob("meta_*.json"))) == 1  # the orphan
+    resumed = run_script("scripts.kat_train_rm", rm_args(assets, crashed, *args, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint: removed what an interrupted save left: model_" in resumed.stdout
+    assert "resume: from" in resumed.stdout and "at step 2" in resumed.stdout
+    assert_same_weights(straight, crashed)
+    records = [json.loads(line) for line in (crashed / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == list(range(1, 7))  # the crashed run's 3-4 dropped
+
+
+def test_resume_latest_without_a_checkpoint_starts_fresh_and_must_refuses(assets, tmp_path, capsys):
+    out = tmp_path / "fresh"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "1", "--resume", "latest")) == 0
+    assert "no complete checkpoint in" in capsys.readouterr().out
+    assert kat_train_rm.main(rm_args(assets, tmp_path / "none", "--max_steps", "1", "--resume", "must")) == 2
+    assert "no complete checkpoint to resume from" in capsys.readouterr().err
+
+
+def test_resume_refuses_a_changed_schedule_unless_extended(assets, tmp_path, capsys):
+    out = tmp_path / "sched"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "2")) == 0
+    capsys.readouterr()
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--resume", "latest")) == 2
+    assert "--max_steps is 4 but the checkpoint was trained with 2; resume with the same setting or add " \
+           "--resume_extend" in capsys.readouterr().err
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--resume", "latest", "--resume_extend")) == 0
+    assert metas(out)[-1]["step"] == 4
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(assets, tmp_path, capsys):
+    out = tmp_path / "two_ckpts"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--save_every", "2")) == 0
+    newest = checkpoint.find_checkpoint(out)[0]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    capsys.readouterr()
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--resume", "latest")) == 0
+    printed = capsys.readouterr().out
+    assert "warning: skipping a checkpoint that does not load" in printed and "at step 2" in printed
+
+
+# ---- preemption -----------------------------------------------------------------------------------
+def test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result(assets, tmp_path):
+    args = ("--max_steps", "60")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_script("scripts.kat_train_rm", rm_args(assets, straight, *args), nproc=2).returncode == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "scripts.kat_train_rm", "--", *rm_args(assets, stopped, *args)]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    for line in proc.stdout:  # wait until training is under way
+        if line.startswith("rm step 3 "):
+            break
+    os.killpg(proc.pid, signal.SIGTERM)  # what SLURM does: the whole job gets it
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    line = next(l for l in err.splitlines() if l.startswith("interrupted at step "))
+    step = int(line.split()[3].rstrip(";"))
+    assert 3 <= step < 60 and "resume with --resume latest" in line
+    assert [m["step"] for m in metas(stopped)] == [step] and not list(stopped.glob("*.tmp"))
+    resumed = run_script("scripts.kat_train_rm", rm_args(assets, stopped, *args, "--resume", "latest"), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert_same_weights(straight, stopped)
+
+
+def test_sigint_on_one_process_exits_with_the_interrupted_code(assets, tmp_path):
+    cmd = [sys.executable, "-m", "scripts.kat_train_rm", *rm_args(assets, tmp_path / "int", "--max_steps", "60")]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:
+        if line.startswith("rm step 2 "):
+            break
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_INTERRUPTED, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted at step ")
+
+
+# ---- one run per --out ----------------------------------------------------------------------------
+def test_a_second_run_on_a_locked_out_dir_stops_naming_the_holder(assets, tmp_path, capsys):
+    out = tmp_path / "locked"
+    out.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from nanochat_ext import checkpoint; "
+                               "checkpoint._lock(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+                               "sys.stdin.read()", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "1")) == 2
+        err = capsys.readouterr().err
+        assert f"another run is using this output dir (lock held by pid {holder.pid} on " in err
+        assert not list(out.glob("model_*"))
+    finally:
+        holder.communicate("", timeout=30)  # the holder exits: the OS releases its lock
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "1")) == 0
+
+
+# ---- disk full ------------------------------------------------------------------------------------
+def test_a_full_disk_at_save_removes_the_partial_files_and_keeps_the_previous_checkpoint(assets, tmp_path, capsys,
+                                                                                       monkeypatch):
+    out = tmp_path / "full"
+    real_save, calls = torch.save, []
+
+    def save_until_full(obj, path, *a, **k):  # the second checkpoint's model file runs out of space mid-write
+        calls.append(path)
+        if len(calls) == 3:
+            with open(path, "wb") as f:
+                f.write(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save_until_full)
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--save_every", "2")) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "(No space left on device); " in err and " MiB free there" in err
+    assert [m["step"] for m in metas(out)] == [2]
+    names = {p.name for p in out.iterdir()} - {"logs", ".lock", "tokenizer.pkl"}
+    assert len(names) == 3 and not any(n.endswith(".tmp") for n in names), names  # model, state, meta of step 2
+
+
+# ---- bad input: one line each ---------------------------------------------------------------------
+@pytest.mark.parametrize("extra,expected", [
+    (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
+    (["--max_steps", "-3"], "--max_steps must be >= 1, got -3"),
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
+    (["--max_len", "2"], "--max_len must be >= 3"),
+    (["--save_every", "-1"], "--save_every must be >= 0"),
+    (["--log_every", "-1"], "--log_every must be >= 0"),
+])
+def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
+    assert kat_train_rm.main(rm_args(assets, tmp_path / "out", *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [f"error: {expected}"] or expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("extra,expected", [
+    (["--temperature", "-1"], "--temperature must be > 0"),
+    (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
+    (["--top_p", "0"], "--top_p must be in (0, 1]"),
+    (["--reward_clip", "0"], "--reward_clip must be a finite number > 0"),
+])
+def test_grpo_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
+    args = ["--policy", str(assets["gpt"]), "--prompts", str(assets["pairs"]), "--reward_fn",
+            "rewards_for_tests:vowel_share", "--device", "cpu", "--out", str(tmp_path / "out"), *extra]
+    assert kat_train_grpo.main(args) == 2
+    assert expected in capsys.readouterr().err
+
+
+def test_log_every_zero_logs_only_the_last_step(assets, tmp_path):
+    out = tmp_path / "quiet"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "3", "--log_every", "0")) == 0
+    records = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [3]
+
+
+def _corrupt_copy(assets, tmp_path, name):
+    d = tmp_path / name
+    shutil.copytree(assets["gpt"], d)
+    return d
+
+
+@pytest.mark.parametrize("case", ["truncated_model", "meta_not_json", "tokenizer_garbage", "pairs_utf16",
+                                  "pairs_binary", "log_dir_unwritable"])
+def test_corrupt_inputs_end_in_one_line(assets, tmp_path, capsys, case):
+    backbone, tokenizer, pairs, extra = _corrupt_copy(assets, tmp_path, "bb"), assets["tokenizer"], assets["pairs"], []
+    model = checkpoint.find_checkpoint(backbone)[0]
+    if case == "truncated_model":
+        model.write_bytes(model.read_bytes()[:1000])
+        expected = f"{model}: cannot read the checkpoint"
+    elif case == "meta_not_json":
+        model.with_name(model.name.replace("model_", "meta_").replace(".pt", ".json")).write_text('{"model_config": ')
+        expected = "meta is not valid JSON"
+    elif case == "tokenizer_garbage":
+        tokenizer = tmp_path / "tok"
+        tokenizer.mkdir()
+        (tokenizer / "tokenizer.pkl").write_bytes(os.urandom(64))
+        expected = f"{tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer"
+    elif case == "pairs_utf16":
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_text(assets["pairs"].read_text(), encoding="utf-16")
+        expected = f"{pairs}:1: not UTF-8 (byte 0xff at column 1)"
+    elif case == "pairs_binary":
+        pairs = tmp_path / "pairs.jsonl"
+        pairs.write_bytes(assets["pairs"].read_bytes().splitlines(keepends=True)[0] + b"\x80\x81\xfe\n")
+        expected = f"{pairs}:2: not UTF-8 (byte 0x80 at column 1)"
+    else:
+        blocker = tmp_path / "a_file"
+        blocker.write_text("x")
+        extra = ["--log_dir", str(blocker / "logs")]
+        expected = "a_file/logs: dir cannot be written"
+    args = rm_args(assets, tmp_path / "out", "--max_steps", "1", *extra)
+    args[1], args[3], args[5] = str(backbone), str(tokenizer), str(pairs)
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, err
+
+
+# ---- reward functions -----------------------------------------------------------------------------
+@pytest.mark.parametrize("fn,expected", [
+    ("raises_runtime_error", "reward function raises_runtime_error on prompt "),
+    ("returns_bool", "returned True (bool), not a real number"),
+    ("returns_str", "returned '0.75' (str), not a real number"),
+    ("returns_huge", "returned 1e+300, outside --reward_clip 10.0"),
+])
+def test_reward_function_failures_stop_every_rank_with_one_line(assets, tmp_path, fn, expected):
+    args = ["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--prompts", str(assets["pairs"]),
+            "--reward_fn", f"rewards_for_tests:{fn}", "--reward_clip", "10", "--batch_size", "2", "--group_size", "2",
+            "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu", "--out", str(tmp_path / "g")]
+    nproc = 2 if fn == "raises_runtime_error" else 1
+    proc = run_script("scripts.kat_train_grpo", args, nproc=nproc,
+                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode != 0
+    assert expected in error_line(proc.stderr)
+    assert not [line for line in proc.stderr.splitlines() if 'File "' in line and "nanochat_ext" in line]  # no traceback
+    if nproc == 2:
+        assert "exitcode  : 2" in proc.stderr and "Connection closed by peer" not in proc.stderr
+
+
+def test_speedrun_repeats_the_failing_stages_error_line(tmp_path):
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(f'{{"prompt": "question {i}", "chosen": "a", "rejected": "b"}}\n' for i in range(4)))
+    env = {**os.environ, "NANOCHAT_BASE_DIR": str(tmp_path / "base"), "BACKBONE": str(tmp_path / "missing"),
+           "PAIRS": str(pairs), "NPROC_PER_NODE": "1"}
+    proc = subprocess.run(["bash", "speedrun.sh"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    tail = proc.stderr.strip().splitlines()[-2:]
+    assert tail[0].startswith("speedrun: stage density failed: ") and "backbone path does not exist" in tail[0], tail
+    assert tail[1].startswith("speedrun: stage density needs a backbone")

@@ -14,7 +14,7 @@ from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
 from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
-                                install_signal_handlers, restore_signal_handlers)
+                                restore_signal_handlers)
 
 EXIT_BAD_INPUT = 2
 
@@ -91,7 +91,6 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         if rank == 0 or everyone:
             print(f"error: {message}", file=sys.stderr, flush=True)
 
-    install_signal_handlers()
     try:
         with dist_session(args.device, args.backend, args.dist_timeout) as env:
             result = body(args, env)

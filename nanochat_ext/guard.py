@@ -72,9 +72,12 @@ class StepGuard:
     """One collective check per optimizer step; see the module docstring."""
 
     def __init__(self, skip_nonfinite: int = 0):
+        """Made as the training loop starts: from then on SIGTERM/SIGINT wait for the end of a step
+        (before it, and in scripts without a training loop, they stop the process as usual)."""
         self.skip_nonfinite = skip_nonfinite
         self.skipped = 0
         self.stop = False  # a signal arrived on some rank: checkpoint after this step and exit
+        install_signal_handlers()
 
     def check(self, step: int, loss: float, grad_norm: float | torch.Tensor) -> bool:
         """Collective, after the backward and before optimizer.step(): True when the step may be

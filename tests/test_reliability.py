@@ -4,14 +4,12 @@ the README promises; 2-rank gloo runs where ranks must agree."""
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch

@@ -176,6 +176,21 @@ def test_sigint_on_one_process_exits_with_the_interrupted_code(assets, tmp_path)
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted at step ")
 
 
+SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext import guard; guard.install_signal_handlers()\n"
+                "os.kill(os.getpid(), signal.SIGINT); time.sleep(float(sys.argv[1])); os.kill(os.getpid(), signal.SIGINT)\n"
+                "time.sleep(0.2); print('still running', flush=True)")
+
+
+@pytest.mark.parametrize("gap,code", [(1.2, 128 + signal.SIGINT), (0.0, 0)])
+def test_a_second_signal_stops_at_once_unless_it_is_the_same_event(gap, code):
+    """A Ctrl-C reaches a worker twice within milliseconds (from the terminal and from torchrun): one event."""
+    proc = subprocess.run([sys.executable, "-c", SIGNAL_TWICE, str(gap)], cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    assert ("error: second SIGINT: stopped at once, without a checkpoint" in proc.stderr) == (code != 0)
+    assert ("still running" in proc.stdout) == (code == 0)
+
+
 # ---- one run per --out ----------------------------------------------------------------------------
 def test_a_second_run_on_a_locked_out_dir_stops_naming_the_holder(assets, tmp_path, capsys):
     out = tmp_path / "locked"

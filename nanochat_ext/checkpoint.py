@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -351,3 +352,43 @@ def check_writable(out_dir: str | os.PathLike) -> str | None:
     except OSError as e:
         return f"{d}: dir cannot be written ({e.strerror or e})"
     return None
+
+
+# ---- checkpoints that travel ------------------------------------------------------------------------
+FINGERPRINT_WINDOWS, FINGERPRINT_WINDOW = 64, 1 << 16
+
+
+def fingerprint(path: str | os.PathLike) -> str:
+    """What identifies a model's weights, fast for any size: sha256 over each weight file's size and 64
+    windows of 64 KiB spread evenly through it (4 MiB read per file, whatever its size). Retraining
+    changes the bytes everywhere, so a different model of the same shape is caught; a file copied or
+    moved keeps its fingerprint. A model dir (Hugging Face) hashes its weight files in name order."""
+    p = Path(path)
+    files = sorted(f for f in p.iterdir() if f.suffix in (".safetensors", ".bin", ".pt")) if p.is_dir() else [p]
+    h = hashlib.sha256()
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name if p.is_dir() else ''}:{size}".encode())
+        with open(f, "rb") as fh:
+            for k in range(FINGERPRINT_WINDOWS):
+                fh.seek(max(0, (size - FINGERPRINT_WINDOW) * k // max(FINGERPRINT_WINDOWS - 1, 1)))
+                h.update(fh.read(FINGERPRINT_WINDOW))
+    return "sha256-sampled:" + h.hexdigest()
+
+
+def portable_paths(target: str | os.PathLike, anchor_dir: str | os.PathLike) -> dict[str, str | None]:
+    """How a checkpoint refers to a file it depends on: the absolute path, the path relative to the
+    checkpoint's own dir, and relative to $NANOCHAT_BASE_DIR when the file lies under it."""
+    t = Path(target).resolve()
+    base = base_dir().resolve()
+    return {"path": str(t), "relative_to_checkpoint": os.path.relpath(t, Path(anchor_dir).resolve()),
+            "relative_to_base_dir": str(t.relative_to(base)) if t.is_relative_to(base) else None}
+
+
+def locate(ref: dict, anchor_dir: str | os.PathLike) -> Path | None:
+    """The first of portable_paths' candidates that exists: relative to the checkpoint's dir (moved
+    together), then to today's $NANOCHAT_BASE_DIR, then the absolute path."""
+    candidates = [Path(anchor_dir) / ref["relative_to_checkpoint"] if ref.get("relative_to_checkpoint") else None,
+                  base_dir() / ref["relative_to_base_dir"] if ref.get("relative_to_base_dir") else None,
+                  Path(ref["path"]) if ref.get("path") else None]
+    return next((c.resolve() for c in candidates if c is not None and c.exists()), None)

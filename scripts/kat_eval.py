@@ -47,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="reward-model dirs to evaluate (default: every dir in <base>/rm_checkpoints)")
     p.add_argument("--score_rm", default=None,
                    help="the RM whose score is reported for the policies (default: <base>/rm_checkpoints/uniform)")
+    p.add_argument("--rm_backbone", default=None,
+                   help="the backbone of the RMs, where they cannot find it themselves (see kat_train_grpo --help)")
     p.add_argument("--policy_before", default=None, help="default: <base>/chatsft_checkpoints/default")
     p.add_argument("--policy_after", default=None, help="default: <base>/chatrl_checkpoints/uniform")
     p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
@@ -84,8 +86,8 @@ def dense_topics(counts: Counter) -> set[str]:
     return {t for t, c in counts.items() if c >= sum(counts.values()) / len(counts)}
 
 
-def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv) -> dict:
-    scorer = load_reward_model(rm_dir, env.device)
+def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv, rm_backbone: str | None = None) -> dict:
+    scorer = load_reward_model(rm_dir, env.device, backbone=rm_backbone)
     mine = pairs[env.rank::env.world_size]
     prompts = [r.prompt for r in mine]
     margins = [c - r for c, r in zip(scorer.score(prompts, [r.chosen for r in mine]),
@@ -222,12 +224,13 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.rm and Path(args.eval_pairs).is_file():
         pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
         for d in args.rm:
-            rms[d] = eval_rm(d, pairs, topics, env)
+            rms[d] = eval_rm(d, pairs, topics, env, args.rm_backbone)
             print0(f"eval: rm {d} accuracy {rms[d]['overall']['accuracy']:.3f}")
     policies = {}
     if Path(args.eval_prompts).is_file():
         rows = load_prompts(args.eval_prompts)
-        scorer = load_reward_model(args.score_rm, env.device) if find_checkpoint(args.score_rm) else None
+        scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
+                  if find_checkpoint(args.score_rm) else None)
         for name, path in (("before (SFT)", args.policy_before), ("after (GRPO)", args.policy_after)):
             resolved = resolve_model_path(path)  # sft:d20 and checkpoint roots too
             if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():

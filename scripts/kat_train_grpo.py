@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_resume, save_synced
+from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume, save_synced
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
@@ -48,6 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--rm", default=None,
                    help="reward-model checkpoint file, or a dir (its newest complete checkpoint), as written by "
                         "kat_train_rm; optional when --reward_fn is given")
+    g.add_argument("--rm_backbone", default=None,
+                   help="the RM's backbone, where the RM cannot find it itself (it looks beside its own dir, under "
+                        "$NANOCHAT_BASE_DIR, then at the absolute path it recorded); refused if its weights differ "
+                        "from the ones the RM was trained on")
     g.add_argument("--prompts", required=True,
                    help="JSONL {prompt: str | [messages], answer?, prefix_id?}; a pairs file works too (its prompts)")
     g.add_argument("--eval_prompts", default=None,
@@ -223,7 +227,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tok = load_tokenizer_for(policy, args.tokenizer)
     rm = None
     if args.rm:
-        rm = load_reward_model(args.rm, env.device)
+        rm = load_reward_model(args.rm, env.device, backbone=args.rm_backbone)
         check_rm_tokenizer(rm, tok, args.rm)
     if args.overlong_buffer < 0 or args.overlong_buffer > args.max_new_tokens:
         raise InputError(f"--overlong_buffer must be 0..--max_new_tokens ({args.max_new_tokens}), got {args.overlong_buffer}")
@@ -253,7 +257,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
     start_step, draw = 0, 0  # draw: prompt batches drawn so far (one per step unless --filter_zero_std)
+    source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
     if resume is not None:
+        if resume[2].get("source_fingerprint", source_print) != source_print:
+            raise InputError(f"--policy {policy.source} is not the policy this run started from: its weights changed "
+                             f"since (fingerprint); resume with the original policy or start a new --out",
+                             path=str(resume[0]))
         start_step, draw = load_resume_state(policy, optimizer, resume, args, env.device)
         print0(f"resume: from {resume[0]} at step {start_step} (draw {draw})")
     autocast = precision(dtype, env.device)
@@ -263,9 +272,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
             meta = {"kind": "grpo_policy", "stamp": stamp, "step": step,
-                    "source_policy": str(Path(policy.source).resolve()), "world_size": env.world_size,
+                    "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
+                    "world_size": env.world_size,
                     "metrics": metrics, "args": vars(args)}
-            state = {"step": step, "draw": draw, "optimizer": optimizer.state_dict(), "args": vars(args)}
+            state = {"step": step, "draw": draw, "optimizer": optimizer.state_dict(), "args": vars(args),
+                     "source_fingerprint": source_print}
             return policy.save(out_dir, stamp, meta, tok, state)
 
         return save_synced(out_dir, trainable, write)

@@ -19,8 +19,8 @@ import torch
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
-from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, resolve_resume, save_checkpoint, save_synced,
-                                     torch_load)
+from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
+                                     save_checkpoint, save_synced, torch_load)
 from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, collate_pairs,
                                load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
@@ -142,10 +142,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         print0(f"resume: from {resume[0]} at step {start_step}")
     autocast = precision(dtype, env.device)
 
+    backbone_print = fingerprint(backbone.source) if env.is_main else None  # recorded so a moved RM finds it
+
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
             meta = {"kind": "reward_model", "stamp": stamp, "step": step,
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
+                    "backbone_ref": {**portable_paths(backbone.source, out_dir), "fingerprint": backbone_print},
+                    "tokenizer_ref": portable_paths(tokenizer.source, out_dir),
                     "backbone_vintage": backbone.vintage,
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
                     "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),

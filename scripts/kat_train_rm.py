@@ -148,7 +148,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         def write(stamp: int) -> Path:
             meta = {"kind": "reward_model", "stamp": stamp, "step": step,
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
-                    "backbone_ref": {**portable_paths(backbone.source, out_dir), "fingerprint": backbone_print},
+                    "backbone_ref": {**portable_paths(backbone.source, out_dir), "given": args.backbone,
+                                     "fingerprint": backbone_print},
                     "tokenizer_ref": portable_paths(tokenizer.source, out_dir),
                     "backbone_vintage": backbone.vintage,
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,

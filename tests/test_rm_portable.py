@@ -32,6 +32,10 @@ def trained(assets, tmp_path, monkeypatch):
 def test_a_moved_rm_finds_its_backbone_and_scores_identically(trained, tmp_path, monkeypatch):
     base, rm, prompts, responses = trained
     before = load_reward_model(rm).score(prompts, responses)
+    ref = json.loads(find_checkpoint(rm)[1].read_text())["backbone_ref"]
+    assert ref["given"] == str(base / "chatsft_checkpoints" / "default")
+    assert ref["relative_to_checkpoint"] == "../../chatsft_checkpoints/default/model_0.pt"
+    assert ref["relative_to_base_dir"] == "chatsft_checkpoints/default/model_0.pt"
     moved = tmp_path / "moved_base"
     shutil.move(base, moved)  # the whole base dir: the RM finds the backbone beside itself
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(moved))

@@ -8,12 +8,21 @@
 #   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~4 min on 2 CPU cores
 #   BACKBONE=/path/sft_ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
+#   ARMS="uniform density" bash speedrun.sh                # GRPO against each RM, both policies evaluated
+#   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment: every seed, both arms,
+#                                                          # paired differences with 95% intervals (experiment.md)
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
 # EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
 # DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training),
 # BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
 # cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
 # NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
+# ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM
+# with the fork's 1/kNN-distance weighting, which favours dense prompts); default: uniform, or density
+# with DENSITY=1.
+# EXPERIMENT=density: SEEDS (default 0..4) each run the whole pipeline in $NANOCHAT_BASE_DIR/experiment/seed_<s>
+# with ARMS (default "uniform density") and EXPERIMENT_RM_STEPS (default 60), then
+# scripts.kat_experiment_report writes experiment.md/json there.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -29,12 +38,30 @@ RM_STEPS="${RM_STEPS:-150}"
 GRPO_STEPS="${GRPO_STEPS:-200}"
 EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
-GRPO_TAG=$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)
 RUNTIME=()  # flags every stage that runs models takes
 [ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
 [ -n "${NANOCHAT_VINTAGE:-}" ] && RUNTIME+=(--nanochat_vintage "$NANOCHAT_VINTAGE")
 mkdir -p "$B"
 t_start=$SECONDS
+
+if [ "${EXPERIMENT:-}" = density ]; then
+    ROOT="$B/experiment"
+    ARMS="${ARMS:-uniform density}"
+    SEEDS="${SEEDS:-0 1 2 3 4}"
+    for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
+        echo "== experiment: seed $seed"
+        # RM_STEPS 60 (the demo's is 150): a budget at which a uniform RM is still measurably worse on rare
+        # topics, so weighting has something to fix; the report checks that gap per seed.
+        EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" \
+            RM_STEPS="${EXPERIMENT_RM_STEPS:-60}" \
+            bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
+    done
+    # shellcheck disable=SC2086
+    python -m scripts.kat_experiment_report --root "$ROOT" --seeds $SEEDS
+    echo "== experiment finished in $((SECONDS - t_start)) s; report: $ROOT/experiment.md"
+    exit 0
+fi
+ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
 
 record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
     { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
@@ -103,27 +130,50 @@ if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
         scripts.kat_compute_density --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS"
     record_time density $((SECONDS - s))
 fi
+case " $ARMS " in *" fork "*)
+    FORK_WEIGHTS="$B/density/fork_weights.jsonl"
+    if skip "$FORK_WEIGHTS"; then echo "== density_fork: skipped (done: $FORK_WEIGHTS)"; else
+        echo "== density_fork ($NPROC_PER_NODE ranks)"; s=$SECONDS
+        launch density_fork "a backbone ($BACKBONE) and pairs ($PAIRS)" scripts.kat_compute_density \
+            --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --weighting fork --out "$FORK_WEIGHTS"
+        record_time density_fork $((SECONDS - s))
+    fi ;;
+esac
 RM_ARGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
          --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
 NEEDS_RM="a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) with its tokenizer, and pairs ($PAIRS)"
 train rm_uniform "$NEEDS_RM" "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_ARGS[@]}"
 train rm_density "$NEEDS_RM and density weights (made by the density stage)" "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$WEIGHTS"
-GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --rm "$B/rm_checkpoints/$GRPO_TAG" --prompts "$PROMPTS"
+if [[ " $ARMS " == *" fork "* ]]; then train rm_fork "$NEEDS_RM and fork weights (made by the density_fork stage)" \
+    "$B/rm_checkpoints/fork" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$FORK_WEIGHTS"; fi
+GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS"
            --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
            --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
-[ "${DENSITY:-0}" = 1 ] && GRPO_ARGS+=(--density "$WEIGHTS")
-train "grpo_$GRPO_TAG" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$GRPO_TAG (made by the rm_$GRPO_TAG stage)" \
-    "$B/chatrl_checkpoints/$GRPO_TAG" scripts.kat_train_grpo "${GRPO_ARGS[@]}"
+EVAL_POLICIES=()
+# Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
+# so a difference between the policies is the RM's doing.
+for arm in $ARMS; do
+    case $arm in uniform|density|fork) ;; *) echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork)" >&2; exit 2 ;; esac
+    train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$arm (made by the rm_$arm stage)" \
+        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_ARGS[@]}" --rm "$B/rm_checkpoints/$arm"
+    EVAL_POLICIES+=(--policy "GRPO $arm=$B/chatrl_checkpoints/$arm")
+done
 
 # ---- evaluation report ---------------------------------------------------------------------------
-if skip "$B/report.md" && [ "$B/report.md" -nt "$B/chatrl_checkpoints/$GRPO_TAG/.complete" ]; then
+eval_fresh() {  # the report is newer than every arm's policy
+    skip "$B/report.md" || return 1
+    for arm in $ARMS; do [ "$B/report.md" -nt "$B/chatrl_checkpoints/$arm/.complete" ] || return 1; done
+}
+if eval_fresh; then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     # Held-out sets: the demo's, or EVAL_PAIRS / EVAL_PROMPTS (default: the training files, not held out).
     EVAL_PAIRS="${EVAL_PAIRS:-$([ -f "$B/demo/eval_pairs.jsonl" ] && echo "$B/demo/eval_pairs.jsonl" || echo "$PAIRS")}"
     EVAL_PROMPTS="${EVAL_PROMPTS:-$([ -f "$B/demo/eval_prompts.jsonl" ] && echo "$B/demo/eval_prompts.jsonl" || echo "$PROMPTS")}"
-    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" --policy_after "$B/chatrl_checkpoints/$GRPO_TAG" --score_rm "$B/rm_checkpoints/$GRPO_TAG" --samples "$EVAL_SAMPLES")
+    # Policies are scored by the uniform RM, one judge for every arm (the demo's ground truth is judged too).
+    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" "${EVAL_POLICIES[@]}"
+          --score_rm "$B/rm_checkpoints/uniform" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
     launch eval "the reward models, the GRPO policy and held-out data" scripts.kat_eval "${EVAL[@]}"
     record_time eval $((SECONDS - s))

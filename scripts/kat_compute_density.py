@@ -28,6 +28,9 @@ from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, prec
 from nanochat_ext.errors import InputError
 
 
+WEIGHTINGS = ("inverse_density", "fork")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_compute_density", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -37,6 +40,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     src.add_argument("--pairs", help="preference pairs JSONL: its distinct prompts are weighted")
     src.add_argument("--prompts", help="prompts JSONL (as for GRPO)")
     p.add_argument("--k", type=int, default=10, help="neighbours per prompt (default: %(default)s)")
+    p.add_argument("--weighting", choices=WEIGHTINGS, default="inverse_density",
+                   help="inverse_density: weight proportional to the mean kNN distance, so rare prompts count more "
+                        "(this project's rule); fork: proportional to 1 / that distance, the rule of the fork this "
+                        "project descends from, which favours dense prompts (kept to compare; default: %(default)s)")
     p.add_argument("--cap", type=float, default=None, help="clip weights (after normalising to mean 1) to at most this")
     p.add_argument("--batch", type=int, default=64, help="prompts per forward (default: %(default)s)")
     p.add_argument("--max_len", type=int, default=256, help="prompt tokens kept, from the end (default: %(default)s)")
@@ -108,10 +115,11 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
     if mine:
         dist[mine] = knn_distances(emb, mine, args.k)  # each rank its own rows again
     dist = all_reduce_sum(dist)
-    weights = dist / dist.mean()
+    raw = dist if args.weighting == "inverse_density" else 1.0 / dist.clamp(min=1e-12)
+    weights = raw / raw.mean()
     if args.cap is not None:
         weights = weights.clamp(max=args.cap)
-    print0(f"density: {len(ids)} prompts, k={min(args.k, len(ids) - 1)}, weights min {weights.min():.3f} "
+    print0(f"density: {len(ids)} prompts, k={min(args.k, len(ids) - 1)}, {args.weighting} weights min {weights.min():.3f} "
            f"mean {weights.mean():.3f} max {weights.max():.3f}")
     if env.is_main:
         tmp = out.with_name(out.name + ".tmp")

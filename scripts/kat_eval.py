@@ -50,7 +50,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rm_backbone", default=None,
                    help="the backbone of the RMs, where they cannot find it themselves (see kat_train_grpo --help)")
     p.add_argument("--policy_before", default=None, help="default: <base>/chatsft_checkpoints/default")
-    p.add_argument("--policy_after", default=None, help="default: <base>/chatrl_checkpoints/uniform")
+    p.add_argument("--policy_after", default=None,
+                   help="default: <base>/chatrl_checkpoints/uniform; not used when --policy is given")
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
+                   help="a trained policy to evaluate under NAME (repeatable), e.g. 'GRPO density=<dir>'")
     p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
     p.add_argument("--eval_prompts", default=None, help="held-out prompts (default: <base>/demo/eval_prompts.jsonl)")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
@@ -70,6 +73,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.eval_prompts = args.eval_prompts or str(b / "demo" / "eval_prompts.jsonl")
     args.out = args.out or str(b / "report.md")
     return args
+
+
+def named_policies(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """--policy NAME=PATH pairs, else the one default 'after (GRPO)' policy."""
+    if not args.policy:
+        return [("after (GRPO)", args.policy_after)]
+    bad = [spec for spec in args.policy if "=" not in spec]
+    if bad:
+        raise InputError(f"--policy takes NAME=PATH, got {bad[0]!r}")
+    return [tuple(spec.split("=", 1)) for spec in args.policy]
 
 
 def topics_of(path: str) -> dict[int, str]:
@@ -132,15 +145,24 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     if not env.is_main:
         return {}
 
-    def judged(items):
-        topics = [rows[i].row.get("topic") for i, *_ in items]
-        if not all(t in synthetic.TOPIC_WORDS for t in topics):
-            return None
-        return sum(synthetic.judge(t, text) for t, (_, text, _, _) in zip(topics, items)) / len(items)
+    topic_of = [r.row.get("topic") for r in rows]
+    judgeable = all(t in synthetic.TOPIC_WORDS for t in topic_of)
+    dense = dense_topics(Counter(topic_of)) if judgeable else set()
 
-    by_prompt = defaultdict(list)
+    def judged(items, keep=lambda topic: True):
+        """Ground-truth task accuracy of the items whose prompt's topic passes keep (None: no ground truth)."""
+        marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in items if judgeable and keep(topic_of[i])]
+        return sum(marks) / len(marks) if marks else None
+
+    per_topic = [judged(sampled, lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
+    per_topic = [a for a in per_topic if a is not None]
+
+    by_prompt, texts_by_prompt = defaultdict(list), defaultdict(list)
     for i, text, _, _ in sampled:
         by_prompt[i].append(text.lower().split())
+        texts_by_prompt[i].append(text)
+    # share of a prompt's samples that repeat another sample of the same prompt exactly
+    duplicates = sum((len(t) - len(set(t))) / len(t) for t in texts_by_prompt.values()) / len(texts_by_prompt)
     distinct = {n: sum(len(set(g)) / max(len(g), 1) for g in ([x for t in s for x in ngrams(t, n)]
                                                              for s in by_prompt.values())) / len(by_prompt)
                 for n in (1, 2)}
@@ -149,8 +171,14 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     entropy = -sum(c / total * math.log2(c / total) for c in bigrams.values()) if total else 0.0
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {"checkpoint": policy.source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
-            "rm_score_sampled": mean([s for _, _, s, _ in sampled]), "task_accuracy_greedy": judged(greedy),
-            "task_accuracy_sampled": judged(sampled), "distinct_1": distinct[1], "distinct_2": distinct[2],
+            "rm_score_sampled": mean([s for _, _, s, _ in sampled]),
+            **{f"task_accuracy_{mode}{suffix}": judged(items, keep)
+               for mode, items in (("greedy", greedy), ("sampled", sampled))
+               for suffix, keep in (("", lambda t: True), ("_dense", lambda t: t in dense),
+                                    ("_rare", lambda t: t not in dense))},
+            "topic_accuracy_spread": (sum((a - mean(per_topic)) ** 2 for a in per_topic) / len(per_topic)) ** 0.5
+            if per_topic else None,
+            "distinct_1": distinct[1], "distinct_2": distinct[2], "duplicate_share": duplicates,
             "bigram_entropy_bits": entropy, "completion_len": mean([n for *_, n in sampled]),
             "examples": [text for _, text, _, _ in sampled[:4]]}
 
@@ -203,7 +231,8 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
         lines.append("")
     if policies:
         keys = ["rm_score_greedy", "rm_score_sampled", "task_accuracy_greedy", "task_accuracy_sampled",
-                "distinct_1", "distinct_2", "bigram_entropy_bits", "completion_len"]
+                "task_accuracy_sampled_dense", "task_accuracy_sampled_rare", "topic_accuracy_spread",
+                "distinct_1", "distinct_2", "duplicate_share", "bigram_entropy_bits", "completion_len"]
         lines += ["## Policy before and after GRPO on held-out prompts", "",
                   f"greedy: one completion per prompt; sampled: {args.samples} per prompt at temperature "
                   f"{args.temperature}; RM score from `{Path(args.score_rm).name}`", "",
@@ -231,7 +260,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
         rows = load_prompts(args.eval_prompts)
         scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
                   if find_checkpoint(args.score_rm) else None)
-        for name, path in (("before (SFT)", args.policy_before), ("after (GRPO)", args.policy_after)):
+        for name, path in [("before (SFT)", args.policy_before)] + named_policies(args):
             resolved = resolve_model_path(path)  # sft:d20 and checkpoint roots too
             if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():
                 print0(f"eval: no policy at {path}, skipped")

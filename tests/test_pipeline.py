@@ -27,7 +27,7 @@ def test_speedrun_end_to_end_skip_and_resume(tmp_path):
     for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "eval"):
         assert f"== {stage}" in first.stdout
     report = json.loads((base / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "after (GRPO)"}
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform"}
     assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
     assert "rare topics" in report["reward_models"][str(base / "rm_checkpoints" / "uniform")]
     md = (base / "report.md").read_text()
@@ -56,3 +56,26 @@ def test_missing_data_stops_the_pipeline(tmp_path):
     proc = speedrun(tmp_path / "base", BACKBONE=str(tmp_path / "nope"), PAIRS=str(empty))
     assert proc.returncode != 0
     assert "pairs.jsonl is missing or empty" in proc.stderr
+
+
+def test_density_experiment_one_seed_all_arms_then_resumes(tmp_path):
+    """EXPERIMENT=density, shortened: one seed, the three arms (the fork's weighting too), a report; a
+    re-run skips every finished stage of every arm."""
+    base = tmp_path / "base"
+    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="10")
+    first = speedrun(base, **env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    seed = base / "experiment" / "seed_0"
+    for stage in ("density_fork", "rm_fork", "grpo_uniform", "grpo_density", "grpo_fork"):
+        assert f"== {stage} (2 ranks)" in first.stdout
+    report = json.loads((seed / "report.json").read_text())
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork"}
+    assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread"} <= set(report["policies"]["GRPO fork"])
+    experiment = json.loads((base / "experiment" / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"density", "fork"}
+    assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
+    assert "One seed: differences only" in (base / "experiment" / "experiment.md").read_text()
+    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
+    assert abs(sum(weights) / len(weights) - 1) < 1e-3
+    again = speedrun(base, **env)
+    assert again.returncode == 0 and again.stdout.count(": skipped") == 11, again.stdout  # 10 stages + eval

@@ -1,0 +1,28 @@
+"""The density experiment's interval arithmetic against textbook values."""
+import math
+
+import pytest
+
+from nanochat_ext.stats import paired_difference, t_cdf, t_quantile
+
+
+@pytest.mark.parametrize("df,q975,q80", [(1, 12.7062, 1.3764), (4, 2.7764, 0.9410), (9, 2.2622, 0.8834),
+                                         (30, 2.0423, 0.8538)])
+def test_t_quantiles_match_the_tables(df, q975, q80):
+    assert t_quantile(0.975, df) == pytest.approx(q975, abs=2e-4)
+    assert t_quantile(0.8, df) == pytest.approx(q80, abs=2e-4)
+    assert t_cdf(0.0, df) == pytest.approx(0.5) and t_cdf(-q975, df) == pytest.approx(0.025, abs=1e-5)
+
+
+def test_paired_t_interval():
+    # differences 1..5: mean 3, sd sqrt(2.5), se 0.7071, t(4) 2.7764 -> 3 +- 1.9632
+    d = paired_difference([2, 4, 6, 8, 10], [1, 2, 3, 4, 5])
+    assert d.diffs == [1, 2, 3, 4, 5] and d.mean == 3
+    assert (d.low, d.high) == pytest.approx((1.0368, 4.9632), abs=1e-4) and d.excludes_zero
+    assert d.detectable == pytest.approx((2.7764 + 0.9410) * 0.70711, abs=1e-3)
+    flat = paired_difference([1.0, 0.0, 1.0], [0.0, 1.0, 0.5])
+    assert flat.low < 0 < flat.high and not flat.excludes_zero
+    one = paired_difference([1.0], [0.25])
+    assert one.mean == 0.75 and math.isnan(one.low) and not one.excludes_zero
+    with pytest.raises(ValueError, match="need paired values"):
+        paired_difference([1.0, 2.0], [0.0])

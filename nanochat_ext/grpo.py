@@ -346,6 +346,9 @@ def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro:
     return total
 
 
+LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "entropy")  # what policy_backward returns, in order
+
+
 def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
                     device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
     """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch

@@ -11,6 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from nanochat_ext.ddp_common import all_reduce_sum
+
 JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
 
@@ -96,3 +100,23 @@ def _step_of(line: str) -> float:
     except (ValueError, AttributeError):  # a torn last line from a crash: drop it
         return float("inf")
 
+
+
+class WindowSums:
+    """Named float64 sums over the steps of one logging window on this rank; `reduced` sums them over
+    all ranks in one all-reduce (collective)."""
+
+    def __init__(self, names: list[str]):
+        self.names = list(names)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.sums = torch.zeros(len(self.names), dtype=torch.float64)
+
+    def add(self, **values: float) -> None:
+        for name, value in values.items():
+            self.sums[self.index[name]] += float(value)
+
+    def reduced(self) -> dict[str, float]:
+        return dict(zip(self.names, all_reduce_sum(self.sums.clone()).tolist()))
+
+    def zero(self) -> None:
+        self.sums.zero_()

@@ -27,7 +27,7 @@ from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_d
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
+from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
                                group_advantages, in_global_order, load_reward_fn, make_sequences, overlong_penalty,
                                policy_backward, sample_seed, token_logprobs, zero_std_groups)
@@ -36,7 +36,7 @@ from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig, generate
 from nanochat_ext.tokenizer import TokenizerWrapper
-from nanochat_ext.tracking import Tracker
+from nanochat_ext.tracking import Tracker, WindowSums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -285,10 +285,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
     guard = StepGuard(args.skip_nonfinite)
     n_rewards = len(rewards.names)
-    # window: reward sum, reward sq sum, samples, per-reward sums (n_rewards), completion tokens, truncated,
-    # cut for the RM, zero-std groups, groups, draws, filled groups, loss, kl sum, clipped, loss tokens,
-    # entropy sum, gen s, train s, steps
-    window = torch.zeros(18 + n_rewards, dtype=torch.float64)
+    # sums over the steps of one logging window, on this rank (reduced over ranks at log time)
+    window = WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in rewards.names), "tokens",
+                         "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
+                         "gen_s", "score_s", "ref_s", "train_s", "steps"])
 
     def rollout(draw: int) -> Rollout:
         """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
@@ -298,15 +298,15 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
+        t1 = time.time()
         per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
                                            [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
-        window[:3 + n_rewards] += torch.cat([torch.tensor([total.sum(), (total * total).sum(), len(total)],
-                                                          dtype=torch.float64), per_reward.sum(0)])
-        window[3 + n_rewards:9 + n_rewards] += torch.tensor(
-            [sum(map(len, samples.completions)), sum(samples.truncated), rm_cut,
-             zero_std_groups(total, G).sum(), len(indices), 1.0 / env.world_size], dtype=torch.float64)
-        window[-3] += time.time() - t0
+        window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
+                   tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
+                   zero_std=zero_std_groups(total, G).sum(), groups=len(indices), draws=1.0 / env.world_size,
+                   gen_s=t1 - t0, score_s=time.time() - t1,
+                   **{f"reward_{n}": v for n, v in zip(rewards.names, per_reward.sum(0).tolist())})
         return Rollout(indices, samples.completions, samples.truncated, per_reward)
 
     def rollout_with_signal() -> tuple[Rollout, int]:
@@ -325,14 +325,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
-        t0 = time.time()
         if args.filter_zero_std:
             ro, filled = rollout_with_signal()
-            window[9 + n_rewards] += filled / (args.batch_size * env.world_size)
+            window.add(filled=filled / (args.batch_size * env.world_size))
         else:
             ro = rollout(draw)
             draw += 1
-        t_gen = time.time() - t0
         rows = [train_rows[i] for i in ro.indices]
         total = rewards.total(ro.rewards)
         if args.log_rollouts:
@@ -342,10 +340,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
         if args.mask_truncated:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
+        t0 = time.time()
         if reference is not None:
             batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
         if args.num_iterations > 1:
             batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
+        t1 = time.time()
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -355,14 +355,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
             grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
             stats += it
-        window[10 + n_rewards:15 + n_rewards] += stats / args.num_iterations
-        window[-2:] += torch.tensor([time.time() - t0 - t_gen, 1.0], dtype=torch.float64)
+        window.add(**dict(zip(LOSS_STATS, (stats / args.num_iterations).tolist())), ref_s=t1 - t0,
+                   train_s=time.time() - t1, steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
-            metrics = window_metrics(all_reduce_sum(window.clone()), rewards.names, env.world_size, lr, grad_norm)
+            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm)
             metrics.update(peak_memory_gb(env.device))
             tracker.log(done, metrics)
-            window.zero_()
+            window.zero()
         if done == args.max_steps or due(done, args.eval_every):
             if eval_rows:
                 ev = evaluate(policy, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
@@ -387,22 +387,26 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
     tracker.records("rollouts.jsonl", rows)
 
 
-def window_metrics(s: torch.Tensor, names: list[str], world: int, lr: float, grad_norm: float) -> dict:
-    k = len(names)
-    n = s[2].item()
-    mean = s[0].item() / n
-    (tokens, truncated, rm_cut, zero_std, groups, draws, filled, loss, kl, clipped, loss_tokens, entropy,
-     t_gen, t_train, steps) = s[3 + k:].tolist()
-    steps /= world  # every rank counted its steps; times are summed over ranks too
-    m = {"train/reward": mean, "train/reward_std": max(s[1].item() / n - mean * mean, 0.0) ** 0.5}
-    m.update({f"train/reward_{name}": s[3 + j].item() / n for j, name in enumerate(names)})
-    m.update({"train/loss": loss / steps, "train/kl": kl / max(loss_tokens, 1), "train/entropy": entropy / max(loss_tokens, 1),
-              "train/clip_frac": clipped / max(loss_tokens, 1), "train/completion_len": tokens / n,
-              "train/truncated_frac": truncated / n, "train/rm_truncated_frac": rm_cut / n, "train/zero_std_groups": zero_std / groups,
-              "train/draws": draws / steps, "train/filled_frac": filled / steps, "train/lr": lr,
-              "train/grad_norm": grad_norm, "perf/gen_tokens_per_s": tokens / (t_gen / world),
-              "perf/completions_per_s": n / ((t_gen + t_train) / world),
-              "perf/train_tokens_per_s": loss_tokens / (t_train / world)})
+def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float) -> dict:
+    """Logged metrics from one window's sums over all ranks. Times are summed over ranks and every rank
+    counted its steps, so per-step seconds divide by the step count (which is world x steps)."""
+    n, steps = s["samples"], s["steps"] / world
+    mean = s["reward"] / n
+    tokens = max(s["loss_tokens"], 1)
+    step_s = s["gen_s"] + s["score_s"] + s["ref_s"] + s["train_s"]
+    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
+    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
+    m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
+              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["tokens"] / n,
+              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
+              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
+              "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,
+              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
+              "perf/completions_per_s": n / (step_s / world),
+              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
+              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
+              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
+              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / step_s})
     return m
 
 

@@ -84,8 +84,12 @@ def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     assert kat_train_grpo.main(args) == 0
     rewards = [m["train/reward"] for m in read_metrics(out) if "train/reward" in m]
     assert rewards[-1] > rewards[0] + 0.2, rewards  # ~0.37 -> ~0.85 on this seed
-    assert all(k in read_metrics(out)[-2] for k in ("train/kl", "train/entropy", "train/clip_frac",
-                                                    "train/zero_std_groups", "perf/gen_tokens_per_s"))
+    last = read_metrics(out)[-2]
+    assert all(k in last for k in ("train/kl", "train/entropy", "train/clip_frac", "train/zero_std_groups",
+                                   "perf/gen_tokens_per_s", "perf/train_s_per_step", "perf/score_s_per_step"))
+    assert last["perf/ref_s_per_step"] < 1e-3  # beta 0: no reference model, no time spent on it
+    phases = sum(last[f"perf/{p}_s_per_step"] for p in ("gen", "score", "ref", "train"))
+    assert abs(last["perf/rollout_share"] - (last["perf/gen_s_per_step"] + last["perf/score_s_per_step"]) / phases) < 1e-9
 
 
 def test_reward_model_score_rises(assets, grpo_assets, tmp_path):

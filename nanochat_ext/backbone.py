@@ -95,11 +95,14 @@ class Backbone(nn.Module):
         out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         return [] if out is None or out.weight is inp.weight else list(out.parameters())
 
-    def hidden_states(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Final hidden states of right-padded rows (causal attention: pads cannot reach real tokens)."""
+    def hidden_states(self, input_ids: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Final hidden states of right-padded rows (causal attention: pads cannot reach real tokens):
+        (B, T, hidden), or with `at` (B,) only row b's at position at[b], (B, hidden). Our models then
+        run the last block's queries and MLP at those positions alone."""
         if self.native:
-            return self.model.hidden_states(input_ids)
-        return self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+            return self.model.hidden_states(input_ids, at=at)
+        hidden = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
+        return hidden if at is None else hidden[torch.arange(hidden.size(0), device=hidden.device), at]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.native:

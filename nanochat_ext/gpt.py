@@ -136,6 +136,19 @@ def rotary_slice(table: torch.Tensor, positions: torch.Tensor | None, T0: int, T
     return table[positions]
 
 
+def rows_at(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """Row b's entry at position at[b] of a (B or 1, T, ...) tensor, as (B, 1, ...)."""
+    t = t.expand(at.size(0), *t.shape[1:])
+    return t[torch.arange(at.size(0), device=t.device), at][:, None]
+
+
+def mask_at(at: torch.Tensor, T: int, window: int) -> torch.Tensor:
+    """(B, 1, 1, T) mask for one query per row at position at[b] of right-padded rows: keys at[b] - window
+    .. at[b] (the causal rule, so the pads after it are hidden)."""
+    d = at[:, None] - torch.arange(T, device=at.device)[None, :]
+    return ((d >= 0) & (d <= window))[:, None, None, :]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query."""
     gqa = q.size(1) != k.size(1)
@@ -157,16 +170,19 @@ class CausalSelfAttention(nn.Module):
         use_gate = self.v.value_embeds and has_ve(layer_idx, config.n_layer)
         self.ve_gate = nn.Linear(self.v.ve_gate_channels, self.n_kv_head, bias=False) if use_gate else None
 
-    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, layer_idx=0):
+    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, layer_idx=0, at=None):
+        """at (B,): queries only at those positions (keys and values at all): (B, 1, C) out."""
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        xq = x if at is None else rows_at(x, at)
+        q = self.c_q(xq).view(B, xq.size(1), self.n_head, self.head_dim)
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
             gate = self.v.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.v.ve_gate_channels]))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
-        q, k = apply_rotary_emb(q, cos, sin), apply_rotary_emb(k, cos, sin)
+        cos_q, sin_q = (cos, sin) if at is None else (rows_at(cos, at), rows_at(sin, at))
+        q, k = apply_rotary_emb(q, cos_q, sin_q), apply_rotary_emb(k, cos, sin)
         q, k = norm(q), norm(k)
         if self.v.qk_scale != 1.0:
             q, k = q * self.v.qk_scale, k * self.v.qk_scale
@@ -174,7 +190,7 @@ class CausalSelfAttention(nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
         y = attend(q, k, v, attn_mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return self.c_proj(y.transpose(1, 2).reshape(B, q.size(2), -1))
 
 
 class MLP(nn.Module):
@@ -220,8 +236,10 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None):
-        x = x + self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx)
+    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, at=None):
+        """at (B,): the block's output only at those positions, (B, 1, C)."""
+        h = self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx, at)
+        x = (x if at is None else rows_at(x, at)) + h
         return x + self.mlp(norm(x))
 
 
@@ -356,10 +374,12 @@ class GPT(nn.Module):
         return x
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None) -> torch.Tensor:
+                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
         """Final-normed hidden states (B, T, n_embd) of `idx`, which continues the cache if one is given.
         key_mask (B, cached + T) marks real tokens (False: left padding); each row then counts its
-        positions from its own first real token. Right padding needs no mask."""
+        positions from its own first real token. Right padding needs no mask.
+        at (B,), right-padded rows without cache: only row b's state at position at[b], (B, n_embd); the
+        last block then runs its queries and MLP there alone (a reward model reads nothing else)."""
         B, T = idx.shape
         v = self.config.v
         T0 = kv_cache.pos if kv_cache is not None else 0
@@ -373,18 +393,23 @@ class GPT(nn.Module):
         if v.smear:
             x = self._smear(x, positions, kv_cache)
         x0, x_backout = x, None
+        last = self.config.n_layer - 1
         for i, block in enumerate(self.transformer.h):
             ve = None
             if v.lambdas:
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if v.value_embeds and str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)
-            x = block(x, ve, cos_sin, masks[i], kv_cache)
+            if at is not None and i == last:
+                x = block(x, ve, cos_sin, mask_at(at, T, self.window_sizes[i]), at=at)
+            else:
+                x = block(x, ve, cos_sin, masks[i], kv_cache)
             if v.backout and i == self.config.n_layer // 2:
                 x_backout = x
-        if x_backout is not None:
-            x = x - self.backout_lambda * x_backout
-        return norm(x)
+        if x_backout is not None:  # taken before the last block unless there is only one
+            picked = at is not None and self.config.n_layer // 2 != last
+            x = x - self.backout_lambda * (rows_at(x_backout, at) if picked else x_backout)
+        return norm(x) if at is None else norm(x)[:, 0]
 
     @property
     def blocks(self) -> nn.ModuleList:

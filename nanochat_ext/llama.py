@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import KVCache, attend, attn_masks, row_positions, rotary_slice
+from nanochat_ext.gpt import KVCache, attend, attn_masks, mask_at, row_positions, rotary_slice, rows_at
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -65,7 +65,8 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(c.hidden_size, (c.n_head + 2 * c.n_kv_head) * c.head_dim, bias=qkv_bias)
         self.o = nn.Linear(c.n_head * c.head_dim, c.hidden_size, bias=o_bias)
 
-    def forward(self, x, cos_sin, mask, kv_cache, layer_idx):
+    def forward(self, x, cos_sin, mask, kv_cache, layer_idx, at=None):
+        """at (B,): queries only at those positions (keys and values at all): (B, 1, hidden) out."""
         B, T, _ = x.shape
         qk, v = self.qkv(x).split([(self.n_head + self.n_kv_head) * self.head_dim, self.n_kv_head * self.head_dim],
                                   dim=-1)
@@ -74,10 +75,12 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
+        if at is not None:
+            q = rows_at(q.transpose(1, 2), at).transpose(1, 2)  # (B, n_head, 1, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
-        return self.o(attend(q, k, v, mask).transpose(1, 2).reshape(B, T, -1))
+        return self.o(attend(q, k, v, mask).transpose(1, 2).reshape(B, q.size(2), -1))
 
 
 class Block(nn.Module):
@@ -90,9 +93,11 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=mlp_bias)
 
-    def forward(self, x, cos_sin, mask, kv_cache=None):
+    def forward(self, x, cos_sin, mask, kv_cache=None, at=None):
+        """at (B,): the block's output only at those positions, (B, 1, hidden)."""
         n = x.size(-1)
-        x = x + self.attn(F.rms_norm(x, (n,), self.attn_norm, self.eps), cos_sin, mask, kv_cache, self.layer_idx)
+        h = self.attn(F.rms_norm(x, (n,), self.attn_norm, self.eps), cos_sin, mask, kv_cache, self.layer_idx, at)
+        x = (x if at is None else rows_at(x, at)) + h
         gate, up = self.gate_up(F.rms_norm(x, (n,), self.mlp_norm, self.eps)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
 
@@ -126,8 +131,8 @@ class Llama(nn.Module):
         return KVCache(c.n_layer, batch, c.n_kv_head, c.head_dim, max_len, p.device, p.dtype)
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None) -> torch.Tensor:
-        """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states."""
+                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states, `at` included."""
         B, T = idx.shape
         T0 = kv_cache.pos if kv_cache is not None else 0
         if T0 + T > self.cos.size(0):
@@ -136,8 +141,11 @@ class Llama(nn.Module):
         cos_sin = tuple(rotary_slice(t, positions, T0, T)[:, None] for t in (self.cos, self.sin))
         masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
         x = self.embed(idx)
-        for block, mask in zip(self.layers, masks):
-            x = block(x, cos_sin, mask, kv_cache)
+        for i, (block, mask) in enumerate(zip(self.layers, masks)):
+            if at is not None and i == len(self.layers) - 1:
+                x = block(x, cos_sin, mask_at(at, T, self.window_sizes[i]), at=at)[:, 0]
+            else:
+                x = block(x, cos_sin, mask, kv_cache)
         return F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -45,9 +45,8 @@ class RewardModel(nn.Module):
         """One reward per right-padded row, read at the row's last real token (index lengths-1).
         No attention mask: attention is causal, so pads after that token cannot reach it."""
         frozen = contextlib.nullcontext() if not self.backbone_frozen else torch.no_grad()
-        with frozen:
-            hidden = self.backbone.hidden_states(input_ids)
-        last = hidden[torch.arange(hidden.size(0), device=hidden.device), lengths - 1]
+        with frozen:  # the last block runs at the scored positions only
+            last = self.backbone.hidden_states(input_ids, at=lengths - 1)
         return self.head(last.float()).squeeze(-1)
 
 

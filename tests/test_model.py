@@ -160,3 +160,29 @@ def test_native_llama_matches_transformers(assets, tmp_path):
         reloaded = AutoModelForCausalLM.from_pretrained(str(saved), local_files_only=True)
         torch.testing.assert_close(reloaded(ids).logits.float(), ours(ids), atol=1e-4, rtol=1e-4)
         assert not torch.allclose(reloaded(ids).logits.float(), want, atol=1e-3)
+
+
+@pytest.mark.parametrize("vintage,layers", [*((v, 3) for v in VINTAGES), ("current", 1), ("llama", 2)])
+def test_scored_positions_only_equal_the_full_forward(vintage, layers, assets, tmp_path):
+    """The RM path (`at`): the last block runs its queries and MLP at each row's scored position only,
+    and gives the same hidden state and the same gradients as the full forward read at that position
+    (one layer: today's backout is then taken from the last block itself)."""
+    if vintage == "llama":
+        bb = load_backbone(assets["hf"])
+    else:
+        bb = load_backbone(synthetic.make_tiny_gpt(tmp_path / vintage, 300, seed=3, vintage=vintage, n_layer=layers))
+    bb.set_trainable(1)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 300, (4, 40), generator=g)
+    at = torch.tensor([39, 5, 20, 0])  # right-padded rows of lengths 40, 6, 21, 1
+    w = torch.randn(bb.hidden_size, generator=g)  # a reward head (a sum of squares of normed states is constant)
+    full = bb.hidden_states(ids)[torch.arange(4), at]
+    (full @ w).sum().backward()
+    grads = {n: p.grad.clone() for n, p in bb.named_parameters() if p.requires_grad}
+    bb.zero_grad()
+    picked = bb.hidden_states(ids, at=at)
+    (picked @ w).sum().backward()
+    torch.testing.assert_close(picked, full, atol=1e-5, rtol=1e-5)
+    for n, p in bb.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -5,6 +5,11 @@ max_len 128, AdamW lr 1e-4, grad clip 1, fp32, 60 steps of which the first 5 are
     python bench/bench_rm.py --backbone ASSETS/tiny-llama --pairs ASSETS/pairs.jsonl --threads 2
     torchrun --standalone --nproc_per_node 2 bench/bench_rm.py --backbone ... --pairs ... --threads 1
     --unfreeze_last all  : full fine-tune (what TRL's RewardTrainer does);  0 (default): frozen backbone
+
+gflops: the nominal model FLOPs per second of the full fine-tune, 6 x (matmul weights in the blocks) per
+token (forward 2, backward 4), as MFU is usually counted (attention scores, a few % at these lengths,
+and the savings of running the last block at the scored position only are not counted). Compare it
+with bench/matmul_peak.py's plain-torch fp32 matmul peak in the same sitting.
 """
 import argparse
 import json
@@ -56,12 +61,18 @@ def main() -> None:
         secs = sum(pairs_per_window / r["perf/pairs_per_s"] for r in windows)
         tokens = sum(r["perf/tokens_per_s"] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
         pairs = pairs_per_window * len(windows)
+        from nanochat_ext.backbone import load_backbone
+
+        blocks = load_backbone(b.backbone).blocks
+        matmul_params = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
         print(json.dumps({
             "bench": "nanochat_ext_rm", "unfreeze_last": b.unfreeze_last, "world_size": env.world_size,
             "threads_per_proc": torch.get_num_threads(), "pairs_per_step_global": b.pairs_per_proc * world,
             "steps_timed": len(windows) * b.warmup, "timed_s": round(secs, 3),
             "pairs_per_s": round(pairs / secs, 2), "tokens_per_s": round(tokens / secs, 1),
             "mean_seq_len": round(tokens / (2 * pairs), 1), "ms_per_step": round(1000 * secs / (len(windows) * b.warmup), 2),
+            "gflops_full_ft_nominal": round(6 * matmul_params * tokens / secs / 1e9, 2)
+            if b.unfreeze_last == "all" else None,
             "peak_rss_mb_max_proc": round(rss_mb, 1), "torch": torch.__version__,
         }), flush=True)
 

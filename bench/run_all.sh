@@ -16,6 +16,7 @@ trl() { (cd "$ANCHOR" && "$ANCHOR_VENV/bin/$1" "${@:2}" 2>/dev/null); }
 ours() { "$@" 2>/dev/null; }
 TR="-m torch.distributed.run --standalone --nproc_per_node 2"
 for _ in $(seq "$ROUNDS"); do
+  python bench/matmul_peak.py --threads 1 2 | tail -1 | tag matmul_peak_2_threads
   trl python trl_rm.py --threads 2 | tag trl_rm_1x2
   ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 2 --unfreeze_last all | tag ours_rm_full_1x2
   ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 2 | tag ours_rm_frozen_1x2

@@ -32,6 +32,7 @@ class Backbone(nn.Module):
                  source_meta: dict | None = None, source_dtypes: dict[str, torch.dtype] | None = None):
         super().__init__()
         self.kind, self.source = kind, source
+        self._compiled_step = None  # torch.compile'd decode step, made on first use
         self.model = model
         self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
         # A nanochat checkpoint is saved back in its own layout: its model_config verbatim, each
@@ -134,6 +135,18 @@ class Backbone(nn.Module):
         out = self.model(input_ids=tokens[:, None], attention_mask=key_mask.long(), position_ids=positions,
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float()
+
+    def decode_static(self, cache, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                      compiled: bool) -> torch.Tensor:
+        """Our models' static-shape decode step (see GPT.decode_step), compiled once per (batch, cache
+        length) with torch.compile when asked: inductor on CPU, CUDA graphs on GPU."""
+        step = self.model.decode_step
+        if compiled:
+            if self._compiled_step is None:
+                mode = "reduce-overhead" if tokens.device.type == "cuda" else None
+                self._compiled_step = torch.compile(self.model.decode_step, dynamic=False, mode=mode)
+            step = self._compiled_step
+        return step(tokens, positions, key_valid, cache)
 
     def repeat_cache(self, cache, n: int) -> None:
         if self.native:

@@ -149,6 +149,15 @@ def mask_at(at: torch.Tensor, T: int, window: int) -> torch.Tensor:
     return ((d >= 0) & (d <= window))[:, None, None, :]
 
 
+def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list[int]) -> list[torch.Tensor]:
+    """Per-layer (B, 1, 1, L) masks for one new token at cache slot `slot` over a whole static cache:
+    the valid slots (real tokens so far, the new one included) within the layer's window. Left padding
+    is contiguous, so slot distance is position distance between a row's real tokens."""
+    near = slot - torch.arange(key_valid.size(1), device=key_valid.device)
+    by_window = {w: (key_valid & (near <= w))[:, None, None, :] for w in set(window_sizes)}
+    return [by_window[w] for w in window_sizes]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query."""
     gqa = q.size(1) != k.size(1)
@@ -256,9 +265,16 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.pos = 0  # tokens already cached
+        self.slot: torch.Tensor | None = None  # (1,) where decode_step writes (static decoding only)
         self.prev_embedding: torch.Tensor | None = None  # (B, 1, n_embd), smear vintages only
 
     def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Append k, v after the cached positions and return the keys and values so far; with `slot`
+        set (static decoding), write the one new position at that slot and return the whole cache."""
+        if self.slot is not None:
+            self.k[layer].index_copy_(2, self.slot, k)
+            self.v[layer].index_copy_(2, self.slot, v)
+            return self.k[layer], self.v[layer]
         end = self.pos + k.size(2)
         if end > self.k.size(3):
             raise ValueError(f"KV cache of {self.k.size(3)} positions is full")
@@ -392,6 +408,24 @@ class GPT(nn.Module):
         x = norm(self.transformer.wte(idx))
         if v.smear:
             x = self._smear(x, positions, kv_cache)
+        return self._trunk(idx, x, cos_sin, masks, kv_cache, at)
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                    kv_cache: KVCache) -> torch.Tensor:
+        """One token per row (B,) against a static cache (kv_cache.slot set): static shapes throughout,
+        so torch.compile captures it whole. positions (B,): each row's position for the token;
+        key_valid (B, L): the cache slots each row may see, the token's own slot included. Logits (B, V)."""
+        table = self.rotary[positions[:, None]].to(self._rotary_dtype(tokens.device))  # (B, 1, 2, head_dim / 2)
+        cos_sin = table[:, :, None, 0], table[:, :, None, 1]
+        masks = static_masks(key_valid, kv_cache.slot, self.window_sizes)
+        x = norm(self.transformer.wte(tokens[:, None]))
+        if self.config.v.smear:
+            x = self._smear(x, None, kv_cache)
+        return self.logits(self._trunk(tokens[:, None], x, cos_sin, masks, kv_cache, None)[:, -1])
+
+    def _trunk(self, idx, x, cos_sin, masks, kv_cache, at):
+        """The blocks (with the vintage's lambdas, value embeddings and backout) and the final norm."""
+        v, T = self.config.v, idx.size(1)
         x0, x_backout = x, None
         last = self.config.n_layer - 1
         for i, block in enumerate(self.transformer.h):

@@ -15,7 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import KVCache, attend, attn_masks, mask_at, row_positions, rotary_slice, rows_at
+from nanochat_ext.gpt import (KVCache, attend, attn_masks, mask_at, row_positions, rotary_slice, rows_at,
+                              static_masks)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -147,6 +148,16 @@ class Llama(nn.Module):
             else:
                 x = block(x, cos_sin, mask, kv_cache)
         return F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
+
+    def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                    kv_cache: KVCache) -> torch.Tensor:
+        """One token per row against a static cache; same contract as GPT.decode_step."""
+        cos_sin = self.cos[positions[:, None]][:, None], self.sin[positions[:, None]][:, None]  # (B, 1, 1, hd)
+        masks = static_masks(key_valid, kv_cache.slot, self.window_sizes)
+        x = self.embed(tokens[:, None])
+        for block, mask in zip(self.layers, masks):
+            x = block(x, cos_sin, mask, kv_cache)
+        return self.logits(F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight

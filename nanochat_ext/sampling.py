@@ -22,6 +22,7 @@ class SamplingConfig:
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
     min_new_tokens: int = 0  # the stop token is not allowed before this many tokens
+    compile: bool = False  # our models: decode with a torch.compile'd static-shape step (same tokens)
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -71,10 +72,17 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
     use_mask = not bool(key_mask.all()) or not model.native
     uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
 
-    logits, cache = model.prefill(ids, key_mask if use_mask else None, P + cfg.max_new_tokens)
+    static = cfg.compile and model.native
+    # A static cache is bucketed to a multiple of 64 slots, so new prompt lengths seldom recompile.
+    cache_len = -(-(P + cfg.max_new_tokens) // 64) * 64 if static else P + cfg.max_new_tokens
+    logits, cache = model.prefill(ids, key_mask if use_mask else None, cache_len)
     model.repeat_cache(cache, G)
     logits = logits.repeat_interleave(G, dim=0)
     key_mask = key_mask.repeat_interleave(G, dim=0)
+    if static:
+        key_valid = torch.zeros((n * G, cache_len), dtype=torch.bool, device=device)
+        key_valid[:, :P] = key_mask
+        positions = key_mask.sum(-1)  # each row's next position: its real tokens so far
     out = torch.full((n * G, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(n * G, dtype=torch.bool, device=device)
     lengths = torch.full((n * G,), cfg.max_new_tokens, dtype=torch.long, device=device)
@@ -88,6 +96,12 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
         done |= stopped
         if t == cfg.max_new_tokens - 1 or bool(done.all()):
             break
+        if static:
+            key_valid[:, P + t] = True
+            cache.slot = torch.tensor([P + t], device=device)
+            logits = model.decode_static(cache, token, positions, key_valid, compiled=True)
+            positions = positions + 1
+            continue
         if use_mask:
             key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
         logits = model.decode(cache, token, key_mask if use_mask else None)

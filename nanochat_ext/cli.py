@@ -116,6 +116,18 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         restore_signal_handlers()
 
 
+def run_plain(body: Callable[[], object], label: str) -> int:
+    """run_script for a script without a process group (one process, no training loop): prints
+    `<label>: <result>` on success, or one `error: ...` line and returns EXIT_BAD_INPUT on bad input."""
+    try:
+        result = body()
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    print(f"{label}: {result}", flush=True)
+    return 0
+
+
 def _finite(v: float) -> bool:
     return math.isfinite(v)
 

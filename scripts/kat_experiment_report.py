@@ -18,7 +18,7 @@ import math
 import sys
 from pathlib import Path
 
-from nanochat_ext.cli import EXIT_BAD_INPUT, add_dashed_aliases, script_argv
+from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
 from nanochat_ext.errors import InputError
 from nanochat_ext.stats import paired_difference
 
@@ -182,19 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
-    root = Path(args.root)
-    try:
-        reports = load_reports(root, args.seeds)
-        arms = sorted({name.split(" ", 1)[1] for r in reports.values() for name in r["policies"]
-                       if name.startswith("GRPO ")} - {"uniform"})
-        if not arms:
-            raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
-        md = write(root, args.seeds, analyse(reports, arms), reports)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    print(f"experiment: {md}", flush=True)
-    return 0
+    return run_plain(lambda: report(Path(args.root), args.seeds), "experiment")
+
+
+def report(root: Path, seeds: list[int]) -> Path:
+    reports = load_reports(root, seeds)
+    arms = sorted({name.split(" ", 1)[1] for r in reports.values() for name in r["policies"]
+                   if name.startswith("GRPO ")} - {"uniform"})
+    if not arms:
+        raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
+    return write(root, seeds, analyse(reports, arms), reports)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanochat_ext.cli import EXIT_BAD_INPUT, add_dashed_aliases, script_argv
-from nanochat_ext.errors import InputError
+from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
 from nanochat_ext.reward import export_reward_model
 
 
@@ -21,13 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rm_backbone", default=None, help="the RM's backbone, where the RM cannot find it itself")
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
-    try:
-        path = export_reward_model(args.rm, args.out, args.rm_backbone)
-    except InputError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
-    print(f"exported: {path}", flush=True)
-    return 0
+    return run_plain(lambda: export_reward_model(args.rm, args.out, args.rm_backbone), "exported")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,15 @@ def test_live_bytes_counts_storages_once_and_frees_them():
         assert mem.live == 2**20 + 2**19 and mem.peak == 2 * 2**20 + 2**19
         del y, view
         assert mem.live == 2**20
+
+
+def test_profile_summary_names_the_top_ops_of_both_trainers(assets):
+    cmd = [sys.executable, "bench/profile_steps.py", "--backbone", str(assets["hf"]), "--pairs", str(assets["pairs"]),
+           "--prompts", str(assets["pairs"]), "--threads", "1", "--steps", "2", "--top", "3"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
+                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["trainer"] for r in rows] == ["rm_full_finetune", "grpo"]
+    for r in rows:
+        assert len(r["top"]) == 3 and r["total_ms"] > 0 and r["top"][0]["self_ms"] >= r["top"][1]["self_ms"]

@@ -136,17 +136,14 @@ class Backbone(nn.Module):
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float()
 
-    def decode_static(self, cache, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
-                      compiled: bool) -> torch.Tensor:
-        """Our models' static-shape decode step (see GPT.decode_step), compiled once per (batch, cache
-        length) with torch.compile when asked: inductor on CPU, CUDA graphs on GPU."""
-        step = self.model.decode_step
-        if compiled:
-            if self._compiled_step is None:
-                mode = "reduce-overhead" if tokens.device.type == "cuda" else None
-                self._compiled_step = torch.compile(self.model.decode_step, dynamic=False, mode=mode)
-            step = self._compiled_step
-        return step(tokens, positions, key_valid, cache)
+    def decode_compiled(self, cache, tokens: torch.Tensor, positions: torch.Tensor,
+                        key_valid: torch.Tensor) -> torch.Tensor:
+        """Our models' static-shape decode step (see GPT.decode_step) under torch.compile, compiled once
+        per (batch, cache length): inductor on CPU, CUDA graphs on GPU."""
+        if self._compiled_step is None:
+            mode = "reduce-overhead" if tokens.device.type == "cuda" else None
+            self._compiled_step = torch.compile(self.model.decode_step, dynamic=False, mode=mode)
+        return self._compiled_step(tokens, positions, key_valid, cache)
 
     def repeat_cache(self, cache, n: int) -> None:
         if self.native:

@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -85,6 +86,16 @@ def read_json(path: str | os.PathLike, what: str = "meta") -> Any:
         raise InputError(f"{what} is not valid JSON ({e})", path=str(path)) from None
     except OSError as e:
         raise InputError(f"cannot read the {what} ({e.strerror or e})", path=str(path)) from None
+
+
+def check_zip(path: Path) -> None:
+    """One line naming a torch checkpoint whose zip directory is unreadable (a truncated file), found
+    by reading the directory at the file's end only, not the tensors."""
+    try:
+        zipfile.ZipFile(path).close()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise InputError(f"cannot read the checkpoint ({e}); the file is truncated or not a torch checkpoint",
+                         path=str(path)) from None
 
 
 def torch_load(path: str | os.PathLike, what: str, weights_only: bool = True, map_location: Any = "cpu") -> Any:
@@ -275,8 +286,8 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
         state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
         if not state_path.is_file():
             raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
-        if model_path.is_file():  # read once here so a corrupt one falls back to the previous checkpoint
-            torch_load(model_path, "checkpoint")
+        if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
+            check_zip(model_path)
         return model_path, meta_path, torch_load(state_path, "resume state", weights_only=False)
 
     return first_loadable(target, load)

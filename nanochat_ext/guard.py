@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from nanochat_ext.ddp_common import all_reduce_sum, print0
+from nanochat_ext.ddp_common import all_reduce_sum, detect_launcher, print0
 
 EXIT_NONFINITE = 3
 EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (with --resume latest)
@@ -47,8 +47,9 @@ def _on_signal(signum: int, frame) -> None:
     now = time.monotonic()
     if _signal_at is None:
         _signal_at = now
-        print(f"signal: {signal.Signals(signum).name}; finishing this step, then checkpointing (send it again "
-              f"to stop at once)", file=sys.stderr, flush=True)
+        if detect_launcher()[1] == 0:  # every rank gets the signal; one line says so
+            print(f"signal: {signal.Signals(signum).name}; finishing this step, then checkpointing (send it again "
+                  f"to stop at once)", file=sys.stderr, flush=True)
     elif now - _signal_at >= 1.0:
         print(f"error: second {signal.Signals(signum).name}: stopped at once, without a checkpoint",
               file=sys.stderr, flush=True)

@@ -99,7 +99,7 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
         if static:
             key_valid[:, P + t] = True
             cache.slot = torch.tensor([P + t], device=device)
-            logits = model.decode_static(cache, token, positions, key_valid, compiled=True)
+            logits = model.decode_compiled(cache, token, positions, key_valid)
             positions = positions + 1
             continue
         if use_mask:

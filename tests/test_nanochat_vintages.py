@@ -81,6 +81,53 @@ def test_ragged_batches_match_nanochat(name):
         torch.testing.assert_close(out[1, 300 - 60:], want60[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("name", FIXTURES)
+def test_scored_position_path_matches_nanochat(name):
+    """The RM's path (the last block at each row's scored position only), on right-padded rows of 300, 60
+    and 35 tokens in one batch: the logits there are nanochat's own."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    long_row, rows60 = golden["inputs"][3][0], golden["inputs"][2]
+    want_long, want60 = golden["logits"][3][0], golden["logits"][2]  # long row: positions 236..299
+    n = 35
+    ids = torch.zeros(3, 300, dtype=torch.long)
+    ids[0], ids[1, :60], ids[2, :n] = long_row, rows60[0], rows60[1, :n]
+    with torch.no_grad():
+        got = bb.model.logits(bb.model.hidden_states(ids, at=torch.tensor([299, 59, n - 1])))
+    want = torch.stack([want_long[-1], want60[0, 59], want60[1, n - 1]])
+    torch.testing.assert_close(got[:, :golden["vocab_size"]], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_static_decode_step_matches_nanochat(name):
+    """--compile's decode step (static cache written at a slot, masks from key_valid), eager here and
+    compiled for today's layout: left-padded prompts of 290 and 50 tokens, then six of their own next
+    tokens one at a time; every step's logits are nanochat's at those positions."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    long_row, row60 = golden["inputs"][3][0], golden["inputs"][2][0]
+    want_long, want60 = golden["logits"][3][0], golden["logits"][2][0]
+    rows, lengths, P, L, steps = [long_row, row60], [290, 50], 290, 320, 6
+    ids, key_mask = torch.zeros(2, P, dtype=torch.long), torch.zeros(2, P, dtype=torch.bool)
+    for i, (row, k) in enumerate(zip(rows, lengths)):
+        ids[i, P - k:], key_mask[i, P - k:] = row[:k], True
+    for compiled in (False, True) if name == "current" else (False,):
+        with torch.no_grad():
+            _, cache = bb.prefill(ids, key_mask, L)
+            key_valid = torch.zeros(2, L, dtype=torch.bool)
+            key_valid[:, :P] = key_mask
+            positions = key_mask.sum(-1)
+            for t in range(steps):
+                key_valid[:, P + t] = True
+                cache.slot = torch.tensor([P + t])
+                tokens = torch.stack([row[k + t] for row, k in zip(rows, lengths)])
+                step = bb.decode_compiled if compiled else (lambda c, *a: bb.model.decode_step(*a, c))
+                got = step(cache, tokens, positions, key_valid)[:, :golden["vocab_size"]]
+                positions = positions + 1
+                want = torch.stack([want_long[290 + t - 236], want60[50 + t]])
+                torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{name} step {t} compiled {compiled}")
+
+
 def test_a_wrong_vintage_is_really_wrong():
     """The tolerance separates vintages: feb2026's weights run as mar2026a are off by far more than 1e-4."""
     golden = torch.load(GOLDEN / "feb2026" / "golden.pt", weights_only=True)

@@ -246,7 +246,7 @@ def test_a_full_disk_at_save_removes_the_partial_files_and_keeps_the_previous_ch
 def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "out", *extra)) == 2
     err = capsys.readouterr().err.strip()
-    assert err.splitlines() == [f"error: {expected}"] or expected in err, err
+    assert len(err.splitlines()) == 1 and err.startswith("error: --") and expected in err, err
     assert not (tmp_path / "out").exists()
 
 

@@ -118,8 +118,9 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     optimizer = make_adamw(trainable, 1e-5, 0.0, device)
     g = torch.Generator().manual_seed(0)
     n = b.rm_pairs
+    # Separate full-length rows (no shared prompt): the FLOPs are those of 2n rows of T tokens.
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (2 * n, T), generator=g),
-             "lengths": torch.full((2 * n,), T), "weights": torch.ones(n)}
+             "lengths": torch.full((2 * n,), T), "weights": torch.ones(n), "tokens": 2 * n * T, "computed": 2 * n * T}
     times, peaks = [], []
     for step in range(b.warmup + b.steps):
         with Clock(device) as c:

@@ -6,10 +6,12 @@ max_len 128, AdamW lr 1e-4, grad clip 1, fp32, 60 steps of which the first 5 are
     torchrun --standalone --nproc_per_node 2 bench/bench_rm.py --backbone ... --pairs ... --threads 1
     --unfreeze_last all  : full fine-tune (what TRL's RewardTrainer does);  0 (default): frozen backbone
 
+tokens_per_s counts each pair's tokens as two sequences (what TRL's batches hold); computed_tokens_per_s
+counts the tokens the model ran, each pair's shared prompt once (see data.collate_pairs).
 gflops: the nominal model FLOPs per second of the full fine-tune, 6 x (matmul weights in the blocks) per
-token (forward 2, backward 4), as MFU is usually counted (attention scores, a few % at these lengths,
-and the savings of running the last block at the scored position only are not counted). Compare it
-with bench/matmul_peak.py's plain-torch fp32 matmul peak in the same sitting.
+computed token (forward 2, backward 4), as MFU is usually counted (attention scores, a few % at these
+lengths, and the savings of running the last block at the scored position only are not counted).
+Compare it with bench/matmul_peak.py's plain-torch fp32 matmul peak in the same sitting.
 """
 import argparse
 import json
@@ -59,7 +61,8 @@ def main() -> None:
         windows = [r for r in logs if "perf/pairs_per_s" in r and r["step"] > b.warmup]
         pairs_per_window = b.warmup * b.pairs_per_proc * world
         secs = sum(pairs_per_window / r["perf/pairs_per_s"] for r in windows)
-        tokens = sum(r["perf/tokens_per_s"] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
+        tokens, computed = (sum(r[key] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
+                            for key in ("perf/tokens_per_s", "perf/computed_tokens_per_s"))
         pairs = pairs_per_window * len(windows)
         from nanochat_ext.backbone import load_backbone
 
@@ -70,8 +73,9 @@ def main() -> None:
             "threads_per_proc": torch.get_num_threads(), "pairs_per_step_global": b.pairs_per_proc * world,
             "steps_timed": len(windows) * b.warmup, "timed_s": round(secs, 3),
             "pairs_per_s": round(pairs / secs, 2), "tokens_per_s": round(tokens / secs, 1),
+            "computed_tokens_per_s": round(computed / secs, 1),
             "mean_seq_len": round(tokens / (2 * pairs), 1), "ms_per_step": round(1000 * secs / (len(windows) * b.warmup), 2),
-            "gflops_full_ft_nominal": round(6 * matmul_params * tokens / secs / 1e9, 2)
+            "gflops_full_ft_nominal": round(6 * matmul_params * computed / secs / 1e9, 2)
             if b.unfreeze_last == "all" else None,
             "peak_rss_mb_max_proc": round(rss_mb, 1), "torch": torch.__version__,
         }), flush=True)

@@ -16,7 +16,7 @@ import torch.nn as nn
 from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete_reason, read_json, resolve_model_path,
                                      save_checkpoint, torch_load)
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, gpt_from_checkpoint
+from nanochat_ext.gpt import GPT, PrefixTree, gpt_from_checkpoint
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -105,6 +105,16 @@ class Backbone(nn.Module):
         hidden = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         return hidden if at is None else hidden[torch.arange(hidden.size(0), device=hidden.device), at]
 
+    def branch_states(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """Final hidden states at the last token of each branch of prefix-tree rows (see PrefixTree;
+        lengths (B, 1 + K): prefix, then branch lengths): (B, K, hidden). Our models run each row once,
+        the prefix shared; a transformers model runs each prefix + branch as a row of its own."""
+        if self.native:
+            tree = PrefixTree.from_lengths(lengths, input_ids.device)
+            return self.model.hidden_states(input_ids, at=tree.ends, tree=tree)
+        rows, last = unshare_branches(input_ids, lengths)
+        return self.hidden_states(rows, at=last).view(lengths.size(0), lengths.size(1) - 1, -1)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.native:
             return self.model.logits(hidden)
@@ -190,6 +200,20 @@ class Backbone(nn.Module):
             tokenizer.save(d)
 
         return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)
+
+
+def unshare_branches(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefix-tree rows (B, T) as plain right-padded rows, prefix + branch k as row b * K + k:
+    (B * K, T') ids and each row's last index (B * K,)."""
+    lengths = lengths.cpu()
+    B, K = lengths.size(0), lengths.size(1) - 1
+    prefix, branch = lengths[:, :1, None], lengths[:, 1:, None]  # (B, 1, 1), (B, K, 1)
+    starts = lengths.cumsum(-1)[:, :-1, None]  # where each branch begins in its tree row
+    total = prefix + branch
+    t = torch.arange(int(total.max()))
+    index = torch.where(t < prefix, t, starts + t - prefix).masked_fill(t >= total, 0)  # (B, K, T')
+    rows = input_ids.gather(1, index.view(B, -1).to(input_ids.device)).view(B * K, -1)
+    return rows, (total.view(-1) - 1).to(input_ids.device)
 
 
 def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -415,12 +415,29 @@ class GlobalBatchLoader:
         return [mine[i:i + d] for i in range(0, len(mine), d)]
 
 
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of a and b, leaving each at least one token of its own."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return min(n, len(a) - 1, len(b) - 1)
+
+
 def collate_pairs(pairs: list[TokenizedPair], pad_id: int) -> dict[str, torch.Tensor]:
-    """Chosen rows then rejected rows in one right-padded (B*2, T) batch, T = longest in the batch."""
-    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
-    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
-    ids = torch.full((len(seqs), int(lengths.max())), pad_id, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+    """Each pair as one right-padded row (B, T): the tokens chosen and rejected share (the prompt, at
+    least) once, then the rest of chosen, then the rest of rejected; lengths (B, 3) gives the three
+    lengths (a PrefixTree's). tokens: the pairs' tokens counted as separate sequences (the work TRL-style
+    batching does); computed: the tokens in the rows, each computed once."""
+    rows, lengths = [], []
+    for p in pairs:
+        n = shared_prefix(p.chosen, p.rejected)
+        rows.append(p.chosen + p.rejected[n:])
+        lengths.append([n, len(p.chosen) - n, len(p.rejected) - n])
+    ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
     weights = torch.tensor([p.weight for p in pairs], dtype=torch.float32)
-    return {"input_ids": ids, "lengths": lengths, "weights": weights}
+    return {"input_ids": ids, "lengths": torch.tensor(lengths, dtype=torch.long), "weights": weights,
+            "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs), "computed": sum(map(len, rows))}

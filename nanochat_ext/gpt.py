@@ -137,16 +137,62 @@ def rotary_slice(table: torch.Tensor, positions: torch.Tensor | None, T0: int, T
 
 
 def rows_at(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
-    """Row b's entry at position at[b] of a (B or 1, T, ...) tensor, as (B, 1, ...)."""
+    """Row b's entries at positions at[b] (B, K) of a (B or 1, T, ...) tensor, as (B, K, ...)."""
     t = t.expand(at.size(0), *t.shape[1:])
-    return t[torch.arange(at.size(0), device=t.device), at][:, None]
+    return t[torch.arange(at.size(0), device=t.device)[:, None], at]
 
 
 def mask_at(at: torch.Tensor, T: int, window: int) -> torch.Tensor:
-    """(B, 1, 1, T) mask for one query per row at position at[b] of right-padded rows: keys at[b] - window
-    .. at[b] (the causal rule, so the pads after it are hidden)."""
-    d = at[:, None] - torch.arange(T, device=at.device)[None, :]
-    return ((d >= 0) & (d <= window))[:, None, None, :]
+    """(B, 1, K, T) mask for K queries per row at positions at[b] (B, K) of right-padded rows: keys
+    at[b, k] - window .. at[b, k] (the causal rule, so the pads after a row's last token are hidden)."""
+    d = at[:, :, None] - torch.arange(T, device=at.device)
+    return ((d >= 0) & (d <= window))[:, None]
+
+
+@dataclass
+class PrefixTree:
+    """Right-padded rows that each hold a shared prefix once and K branches after it: a preference
+    pair's prompt, then its chosen and its rejected response. A branch token sees the prefix and its
+    own branch, at the positions it would have in a row of its own, and never another branch; so each
+    branch computes exactly what prefix + branch computes alone, and the prefix is computed once."""
+    positions: torch.Tensor  # (B, T) each token's position on its own path; 0 on padding
+    segment: torch.Tensor  # (B, T) 0: prefix, k: branch k (1..K), K + 1: padding
+    prev: torch.Tensor  # (B, T) index of each token's predecessor on its path (a branch's first: the prefix's last)
+    ends: torch.Tensor  # (B, K) index of each branch's last token
+    span: int  # longest path (prefix + one branch) of any row: the positions a model must cover
+
+    @classmethod
+    def from_lengths(cls, lengths: torch.Tensor, device: torch.device | str = "cpu") -> "PrefixTree":
+        """lengths (B, 1 + K): each row's prefix length, then its K branch lengths (each >= 1). The tree is
+        built on the CPU (a handful of small ops) and moved to `device`."""
+        lengths = lengths.cpu()
+        if lengths.size(1) < 2 or bool((lengths[:, 1:] < 1).any()) or bool((lengths[:, 0] < 0).any()):
+            raise ValueError(f"prefix-tree lengths need a prefix >= 0 and branches >= 1, got {lengths.tolist()}")
+        bounds = lengths.cumsum(-1)  # (B, 1 + K): where the prefix and each branch end
+        T, K = int(bounds[:, -1].max()), lengths.size(1) - 1
+        idx = torch.arange(T)
+        segment = (idx[None, :, None] >= bounds[:, None, :]).sum(-1)
+        starts = torch.cat([torch.zeros_like(bounds[:, :1]), bounds], -1).gather(1, segment)
+        prefix = lengths[:, :1]
+        positions = torch.where(segment == 0, idx, prefix + idx - starts).masked_fill(segment > K, 0)
+        prev = torch.where((segment > 0) & (idx == starts), prefix - 1, idx - 1).clamp(min=0)
+        span = int((lengths[:, 0] + lengths[:, 1:].max(-1).values).max())
+        return cls(*(t.to(device) for t in (positions, segment, prev, bounds[:, 1:] - 1)), span)
+
+    def masks(self, window_sizes: list[int]) -> list[torch.Tensor]:
+        """Per-layer (B, 1, T, T) masks: causal along each token's own path, within the layer's window
+        (position distance, as in `attn_masks`). A pad query sees itself alone, so no row is fully masked."""
+        T, K = self.segment.size(1), self.ends.size(1)
+        i, j = self.segment[:, :, None], self.segment[:, None, :]
+        causal = torch.ones(T, T, dtype=torch.bool, device=i.device).tril()
+        on_path = causal & ((j == 0) | (j == i)) & (i <= K)
+        itself = torch.eye(T, dtype=torch.bool, device=i.device)
+        by_window = {}
+        d = self.positions[:, :, None] - self.positions[:, None, :]
+        for w in set(window_sizes):
+            m = on_path if w >= self.span else on_path & (d <= w)
+            by_window[w] = (m | itself)[:, None]
+        return [by_window[w] for w in window_sizes]
 
 
 def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list[int]) -> list[torch.Tensor]:
@@ -180,7 +226,7 @@ class CausalSelfAttention(nn.Module):
         self.ve_gate = nn.Linear(self.v.ve_gate_channels, self.n_kv_head, bias=False) if use_gate else None
 
     def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, layer_idx=0, at=None):
-        """at (B,): queries only at those positions (keys and values at all): (B, 1, C) out."""
+        """at (B, K): queries only at those positions (keys and values at all): (B, K, C) out."""
         B, T, _ = x.shape
         xq = x if at is None else rows_at(x, at)
         q = self.c_q(xq).view(B, xq.size(1), self.n_head, self.head_dim)
@@ -238,6 +284,16 @@ def attn_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor 
     return masks
 
 
+def layer_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor | None,
+                tree: PrefixTree | None, at: torch.Tensor | None, device: torch.device) -> list[torch.Tensor | None]:
+    """Every layer's attention mask (see attn_masks, PrefixTree.masks); with `at` (B, K) the last
+    layer's is for the queries at those positions only, (B, 1, K, T)."""
+    masks = tree.masks(window_sizes) if tree is not None else attn_masks(window_sizes, T, T0, key_mask, device)
+    if at is not None:
+        masks[-1] = rows_at(masks[-1][:, 0], at)[:, None] if tree is not None else mask_at(at, T, window_sizes[-1])
+    return masks
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
@@ -246,7 +302,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, at=None):
-        """at (B,): the block's output only at those positions, (B, 1, C)."""
+        """at (B, K): the block's output only at those positions, (B, K, C)."""
         h = self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
         return x + self.mlp(norm(x))
@@ -375,40 +431,50 @@ class GPT(nn.Module):
         if self.config.v.backout:
             self.backout_lambda.fill_(0.2)
 
-    def _smear(self, x: torch.Tensor, positions: torch.Tensor | None, kv_cache: KVCache | None) -> torch.Tensor:
-        """Mix the previous token's normed embedding into each token that has one (position >= 1)."""
-        prev = kv_cache.prev_embedding if kv_cache is not None else None
+    def _smear(self, x: torch.Tensor, positions: torch.Tensor | None, kv_cache: KVCache | None,
+               prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Mix the previous token's normed embedding into each token that has one (position >= 1).
+        prev (B, T): each token's predecessor index when it is not the token before (a PrefixTree)."""
+        cached = kv_cache.prev_embedding if kv_cache is not None else None
         if kv_cache is not None:
             kv_cache.prev_embedding = x[:, -1:]
         if x.size(1) > 1:
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
             if positions is not None:  # a left-padded row's first real token has no predecessor
                 gate = gate * (positions[:, 1:, None] > 0)
-            return torch.cat([x[:, :1], x[:, 1:] + gate * x[:, :-1]], dim=1)
-        if prev is not None:  # one decoded token: its predecessor's embedding is in the cache
-            return x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * prev
+            before = x[:, :-1] if prev is None else x.gather(1, prev[:, 1:, None].expand(-1, -1, x.size(-1)))
+            return torch.cat([x[:, :1], x[:, 1:] + gate * before], dim=1)
+        if cached is not None:  # one decoded token: its predecessor's embedding is in the cache
+            return x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * cached
         return x
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
+                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None,
+                      tree: PrefixTree | None = None) -> torch.Tensor:
         """Final-normed hidden states (B, T, n_embd) of `idx`, which continues the cache if one is given.
         key_mask (B, cached + T) marks real tokens (False: left padding); each row then counts its
         positions from its own first real token. Right padding needs no mask.
-        at (B,), right-padded rows without cache: only row b's state at position at[b], (B, n_embd); the
-        last block then runs its queries and MLP there alone (a reward model reads nothing else)."""
+        tree: rows that are a shared prefix and branches (see PrefixTree), without cache.
+        at (B,) or (B, K), without cache: only row b's states at positions at[b], (B, n_embd) or
+        (B, K, n_embd); the last block then runs its queries and MLP there alone (a reward model reads
+        nothing else)."""
         B, T = idx.shape
         v = self.config.v
         T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.rotary.size(0):
-            raise ValueError(f"sequence of {T0 + T} tokens is longer than the rotary table ({self.rotary.size(0)})")
-        positions = row_positions(key_mask, T0, T)
+        span = tree.span if tree is not None else T0 + T
+        if span > self.rotary.size(0):
+            raise ValueError(f"sequence of {span} tokens is longer than the rotary table ({self.rotary.size(0)})")
+        single = at is not None and at.dim() == 1
+        at = at[:, None] if single else at
+        positions = tree.positions if tree is not None else row_positions(key_mask, T0, T)
         table = rotary_slice(self.rotary, positions, T0, T).to(self._rotary_dtype(idx.device))  # no-op on CPU
         cos_sin = table[:, :, None, 0], table[:, :, None, 1]  # (1 or B, T, 1, head_dim / 2)
-        masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
+        masks = layer_masks(self.window_sizes, T, T0, key_mask, tree, at, idx.device)
         x = norm(self.transformer.wte(idx))
         if v.smear:
-            x = self._smear(x, positions, kv_cache)
-        return self._trunk(idx, x, cos_sin, masks, kv_cache, at)
+            x = self._smear(x, positions, kv_cache, tree.prev if tree is not None else None)
+        x = self._trunk(idx, x, cos_sin, masks, kv_cache, at)
+        return x[:, 0] if single else x
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
                     kv_cache: KVCache) -> torch.Tensor:
@@ -425,7 +491,7 @@ class GPT(nn.Module):
 
     def _trunk(self, idx, x, cos_sin, masks, kv_cache, at):
         """The blocks (with the vintage's lambdas, value embeddings and backout) and the final norm."""
-        v, T = self.config.v, idx.size(1)
+        v = self.config.v
         x0, x_backout = x, None
         last = self.config.n_layer - 1
         for i, block in enumerate(self.transformer.h):
@@ -434,16 +500,13 @@ class GPT(nn.Module):
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if v.value_embeds and str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)
-            if at is not None and i == last:
-                x = block(x, ve, cos_sin, mask_at(at, T, self.window_sizes[i]), at=at)
-            else:
-                x = block(x, ve, cos_sin, masks[i], kv_cache)
+            x = block(x, ve, cos_sin, masks[i], kv_cache, at if i == last else None)
             if v.backout and i == self.config.n_layer // 2:
                 x_backout = x
         if x_backout is not None:  # taken before the last block unless there is only one
             picked = at is not None and self.config.n_layer // 2 != last
             x = x - self.backout_lambda * (rows_at(x_backout, at) if picked else x_backout)
-        return norm(x) if at is None else norm(x)[:, 0]
+        return norm(x)
 
     @property
     def blocks(self) -> nn.ModuleList:

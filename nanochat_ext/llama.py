@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import (KVCache, attend, attn_masks, mask_at, row_positions, rotary_slice, rows_at,
+from nanochat_ext.gpt import (KVCache, PrefixTree, attend, layer_masks, row_positions, rotary_slice, rows_at,
                               static_masks)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
@@ -67,7 +67,7 @@ class Attention(nn.Module):
         self.o = nn.Linear(c.n_head * c.head_dim, c.hidden_size, bias=o_bias)
 
     def forward(self, x, cos_sin, mask, kv_cache, layer_idx, at=None):
-        """at (B,): queries only at those positions (keys and values at all): (B, 1, hidden) out."""
+        """at (B, K): queries only at those positions (keys and values at all): (B, K, hidden) out."""
         B, T, _ = x.shape
         qk, v = self.qkv(x).split([(self.n_head + self.n_kv_head) * self.head_dim, self.n_kv_head * self.head_dim],
                                   dim=-1)
@@ -77,7 +77,7 @@ class Attention(nn.Module):
         qk = qk * cos + rotate_half(qk) * sin
         q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
         if at is not None:
-            q = rows_at(q.transpose(1, 2), at).transpose(1, 2)  # (B, n_head, 1, head_dim)
+            q = rows_at(q.transpose(1, 2), at).transpose(1, 2)  # (B, n_head, K, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
@@ -95,7 +95,7 @@ class Block(nn.Module):
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=mlp_bias)
 
     def forward(self, x, cos_sin, mask, kv_cache=None, at=None):
-        """at (B,): the block's output only at those positions, (B, 1, hidden)."""
+        """at (B, K): the block's output only at those positions, (B, K, hidden)."""
         n = x.size(-1)
         h = self.attn(F.rms_norm(x, (n,), self.attn_norm, self.eps), cos_sin, mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
@@ -132,22 +132,26 @@ class Llama(nn.Module):
         return KVCache(c.n_layer, batch, c.n_kv_head, c.head_dim, max_len, p.device, p.dtype)
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
-                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None) -> torch.Tensor:
-        """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states, `at` included."""
+                      kv_cache: KVCache | None = None, at: torch.Tensor | None = None,
+                      tree: PrefixTree | None = None) -> torch.Tensor:
+        """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states, `at` and
+        `tree` included."""
         B, T = idx.shape
         T0 = kv_cache.pos if kv_cache is not None else 0
-        if T0 + T > self.cos.size(0):
-            raise ValueError(f"sequence of {T0 + T} tokens is longer than the context ({self.cos.size(0)})")
-        positions = row_positions(key_mask, T0, T)  # a left-padded row starts at position 0
+        span = tree.span if tree is not None else T0 + T
+        if span > self.cos.size(0):
+            raise ValueError(f"sequence of {span} tokens is longer than the context ({self.cos.size(0)})")
+        single = at is not None and at.dim() == 1
+        at = at[:, None] if single else at
+        positions = tree.positions if tree is not None else row_positions(key_mask, T0, T)  # left padding: from 0
         cos_sin = tuple(rotary_slice(t, positions, T0, T)[:, None] for t in (self.cos, self.sin))
-        masks = attn_masks(self.window_sizes, T, T0, key_mask, idx.device)
+        masks = layer_masks(self.window_sizes, T, T0, key_mask, tree, at, idx.device)
         x = self.embed(idx)
+        last = len(self.layers) - 1
         for i, (block, mask) in enumerate(zip(self.layers, masks)):
-            if at is not None and i == len(self.layers) - 1:
-                x = block(x, cos_sin, mask_at(at, T, self.window_sizes[i]), at=at)[:, 0]
-            else:
-                x = block(x, cos_sin, mask, kv_cache)
-        return F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
+            x = block(x, cos_sin, mask, kv_cache, at if i == last else None)
+        x = F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
+        return x[:, 0] if single else x
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
                     kv_cache: KVCache) -> torch.Tensor:

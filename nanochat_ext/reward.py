@@ -42,11 +42,16 @@ class RewardModel(nn.Module):
         return not any(p.requires_grad for p in self.backbone.parameters())
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        """One reward per right-padded row, read at the row's last real token (index lengths-1).
+        """Rewards of right-padded rows, each read at a last real token. lengths (N,): one sequence per
+        row, (N,) rewards. Or lengths (B, 3): pair rows, a shared prompt then the chosen and the rejected
+        response (see collate_pairs): (2B,) rewards, the B chosen then the B rejected.
         No attention mask: attention is causal, so pads after that token cannot reach it."""
         frozen = contextlib.nullcontext() if not self.backbone_frozen else torch.no_grad()
         with frozen:  # the last block runs at the scored positions only
-            last = self.backbone.hidden_states(input_ids, at=lengths - 1)
+            if lengths.dim() == 2:
+                last = self.backbone.branch_states(input_ids, lengths).transpose(0, 1).flatten(0, 1)
+            else:
+                last = self.backbone.hidden_states(input_ids, at=lengths - 1)
         return self.head(last.float()).squeeze(-1)
 
 
@@ -227,11 +232,11 @@ def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, w
     The loss denominator is summed over the whole global batch before any backward, and the loss is
     multiplied by the world size because DDP averages gradients over ranks: the accumulated gradient
     is that of the global-batch loss however the batch is split. Returns this rank's
-    [loss, correct, margin sum, pairs, tokens].
+    [loss, correct, margin sum, pairs, tokens, computed tokens] (see collate_pairs).
     """
     normaliser = all_reduce_sum(sum(loss_normaliser(b["weights"], weight_mode, weight_cap) for b in batches)).item()
     world = get_world_size()
-    stats = torch.zeros(5, dtype=torch.float64)
+    stats = torch.zeros(6, dtype=torch.float64)
     for i, b in enumerate(batches):
         n = b["weights"].numel()
         with no_sync(model, skip_sync=i < len(batches) - 1), autocast:
@@ -240,5 +245,5 @@ def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, w
             (loss * world).backward()
         margin = (rewards[:n] - rewards[n:]).detach().double().cpu()
         stats += torch.tensor([loss.item(), (margin > 0).sum().item(), margin.sum().item(), n,
-                               b["lengths"].sum().item()], dtype=torch.float64)
+                               b["tokens"], b["computed"]], dtype=torch.float64)
     return stats

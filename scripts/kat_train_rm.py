@@ -164,7 +164,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
     guard = StepGuard(args.skip_nonfinite)
-    window = torch.zeros(6, dtype=torch.float64)  # loss, correct, margin, pairs, tokens, steps since last log
+    window = torch.zeros(7, dtype=torch.float64)  # rm_backward's stats, then steps since the last log
     t_log = time.time()
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
@@ -175,17 +175,18 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
         done = step + 1
         grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
-        window[:5] += stats
-        window[5] += 1
+        window[:6] += stats
+        window[6] += 1
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
             stats = all_reduce_sum(window.clone())
             elapsed = time.time() - t_log
-            metrics = {"train/loss": stats[0].item() / window[5].item(),
+            metrics = {"train/loss": stats[0].item() / window[6].item(),
                        "train/accuracy": stats[1].item() / stats[3].item(),
                        "train/margin": stats[2].item() / stats[3].item(),
                        "train/lr": lr, "train/grad_norm": grad_norm,
                        "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed,
+                       "perf/computed_tokens_per_s": stats[5].item() / elapsed,
                        **peak_memory_gb(env.device)}
             tracker.log(done, metrics)
             window.zero_()

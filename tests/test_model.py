@@ -10,7 +10,9 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
 from nanochat_ext.errors import InputError
+from nanochat_ext.data import TokenizedPair, collate_pairs
 from nanochat_ext.gpt import GPT, NO_WINDOW, VINTAGES, GPTConfig, attn_masks
+from nanochat_ext.reward import RewardModel
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
 
 
@@ -186,3 +188,49 @@ def test_scored_positions_only_equal_the_full_forward(vintage, layers, assets, t
     for n, p in bb.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(p.grad, grads[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("vintage,layers", [*((v, 3) for v in VINTAGES), ("current", 1), ("llama", 2), ("hf", 2)])
+def test_pair_rows_equal_separate_rows(vintage, layers, assets, tmp_path):
+    """The RM's pair rows (collate_pairs: the tokens chosen and rejected share, once, then the rest of
+    each) give every pair the rewards and gradients of chosen and rejected run as rows of their own.
+    Prompts up to past the short window (128), no shared token at all, one-token branches, a chosen that
+    is a prefix of rejected; every parameter trainable. A transformers model (hf) takes the unshared
+    path, which must agree too."""
+    if vintage in ("llama", "hf"):
+        bb = load_backbone(assets["hf"], native=vintage == "llama")
+    else:
+        bb = load_backbone(synthetic.make_tiny_gpt(tmp_path / vintage, 300, seed=3, vintage=vintage, n_layer=layers))
+    bb.set_trainable("all")
+    model = RewardModel(bb)
+    model.init_head(0)
+    g = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 300, (n,), generator=g).tolist()
+
+    pairs = []
+    for prompt, a, b in [(100, 60, 30), (0, 5, 7), (20, 1, 1), (57, 40, 3)]:
+        p = ids(prompt)
+        pairs.append(TokenizedPair(p + ids(a), p + ids(b), 1.0))
+    chosen = ids(30)
+    pairs.append(TokenizedPair(chosen, chosen + ids(9), 1.0))
+    batch = collate_pairs(pairs, pad_id=0)
+    assert batch["lengths"].tolist()[:3] == [[100, 60, 30], [0, 5, 7], [20, 1, 1]]
+    assert batch["lengths"].tolist()[4] == [29, 1, 10]  # each side keeps a token of its own
+    seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+    separate = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        separate[i, :len(s)] = torch.tensor(s)
+    weights = torch.randn(len(seqs), generator=g)
+    results = []
+    for rows, lengths in [(separate, torch.tensor([len(s) for s in seqs])), (batch["input_ids"], batch["lengths"])]:
+        model.zero_grad()
+        rewards = model(rows, lengths)
+        (rewards * weights).sum().backward()
+        results.append((rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
+    for n, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[n], grad, atol=1e-5, rtol=1e-4, msg=n)

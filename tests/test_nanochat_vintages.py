@@ -18,7 +18,7 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import resolve_model_path
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import VINTAGES
+from nanochat_ext.gpt import VINTAGES, PrefixTree
 from scripts import kat_train_grpo
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
@@ -96,6 +96,37 @@ def test_scored_position_path_matches_nanochat(name):
         got = bb.model.logits(bb.model.hidden_states(ids, at=torch.tensor([299, 59, n - 1])))
     want = torch.stack([want_long[-1], want60[0, 59], want60[1, n - 1]])
     torch.testing.assert_close(got[:, :golden["vocab_size"]], want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_prefix_tree_rows_match_nanochat(name):
+    """The RM's pair rows (PrefixTree: a shared prefix once, then two branches that never see each other),
+    three rows in one batch: the 300-token row as a 240-token prefix with branches of its next 60 and
+    next 30 tokens (positions past the short window); the two 60-token rows as branches of an empty
+    prefix; a 60-token row's first 35 tokens as prefix, branches of 1 and 25 tokens. Every branch token's
+    logits, and those of the scored-position path at the branch ends, are nanochat's own."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    long_row, rows60 = golden["inputs"][3][0], golden["inputs"][2]
+    want_long, want60 = golden["logits"][3][0], golden["logits"][2]  # long row: positions 236..299
+    V = golden["vocab_size"]
+    rows = [(long_row[:240], long_row[240:], long_row[240:270]), (long_row[:0], rows60[0], rows60[1]),
+            (rows60[1, :35], rows60[1, 35:36], rows60[1, 35:])]
+    wants = [(want_long[4:], want_long[4:34]), (want60[0], want60[1]), (want60[1, 35:36], want60[1, 35:])]
+    lengths = torch.tensor([[len(part) for part in row] for row in rows])
+    ids = torch.zeros(3, int(lengths.sum(-1).max()), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :lengths[i].sum()] = torch.cat(row)
+    tree = PrefixTree.from_lengths(lengths)
+    with torch.no_grad():
+        logits = bb.model.logits(bb.model.hidden_states(ids, tree=tree))[..., :V]
+        ends = bb.model.logits(bb.model.hidden_states(ids, at=tree.ends, tree=tree))[..., :V]
+    for i, (want_a, want_b) in enumerate(wants):
+        prefix, a, b = lengths[i].tolist()
+        torch.testing.assert_close(logits[i, prefix:prefix + a], want_a, atol=1e-4, rtol=0, msg=f"row {i} branch a")
+        torch.testing.assert_close(logits[i, prefix + a:prefix + a + b], want_b, atol=1e-4, rtol=0,
+                                   msg=f"row {i} branch b")
+        torch.testing.assert_close(ends[i], torch.stack([want_a[-1], want_b[-1]]), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", FIXTURES)

@@ -96,22 +96,31 @@ class Backbone(nn.Module):
         out, inp = self.model.get_output_embeddings(), self.model.get_input_embeddings()
         return [] if out is None or out.weight is inp.weight else list(out.parameters())
 
-    def hidden_states(self, input_ids: torch.Tensor, at: torch.Tensor | None = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, at: torch.Tensor | None = None,
+                      tree: PrefixTree | None = None) -> torch.Tensor:
         """Final hidden states of right-padded rows (causal attention: pads cannot reach real tokens):
         (B, T, hidden), or with `at` (B,) only row b's at position at[b], (B, hidden). Our models then
-        run the last block's queries and MLP at those positions alone."""
+        run the last block's queries and MLP at those positions alone. tree: prefix-tree rows (our
+        models only; see PrefixTree)."""
         if self.native:
-            return self.model.hidden_states(input_ids, at=at)
+            return self.model.hidden_states(input_ids, at=at, tree=tree)
+        if tree is not None:
+            raise ValueError("prefix-tree rows need one of our models (nanochat GPT or native Llama)")
         hidden = self.model.base_model(input_ids=input_ids, use_cache=False).last_hidden_state
         return hidden if at is None else hidden[torch.arange(hidden.size(0), device=hidden.device), at]
+
+    def shares_prefixes(self, lengths: torch.Tensor) -> bool:
+        """Whether prefix-tree rows of these lengths run as trees (else as a row per branch)."""
+        return self.native and PrefixTree.pays(lengths, self.hidden_size)
 
     def branch_states(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Final hidden states at the last token of each branch of prefix-tree rows (see PrefixTree;
         lengths (B, 1 + K): prefix, then branch lengths): (B, K, hidden). Our models run each row once,
-        the prefix shared; a transformers model runs each prefix + branch as a row of its own."""
-        if self.native:
+        the prefix shared, where that is cheaper (PrefixTree.pays); otherwise, and for a transformers
+        model, each prefix + branch runs as a row of its own."""
+        if self.shares_prefixes(lengths):
             tree = PrefixTree.from_lengths(lengths, input_ids.device)
-            return self.model.hidden_states(input_ids, at=tree.ends, tree=tree)
+            return self.hidden_states(input_ids, at=tree.ends, tree=tree)
         rows, last = unshare_branches(input_ids, lengths)
         return self.hidden_states(rows, at=last).view(lengths.size(0), lengths.size(1) - 1, -1)
 
@@ -208,12 +217,27 @@ def unshare_branches(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[to
     lengths = lengths.cpu()
     B, K = lengths.size(0), lengths.size(1) - 1
     prefix, branch = lengths[:, :1, None], lengths[:, 1:, None]  # (B, 1, 1), (B, K, 1)
-    starts = lengths.cumsum(-1)[:, :-1, None]  # where each branch begins in its tree row
+    starts = branch_starts(lengths)[..., None]
     total = prefix + branch
     t = torch.arange(int(total.max()))
     index = torch.where(t < prefix, t, starts + t - prefix).masked_fill(t >= total, 0)  # (B, K, T')
     rows = input_ids.gather(1, index.view(B, -1).to(input_ids.device)).view(B * K, -1)
     return rows, (total.view(-1) - 1).to(input_ids.device)
+
+
+def branch_starts(lengths: torch.Tensor) -> torch.Tensor:
+    """(B, K): where each branch of prefix-tree rows with these lengths (B, 1 + K) begins in its row."""
+    return lengths.cumsum(-1)[:, :-1]
+
+
+def unshared_positions(index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Positions `index` (B * K, L) in prefix-tree rows, row b * K + k reading branch k of tree row b,
+    as positions in unshare_branches' row b * K + k: the prefix stays, a branch moves to follow it."""
+    lengths = lengths.cpu()
+    prefix = lengths[:, :1].repeat_interleave(lengths.size(1) - 1, 0)  # (B * K, 1)
+    start = branch_starts(lengths).reshape(-1, 1).to(index.device)
+    prefix = prefix.to(index.device)
+    return torch.where(index >= prefix, index - start + prefix, index)
 
 
 def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -415,29 +415,43 @@ class GlobalBatchLoader:
         return [mine[i:i + d] for i in range(0, len(mine), d)]
 
 
-def shared_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of a and b, leaving each at least one token of its own."""
+def shared_prefix(seqs: list[list[int]]) -> int:
+    """Length of the longest common prefix of seqs, leaving each at least one token of its own."""
     n = 0
-    for x, y in zip(a, b):
-        if x != y:
+    for column in zip(*seqs):
+        if any(t != column[0] for t in column):
             break
         n += 1
-    return min(n, len(a) - 1, len(b) - 1)
+    return min(n, *(len(s) - 1 for s in seqs))
+
+
+def prefix_tree_rows(groups: list[list[list[int]]]) -> tuple[list[list[int]], list[list[int]]]:
+    """Each group of sequences as one PrefixTree row: their common prefix once, then the rest of each;
+    and each row's lengths [prefix, rest 1, ..., rest K]."""
+    rows, lengths = [], []
+    for seqs in groups:
+        n = shared_prefix(seqs)
+        rows.append(seqs[0][:n] + [t for s in seqs for t in s[n:]])
+        lengths.append([n] + [len(s) - n for s in seqs])
+    return rows, lengths
+
+
+def right_pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
+    """(len(rows), longest) token ids, each row padded on the right."""
+    ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return ids
 
 
 def collate_pairs(pairs: list[TokenizedPair], pad_id: int) -> dict[str, torch.Tensor]:
-    """Each pair as one right-padded row (B, T): the tokens chosen and rejected share (the prompt, at
-    least) once, then the rest of chosen, then the rest of rejected; lengths (B, 3) gives the three
-    lengths (a PrefixTree's). tokens: the pairs' tokens counted as separate sequences (the work TRL-style
-    batching does); computed: the tokens in the rows, each computed once."""
-    rows, lengths = [], []
-    for p in pairs:
-        n = shared_prefix(p.chosen, p.rejected)
-        rows.append(p.chosen + p.rejected[n:])
-        lengths.append([n, len(p.chosen) - n, len(p.rejected) - n])
-    ids = torch.full((len(rows), max(len(r) for r in rows)), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+    """Each pair as one right-padded PrefixTree row (B, T): the tokens chosen and rejected share (the
+    prompt, at least) once, then the rest of chosen, then the rest of rejected; lengths (B, 3).
+    tokens: the pairs' tokens counted as separate sequences (the work TRL-style batching does);
+    computed: the tokens in the rows, each computed once (where the model shares them, see
+    Backbone.shares_prefixes)."""
+    rows, lengths = prefix_tree_rows([[p.chosen, p.rejected] for p in pairs])
     weights = torch.tensor([p.weight for p in pairs], dtype=torch.float32)
-    return {"input_ids": ids, "lengths": torch.tensor(lengths, dtype=torch.long), "weights": weights,
-            "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs), "computed": sum(map(len, rows))}
+    return {"input_ids": right_pad(rows, pad_id), "lengths": torch.tensor(lengths, dtype=torch.long),
+            "weights": weights, "tokens": sum(len(p.chosen) + len(p.rejected) for p in pairs),
+            "computed": sum(map(len, rows))}

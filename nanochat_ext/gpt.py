@@ -179,6 +179,17 @@ class PrefixTree:
         span = int((lengths[:, 0] + lengths[:, 1:].max(-1).values).max())
         return cls(*(t.to(device) for t in (positions, segment, prev, bounds[:, 1:] - 1)), span)
 
+    @staticmethod
+    def pays(lengths: torch.Tensor, hidden_size: int) -> bool:
+        """Whether prefix-tree rows (lengths as from_lengths takes them) cost fewer FLOPs than one row per
+        branch. Per layer and token, the projections and MLP cost ~24 h^2; attention ~4 h per query-key
+        pair, over the whole masked T x T of a tree row but only the causal half of a row of its own. So a
+        short prompt shared by many long branches is cheaper unshared."""
+        lengths = lengths.cpu().double()
+        tree, own = lengths.sum(-1), lengths[:, :1] + lengths[:, 1:]
+        h = float(hidden_size)
+        return bool(24 * h * h * tree.sum() + 4 * h * (tree ** 2).sum() < 24 * h * h * own.sum() + 2 * h * (own ** 2).sum())
+
     def masks(self, window_sizes: list[int]) -> list[torch.Tensor]:
         """Per-layer (B, 1, T, T) masks: causal along each token's own path, within the layer's window
         (position distance, as in `attn_masks`). A pad query sees itself alone, so no row is fully masked."""

@@ -16,9 +16,11 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.backbone import Backbone
+from nanochat_ext.backbone import Backbone, unshare_branches, unshared_positions
+from nanochat_ext.data import right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
 from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import PrefixTree
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
 # TRL's --loss_type names for the same aggregations. bnpo divides each micro-batch by its own token count
@@ -175,39 +177,64 @@ class SignalFilter:
 
 # ---- batches ------------------------------------------------------------------------------------
 def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
-                   pad_id: int) -> dict[str, torch.Tensor]:
+                   pad_id: int, share_prompt: bool = False) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion rows and, per completion token, the position whose logits
-    predict it (gather) and the token itself (target); mask is 0 past each completion's end."""
-    seqs, prompt_len = [], []
-    for i, comp in enumerate(completions):
-        p = prompt_ids[i // group_size]
-        seqs.append(p + comp)
-        prompt_len.append(len(p))
+    predict it (gather) and the token itself (target); mask is 0 past each completion's end.
+    share_prompt: one row per group instead, its prompt once and then its completions (a PrefixTree
+    whose lengths are `branches`, (groups, 1 + G)); gather then indexes the completion's group row.
+    An empty completion keeps one pad token as its branch (masked out)."""
     L = max(1, max(len(c) for c in completions))
-    T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    gather = torch.zeros((len(seqs), L), dtype=torch.long)
-    target = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.float32)
-    for r, (s, p, comp) in enumerate(zip(seqs, prompt_len, completions)):
-        ids[r, :len(s)] = torch.tensor(s)
-        n = len(comp)
-        gather[r, :n] = torch.arange(p - 1, p - 1 + n)
-        target[r, :n] = torch.tensor(comp, dtype=torch.long)
-        mask[r, :n] = 1.0
-    return {"input_ids": ids, "gather": gather, "target": target, "mask": mask}
+    n = len(completions)
+    gather = torch.zeros((n, L), dtype=torch.long)
+    target = torch.full((n, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, L), dtype=torch.float32)
+    rows, branches = [], []
+    for r, comp in enumerate(completions):
+        p = prompt_ids[r // group_size]
+        k = len(comp)
+        if not share_prompt:
+            rows.append(p + comp)
+            gather[r, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
+        else:
+            if r % group_size == 0:
+                rows.append(list(p))
+                branches.append([len(p)])
+            start = len(rows[-1])
+            rows[-1] += comp or [pad_id]
+            branches[-1].append(max(k, 1))
+            gather[r, :k] = torch.arange(start - 1, start - 1 + k)
+            gather[r, 0] = len(p) - 1  # a completion's first token is predicted by the prompt's last
+        target[r, :k] = torch.tensor(comp, dtype=torch.long)
+        mask[r, :k] = 1.0
+    batch = {"input_ids": right_pad(rows, pad_id), "gather": gather, "target": target, "mask": mask}
+    if share_prompt:
+        batch["branches"] = torch.tensor(branches, dtype=torch.long)
+    return batch
+
+
+ROW_KEYS = ("input_ids", "branches")  # per sequence row: per group with share_prompt, else per completion
 
 
 def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """Rows of a sequence batch, cut to their own longest sequence and completion."""
-    out = {k: v[rows] for k, v in batch.items()}
+    """Completions `rows` of a sequence batch (whole groups when prompts are shared), cut to their own
+    longest sequence and completion."""
+    out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
     n_tok = int(out["mask"].sum(1).max().item()) if out["mask"].numel() else 0
     n_tok = max(n_tok, 1)
     for k in ("gather", "target", "mask", "old_logp", "ref_logp"):  # per-token tensors
         if k in out:
             out[k] = out[k][:, :n_tok]
-    T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
-    out["input_ids"] = out["input_ids"][:, :T]
+    if "branches" in batch:
+        G = batch["branches"].size(1) - 1
+        if rows.start % G or (rows.stop < batch["mask"].size(0) and rows.stop % G):
+            raise ValueError(f"completions {rows.start}..{rows.stop} split a group of {G}")
+        groups = slice(rows.start // G, -(-rows.stop // G))
+        out["branches"] = batch["branches"][groups]
+        T = int(out["branches"].sum(-1).max())
+    else:
+        groups = rows
+        T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
+    out["input_ids"] = batch["input_ids"][groups][:, :T]
     return out
 
 
@@ -227,9 +254,20 @@ class CompletionLogprobs(nn.Module):
         self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
         self.temperature = temperature
 
-    def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor):
-        hidden = self.backbone.hidden_states(input_ids)
-        h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+    def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor,
+                branches: torch.Tensor | None = None):
+        """branches: the group rows' PrefixTree lengths (make_sequences with share_prompt); completion n
+        then reads row n // G. Where a tree does not pay (Backbone.shares_prefixes), it runs unshared."""
+        if branches is not None and not self.backbone.shares_prefixes(branches):
+            gather = unshared_positions(gather, branches)
+            input_ids, branches = unshare_branches(input_ids, branches)[0], None
+        if branches is None:
+            hidden = self.backbone.hidden_states(input_ids)
+            h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+        else:
+            hidden = self.backbone.hidden_states(input_ids, tree=PrefixTree.from_lengths(branches, input_ids.device))
+            group_row = torch.arange(gather.size(0), device=gather.device) // (branches.size(1) - 1)
+            h = hidden[group_row[:, None], gather]
         return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
 
 
@@ -333,12 +371,12 @@ def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro:
     of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
     [loss, *stats]."""
     world = get_world_size()
-    starts = list(range(0, batch["input_ids"].size(0), micro))
+    starts = list(range(0, batch["mask"].size(0), micro))  # completions (input_ids may hold group rows)
     total = None
     for k, a in enumerate(starts):
         b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
         with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
-            logp, entropy = model(b["input_ids"], b["gather"], b["target"])
+            logp, entropy = model(b["input_ids"], b["gather"], b["target"], b.get("branches"))
             loss, stats = loss_fn(b, logp, entropy)
             (loss * world).backward()
         row = torch.cat([loss.detach().double().cpu().view(1), stats])
@@ -386,6 +424,6 @@ def token_logprobs(model: CompletionLogprobs, batch: dict[str, torch.Tensor], mi
     for a in range(0, n, micro):
         b = slice_batch(batch, slice(a, a + micro))
         with autocast:
-            logp, _ = model(b["input_ids"].to(device), b["gather"].to(device), b["target"].to(device))
+            logp, _ = model(*(b[k].to(device) for k in ("input_ids", "gather", "target")), b.get("branches"))
         out[a:a + micro, :logp.size(1)] = logp.float().cpu()
     return out

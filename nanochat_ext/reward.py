@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import (complete_checkpoints, find_checkpoint, fingerprint, first_loadable, locate,
                                      read_json, save_checkpoint, torch_load)
-from nanochat_ext.data import truncate
+from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync, precision, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -43,9 +43,10 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """Rewards of right-padded rows, each read at a last real token. lengths (N,): one sequence per
-        row, (N,) rewards. Or lengths (B, 3): pair rows, a shared prompt then the chosen and the rejected
-        response (see collate_pairs): (2B,) rewards, the B chosen then the B rejected.
-        No attention mask: attention is causal, so pads after that token cannot reach it."""
+        row, (N,) rewards. Or lengths (B, 1 + K): PrefixTree rows, a shared prefix then K branches (a
+        pair's prompt, chosen and rejected, see collate_pairs): (K * B,) rewards, branch by branch
+        (the B chosen, then the B rejected). No attention mask: attention is causal, so pads after that
+        token cannot reach it."""
         frozen = contextlib.nullcontext() if not self.backbone_frozen else torch.no_grad()
         with frozen:  # the last block runs at the scored positions only
             if lengths.dim() == 2:
@@ -108,16 +109,24 @@ class RewardScorer:
         return self.score_ids(seqs, batch_size)
 
     @torch.no_grad()
-    def score_ids(self, seqs: list[list[int]], batch_size: int = 32) -> list[float]:
+    def score_ids(self, seqs: list[list[int]], batch_size: int = 32, group: int = 1) -> list[float]:
+        """Scores of token sequences, about batch_size at a time. group > 1: consecutive runs of that
+        many sequences (a prompt's samples) are each one PrefixTree row, their common prefix computed
+        once where that is cheaper; the same scores."""
+        if group < 1 or len(seqs) % group:
+            raise ValueError(f"{len(seqs)} sequences do not split into groups of {group}")
         out: list[float] = []
-        for i in range(0, len(seqs), batch_size):
-            chunk = seqs[i:i + batch_size]
-            lengths = torch.tensor([len(s) for s in chunk])
-            ids = torch.full((len(chunk), int(lengths.max())), self.tokenizer.pad_id, dtype=torch.long)
-            for j, s in enumerate(chunk):
-                ids[j, :len(s)] = torch.tensor(s)
+        step = max(1, batch_size // group) * group
+        for i in range(0, len(seqs), step):
+            chunk = seqs[i:i + step]
+            if group == 1:
+                rows, lengths = chunk, torch.tensor([len(s) for s in chunk])
+            else:
+                rows, lengths = prefix_tree_rows([chunk[j:j + group] for j in range(0, len(chunk), group)])
+                lengths = torch.tensor(lengths)
             with precision(self.dtype, self.device):
-                out += self.model(ids.to(self.device), lengths.to(self.device)).float().tolist()
+                scores = self.model(right_pad(rows, self.tokenizer.pad_id).to(self.device), lengths.to(self.device))
+            out += scores.float().view(group, -1).T.flatten().tolist()  # branch-major to sequence order
         return out
 
 

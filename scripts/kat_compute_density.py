@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable
 from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
-from nanochat_ext.data import load_pairs, load_prompts
+from nanochat_ext.data import load_pairs, load_prompts, right_pad
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any
 from nanochat_ext.errors import InputError
 
@@ -61,9 +61,7 @@ def embed(backbone, prompts: list[list[int]], batch: int, pad_id: int, autocast)
     for a in range(0, len(prompts), batch):
         chunk = prompts[a:a + batch]
         lengths = torch.tensor([len(p) for p in chunk])
-        ids = torch.full((len(chunk), int(lengths.max())), pad_id, dtype=torch.long)
-        for i, p in enumerate(chunk):
-            ids[i, :len(p)] = torch.tensor(p)
+        ids = right_pad(chunk, pad_id)
         with autocast:
             h = backbone.hidden_states(ids.to(next(backbone.parameters()).device)).float().cpu()
         real = (torch.arange(ids.size(1))[None, :] < lengths[:, None]).float().unsqueeze(-1)

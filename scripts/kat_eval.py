@@ -138,7 +138,7 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
                 if mine else None
         comps = out.completions if out else []
         scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)
-                                   for k, c in enumerate(comps)]) if scorer and comps else [math.nan] * len(comps)
+                                   for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
         texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in comps]
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)

@@ -171,7 +171,8 @@ class Rewards:
         if self.rm is not None:
             full = [(prompt_ids[i // G], c) for i, c in enumerate(samples.completions)]
             rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
-            out[:, 0] = torch.tensor(self.rm.score_ids([truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]))
+            seqs = [truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]
+            out[:, 0] = torch.tensor(self.rm.score_ids(seqs, group=G))  # a prompt's G samples share it
             bad = (~torch.isfinite(out[:, 0])).nonzero()
             if len(bad):
                 i = int(bad[0])
@@ -246,6 +247,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                               compile=bool(args.compile))
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
                           args.importance_level)
+    # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
+    # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
+    share_prompt = G > 1 and micro % G == 0
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
     print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
            f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
@@ -341,7 +345,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         total = rewards.total(ro.rewards)
         if args.log_rollouts:
             log_rollouts(tracker, step + 1, ro, total, tok)
-        batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id)
+        batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id, share_prompt)
         batch["advantages"] = group_advantages(total, G, args.scale_rewards, args.std_mode)
         batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
         if args.mask_truncated:

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from nanochat_ext.backbone import load_backbone
+from nanochat_ext.gpt import PrefixTree
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
-                               make_sequences, zero_std_groups)
+                               make_sequences, slice_batch, zero_std_groups)
 from nanochat_ext.sampling import SamplingConfig, sample_token
 
 
@@ -131,3 +132,51 @@ def test_dynamic_sampling_keeps_groups_with_a_spread_in_global_order_then_fills(
     assert kept.full and [g.indices[0] for g in batch] == [1, 2, 4] and filled == 0
     mine = Rollout.concat(batch[0::2], 1)  # rank 0 of 2 trains positions 0 and 2
     assert mine.indices == [1, 4] and mine.rewards[:, 0].tolist() == [0, 2, 0, 3] and mine.groups()[1].indices == [4]
+
+
+@pytest.mark.parametrize("model", ["gpt_modern", "llama", "hf"])
+def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
+    """make_sequences(share_prompt=True): one row per group (the prompt once, then its completions, see
+    PrefixTree) gives every completion token the log-prob, entropy and gradient of one row per
+    completion. Ragged prompts and completions, an empty completion; two micro-batches of a group
+    each, as accumulate_backward slices them. A transformers model (hf) runs the group rows unshared."""
+    bb = load_backbone(assets["gpt_modern" if model == "gpt_modern" else "hf"], native=model != "hf")
+    logprobs = CompletionLogprobs(bb, temperature=0.8)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (9, 30)]
+    completions = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (5, 12, 1, 0, 7, 3, 12, 2)]
+    G = 4
+    results = []
+    for share in (False, True):
+        batch = make_sequences(prompts, completions, G, 0, share)
+        assert batch["input_ids"].size(0) == (2 if share else 8)
+        if share:
+            assert bb.shares_prefixes(batch["branches"]) == bb.native
+        bb.zero_grad()
+        logp, entropy = [], []
+        for a in (0, 4):
+            b = slice_batch(batch, slice(a, a + 4))
+            lp, ent = logprobs(b["input_ids"], b["gather"], b["target"], b.get("branches"))
+            (lp * b["mask"]).sum().backward()
+            logp.append(torch.nn.functional.pad(lp * b["mask"], (0, 12 - lp.size(1))).detach())
+            entropy.append(torch.nn.functional.pad(ent * b["mask"], (0, 12 - lp.size(1))))
+        results.append((torch.cat(logp), torch.cat(entropy), {n: p.grad.clone() for n, p in bb.named_parameters()
+                                                               if p.grad is not None}))
+    (want, want_ent, want_grads), (got, got_ent, got_grads) = results
+    assert (want != 0).sum() == sum(map(len, completions))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_ent, want_ent, atol=1e-5, rtol=1e-5)
+    assert got_grads.keys() == want_grads.keys()
+    for n, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[n], grad, atol=1e-5, rtol=1e-4, msg=n)
+    with pytest.raises(ValueError, match="split a group of 4"):
+        slice_batch(make_sequences(prompts, completions, G, 0, True), slice(0, 2))
+
+
+def test_prefix_trees_are_used_where_they_cost_fewer_flops():
+    """Rows attend over their whole masked length, so a short prompt shared by long branches is cheaper
+    unshared; a long prompt shared by two responses (the RM's pairs) is cheaper shared."""
+    assert PrefixTree.pays(torch.tensor([[35, 32, 32, 32, 32, 32, 32, 32, 32]]), 256)  # the GRPO bench's group
+    assert PrefixTree.pays(torch.tensor([[34, 22, 22]]), 256)  # an RM bench pair
+    assert not PrefixTree.pays(torch.tensor([[512] + [512] * 16]), 1280)  # 16 x 512 tokens after a 512 prompt
+    assert not PrefixTree.pays(torch.tensor([[0, 40, 40]]), 64)  # nothing shared

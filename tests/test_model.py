@@ -10,9 +10,9 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.data import TokenizedPair, collate_pairs
+from nanochat_ext.data import TokenizedPair, collate_pairs, prefix_tree_rows
 from nanochat_ext.gpt import GPT, NO_WINDOW, VINTAGES, GPTConfig, attn_masks
-from nanochat_ext.reward import RewardModel
+from nanochat_ext.reward import RewardModel, RewardScorer
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
 
 
@@ -218,6 +218,7 @@ def test_pair_rows_equal_separate_rows(vintage, layers, assets, tmp_path):
     batch = collate_pairs(pairs, pad_id=0)
     assert batch["lengths"].tolist()[:3] == [[100, 60, 30], [0, 5, 7], [20, 1, 1]]
     assert batch["lengths"].tolist()[4] == [29, 1, 10]  # each side keeps a token of its own
+    assert bb.shares_prefixes(batch["lengths"]) == bb.native  # the tree really runs (hf: unshared)
     seqs = [p.chosen for p in pairs] + [p.rejected for p in pairs]
     separate = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
     for i, s in enumerate(seqs):
@@ -234,3 +235,33 @@ def test_pair_rows_equal_separate_rows(vintage, layers, assets, tmp_path):
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10
     for n, grad in want_grads.items():
         torch.testing.assert_close(got_grads[n], grad, atol=1e-5, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_grouped_scoring_equals_one_sequence_per_row(native, assets):
+    """RewardScorer.score_ids(group=G), as GRPO scores a prompt's G samples: each run of G sequences is
+    one PrefixTree row (their common prefix once), and the scores are those of one row per sequence.
+    Ragged samples, two identical ones, one a prefix of another; one group per forward and all at once."""
+    bb = load_backbone(assets["gpt_modern"] if native else assets["hf"], native=native)
+    tok = TokenizerWrapper.load(assets["tokenizer"] if native else assets["hf"])
+    model = RewardModel(bb)
+    model.init_head(0)
+    scorer = RewardScorer(model, tok, 256, {})
+    g = torch.Generator().manual_seed(2)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(1, 300, (n,), generator=g).tolist()
+
+    seqs = []
+    for prompt_len in (12, 40, 3):
+        prompt = ids(prompt_len)
+        same = ids(6)
+        seqs += [prompt + ids(9), prompt + same, prompt + same, prompt + same[:2]]
+    want = scorer.score_ids(seqs)
+    assert bb.shares_prefixes(torch.tensor(prefix_tree_rows([seqs[:4], seqs[4:8]])[1])) == native
+    for batch_size in (5, 32):
+        torch.testing.assert_close(torch.tensor(scorer.score_ids(seqs, batch_size, group=4)), torch.tensor(want),
+                                   atol=1e-5, rtol=1e-5)
+    assert want[1] == pytest.approx(want[2], abs=1e-5) and want[0] != pytest.approx(want[1], abs=1e-3)
+    with pytest.raises(ValueError, match="do not split into groups of 5"):
+        scorer.score_ids(seqs, group=5)

@@ -1,7 +1,8 @@
 """Loss and gradients of one fixed GRPO rollout batch (4 prompts x G=4, uneven density weights, a
 reference model, old log-probs that make the clip bite, temperature 0.8, two completions masked as
 --mask_truncated does), split over however many ranks this was launched with and N_MICRO micro-batches
-per rank, for every --loss_agg x --importance_level. Rank 0 saves them.
+per rank, for every --loss_agg x --importance_level, with one row per completion and with each group's
+prompt shared by its completions (PrefixTree rows). Rank 0 saves them.
 
     python tests/workers/grpo_grad_worker.py ASSETS N_MICRO OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
@@ -23,7 +24,7 @@ TEMPERATURE = 0.8
 PROMPTS = [[5, 17, 42], [3, 250, 7, 7], [11, 12], [400, 401, 402, 403, 404]]
 
 
-def rollout(assets: Path, rank: int, world: int):
+def rollout(assets: Path, rank: int, world: int, share_prompt: bool):
     """This rank's share of a batch that is the same whatever the world size (seeded by prompt)."""
     policy = load_backbone(assets / "gpt")
     per_rank = N_PROMPTS // world
@@ -34,7 +35,7 @@ def rollout(assets: Path, rank: int, world: int):
     # Ragged lengths (2..6 tokens by global row), so the three loss aggregations give different numbers.
     first_row = rank * per_rank * G
     completions = [c[:2 + (first_row + r) % 5] for r, c in enumerate(samples.completions)]
-    batch = make_sequences([PROMPTS[i] for i in mine], completions, G, 0)
+    batch = make_sequences([PROMPTS[i] for i in mine], completions, G, 0, share_prompt)
     rewards = torch.tensor([float(sum(c) % 7) for c in completions])
     if rank == 0:
         rewards[:G] = 1.0  # global prompt 0: a group with zero reward spread
@@ -49,7 +50,15 @@ def rollout(assets: Path, rank: int, world: int):
 def compute(assets: Path, n_micro: int, env) -> dict:
     """The gradients of one global batch on this rank. The DDP module dies with this frame, before
     the session tears the group down, as a trainer's does when its train function returns."""
-    policy, batch = rollout(assets, env.rank, env.world_size)
+    results = {}
+    for share_prompt in (False, True):
+        for cfg, r in compute_layout(assets, n_micro, env, share_prompt).items():
+            results[f"{cfg}/{'shared' if share_prompt else 'rows'}"] = r
+    return results
+
+
+def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
+    policy, batch = rollout(assets, env.rank, env.world_size, share_prompt)
     reference = load_backbone(assets / "gpt").requires_grad_(False)
     with torch.no_grad():
         for i, p in enumerate(reference.parameters()):

@@ -32,6 +32,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads per process")
     p.add_argument("--unfreeze_last", default="0")
     p.add_argument("--pairs_per_proc", type=int, default=16)
+    p.add_argument("--device_batch_size", type=int, default=None, help="pairs per micro-batch (default: all of a rank's)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     p.add_argument("--device", default="cpu")
@@ -51,6 +52,8 @@ def main() -> None:
             "--device", b.device, "--out", out]
     if b.tokenizer:
         argv += ["--tokenizer", b.tokenizer]
+    if b.device_batch_size:
+        argv += ["--device_batch_size", str(b.device_batch_size)]
     args = kat_train_rm.parse_args(argv)
     with dist_session(args.device) as env:
         kat_train_rm.train(args, env)

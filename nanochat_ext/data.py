@@ -16,7 +16,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -338,6 +338,11 @@ class TokenizedPair:
     rejected: list[int]
     weight: float
 
+    @property
+    def row_length(self) -> int:
+        """Tokens in the pair's row (collate_pairs): what both share once, then the rest of each."""
+        return len(self.chosen) + len(self.rejected) - shared_prefix([self.chosen, self.rejected])
+
 
 def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int,
                    long_pairs: str = "truncate") -> tuple[list[TokenizedPair], int]:
@@ -442,6 +447,18 @@ def right_pad(rows: list[list[int]], pad_id: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
     return ids
+
+
+def by_length(micro_batches: list[list[int]], length: Callable[[int], int]) -> list[list[int]]:
+    """The same examples in micro-batches of the same sizes, regrouped from shortest to longest, so a
+    rank that accumulates several micro-batches pads each to a length near its own examples'. The loss
+    is normalised over the whole global batch, so the grouping does not change it."""
+    ordered = sorted((i for mb in micro_batches for i in mb), key=length)
+    out, start = [], 0
+    for mb in micro_batches:
+        out.append(ordered[start:start + len(mb)])
+        start += len(mb)
+    return out
 
 
 def collate_pairs(pairs: list[TokenizedPair], pad_id: int) -> dict[str, torch.Tensor]:

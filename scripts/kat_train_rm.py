@@ -21,7 +21,7 @@ from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, a
                               output_dirs, run_script, script_argv)
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint, save_synced, torch_load)
-from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, collate_pairs,
+from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, by_length, collate_pairs,
                                load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                       seed_everything, wrap_ddp)
@@ -168,7 +168,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     t_log = time.time()
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
-        batches = [collate_pairs([train_pairs[i] for i in mb], tokenizer.pad_id) for mb in loader.micro_batches(step)]
+        micro_batches = by_length(loader.micro_batches(step), lambda i: train_pairs[i].row_length)
+        batches = [collate_pairs([train_pairs[i] for i in mb], tokenizer.pad_id) for mb in micro_batches]
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr

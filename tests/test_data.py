@@ -5,8 +5,8 @@ import hashlib
 
 import pytest
 
-from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, load_pairs, parse_pair, prefix_id_of, split_by_prefix,
-                               truncate)
+from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, load_pairs,
+                               parse_pair, prefix_id_of, split_by_prefix, truncate)
 from nanochat_ext.errors import InputError
 from nanochat_ext.synthetic import make_pairs, write_jsonl
 
@@ -94,3 +94,16 @@ def test_global_batch_is_the_same_set_whatever_the_world_size(world, dbs):
 def test_too_little_data_for_one_batch():
     with pytest.raises(InputError, match="fewer than one global batch"):
         GlobalBatchLoader(5, BatchPlan.make(8, 1, None), 0, 0)
+
+
+def test_micro_batches_grouped_by_length_keep_the_examples_and_sizes():
+    """by_length (the RM trainer's accumulation): the same examples in micro-batches of the same sizes,
+    shortest together, so each pads to little more than its own."""
+    lengths = {i: (i * 37) % 11 for i in range(12)}
+    micro = [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    grouped = by_length(micro, lengths.__getitem__)
+    assert [len(mb) for mb in grouped] == [4, 4, 4] and sorted(sum(grouped, [])) == list(range(12))
+    longest = [max(lengths[i] for i in mb) for mb in grouped]
+    assert longest == sorted(longest) and sum(longest) < sum(max(lengths[i] for i in mb) for mb in micro)
+    pair = TokenizedPair([1, 2, 3, 4, 5], [1, 2, 3, 9], 1.0)
+    assert pair.row_length == 3 + 2 + 1 and collate_pairs([pair], 0)["input_ids"].tolist() == [[1, 2, 3, 4, 5, 9]]

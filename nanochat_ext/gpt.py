@@ -199,9 +199,10 @@ class PrefixTree:
         on_path = causal & ((j == 0) | (j == i)) & (i <= K)
         itself = torch.eye(T, dtype=torch.bool, device=i.device)
         by_window = {}
-        d = self.positions[:, :, None] - self.positions[:, None, :]
         for w in set(window_sizes):
-            m = on_path if w >= self.span else on_path & (d <= w)
+            m = on_path
+            if w < self.span:  # keys at positions >= the query's - w (a boolean (B, T, T), nothing wider)
+                m = m & (self.positions[:, None, :] >= self.positions[:, :, None] - w)
             by_window[w] = (m | itself)[:, None]
         return [by_window[w] for w in window_sizes]
 

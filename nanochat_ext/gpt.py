@@ -152,7 +152,8 @@ def mask_at(at: torch.Tensor, T: int, window: int) -> torch.Tensor:
 @dataclass
 class PrefixTree:
     """Right-padded rows that each hold a shared prefix once and K branches after it: a preference
-    pair's prompt, then its chosen and its rejected response. A branch token sees the prefix and its
+    pair's prompt, then its chosen and its rejected response; a GRPO group's prompt, then its G
+    completions. A branch token sees the prefix and its
     own branch, at the positions it would have in a row of its own, and never another branch; so each
     branch computes exactly what prefix + branch computes alone, and the prefix is computed once."""
     positions: torch.Tensor  # (B, T) each token's position on its own path; 0 on padding
@@ -188,7 +189,9 @@ class PrefixTree:
         lengths = lengths.cpu().double()
         tree, own = lengths.sum(-1), lengths[:, :1] + lengths[:, 1:]
         h = float(hidden_size)
-        return bool(24 * h * h * tree.sum() + 4 * h * (tree ** 2).sum() < 24 * h * h * own.sum() + 2 * h * (own ** 2).sum())
+        shared = 24 * h * h * tree.sum() + 4 * h * (tree ** 2).sum()
+        unshared = 24 * h * h * own.sum() + 2 * h * (own ** 2).sum()
+        return bool(shared < unshared)
 
     def masks(self, window_sizes: list[int]) -> list[torch.Tensor]:
         """Per-layer (B, 1, T, T) masks: causal along each token's own path, within the layer's window

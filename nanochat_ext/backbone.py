@@ -230,14 +230,14 @@ def branch_starts(lengths: torch.Tensor) -> torch.Tensor:
     return lengths.cumsum(-1)[:, :-1]
 
 
-def unshared_positions(index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Positions `index` (B * K, L) in prefix-tree rows, row b * K + k reading branch k of tree row b,
-    as positions in unshare_branches' row b * K + k: the prefix stays, a branch moves to follow it."""
+def tree_positions(index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Positions `index` (B * K, L) in the sequences prefix + branch k of prefix-tree rows with these
+    lengths (B, 1 + K), row b * K + k for branch k of tree row b, as indices into the tree rows: the
+    prefix stays, a branch's tokens move to where the branch begins."""
     lengths = lengths.cpu()
-    prefix = lengths[:, :1].repeat_interleave(lengths.size(1) - 1, 0)  # (B * K, 1)
+    prefix = lengths[:, :1].repeat_interleave(lengths.size(1) - 1, 0).to(index.device)  # (B * K, 1)
     start = branch_starts(lengths).reshape(-1, 1).to(index.device)
-    prefix = prefix.to(index.device)
-    return torch.where(index >= prefix, index - start + prefix, index)
+    return torch.where(index >= prefix, index - prefix + start, index)
 
 
 def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.backbone import Backbone, unshare_branches, unshared_positions
-from nanochat_ext.data import right_pad
+from nanochat_ext.backbone import Backbone, tree_positions, unshare_branches
+from nanochat_ext.data import prefix_tree_rows, right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import PrefixTree
@@ -178,38 +178,26 @@ class SignalFilter:
 # ---- batches ------------------------------------------------------------------------------------
 def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
                    pad_id: int, share_prompt: bool = False) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows and, per completion token, the position whose logits
-    predict it (gather) and the token itself (target); mask is 0 past each completion's end.
-    share_prompt: one row per group instead, its prompt once and then its completions (a PrefixTree
-    whose lengths are `branches`, (groups, 1 + G)); gather then indexes the completion's group row.
-    An empty completion keeps one pad token as its branch (masked out)."""
-    L = max(1, max(len(c) for c in completions))
-    n = len(completions)
+    """Right-padded prompt+completion rows and, per completion token, the position in its own
+    prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
+    0 past each completion's end. share_prompt: one PrefixTree row per group instead (what its sequences
+    share, the prompt at least, once; then the rest of each), its lengths in `branches` (groups, 1 + G);
+    CompletionLogprobs then maps gather into the group's row."""
+    seqs = [prompt_ids[r // group_size] + comp for r, comp in enumerate(completions)]
+    n, L = len(completions), max(1, max(len(c) for c in completions))
     gather = torch.zeros((n, L), dtype=torch.long)
     target = torch.full((n, L), pad_id, dtype=torch.long)
     mask = torch.zeros((n, L), dtype=torch.float32)
-    rows, branches = [], []
-    for r, comp in enumerate(completions):
-        p = prompt_ids[r // group_size]
+    for r, (seq, comp) in enumerate(zip(seqs, completions)):
         k = len(comp)
-        if not share_prompt:
-            rows.append(p + comp)
-            gather[r, :k] = torch.arange(len(p) - 1, len(p) - 1 + k)
-        else:
-            if r % group_size == 0:
-                rows.append(list(p))
-                branches.append([len(p)])
-            start = len(rows[-1])
-            rows[-1] += comp or [pad_id]
-            branches[-1].append(max(k, 1))
-            gather[r, :k] = torch.arange(start - 1, start - 1 + k)
-            gather[r, 0] = len(p) - 1  # a completion's first token is predicted by the prompt's last
+        gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
         target[r, :k] = torch.tensor(comp, dtype=torch.long)
         mask[r, :k] = 1.0
-    batch = {"input_ids": right_pad(rows, pad_id), "gather": gather, "target": target, "mask": mask}
-    if share_prompt:
-        batch["branches"] = torch.tensor(branches, dtype=torch.long)
-    return batch
+    batch = {"gather": gather, "target": target, "mask": mask}
+    if not share_prompt:
+        return {"input_ids": right_pad(seqs, pad_id), **batch}
+    rows, branches = prefix_tree_rows([seqs[j:j + group_size] for j in range(0, n, group_size)])
+    return {"input_ids": right_pad(rows, pad_id), "branches": torch.tensor(branches, dtype=torch.long), **batch}
 
 
 ROW_KEYS = ("input_ids", "branches")  # per sequence row: per group with share_prompt, else per completion
@@ -256,18 +244,18 @@ class CompletionLogprobs(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor,
                 branches: torch.Tensor | None = None):
-        """branches: the group rows' PrefixTree lengths (make_sequences with share_prompt); completion n
-        then reads row n // G. Where a tree does not pay (Backbone.shares_prefixes), it runs unshared."""
-        if branches is not None and not self.backbone.shares_prefixes(branches):
-            gather = unshared_positions(gather, branches)
-            input_ids, branches = unshare_branches(input_ids, branches)[0], None
-        if branches is None:
-            hidden = self.backbone.hidden_states(input_ids)
-            h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
-        else:
+        """branches: the group rows' PrefixTree lengths (make_sequences with share_prompt): completion n
+        is branch n % G of row n // G. Where a tree does not pay (Backbone.shares_prefixes) each
+        prompt+completion runs as a row of its own."""
+        if branches is not None and self.backbone.shares_prefixes(branches):
             hidden = self.backbone.hidden_states(input_ids, tree=PrefixTree.from_lengths(branches, input_ids.device))
             group_row = torch.arange(gather.size(0), device=gather.device) // (branches.size(1) - 1)
-            h = hidden[group_row[:, None], gather]
+            h = hidden[group_row[:, None], tree_positions(gather, branches)]
+        else:
+            if branches is not None:
+                input_ids = unshare_branches(input_ids, branches)[0]
+            hidden = self.backbone.hidden_states(input_ids)
+            h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
         return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
 
 

@@ -136,15 +136,18 @@ def test_dynamic_sampling_keeps_groups_with_a_spread_in_global_order_then_fills(
 
 @pytest.mark.parametrize("model", ["gpt_modern", "llama", "hf"])
 def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
-    """make_sequences(share_prompt=True): one row per group (the prompt once, then its completions, see
-    PrefixTree) gives every completion token the log-prob, entropy and gradient of one row per
-    completion. Ragged prompts and completions, an empty completion; two micro-batches of a group
-    each, as accumulate_backward slices them. A transformers model (hf) runs the group rows unshared."""
+    """make_sequences(share_prompt=True): one row per group (what its sequences share once, then the rest
+    of each, see PrefixTree) gives every completion token the log-prob, entropy and gradient of one row
+    per completion. Ragged prompts and completions, an empty completion, a group whose completions all
+    begin alike (shared past the prompt) and one that is only that beginning; two micro-batches of a
+    group each, as accumulate_backward slices them. A transformers model (hf) runs the rows unshared."""
     bb = load_backbone(assets["gpt_modern" if model == "gpt_modern" else "hf"], native=model != "hf")
     logprobs = CompletionLogprobs(bb, temperature=0.8)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (9, 30)]
-    completions = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (5, 12, 1, 0, 7, 3, 12, 2)]
+    completions = [torch.randint(1, 300, (n,), generator=g).tolist() for n in (5, 12, 1, 0, 5, 1, 10, 0)]
+    common = torch.randint(1, 300, (2,), generator=g).tolist()
+    completions[4:] = [common + c for c in completions[4:]]
     G = 4
     results = []
     for share in (False, True):
@@ -152,6 +155,9 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
         assert batch["input_ids"].size(0) == (2 if share else 8)
         if share:
             assert bb.shares_prefixes(batch["branches"]) == bb.native
+            # Shared: the prompt less its last token (the empty completion's branch); the prompt and the first
+            # common token (the completion that is only the common tokens keeps the second).
+            assert batch["branches"][:, 0].tolist() == [8, 31]
         bb.zero_grad()
         logp, entropy = [], []
         for a in (0, 4):

@@ -42,6 +42,11 @@ def base_dir() -> Path:
     return Path(os.environ.get("NANOCHAT_BASE_DIR") or Path.home() / ".cache" / "nanochat")
 
 
+def stamp_digits(model_path: Path) -> str:
+    """The N of model_<N>.pt or model_<N>/ as written (nanochat zero-pads it): its meta is meta_<N>.json."""
+    return _MODEL_RE.match(model_path.name).group(1)
+
+
 def complete_checkpoints(path: str | os.PathLike) -> list[tuple[Path, Path]]:
     """Every (model_<N>.pt or model_<N>/, meta_<N>.json) pair: the one named for a model path, or all
     complete pairs in a dir, largest N first. N is nanochat's zero-padded step (model_000500.pt) or
@@ -54,7 +59,7 @@ def complete_checkpoints(path: str | os.PathLike) -> list[tuple[Path, Path]]:
     if not p.is_dir():
         return []
     found = sorted(((int(m.group(1)), f.name, f) for f in p.iterdir() if (m := _MODEL_RE.match(f.name))), reverse=True)
-    pairs = [(model, p / f"meta_{_MODEL_RE.match(model.name).group(1)}.json") for _, _, model in found]
+    pairs = [(model, p / f"meta_{stamp_digits(model)}.json") for _, _, model in found]
     return [(model, meta) for model, meta in pairs if meta.is_file()]
 
 
@@ -112,7 +117,7 @@ def incomplete_reason(path: str | os.PathLike) -> str | None:
     meta without its model); None when it does not look like one at all."""
     p = Path(path)
     if _MODEL_RE.match(p.name) and p.exists():
-        return f"{p.name} has no meta_{_MODEL_RE.match(p.name).group(1)}.json beside it"
+        return f"{p.name} has no meta_{stamp_digits(p)}.json beside it"
     if not p.is_dir():
         return None
     names = [f.name for f in p.iterdir()]
@@ -166,7 +171,7 @@ def new_stamp(out_dir: str | os.PathLike) -> int:
         stamp = int(time.time())
         existing = find_checkpoint(out_dir)
         if existing is not None:
-            stamp = max(stamp, int(_MODEL_RE.match(existing[0].name).group(1)) + 1)
+            stamp = max(stamp, int(stamp_digits(existing[0])) + 1)
     return broadcast_object(stamp)
 
 
@@ -283,7 +288,7 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
         raise InputError("no complete checkpoint to resume from", path=str(target))
 
     def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, dict]:
-        state_path = model_path.parent / f"state_{_MODEL_RE.match(model_path.name).group(1)}.pt"
+        state_path = model_path.parent / f"state_{stamp_digits(model_path)}.pt"
         if not state_path.is_file():
             raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
         if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it

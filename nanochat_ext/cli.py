@@ -128,23 +128,20 @@ def run_plain(body: Callable[[], object], label: str) -> int:
     return 0
 
 
-def _finite(v: float) -> bool:
-    return math.isfinite(v)
-
-
 # flag -> (test, what it must be): checked by check_flags before anything is loaded.
 COMMON_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "max_steps": (lambda v: v >= 1, ">= 1"),
-    "lr": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "warmup_steps": (lambda v: v >= 0, ">= 0"),
-    "weight_decay": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
-    "grad_clip": (lambda v: _finite(v) and v >= 0, "a finite number >= 0 (0: off)"),
+    "weight_decay": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
+    "grad_clip": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0 (0: off)"),
     "log_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "eval_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "skip_nonfinite": (lambda v: v >= 0, ">= 0"),
-    "dist_timeout": (lambda v: _finite(v) and v > 0, "a finite number of seconds > 0"),
+    "dist_timeout": (lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0"),
     "val_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_len": (lambda v: v >= 3, ">= 3 (BOS, a prompt token and a response token)"),
 }
 
 

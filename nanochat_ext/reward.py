@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 from pathlib import Path
 
@@ -14,14 +13,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import (complete_checkpoints, find_checkpoint, fingerprint, first_loadable, locate,
-                                     read_json, save_checkpoint, torch_load)
+from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
+                                     save_checkpoint, stamp_digits, torch_load)
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync, precision, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 WEIGHT_MODES = ("mean", "sum", "none")
+RM_STATS = ("loss", "correct", "margin", "pairs", "tokens", "computed")  # what rm_backward returns, in order
 
 
 class RewardModel(nn.Module):
@@ -89,9 +89,10 @@ class RewardScorer:
     in (dtype: its matmul dtype; bf16 means frozen weights in bf16 under bf16 autocast, as in training)."""
 
     def __init__(self, model: RewardModel, tokenizer: TokenizerWrapper, max_len: int, meta: dict,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, path: Path | None = None):
         self.model, self.tokenizer, self.max_len, self.meta = model.eval(), tokenizer, max_len, meta
         self.dtype = dtype
+        self.path = path  # the checkpoint file it was loaded from
 
     @property
     def device(self) -> torch.device:
@@ -141,13 +142,14 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     warning that they cannot be verified."""
     if not complete_checkpoints(path):
         raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
-    model, tokenizer, meta, state, dtype = first_loadable(path, lambda m, meta: _load_rm_files(m, meta, device, backbone))
+    model_path, model, tokenizer, meta, state, dtype = first_loadable(
+        path, lambda m, meta: (m, *_load_rm_files(m, meta, device, backbone)))
     # As in training: what was frozen is held in the compute dtype, what trained keeps fp32 (the head too).
     for name, p in model.backbone.named_parameters():
         p.requires_grad_(f"backbone.{name}" in state)
     hold_frozen_in(model.backbone, dtype)
     model.requires_grad_(False)
-    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta, dtype)
+    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta, dtype, model_path)
 
 
 def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str,
@@ -199,8 +201,7 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
     if out.exists() and any(out.iterdir()):
         raise InputError("export dir is not empty", path=str(out))
     scorer = load_reward_model(path, "cpu", backbone=backbone)  # finds and verifies the backbone
-    model_path, meta_path = find_checkpoint(path)
-    meta = read_json(meta_path)
+    model_path, meta = scorer.path, dict(scorer.meta)
     source, tok_source = Path(scorer.model.backbone.source), Path(scorer.tokenizer.source)
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -209,7 +210,7 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
         bb = staging / "backbone"
     else:  # a nanochat checkpoint: the model file and its meta
         (staging / "backbone").mkdir(parents=True)
-        for f in (source, source.with_name(source.name.replace("model_", "meta_").replace(".pt", ".json"))):
+        for f in (source, source.with_name(f"meta_{stamp_digits(source)}.json")):
             shutil.copyfile(f, staging / "backbone" / f.name)
         bb = staging / "backbone" / source.name
     if tok_source.is_dir():
@@ -220,7 +221,7 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
             if f.is_file():
                 shutil.copyfile(f, staging / "tokenizer" / f.name)
     final_bb = out / bb.relative_to(staging)
-    stamp = int(re.match(r"model_(\d+)", model_path.name).group(1))
+    stamp = int(stamp_digits(model_path))
     meta.update({"backbone": str(final_bb.resolve()), "tokenizer": str((out / "tokenizer").resolve()),
                  "backbone_ref": {"path": str(final_bb.resolve()), "relative_to_checkpoint": str(bb.relative_to(staging)),
                                   "relative_to_base_dir": None, "fingerprint": fingerprint(bb)},
@@ -240,12 +241,12 @@ def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, w
 
     The loss denominator is summed over the whole global batch before any backward, and the loss is
     multiplied by the world size because DDP averages gradients over ranks: the accumulated gradient
-    is that of the global-batch loss however the batch is split. Returns this rank's
-    [loss, correct, margin sum, pairs, tokens, computed tokens] (see collate_pairs).
+    is that of the global-batch loss however the batch is split. Returns this rank's RM_STATS: loss,
+    correct pairs, margin sum, pairs, tokens and computed tokens (see collate_pairs).
     """
     normaliser = all_reduce_sum(sum(loss_normaliser(b["weights"], weight_mode, weight_cap) for b in batches)).item()
     world = get_world_size()
-    stats = torch.zeros(6, dtype=torch.float64)
+    stats = torch.zeros(len(RM_STATS), dtype=torch.float64)
     for i, b in enumerate(batches):
         n = b["weights"].numel()
         with no_sync(model, skip_sync=i < len(batches) - 1), autocast:

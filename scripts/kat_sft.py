@@ -16,20 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_model_path, resolve_resume, save_synced
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, precision, print0, seed_everything,
-                                      wrap_ddp)
+from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything, wrap_ddp
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
-from nanochat_ext.tracking import Tracker
+from nanochat_ext.tracking import Tracker, WindowSums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
     out_dir, log_dir = output_dirs(args, "chatsft_checkpoints", default_tag="default")
-    check_flags(args, {"max_len": (lambda v: v >= 3, ">= 3 (BOS, a prompt token and a reply token)")})
+    check_flags(args)
     conversations = load_conversations(args.conversations)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
@@ -105,7 +102,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft")
     guard = StepGuard(args.skip_nonfinite)
-    window = torch.zeros(3, dtype=torch.float64)  # loss, tokens, steps
+    window = WindowSums(["loss", "tokens", "steps"])  # this rank's sums since the last log
     t0, metrics = time.time(), {}
     for step in range(start_step, args.max_steps):
         mine = [i for mb in loader.micro_batches(step) for i in mb]
@@ -116,15 +113,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
         done = step + 1
         guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
-        window[:2] += stats
-        window[2] += 1
+        window.add(loss=stats[0].item(), tokens=stats[1].item(), steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
-            s = all_reduce_sum(window.clone())
-            metrics = {"train/loss": s[0].item() / window[2].item(), "train/lr": lr,
-                       "perf/tokens_per_s": s[1].item() / (time.time() - t0)}
+            s = window.reduced()  # every rank's loss is its share of the global one; steps count once per rank
+            metrics = {"train/loss": s["loss"] / (s["steps"] / env.world_size), "train/lr": lr,
+                       "perf/tokens_per_s": s["tokens"] / (time.time() - t0)}
             tracker.log(done, metrics)
-            window.zero_()
+            window.zero()
             t0 = time.time()
         if guard.stop and done < args.max_steps:
             tracker.close()

@@ -28,8 +28,8 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
-from nanochat_ext.reward import WEIGHT_MODES, RewardModel, rm_backward, trainable_state
-from nanochat_ext.tracking import Tracker
+from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
+from nanochat_ext.tracking import Tracker, WindowSums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +89,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     out_dir, log_dir = output_dirs(args, "rm_checkpoints")
 
     # ---- validate every input before anything is trained or written ---------------------------
-    check_flags(args, {"max_len": (lambda v: v >= 3, ">= 3 (BOS, a prompt token and a response token)")})
+    check_flags(args, {"weight_cap": (lambda v: v > 0, "> 0 (a pair's weight is clipped to it)")})
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
     if skipped:
         print0(f"data: skipped {skipped} bad rows of {args.pairs}")
@@ -97,8 +97,6 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         attach_density(rows, load_density(args.density), args.density)
     train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
-    if args.weight_cap is not None and args.weight_cap <= 0:
-        raise InputError(f"--weight_cap must be positive, got {args.weight_cap}")
     resume = resolve_resume(args.resume, out_dir)
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
@@ -164,7 +162,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
     guard = StepGuard(args.skip_nonfinite)
-    window = torch.zeros(7, dtype=torch.float64)  # rm_backward's stats, then steps since the last log
+    window = WindowSums([*RM_STATS, "steps"])  # this rank's sums since the last log
     t_log = time.time()
     metrics: dict = {}
     for step in range(start_step, args.max_steps):
@@ -176,21 +174,18 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
         done = step + 1
         grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
-        window[:6] += stats
-        window[6] += 1
+        window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
-            stats = all_reduce_sum(window.clone())
+            s = window.reduced()  # every rank's loss is its share of the global one; steps count once per rank
             elapsed = time.time() - t_log
-            metrics = {"train/loss": stats[0].item() / window[6].item(),
-                       "train/accuracy": stats[1].item() / stats[3].item(),
-                       "train/margin": stats[2].item() / stats[3].item(),
+            metrics = {"train/loss": s["loss"] / (s["steps"] / env.world_size),
+                       "train/accuracy": s["correct"] / s["pairs"], "train/margin": s["margin"] / s["pairs"],
                        "train/lr": lr, "train/grad_norm": grad_norm,
-                       "perf/pairs_per_s": stats[3].item() / elapsed, "perf/tokens_per_s": stats[4].item() / elapsed,
-                       "perf/computed_tokens_per_s": stats[5].item() / elapsed,
-                       **peak_memory_gb(env.device)}
+                       "perf/pairs_per_s": s["pairs"] / elapsed, "perf/tokens_per_s": s["tokens"] / elapsed,
+                       "perf/computed_tokens_per_s": s["computed"] / elapsed, **peak_memory_gb(env.device)}
             tracker.log(done, metrics)
-            window.zero_()
+            window.zero()
             t_log = time.time()
         if done == args.max_steps or due(done, args.eval_every):
             if val_pairs:

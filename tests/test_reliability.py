@@ -242,6 +242,7 @@ def test_a_full_disk_at_save_removes_the_partial_files_and_keeps_the_previous_ch
     (["--max_len", "2"], "--max_len must be >= 3"),
     (["--save_every", "-1"], "--save_every must be >= 0"),
     (["--log_every", "-1"], "--log_every must be >= 0"),
+    (["--weight_cap", "0"], "--weight_cap must be > 0"),
 ])
 def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "out", *extra)) == 2

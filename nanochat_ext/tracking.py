@@ -101,7 +101,6 @@ def _step_of(line: str) -> float:
         return float("inf")
 
 
-
 class WindowSums:
     """Named float64 sums over the steps of one logging window on this rank; `reduced` sums them over
     all ranks in one all-reduce (collective)."""

@@ -25,20 +25,10 @@ from nanochat_ext.stats import paired_difference
 # (metric name, where it comes from, better when higher?)
 RM_GROUPS = ("overall", "dense topics", "rare topics")
 RM_METRICS = [(f"rm_{m}_{g.split()[0]}", ("rm", g, m), True) for m in ("accuracy", "margin") for g in RM_GROUPS]
-POLICY_METRICS = [
-    ("policy_rm_score", ("policy", "rm_score_sampled"), True),
-    ("task_accuracy_greedy", ("policy", "task_accuracy_greedy"), True),
-    ("task_accuracy_greedy_dense", ("policy", "task_accuracy_greedy_dense"), True),
-    ("task_accuracy_greedy_rare", ("policy", "task_accuracy_greedy_rare"), True),
-    ("task_accuracy_sampled", ("policy", "task_accuracy_sampled"), True),
-    ("task_accuracy_sampled_dense", ("policy", "task_accuracy_sampled_dense"), True),
-    ("task_accuracy_sampled_rare", ("policy", "task_accuracy_sampled_rare"), True),
-    ("distinct_1", ("policy", "distinct_1"), True),
-    ("distinct_2", ("policy", "distinct_2"), True),
-    ("bigram_entropy_bits", ("policy", "bigram_entropy_bits"), True),
-    ("duplicate_share", ("policy", "duplicate_share"), False),
-    ("topic_accuracy_spread", ("policy", "topic_accuracy_spread"), False),
-]
+POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), True)] + [
+    (m, ("policy", m), m not in ("duplicate_share", "topic_accuracy_spread"))  # those two: lower is better
+    for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
+              "distinct_1", "distinct_2", "bigram_entropy_bits", "duplicate_share", "topic_accuracy_spread")]
 HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share"]
 
 

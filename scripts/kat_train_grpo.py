@@ -12,6 +12,7 @@ The last line printed on success names the checkpoint written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -249,7 +250,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                           args.importance_level)
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
     # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
-    share_prompt = G > 1 and micro % G == 0
+    share_prompt = micro % G == 0
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
     print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
            f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
@@ -434,8 +435,7 @@ def evaluate(policy: Backbone, rows: list[PromptRow], prompt_ids: list[list[int]
         if not mine:  # fewer eval prompts than ranks: still take part in the reward check's collective
             raise_if_any(None)
             continue
-        cfg = SamplingConfig(sampling.max_new_tokens, temperature, sampling.top_k, sampling.top_p, sampling.min_new_tokens,
-                             sampling.compile)
+        cfg = dataclasses.replace(sampling, temperature=temperature)
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])

@@ -332,9 +332,11 @@ class KVCache:
         # cache holds that instead: half the memory of fp32 under bf16, the same attention output.
         if torch.is_autocast_enabled(torch.device(device).type):
             dtype = torch.get_autocast_dtype(torch.device(device).type)
-        shape = (n_layer, batch, n_kv_head, max_len, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch, n_kv_head, max_len, head_dim)
+        # One tensor per layer: a compiled decode step then writes each layer's new position in place
+        # (a slice of one stacked tensor is functionalised into a copy of the whole cache every step).
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.pos = 0  # tokens already cached
         self.slot: torch.Tensor | None = None  # (1,) where decode_step writes (static decoding only)
         self.prev_embedding: torch.Tensor | None = None  # (B, 1, n_embd), smear vintages only
@@ -347,18 +349,18 @@ class KVCache:
             self.v[layer].index_copy_(2, self.slot, v)
             return self.k[layer], self.v[layer]
         end = self.pos + k.size(2)
-        if end > self.k.size(3):
-            raise ValueError(f"KV cache of {self.k.size(3)} positions is full")
-        self.k[layer, :, :, self.pos:end] = k
-        self.v[layer, :, :, self.pos:end] = v
-        if layer == self.k.size(0) - 1:
+        if end > self.k[layer].size(2):
+            raise ValueError(f"KV cache of {self.k[layer].size(2)} positions is full")
+        self.k[layer][:, :, self.pos:end] = k
+        self.v[layer][:, :, self.pos:end] = v
+        if layer == len(self.k) - 1:
             self.pos = end
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
     def repeat_interleave(self, n: int) -> None:
         """Each row becomes n rows: a prompt prefilled once serves its n samples."""
-        self.k = self.k.repeat_interleave(n, dim=1)
-        self.v = self.v.repeat_interleave(n, dim=1)
+        self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
+        self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
         if self.prev_embedding is not None:
             self.prev_embedding = self.prev_embedding.repeat_interleave(n, dim=0)
 

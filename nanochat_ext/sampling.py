@@ -57,6 +57,31 @@ class Samples:
     truncated: list[bool]  # stopped by max_new_tokens, not by the stop token
 
 
+def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,
+                done: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int) -> torch.Tensor:
+    """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
+    row's uniform u, the pad for rows already stopped. Written into out; rows that stop now are marked in
+    done and lengths. All in place."""
+    if cfg.min_new_tokens:
+        logits[:, stop_id] = torch.where(t < cfg.min_new_tokens, float("-inf"), logits[:, stop_id])
+    token = torch.where(done, pad_id, sample_token(logits, u, cfg))
+    out.index_copy_(1, t.view(1), token[:, None])
+    stopped = ~done & (token == stop_id)
+    lengths.masked_fill_(stopped, t + 1)
+    done.logical_or_(stopped)
+    return token
+
+
+def static_step(model: Backbone, cache, logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor,
+                lengths: torch.Tensor, done: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
+                cfg: SamplingConfig, stop_id: int, pad_id: int) -> torch.Tensor:
+    """Take token t from logits, then decode it at cache.slot (static shapes): the logits after it.
+    torch.compile captures the whole step, sampling included."""
+    token = take_tokens(logits, u, t, out, lengths, done, cfg, stop_id, pad_id)
+    key_valid.index_fill_(1, cache.slot, True)
+    return model.model.decode_step(token, positions + t, key_valid, cache)
+
+
 @torch.no_grad()
 def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: SamplingConfig, stop_id: int,
              pad_id: int, generators: list[torch.Generator]) -> Samples:
@@ -80,31 +105,29 @@ def generate(model: Backbone, prompts: list[list[int]], group_size: int, cfg: Sa
     logits = logits.repeat_interleave(G, dim=0)
     key_mask = key_mask.repeat_interleave(G, dim=0)
     if static:
+        step = model.compiled(static_step)
         key_valid = torch.zeros((n * G, cache_len), dtype=torch.bool, device=device)
         key_valid[:, :P] = key_mask
-        positions = key_mask.sum(-1)  # each row's next position: its real tokens so far
+        positions = key_mask.sum(-1)  # each row's position for token 0: its prompt's real tokens
     out = torch.full((n * G, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(n * G, dtype=torch.bool, device=device)
     lengths = torch.full((n * G,), cfg.max_new_tokens, dtype=torch.long, device=device)
+    steps = torch.arange(cfg.max_new_tokens + P, device=device)  # token t is steps[t]; its cache slot steps[P + t]
+    last = cfg.max_new_tokens - 1
     for t in range(cfg.max_new_tokens):
-        if t < cfg.min_new_tokens:
-            logits[:, stop_id] = float("-inf")
-        token = torch.where(done, pad_id, sample_token(logits, uniforms[:, t], cfg))
-        out[:, t] = token
-        stopped = ~done & (token == stop_id)
-        lengths[stopped] = t + 1
-        done |= stopped
-        if t == cfg.max_new_tokens - 1 or bool(done.all()):
+        if static and t < last:
+            cache.slot = steps[P + t:P + t + 1]
+            logits = step(model, cache, logits, uniforms[:, t], steps[t], out, lengths, done, positions, key_valid,
+                          cfg, stop_id, pad_id)
+        else:
+            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_id, pad_id)
+            if t == last:
+                break
+            if use_mask:
+                key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
+            logits = model.decode(cache, token, key_mask if use_mask else None)
+        if bool(done.all()):
             break
-        if static:
-            key_valid[:, P + t] = True
-            cache.slot = torch.tensor([P + t], device=device)
-            logits = model.decode_compiled(cache, token, positions, key_valid)
-            positions = positions + 1
-            continue
-        if use_mask:
-            key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
-        logits = model.decode(cache, token, key_mask if use_mask else None)
     lengths, done = lengths.tolist(), done.tolist()
     out = out.tolist()
     return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done])

@@ -53,10 +53,10 @@ def test_compiled_decode_as_cuda_graphs_samples_like_eager(assets):
     """--compile 1 on a GPU: the static decode step captured as CUDA graphs (mode reduce-overhead) gives
     eager's tokens (fp32 and greedy, so float-level differences cannot flip a token)."""
     from nanochat_ext.backbone import load_backbone
-    from nanochat_ext.sampling import SamplingConfig, generate
+    from nanochat_ext.sampling import SamplingConfig, generate, static_step
 
     bb = load_backbone(assets["gpt_modern"], torch.device("cuda"))
     prompts = [list(range(5, 29)), list(range(7, 12))]
     runs = [generate(bb, prompts, 2, SamplingConfig(16, 0.0, compile=compiled), 1, 0,
                      [torch.Generator().manual_seed(i) for i in range(2)]) for compiled in (False, True)]
-    assert runs[0].completions == runs[1].completions and bb._compiled_step is not None
+    assert runs[0].completions == runs[1].completions and static_step in bb._compiled

@@ -152,8 +152,8 @@ def test_static_decode_step_matches_nanochat(name):
                 key_valid[:, P + t] = True
                 cache.slot = torch.tensor([P + t])
                 tokens = torch.stack([row[k + t] for row, k in zip(rows, lengths)])
-                step = bb.decode_compiled if compiled else (lambda c, *a: bb.model.decode_step(*a, c))
-                got = step(cache, tokens, positions, key_valid)[:, :golden["vocab_size"]]
+                step = bb.compiled(bb.model.decode_step) if compiled else bb.model.decode_step
+                got = step(tokens, positions, key_valid, cache)[:, :golden["vocab_size"]]
                 positions = positions + 1
                 want = torch.stack([want_long[290 + t - 236], want60[50 + t]])
                 torch.testing.assert_close(got, want, atol=1e-4, rtol=0, msg=f"{name} step {t} compiled {compiled}")

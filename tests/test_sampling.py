@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nanochat_ext.backbone import load_backbone
-from nanochat_ext.sampling import SamplingConfig, filter_logits, generate, sample_token
+from nanochat_ext.sampling import SamplingConfig, filter_logits, generate, sample_token, static_step
 
 
 def reference_generate(model, prompts, G, cfg, stop_id, pad_id, generators):
@@ -89,7 +89,7 @@ def test_kv_cache_is_held_in_the_autocast_dtype_with_the_same_logits(assets, nam
         fp32_cache = model.new_kv_cache(2, 10)  # made outside autocast: the weights' fp32
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             cache = model.new_kv_cache(2, 10) if cache_dtype == torch.bfloat16 else fp32_cache
-            assert cache.k.dtype == cache_dtype
+            assert all(t.dtype == cache_dtype for t in cache.k + cache.v)
             first = model(ids, kv_cache=cache)[:, -1]
             second = model(torch.tensor([[1], [2]]), kv_cache=cache)[:, -1]
         out[cache_dtype] = torch.cat([first, second])
@@ -104,11 +104,15 @@ def test_compiled_static_decode_samples_the_same_tokens(assets, name):
     bb = load_backbone(assets[name])
     prompts = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]
 
-    def run(compiled: bool, temperature: float):
+    def run(compiled: bool, temperature: float, stop_id: int):
         cfg = SamplingConfig(20, temperature, min_new_tokens=3, compile=compiled)
-        return generate(bb, prompts, 3, cfg, 1, 0, [torch.Generator().manual_seed(i) for i in range(3)])
+        return generate(bb, prompts, 3, cfg, stop_id, 0, [torch.Generator().manual_seed(i) for i in range(3)])
 
     for temperature in (1.0, 0.0):
-        eager, compiled = run(False, temperature), run(True, temperature)
+        # greedy: the stop token is what row 0 picks 4th, so rows stop at different steps (the loop goes
+        # on for the others, pads after a stop) and the ban before min_new_tokens is exercised
+        stop_id = 1 if temperature else run(False, 0.0, 1).completions[0][3]
+        eager, compiled = run(False, temperature, stop_id), run(True, temperature, stop_id)
         assert compiled.completions == eager.completions and compiled.truncated == eager.truncated
-    assert bb._compiled_step is not None  # the compiled step ran, not an eager fallback
+    assert len(eager.completions[0]) == 4 and True in eager.truncated
+    assert static_step in bb._compiled  # the compiled step ran, not the eager loop

@@ -335,6 +335,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return Rollout.concat(batch[env.rank::env.world_size], n_rewards), filled
 
     metrics: dict = {}
+    t_log = time.time()  # wall clock of the log window (evaluation left out), as TRL's bench times steps
     for step in range(start_step, args.max_steps):
         if args.filter_zero_std:
             ro, filled = rollout_with_signal()
@@ -370,15 +371,17 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                    train_s=time.time() - t1, steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
-            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm)
+            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm, time.time() - t_log)
             metrics.update(peak_memory_gb(env.device))
             tracker.log(done, metrics)
             window.zero()
+            t_log = time.time()
         if done == args.max_steps or due(done, args.eval_every):
             if eval_rows:
                 ev = evaluate(policy, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
                 tracker.log(done, ev)
                 metrics.update(ev)
+            t_log = time.time()
         if guard.stop and done < args.max_steps:
             tracker.close()
             raise Interrupted(done, save(done, metrics))
@@ -398,13 +401,14 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
     tracker.records("rollouts.jsonl", rows)
 
 
-def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float) -> dict:
-    """Logged metrics from one window's sums over all ranks. Times are summed over ranks and every rank
-    counted its steps, so per-step seconds divide by the step count (which is world x steps)."""
+def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float,
+                   elapsed: float) -> dict:
+    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
+    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
+    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
     n, steps = s["samples"], s["steps"] / world
     mean = s["reward"] / n
     tokens = max(s["loss_tokens"], 1)
-    step_s = s["gen_s"] + s["score_s"] + s["ref_s"] + s["train_s"]
     m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
     m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
     m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
@@ -413,11 +417,11 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
               "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
               "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,
               "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
-              "perf/completions_per_s": n / (step_s / world),
+              "perf/completions_per_s": n / elapsed,
               "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
               # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
               **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
-              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / step_s})
+              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed})
     return m
 
 

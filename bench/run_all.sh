@@ -26,6 +26,8 @@ for _ in $(seq "$ROUNDS"); do
   ours python $TR bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 --unfreeze_last all | tag ours_rm_full_2x1
   trl python trl_grpo.py --threads 2 | tag trl_grpo_1x2
   ours python bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 2 | tag ours_grpo_1x2
+  ours python bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 2 --compile 1 | tag ours_grpo_compiled_1x2
   trl torchrun --standalone --nproc_per_node 2 trl_grpo.py --threads 1 | tag trl_grpo_2x1
   ours python $TR bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 1 | tag ours_grpo_2x1
+  ours python $TR bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 1 --compile 1 | tag ours_grpo_compiled_2x1
 done

@@ -61,13 +61,15 @@ def main() -> None:
         gen_secs = sum(gen_tokens / r["perf/gen_tokens_per_s"] for r in windows)
         train_tokens_s = sum(r["perf/train_tokens_per_s"] for r in windows) / len(windows)
         steps = len(windows) * b.warmup
+        compile_s = sum(r.get("perf/compile_s", 0.0) for r in logs)  # the first step's is in the untimed warmup
         print(json.dumps({
             "bench": "nanochat_ext_grpo", "compile": b.compile, "world_size": env.world_size, "threads_per_proc": torch.get_num_threads(),
             "completions_per_step_global": b.prompts_per_proc * b.group_size * world, "steps_timed": steps,
             "timed_s": round(secs, 3), "completions_per_s": round(completions * len(windows) / secs, 2),
             "gen_tokens_per_s": round(gen_tokens * len(windows) / gen_secs, 1),
             "train_tokens_per_s": round(train_tokens_s, 1), "ms_per_step": round(1000 * secs / steps, 1),
-            "ms_gen_per_step": round(1000 * gen_secs / steps, 1), "peak_rss_mb_max_proc": round(rss_mb, 1),
+            "ms_gen_per_step": round(1000 * gen_secs / steps, 1), "compile_s": round(compile_s, 1),
+            "peak_rss_mb_max_proc": round(rss_mb, 1),
             "torch": torch.__version__,
         }), flush=True)
 

@@ -324,8 +324,8 @@ class Block(nn.Module):
 
 
 class KVCache:
-    """Keys/values of every layer for a batch being decoded: (n_layer, B, n_kv_head, max_len, head_dim),
-    plus the last token's embedding for the smear of the next one."""
+    """Keys/values of every layer for a batch being decoded, a (B, n_kv_head, max_len, head_dim) tensor per
+    layer, plus the last token's embedding for the smear of the next one."""
 
     def __init__(self, n_layer: int, batch: int, n_kv_head: int, head_dim: int, max_len: int, device, dtype):
         # dtype: the weights'. Under autocast attention reads keys and values in the autocast dtype, so the

@@ -300,24 +300,24 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # sums over the steps of one logging window, on this rank (reduced over ranks at log time)
     window = WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in rewards.names), "tokens",
                          "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
-                         "gen_s", "score_s", "ref_s", "train_s", "steps"])
+                         "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps"])
 
     def rollout(draw: int) -> Rollout:
         """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
         indices = [i for mb in loader.micro_batches(draw) for i in mb]
-        t0 = time.time()
+        t0, compiled_before = time.time(), policy.compile_s
         policy.eval()
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
-        t1 = time.time()
+        t1, compile_s = time.time(), policy.compile_s - compiled_before  # --compile: a new shape's compile
         per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
                                            [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
         window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
                    tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
                    zero_std=zero_std_groups(total, G).sum(), groups=len(indices), draws=1.0 / env.world_size,
-                   gen_s=t1 - t0, score_s=time.time() - t1,
+                   gen_s=t1 - t0 - compile_s, compile_s=compile_s, score_s=time.time() - t1,
                    **{f"reward_{n}": v for n, v in zip(rewards.names, per_reward.sum(0).tolist())})
         return Rollout(indices, samples.completions, samples.truncated, per_reward)
 
@@ -422,6 +422,7 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
               "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
               # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
               **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
+              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
               "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed})
     return m
 

@@ -215,12 +215,15 @@ def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
 def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_path):
     common = ("--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "2",
               "--group_size", "4", "--log_rollouts", "--beta", "0.04")
-    runs = {}
+    runs, compile_s = {}, {}
+    torch._dynamo.reset()  # nothing compiled by earlier tests: this run compiles its step itself
     for flag in ("0", "1"):
         out = tmp_path / f"compile{flag}"
         assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--compile", flag)) == 0
         runs[flag] = ((out / "logs" / "rollouts.jsonl").read_text(), load_backbone(out).model.state_dict())
+        compile_s[flag] = read_metrics(out)[0]["perf/compile_s"]
     assert runs["0"][0] == runs["1"][0]  # the same completions, token for token, and rewards
+    assert compile_s["0"] == 0 and compile_s["1"] > 0.5  # the compile is reported apart from generation
     for name, p in runs["0"][1].items():
         torch.testing.assert_close(p, runs["1"][1][name], atol=0, rtol=0, msg=name)
 

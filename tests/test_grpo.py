@@ -223,7 +223,7 @@ def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_pa
         runs[flag] = ((out / "logs" / "rollouts.jsonl").read_text(), load_backbone(out).model.state_dict())
         compile_s[flag] = read_metrics(out)[0]["perf/compile_s"]
     assert runs["0"][0] == runs["1"][0]  # the same completions, token for token, and rewards
-    assert compile_s["0"] == 0 and compile_s["1"] > 0.5  # the compile is reported apart from generation
+    assert compile_s["0"] == 0 and compile_s["1"] > 0  # the compile is reported apart from generation
     for name, p in runs["0"][1].items():
         torch.testing.assert_close(p, runs["1"][1][name], atol=0, rtol=0, msg=name)
 

@@ -155,11 +155,17 @@ class PrefixTree:
     pair's prompt, then its chosen and its rejected response; a GRPO group's prompt, then its G
     completions. A branch token sees the prefix and its
     own branch, at the positions it would have in a row of its own, and never another branch; so each
-    branch computes exactly what prefix + branch computes alone, and the prefix is computed once."""
+    branch computes exactly what prefix + branch computes alone, and the prefix is computed once.
+
+    Attention (TreeAttention) runs the prefix causally once per row, and each branch's queries over the
+    prefix and their own branch, gathered into a batch of B x K short rows: the attention work of rows
+    of their own, not a dense masked T x T."""
     positions: torch.Tensor  # (B, T) each token's position on its own path; 0 on padding
     segment: torch.Tensor  # (B, T) 0: prefix, k: branch k (1..K), K + 1: padding
     prev: torch.Tensor  # (B, T) index of each token's predecessor on its path (a branch's first: the prefix's last)
     ends: torch.Tensor  # (B, K) index of each branch's last token
+    branch_rows: torch.Tensor  # (B, K, Lm) row index of branch k's j-th token; -1 past the branch's end
+    prefix_lengths: torch.Tensor  # (B,)
     span: int  # longest path (prefix + one branch) of any row: the positions a model must cover
 
     @classmethod
@@ -177,37 +183,105 @@ class PrefixTree:
         prefix = lengths[:, :1]
         positions = torch.where(segment == 0, idx, prefix + idx - starts).masked_fill(segment > K, 0)
         prev = torch.where((segment > 0) & (idx == starts), prefix - 1, idx - 1).clamp(min=0)
+        j = torch.arange(int(lengths[:, 1:].max()))
+        branch_rows = torch.where(j < lengths[:, 1:, None], bounds[:, :-1, None] + j, -1)
         span = int((lengths[:, 0] + lengths[:, 1:].max(-1).values).max())
-        return cls(*(t.to(device) for t in (positions, segment, prev, bounds[:, 1:] - 1)), span)
+        tensors = (positions, segment, prev, bounds[:, 1:] - 1, branch_rows, lengths[:, 0])
+        return cls(*(t.to(device) for t in tensors), span)
 
     @staticmethod
     def pays(lengths: torch.Tensor, hidden_size: int) -> bool:
         """Whether prefix-tree rows (lengths as from_lengths takes them) cost fewer FLOPs than one row per
         branch. Per layer and token, the projections and MLP cost ~24 h^2; attention ~4 h per query-key
-        pair, over the whole masked T x T of a tree row but only the causal half of a row of its own. So a
-        short prompt shared by many long branches is cheaper unshared."""
+        pair: for a tree, the causal half of the longest prefix per row plus every branch (padded to the
+        longest) over that prefix and itself (TreeAttention); for rows of their own, the causal half of
+        each. So a tree pays unless its rows share (almost) nothing."""
         lengths = lengths.cpu().double()
         tree, own = lengths.sum(-1), lengths[:, :1] + lengths[:, 1:]
+        B, K = lengths.size(0), lengths.size(1) - 1
+        P, L = float(lengths[:, 0].max()), float(lengths[:, 1:].max())
         h = float(hidden_size)
-        shared = 24 * h * h * tree.sum() + 4 * h * (tree ** 2).sum()
+        shared = 24 * h * h * tree.sum() + 2 * h * B * P * P + 4 * h * B * K * L * (P + L)
         unshared = 24 * h * h * own.sum() + 2 * h * (own ** 2).sum()
         return bool(shared < unshared)
 
-    def masks(self, window_sizes: list[int]) -> list[torch.Tensor]:
-        """Per-layer (B, 1, T, T) masks: causal along each token's own path, within the layer's window
-        (position distance, as in `attn_masks`). A pad query sees itself alone, so no row is fully masked."""
-        T, K = self.segment.size(1), self.ends.size(1)
-        i, j = self.segment[:, :, None], self.segment[:, None, :]
-        causal = torch.ones(T, T, dtype=torch.bool, device=i.device).tril()
-        on_path = causal & ((j == 0) | (j == i)) & (i <= K)
-        itself = torch.eye(T, dtype=torch.bool, device=i.device)
+    def attention(self, window_sizes: list[int]) -> list[TreeAttention]:
+        """Per-layer TreeAttention: causal along each token's own path, within the layer's window
+        (position distance, as in `attn_masks`)."""
+        B, K, Lm = self.branch_rows.shape
+        Pm = int(self.prefix_lengths.max())
+        device = self.branch_rows.device
+        real = self.branch_rows >= 0
+        rows = self.branch_rows.clamp(min=0)  # a pad query reads row 0; its output is dropped
+        prefix_keys = torch.arange(Pm, device=device).expand(B, K, Pm)
+        key_rows = torch.cat([prefix_keys, rows], -1).flatten(1)  # (B, K * (Pm + Lm))
+        P = self.prefix_lengths[:, None, None]
+        j = torch.arange(Lm, device=device)
+        query_pos = (P + j)[..., None]  # (B, K, Lm, 1)
+        key_pos = torch.cat([prefix_keys, (P + j).expand(B, K, Lm)], -1)[:, :, None, :]  # (B, K, 1, Pm + Lm)
+        key_ok = torch.cat([prefix_keys < P, real], -1)[:, :, None, :] & (key_pos <= query_pos)
+        # each query sees its own slot: no row is fully masked (some SDPA kernels give such a row NaN, and
+        # a pad query reads row 0, whose gradient would take it)
+        itself = torch.arange(Pm + Lm, device=device) == Pm + j[:, None]  # (Lm, Pm + Lm)
+        out_rows = torch.where(real, self.branch_rows, self.segment.size(1)).flatten(1)  # pads: a dropped slot
         by_window = {}
         for w in set(window_sizes):
-            m = on_path
-            if w < self.span:  # keys at positions >= the query's - w (a boolean (B, T, T), nothing wider)
-                m = m & (self.positions[:, None, :] >= self.positions[:, :, None] - w)
-            by_window[w] = (m | itself)[:, None]
+            ok, prefix_mask = key_ok, None
+            if w < self.span:  # keys at positions >= the query's - w
+                ok = ok & (key_pos >= query_pos - w)
+                i = torch.arange(Pm, device=device)
+                prefix_mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - w)
+            by_window[w] = TreeAttention(prefix_mask, (ok | itself).view(B * K, 1, Lm, Pm + Lm),
+                                         rows.flatten(1), out_rows, key_rows, Pm)
         return [by_window[w] for w in window_sizes]
+
+    def rows_mask(self, at: torch.Tensor, window: int) -> torch.Tensor:
+        """(B, 1, K, T) mask for queries at row positions at (B, K) alone (the scored path), over the whole
+        row: the prefix and the query's own branch up to it, within the window."""
+        T = self.segment.size(1)
+        query_seg = self.segment.gather(1, at)[..., None]  # (B, K, 1)
+        key_seg = self.segment[:, None, :]  # (B, 1, T)
+        idx = torch.arange(T, device=at.device)
+        ok = ((key_seg == 0) | (key_seg == query_seg)) & (idx <= at[..., None])
+        if window < self.span:
+            ok = ok & (self.positions[:, None, :] >= self.positions.gather(1, at)[..., None] - window)
+        return (ok | (idx == at[..., None]))[:, None]
+
+
+@dataclass
+class TreeAttention:
+    """SDPA over PrefixTree rows, one layer's (see PrefixTree.attention): the first Pm positions of every
+    row attend causally among themselves (a row's prefix; the rest of that span belongs to branches, whose
+    outputs are written over it), and each branch's queries attend, as a batch of B x K rows, to the prefix
+    and their own branch. Same outputs as a dense tree mask over T x T."""
+    prefix_mask: torch.Tensor | None  # (Pm, Pm) causal within the window; None: plain causal
+    branch_mask: torch.Tensor  # (B * K, 1, Lm, Pm + Lm)
+    query_rows: torch.Tensor  # (B, K * Lm) row index of each branch query (pads: 0)
+    out_rows: torch.Tensor  # (B, K * Lm) where each branch output goes (pads: T, a slot dropped after)
+    key_rows: torch.Tensor  # (B, K * (Pm + Lm)) row index of each branch's keys: the prefix, then the branch
+    prefix_len: int  # Pm, the longest prefix
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        (B, H, T, D), Hk, Pm = q.shape, k.size(1), self.prefix_len
+        BK, _, Lm, Tk = self.branch_mask.shape
+        gqa = H != Hk
+
+        def take(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:  # (B, h, T, D) -> (B*K, h, n, D)
+            t = t.gather(2, rows[:, None, :, None].expand(B, t.size(1), rows.size(1), D))
+            return t.view(B, t.size(1), BK // B, n, D).transpose(1, 2).reshape(BK, t.size(1), n, D)
+
+        branches = F.scaled_dot_product_attention(take(q, self.query_rows, Lm), take(k, self.key_rows, Tk),
+                                                  take(v, self.key_rows, Tk), attn_mask=self.branch_mask,
+                                                  enable_gqa=gqa)
+        branches = branches.view(B, BK // B, H, Lm, D).transpose(1, 2).reshape(B, H, BK // B * Lm, D)
+        out = q.new_zeros(B, H, T + 1 - Pm, D)
+        if Pm:
+            prefix = F.scaled_dot_product_attention(q[:, :, :Pm], k[:, :, :Pm], v[:, :, :Pm],
+                                                    attn_mask=self.prefix_mask, is_causal=self.prefix_mask is None,
+                                                    enable_gqa=gqa)
+            out = torch.cat([prefix, out], 2)
+        index = self.out_rows[:, None, :, None].expand(B, H, self.out_rows.size(1), D)
+        return out.scatter(2, index, branches)[:, :, :T]
 
 
 def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list[int]) -> list[torch.Tensor]:
@@ -219,8 +293,11 @@ def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list
     return [by_window[w] for w in window_sizes]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | TreeAttention | None) -> torch.Tensor:
+    """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query;
+    a TreeAttention: prefix-tree rows (see PrefixTree)."""
+    if isinstance(mask, TreeAttention):
+        return mask(q, k, v)
     gqa = q.size(1) != k.size(1)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, enable_gqa=gqa)
@@ -300,13 +377,17 @@ def attn_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor 
 
 
 def layer_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor | None,
-                tree: PrefixTree | None, at: torch.Tensor | None, device: torch.device) -> list[torch.Tensor | None]:
-    """Every layer's attention mask (see attn_masks, PrefixTree.masks); with `at` (B, K) the last
-    layer's is for the queries at those positions only, (B, 1, K, T)."""
-    masks = tree.masks(window_sizes) if tree is not None else attn_masks(window_sizes, T, T0, key_mask, device)
-    if at is not None:
-        masks[-1] = rows_at(masks[-1][:, 0], at)[:, None] if tree is not None else mask_at(at, T, window_sizes[-1])
-    return masks
+                tree: PrefixTree | None, at: torch.Tensor | None, device: torch.device) -> list:
+    """Every layer's attention mask (see attn_masks) or TreeAttention (see PrefixTree); with `at` (B, K)
+    the last layer's is a (B, 1, K, T) mask for the queries at those positions only."""
+    if tree is None:
+        masks = attn_masks(window_sizes, T, T0, key_mask, device)
+        if at is not None:
+            masks[-1] = mask_at(at, T, window_sizes[-1])
+        return masks
+    if at is None:
+        return tree.attention(window_sizes)
+    return tree.attention(window_sizes[:-1]) + [tree.rows_mask(at, window_sizes[-1])]
 
 
 class Block(nn.Module):

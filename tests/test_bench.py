@@ -66,3 +66,12 @@ def test_profile_summary_names_the_top_ops_of_both_trainers(assets):
     assert [r["trainer"] for r in rows] == ["rm_full_finetune", "grpo"]
     for r in rows:
         assert len(r["top"]) == 3 and r["total_ms"] > 0 and r["top"][0]["self_ms"] >= r["top"][1]["self_ms"]
+
+
+def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
+    cmd = [sys.executable, "bench/bench_prefix_tree.py", "--backbone", str(assets["gpt_modern"]), "--threads", "1",
+           "--shapes", "35+8x32", "--repeats", "1", "--steps", "1"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    row = json.loads(proc.stdout.splitlines()[-1])
+    assert row["shape"] == "35+8x32" and row["tree"] is True and row["ms_per_group"] > 0

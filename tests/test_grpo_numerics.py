@@ -180,9 +180,11 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
 
 
 def test_prefix_trees_are_used_where_they_cost_fewer_flops():
-    """Rows attend over their whole masked length, so a short prompt shared by long branches is cheaper
-    unshared; a long prompt shared by two responses (the RM's pairs) is cheaper shared."""
+    """A tree pays when its rows share a prefix: the projections run on it once, and attention costs what
+    rows of their own cost (TreeAttention), plus padding to the longest prefix and branch. With nothing or
+    almost nothing shared, that padding makes rows of their own cheaper."""
     assert PrefixTree.pays(torch.tensor([[35, 32, 32, 32, 32, 32, 32, 32, 32]]), 256)  # the GRPO bench's group
     assert PrefixTree.pays(torch.tensor([[34, 22, 22]]), 256)  # an RM bench pair
-    assert not PrefixTree.pays(torch.tensor([[512] + [512] * 16]), 1280)  # 16 x 512 tokens after a 512 prompt
+    assert PrefixTree.pays(torch.tensor([[512] + [512] * 16]), 1280)  # 16 x 512 tokens after a 512 prompt
     assert not PrefixTree.pays(torch.tensor([[0, 40, 40]]), 64)  # nothing shared
+    assert not PrefixTree.pays(torch.tensor([[2, 512, 8]]), 64)  # 2 tokens shared, the short branch padded to 512

@@ -212,9 +212,11 @@ class PrefixTree:
         Pm = int(self.prefix_lengths.max())
         device = self.branch_rows.device
         real = self.branch_rows >= 0
+        T = self.segment.size(1)
         rows = self.branch_rows.clamp(min=0)  # a pad query reads row 0; its output is dropped
         prefix_keys = torch.arange(Pm, device=device).expand(B, K, Pm)
-        key_rows = torch.cat([prefix_keys, rows], -1).flatten(1)  # (B, K * (Pm + Lm))
+        first = torch.arange(B, device=device)[:, None, None]  # each row's first token in (B * T) tokens
+        key_rows = (first * T + torch.cat([prefix_keys, rows], -1)).flatten()
         P = self.prefix_lengths[:, None, None]
         j = torch.arange(Lm, device=device)
         query_pos = (P + j)[..., None]  # (B, K, Lm, 1)
@@ -223,7 +225,8 @@ class PrefixTree:
         # each query sees its own slot: no row is fully masked (some SDPA kernels give such a row NaN, and
         # a pad query reads row 0, whose gradient would take it)
         itself = torch.arange(Pm + Lm, device=device) == Pm + j[:, None]  # (Lm, Pm + Lm)
-        out_rows = torch.where(real, self.branch_rows, self.segment.size(1)).flatten(1)  # pads: a dropped slot
+        query_rows = (first * T + rows).flatten()
+        out_rows = (first * (T + 1) + torch.where(real, self.branch_rows, T)).flatten()  # pads: a dropped slot
         by_window = {}
         for w in set(window_sizes):
             ok, prefix_mask = key_ok, None
@@ -231,8 +234,8 @@ class PrefixTree:
                 ok = ok & (key_pos >= query_pos - w)
                 i = torch.arange(Pm, device=device)
                 prefix_mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - w)
-            by_window[w] = TreeAttention(prefix_mask, (ok | itself).view(B * K, 1, Lm, Pm + Lm),
-                                         rows.flatten(1), out_rows, key_rows, Pm)
+            by_window[w] = TreeAttention(prefix_mask, (ok | itself).view(B * K, 1, Lm, Pm + Lm), query_rows,
+                                         out_rows, key_rows, Pm)
         return [by_window[w] for w in window_sizes]
 
     def rows_mask(self, at: torch.Tensor, window: int) -> torch.Tensor:
@@ -253,35 +256,36 @@ class TreeAttention:
     """SDPA over PrefixTree rows, one layer's (see PrefixTree.attention): the first Pm positions of every
     row attend causally among themselves (a row's prefix; the rest of that span belongs to branches, whose
     outputs are written over it), and each branch's queries attend, as a batch of B x K rows, to the prefix
-    and their own branch. Same outputs as a dense tree mask over T x T."""
+    and their own branch. Same outputs as a dense tree mask over T x T. Rows are picked from the (B * T)
+    tokens of the (B, T, heads, head_dim) layout the projections made, so picking and putting back are
+    one index op each and the output is that layout again."""
     prefix_mask: torch.Tensor | None  # (Pm, Pm) causal within the window; None: plain causal
     branch_mask: torch.Tensor  # (B * K, 1, Lm, Pm + Lm)
-    query_rows: torch.Tensor  # (B, K * Lm) row index of each branch query (pads: 0)
-    out_rows: torch.Tensor  # (B, K * Lm) where each branch output goes (pads: T, a slot dropped after)
-    key_rows: torch.Tensor  # (B, K * (Pm + Lm)) row index of each branch's keys: the prefix, then the branch
+    query_rows: torch.Tensor  # (B * K * Lm,) token (b * T + row) of each branch query (pads: row 0)
+    out_rows: torch.Tensor  # (B * K * Lm,) token (b * (T + 1) + row) each branch output goes to (pads: row T, dropped)
+    key_rows: torch.Tensor  # (B * K * (Pm + Lm),) token of each branch's keys: the prefix, then the branch
     prefix_len: int  # Pm, the longest prefix
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        (B, H, T, D), Hk, Pm = q.shape, k.size(1), self.prefix_len
+        (B, H, T, D), Pm = q.shape, self.prefix_len
         BK, _, Lm, Tk = self.branch_mask.shape
-        gqa = H != Hk
+        gqa = H != k.size(1)
 
         def take(t: torch.Tensor, rows: torch.Tensor, n: int) -> torch.Tensor:  # (B, h, T, D) -> (B*K, h, n, D)
-            t = t.gather(2, rows[:, None, :, None].expand(B, t.size(1), rows.size(1), D))
-            return t.view(B, t.size(1), BK // B, n, D).transpose(1, 2).reshape(BK, t.size(1), n, D)
+            h = t.size(1)
+            return t.transpose(1, 2).reshape(B * T, h * D).index_select(0, rows).view(BK, n, h, D).transpose(1, 2)
 
         branches = F.scaled_dot_product_attention(take(q, self.query_rows, Lm), take(k, self.key_rows, Tk),
                                                   take(v, self.key_rows, Tk), attn_mask=self.branch_mask,
                                                   enable_gqa=gqa)
-        branches = branches.view(B, BK // B, H, Lm, D).transpose(1, 2).reshape(B, H, BK // B * Lm, D)
-        out = q.new_zeros(B, H, T + 1 - Pm, D)
+        out = q.new_zeros(B, T + 1 - Pm, H, D)
         if Pm:
             prefix = F.scaled_dot_product_attention(q[:, :, :Pm], k[:, :, :Pm], v[:, :, :Pm],
                                                     attn_mask=self.prefix_mask, is_causal=self.prefix_mask is None,
                                                     enable_gqa=gqa)
-            out = torch.cat([prefix, out], 2)
-        index = self.out_rows[:, None, :, None].expand(B, H, self.out_rows.size(1), D)
-        return out.scatter(2, index, branches)[:, :, :T]
+            out = torch.cat([prefix.transpose(1, 2), out], 1)
+        out = out.reshape(B * (T + 1), H * D).index_copy(0, self.out_rows, branches.transpose(1, 2).reshape(-1, H * D))
+        return out.view(B, T + 1, H, D)[:, :T].transpose(1, 2)
 
 
 def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list[int]) -> list[torch.Tensor]:

@@ -232,18 +232,11 @@ def unshare_branches(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[to
     (B * K, T') ids and each row's last index (B * K,)."""
     lengths = lengths.cpu()
     B, K = lengths.size(0), lengths.size(1) - 1
-    prefix, branch = lengths[:, :1, None], lengths[:, 1:, None]  # (B, 1, 1), (B, K, 1)
-    starts = branch_starts(lengths)[..., None]
-    total = prefix + branch
-    t = torch.arange(int(total.max()))
-    index = torch.where(t < prefix, t, starts + t - prefix).masked_fill(t >= total, 0)  # (B, K, T')
-    rows = input_ids.gather(1, index.view(B, -1).to(input_ids.device)).view(B * K, -1)
+    total = (lengths[:, :1] + lengths[:, 1:]).reshape(-1, 1)  # (B * K, 1): prefix + branch
+    t = torch.arange(int(total.max())).expand(B * K, -1)
+    index = tree_positions(t, lengths).masked_fill(t >= total, 0)
+    rows = input_ids.gather(1, index.reshape(B, -1).to(input_ids.device)).view(B * K, -1)
     return rows, (total.view(-1) - 1).to(input_ids.device)
-
-
-def branch_starts(lengths: torch.Tensor) -> torch.Tensor:
-    """(B, K): where each branch of prefix-tree rows with these lengths (B, 1 + K) begins in its row."""
-    return lengths.cumsum(-1)[:, :-1]
 
 
 def tree_positions(index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -252,7 +245,7 @@ def tree_positions(index: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     prefix stays, a branch's tokens move to where the branch begins."""
     lengths = lengths.cpu()
     prefix = lengths[:, :1].repeat_interleave(lengths.size(1) - 1, 0).to(index.device)  # (B * K, 1)
-    start = branch_starts(lengths).reshape(-1, 1).to(index.device)
+    start = lengths.cumsum(-1)[:, :-1].reshape(-1, 1).to(index.device)  # where each branch begins
     return torch.where(index >= prefix, index - prefix + start, index)
 
 

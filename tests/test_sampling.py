@@ -103,6 +103,7 @@ def test_compiled_static_decode_samples_the_same_tokens(assets, name):
     lengths, temperature 1 and greedy, today's nanochat (smear, windows, value embeddings) and the Llama."""
     bb = load_backbone(assets[name])
     prompts = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]
+    torch._dynamo.reset()  # compiled here, whatever earlier tests compiled
 
     def run(compiled: bool, temperature: float, stop_id: int):
         cfg = SamplingConfig(20, temperature, min_new_tokens=3, compile=compiled)
@@ -115,4 +116,6 @@ def test_compiled_static_decode_samples_the_same_tokens(assets, name):
         eager, compiled = run(False, temperature, stop_id), run(True, temperature, stop_id)
         assert compiled.completions == eager.completions and compiled.truncated == eager.truncated
     assert len(eager.completions[0]) == 4 and True in eager.truncated
-    assert static_step in bb._compiled  # the compiled step ran, not the eager loop
+    # the compiled step ran (a graph was compiled for it), whole: sampling and decoding in one graph
+    assert static_step in bb._compiled and bb.compile_s > 0
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])

@@ -35,7 +35,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
-from nanochat_ext.sampling import SamplingConfig, generate
+from nanochat_ext.sampling import SamplingConfig, decode_compiled, generate
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tracking import Tracker, WindowSums
 
@@ -76,12 +76,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--compile", type=int, choices=(0, 1), default=0,
+    g.add_argument("--compile", choices=("auto", "0", "1"), default="auto",
                    help="1: decode with a torch.compile'd static-shape step, sampling included (our models; the same "
-                        "tokens as eager). Compiled once per batch size and 64-slot cache bucket: ~10-16 s on a 2-core "
+                        "tokens as eager). Compiled once per batch size and 64-slot cache bucket: ~10-19 s on a 2-core "
                         "CPU the first time, ~2.5 s from inductor's cache after. On that CPU it decodes the bench's "
-                        "tiny Llama ~1.6x faster (0.5 vs 0.9 ms per token step), which pays back after some hundreds "
-                        "of steps; on a GPU it runs as CUDA graphs (default: %(default)s)")
+                        "tiny Llama ~1.6x faster (0.5 vs 0.9 ms per token step). auto: compiled on CPU when "
+                        "--max_steps x --max_new_tokens >= 100000, where that pays back; eager on CUDA, where the "
+                        "step (CUDA graphs) is not yet measured (default: %(default)s)")
     g.add_argument("--mask_truncated", action="store_true",
                    help="leave completions that hit --max_new_tokens out of the loss")
     g.add_argument("--filter_zero_std", action="store_true",
@@ -245,8 +246,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
     claim_out_dir(out_dir, log_dir)
 
+    compile_decode, why = decode_compiled(args.compile, env.device, args.max_steps, args.max_new_tokens)
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens,
-                              compile=bool(args.compile))
+                              compile=compile_decode)
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
                           args.importance_level)
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
@@ -280,6 +282,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
            f"reference {'loaded' if reference else 'off (beta 0)'}")
+    print0(f"decode: {'compiled' if compile_decode and policy.native else 'eager'} "
+           f"({why if policy.native else 'a transformers model decodes eagerly'})")
 
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, run_script, run_worker
-from nanochat_ext import synthetic
+from nanochat_ext import sampling, synthetic
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import check_resume_args
 from nanochat_ext.errors import InputError
@@ -212,20 +212,26 @@ def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
         check_resume_args({}, args, ("std_mode",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
 
 
-def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_path):
+def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_path, monkeypatch, capsys):
+    """--compile 0 against the default --compile auto, its threshold lowered so that this 2-step run
+    compiles (the rule itself: test_sampling's test_compile_auto_compiles_where_the_compile_pays_back)."""
     common = ("--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "2",
               "--group_size", "4", "--log_rollouts", "--beta", "0.04")
+    monkeypatch.setattr(sampling, "COMPILE_PAYS_AFTER", 16)  # 2 steps x 8 tokens
     runs, compile_s = {}, {}
     torch._dynamo.reset()  # nothing compiled by earlier tests: this run compiles its step itself
-    for flag in ("0", "1"):
-        out = tmp_path / f"compile{flag}"
+    for flag in ("0", "auto"):
+        out = tmp_path / f"compile_{flag}"
         assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--compile", flag)) == 0
         runs[flag] = ((out / "logs" / "rollouts.jsonl").read_text(), load_backbone(out).model.state_dict())
         compile_s[flag] = read_metrics(out)[0]["perf/compile_s"]
-    assert runs["0"][0] == runs["1"][0]  # the same completions, token for token, and rewards
-    assert compile_s["0"] == 0 and compile_s["1"] > 0  # the compile is reported apart from generation
+    logged = capsys.readouterr().out
+    assert "decode: eager (--compile 0)" in logged
+    assert "decode: compiled (auto: 2 steps x 8 tokens = 16 token steps pay back the compile)" in logged
+    assert runs["0"][0] == runs["auto"][0]  # the same completions, token for token, and rewards
+    assert compile_s["0"] == 0 and compile_s["auto"] > 0  # the compile is reported apart from generation
     for name, p in runs["0"][1].items():
-        torch.testing.assert_close(p, runs["1"][1][name], atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(p, runs["auto"][1][name], atol=0, rtol=0, msg=name)
 
 
 # ---- bad input ------------------------------------------------------------------------------------

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from nanochat_ext.backbone import load_backbone
-from nanochat_ext.sampling import SamplingConfig, filter_logits, generate, sample_token, static_step
+from nanochat_ext.sampling import (COMPILE_PAYS_AFTER, SamplingConfig, decode_compiled, filter_logits, generate,
+                                    sample_token, static_step)
 
 
 def reference_generate(model, prompts, G, cfg, stop_id, pad_id, generators):
@@ -119,3 +120,23 @@ def test_compiled_static_decode_samples_the_same_tokens(assets, name):
     # the compiled step ran (a graph was compiled for it), whole: sampling and decoding in one graph
     assert static_step in bb._compiled and bb.compile_s > 0
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+
+
+def test_compile_auto_compiles_where_the_compile_pays_back(monkeypatch):
+    """--compile auto: compiled on CPU for a run that decodes COMPILE_PAYS_AFTER token steps or more, with
+    a C++ compiler for inductor; eager for shorter runs (the demo's 200 x 16), without a compiler, and
+    on CUDA. 0 and 1 are obeyed as given."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    n = -(-COMPILE_PAYS_AFTER // 64)  # the fewest steps of 64 tokens that reach it
+    assert decode_compiled("auto", cpu, n, 64)[0] and not decode_compiled("auto", cpu, n - 1, 64)[0]
+    off, why = decode_compiled("auto", cpu, 200, 16)
+    assert not off and "3200 token steps" in why
+    assert not decode_compiled("auto", cuda, 10 * n, 64)[0]
+    assert decode_compiled("1", cuda, 1, 1)[0] and not decode_compiled("0", cpu, 10 * n, 64)[0]
+    from torch._inductor import config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-compiler-here"))
+    off, why = decode_compiled("auto", cpu, 10 * n, 64)
+    assert not off and "no C++ compiler (no-such-compiler-here)" in why
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        decode_compiled("yes", cpu, 1, 1)

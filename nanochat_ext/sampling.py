@@ -26,9 +26,10 @@ class SamplingConfig:
     compile: bool = False  # our models: decode with a torch.compile'd static-shape step (same tokens)
 
 
-# --compile auto, on CPU: a cold compile costs ~18 s per batch shape (training's and evaluation's: two) and
-# saves ~0.4 ms per decoded token step (2-core CPU, the bench's 4-layer Llama), so it pays back after
-# ~90k token steps. Both scale with the number of layers, so the ratio holds for deeper models.
+# --compile auto, on CPU: the cold compiles (training's batch shape, ~18 s, and evaluation's) cost ~30 s
+# in a measured run and save 0.4-0.55 ms per decoded token step (2-core CPU, the bench's 4-layer Llama):
+# break-even at 55-75k token steps (bench/RESULTS.md). Both scale with the number of layers, so the
+# ratio holds for deeper models.
 COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
 
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import (KVCache, PrefixTree, attend, layer_masks, row_positions, rotary_slice, rows_at,
-                              static_masks)
+from nanochat_ext.gpt import (KVCache, PrefixTree, add_mlp, attend, layer_masks, row_positions, rotary_slice,
+                              rows_at, static_masks)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -99,8 +99,11 @@ class Block(nn.Module):
         n = x.size(-1)
         h = self.attn(F.rms_norm(x, (n,), self.attn_norm, self.eps), cos_sin, mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
-        gate, up = self.gate_up(F.rms_norm(x, (n,), self.mlp_norm, self.eps)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        return add_mlp(x, self.mlp, mask)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(F.rms_norm(x, (x.size(-1),), self.mlp_norm, self.eps)).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Llama(nn.Module):

@@ -167,7 +167,7 @@ class PrefixTree:
     branch_rows: torch.Tensor  # (B, K, Lm) row index of branch k's j-th token; -1 past the branch's end
     prefix_lengths: torch.Tensor  # (B,)
     span: int  # longest path (prefix + one branch) of any row: the positions a model must cover
-    tokens: torch.Tensor | None  # (N,) the (B * T) tokens that are not padding; None: too few pads (add_mlp)
+    real_tokens: torch.Tensor | None  # (N,) the (B * T) positions that are not pads, for add_mlp; None: too few
 
     @classmethod
     def from_lengths(cls, lengths: torch.Tensor, device: torch.device | str = "cpu") -> "PrefixTree":
@@ -189,10 +189,10 @@ class PrefixTree:
         span = int((lengths[:, 0] + lengths[:, 1:].max(-1).values).max())
         # The MLP runs on the real tokens alone (add_mlp) when the pads are 1/16 of the tokens or more:
         # picking and putting back cost ~3% of an MLP's time (hidden 128, 2 threads); 17% pads saved ~20%.
-        tokens = (segment <= K).flatten().nonzero().squeeze(1)
-        tokens = tokens.to(device) if (segment.numel() - tokens.numel()) * 16 >= segment.numel() else None
+        real = (segment <= K).flatten().nonzero().squeeze(1)
+        real = real.to(device) if (segment.numel() - real.numel()) * 16 >= segment.numel() else None
         tensors = (positions, segment, prev, bounds[:, 1:] - 1, branch_rows, lengths[:, 0])
-        return cls(*(t.to(device) for t in tensors), span, tokens)
+        return cls(*(t.to(device) for t in tensors), span, real)
 
     @staticmethod
     def pays(lengths: torch.Tensor, hidden_size: int) -> bool:
@@ -240,7 +240,7 @@ class PrefixTree:
                 i = torch.arange(Pm, device=device)
                 prefix_mask = (i[None, :] <= i[:, None]) & (i[None, :] >= i[:, None] - w)
             by_window[w] = TreeAttention(prefix_mask, (ok | itself).view(B * K, 1, Lm, Pm + Lm), query_rows,
-                                         out_rows, key_rows, Pm, self.tokens)
+                                         out_rows, key_rows, Pm)
         return [by_window[w] for w in window_sizes]
 
     def rows_mask(self, at: torch.Tensor, window: int) -> torch.Tensor:
@@ -270,7 +270,6 @@ class TreeAttention:
     out_rows: torch.Tensor  # (B * K * Lm,) token (b * (T + 1) + row) each branch output goes to (pads: row T, dropped)
     key_rows: torch.Tensor  # (B * K * (Pm + Lm),) token of each branch's keys: the prefix, then the branch
     prefix_len: int  # Pm, the longest prefix
-    tokens: torch.Tensor | None  # PrefixTree.tokens: the MLP's, for add_mlp
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         (B, H, T, D), Pm = q.shape, self.prefix_len
@@ -400,16 +399,15 @@ def layer_masks(window_sizes: list[int], T: int, T0: int, key_mask: torch.Tensor
     return tree.attention(window_sizes[:-1]) + [tree.rows_mask(at, window_sizes[-1])]
 
 
-def add_mlp(x: torch.Tensor, mlp, mask) -> torch.Tensor:
-    """x + mlp(x), the MLP run on the real tokens alone where `mask` (a layer's TreeAttention) knows
-    the rows' padding: the MLP is most of a block's work and position-wise, so right-padded rows need
-    not pay it for their pads, which keep x."""
-    tokens = mask.tokens if isinstance(mask, TreeAttention) else None
-    if tokens is None:
+def add_mlp(x: torch.Tensor, mlp, real_tokens: torch.Tensor | None) -> torch.Tensor:
+    """x + mlp(x), the MLP run only at real_tokens of the flattened (B * T) positions when given (a
+    PrefixTree's): it is most of a block's work and position-wise, so right-padded rows need not pay it
+    for their pads, which keep x."""
+    if real_tokens is None:
         return x + mlp(x)
     flat = x.reshape(-1, x.size(-1))
-    h = flat.index_select(0, tokens)
-    return flat.index_copy(0, tokens, h + mlp(h)).view_as(x)
+    h = flat.index_select(0, real_tokens)
+    return flat.index_copy(0, real_tokens, h + mlp(h)).view_as(x)
 
 
 class Block(nn.Module):
@@ -419,11 +417,12 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
-    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, at=None):
-        """at (B, K): the block's output only at those positions, (B, K, C)."""
+    def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, at=None, real_tokens=None):
+        """at (B, K): the block's output only at those positions, (B, K, C). real_tokens: the positions
+        of padded rows that are not padding, for the MLP (add_mlp); unused with `at`, which picks rows."""
         h = self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
-        return add_mlp(x, lambda t: self.mlp(norm(t)), attn_mask)
+        return add_mlp(x, lambda t: self.mlp(norm(t)), real_tokens if at is None else None)
 
 
 class KVCache:
@@ -593,7 +592,7 @@ class GPT(nn.Module):
         x = norm(self.transformer.wte(idx))
         if v.smear:
             x = self._smear(x, positions, kv_cache, tree.prev if tree is not None else None)
-        x = self._trunk(idx, x, cos_sin, masks, kv_cache, at)
+        x = self._trunk(idx, x, cos_sin, masks, kv_cache, at, tree.real_tokens if tree is not None else None)
         return x[:, 0] if single else x
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
@@ -609,7 +608,7 @@ class GPT(nn.Module):
             x = self._smear(x, None, kv_cache)
         return self.logits(self._trunk(tokens[:, None], x, cos_sin, masks, kv_cache, None)[:, -1])
 
-    def _trunk(self, idx, x, cos_sin, masks, kv_cache, at):
+    def _trunk(self, idx, x, cos_sin, masks, kv_cache, at, real_tokens=None):
         """The blocks (with the vintage's lambdas, value embeddings and backout) and the final norm."""
         v = self.config.v
         x0, x_backout = x, None
@@ -620,7 +619,7 @@ class GPT(nn.Module):
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if v.value_embeds and str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)
-            x = block(x, ve, cos_sin, masks[i], kv_cache, at if i == last else None)
+            x = block(x, ve, cos_sin, masks[i], kv_cache, at if i == last else None, real_tokens)
             if v.backout and i == self.config.n_layer // 2:
                 x_backout = x
         if x_backout is not None:  # taken before the last block unless there is only one

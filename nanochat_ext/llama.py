@@ -94,12 +94,12 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=mlp_bias)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=mlp_bias)
 
-    def forward(self, x, cos_sin, mask, kv_cache=None, at=None):
-        """at (B, K): the block's output only at those positions, (B, K, hidden)."""
+    def forward(self, x, cos_sin, mask, kv_cache=None, at=None, real_tokens=None):
+        """at (B, K): the block's output only at those positions, (B, K, hidden). real_tokens: as GPT's Block."""
         n = x.size(-1)
         h = self.attn(F.rms_norm(x, (n,), self.attn_norm, self.eps), cos_sin, mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
-        return add_mlp(x, self.mlp, mask)
+        return add_mlp(x, self.mlp, real_tokens if at is None else None)
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(F.rms_norm(x, (x.size(-1),), self.mlp_norm, self.eps)).chunk(2, dim=-1)
@@ -150,9 +150,9 @@ class Llama(nn.Module):
         cos_sin = tuple(rotary_slice(t, positions, T0, T)[:, None] for t in (self.cos, self.sin))
         masks = layer_masks(self.window_sizes, T, T0, key_mask, tree, at, idx.device)
         x = self.embed(idx)
-        last = len(self.layers) - 1
+        last, real_tokens = len(self.layers) - 1, tree.real_tokens if tree is not None else None
         for i, (block, mask) in enumerate(zip(self.layers, masks)):
-            x = block(x, cos_sin, mask, kv_cache, at if i == last else None)
+            x = block(x, cos_sin, mask, kv_cache, at if i == last else None, real_tokens)
         x = F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
         return x[:, 0] if single else x
 

@@ -191,11 +191,14 @@ def test_prefix_trees_are_used_where_they_cost_fewer_flops():
 
 
 def test_prefix_tree_names_its_real_tokens_where_the_pads_are_worth_skipping():
-    """PrefixTree.tokens: the tokens of the (B * T) layout that are not padding, for the MLP to run on
-    alone (add_mlp; the equivalence tests above cover its outputs), when the pads are 1/16 of the tokens
-    or more; None when fewer, where picking and putting back would cost more than the pads."""
+    """PrefixTree.real_tokens: the positions of the (B * T) layout that are not padding, for the MLP to run
+    on alone (add_mlp; the equivalence tests above and transformers' logits in test_model cover its
+    outputs), when the pads are 1/16 of the tokens or more; None when fewer, where picking and putting
+    back would cost more than the pads."""
     tree = PrefixTree.from_lengths(torch.tensor([[3, 2, 1], [1, 1, 1]]))  # rows of 6 and 3 tokens: 3 pads
-    assert tree.tokens.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
-    assert PrefixTree.from_lengths(torch.tensor([[3, 2, 1], [3, 1, 2]])).tokens is None  # no pads
-    assert PrefixTree.from_lengths(torch.tensor([[30, 2, 2]] * 15 + [[29, 2, 2]])).tokens is None  # 1 pad in 544
-    assert PrefixTree.from_lengths(torch.tensor([[30, 2, 2]] * 14 + [[1, 1, 1]] * 2)).tokens.numel() == 14 * 34 + 2 * 3
+    assert tree.real_tokens.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8]
+    assert PrefixTree.from_lengths(torch.tensor([[3, 2, 1], [3, 1, 2]])).real_tokens is None  # no pads
+    one_pad = PrefixTree.from_lengths(torch.tensor([[30, 2, 2]] * 15 + [[29, 2, 2]]))  # 1 pad in 544
+    assert one_pad.real_tokens is None
+    many_pads = PrefixTree.from_lengths(torch.tensor([[30, 2, 2]] * 14 + [[1, 1, 1]] * 2))
+    assert many_pads.real_tokens.numel() == 14 * 34 + 2 * 3

@@ -197,8 +197,9 @@ def test_pair_rows_equal_separate_rows(vintage, layers, assets, tmp_path, monkey
     each) give every pair the rewards and gradients of chosen and rejected run as rows of their own.
     Prompts up to past the short window (128), no shared token at all, one-token branches, a chosen that
     is a prefix of rejected; every parameter trainable. A transformers model (hf) takes the unshared
-    path, which must agree too; llama_window puts a 16-token window in every layer. The tree is forced: for so ragged a batch at hidden 64 the cost model
-    may prefer rows of their own (PrefixTree.pays has its own test)."""
+    path, which must agree too; llama_window puts a 16-token window in every layer. The tree is forced:
+    for so ragged a batch at hidden 64 the cost model may prefer rows of their own (PrefixTree.pays has
+    its own test)."""
     monkeypatch.setattr(PrefixTree, "pays", staticmethod(lambda lengths, hidden_size: True))
     if vintage in ("llama", "llama_window", "hf"):
         bb = load_backbone(assets["hf"], native=vintage != "hf")
@@ -270,3 +271,28 @@ def test_grouped_scoring_equals_one_sequence_per_row(native, assets):
     assert want[1] == pytest.approx(want[2], abs=1e-5) and want[0] != pytest.approx(want[1], abs=1e-3)
     with pytest.raises(ValueError, match="do not split into groups of 5"):
         scorer.score_ids(seqs, group=5)
+
+
+def test_native_llama_prefix_tree_rows_match_transformers(assets):
+    """Ragged prefix-tree rows (prefixes of 40, 0 and 5 tokens, branches of 1 to 25, a third of the
+    batch padding, so the MLP runs on the real tokens alone) through our Llama give, for every branch
+    token, the logits transformers' own LlamaForCausalLM gives for prefix + branch run alone."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(assets["hf"]), local_files_only=True).eval()
+    ours = load_backbone(assets["hf"])
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([[40, 7, 3], [0, 12, 25], [5, 1, 1]])
+    rows = [torch.randint(2, 500, (int(n),), generator=g) for n in lengths.sum(-1)]
+    ids = torch.zeros(3, max(len(r) for r in rows), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    tree = PrefixTree.from_lengths(lengths)
+    assert tree.real_tokens is not None  # the packed MLP path runs
+    with torch.no_grad():
+        got = ours.model.logits(ours.model.hidden_states(ids, tree=tree))
+        for i, (prefix, a, b) in enumerate(lengths.tolist()):
+            for start, n in ((prefix, a), (prefix + a, b)):
+                alone = torch.cat([rows[i][:prefix], rows[i][start:start + n]])[None]
+                want = hf(alone).logits[0, prefix:]
+                torch.testing.assert_close(got[i, start:start + n], want, atol=1e-4, rtol=1e-4, msg=f"row {i}")

@@ -273,7 +273,8 @@ def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chu
     """Log-probs and entropies of `target` (B, L) under logits_fn(h) with h (B, L, H), never holding more
     than chunk_tokens rows of vocabulary-sized logits: 256 completions x 512 tokens x a 65k vocabulary
     would be 34 GB in fp32. Under autograd each chunk is recomputed in the backward pass
-    (activation checkpointing), so its logits are not kept either. Same values as one big chunk."""
+    (activation checkpointing), so its logits are not kept either. The values of one big chunk, up to
+    rounding: the LM-head matmul blocks its reductions by the chunk's row count."""
     B, L, H = h.shape
     flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
     if B * L <= chunk_tokens:

@@ -2,9 +2,11 @@
 tiny nanochat GPT checkpoints (classic and modern), a tiny Hugging Face Llama dir, pairs files."""
 from __future__ import annotations
 
+import getpass
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,7 +15,25 @@ import torch
 from nanochat_ext import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
-torch.set_num_threads(1)  # the suite runs on 2 cores; keep in-process work from fighting subprocesses
+# Inductor's on-disk cache does not key its generated code by the kernels torch was told to use: C++
+# written for AVX2 by one run is reused by a run with ATEN_CPU_CAPABILITY=default and fails to build there
+# ("'at::vec' has not been declared"). One cache per capability, for this process and its subprocesses.
+_inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # inductor's default
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _inductor_cache,
+                                                     f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}")
+# The suite runs on 2 cores: keep in-process work from fighting subprocesses. One thread also makes the
+# in-process arithmetic the same whatever OMP_NUM_THREADS the caller set (subprocesses get 1 too).
+torch.set_num_threads(1)
+
+
+def ulps(*tensors: torch.Tensor, n: int = 4) -> float:
+    """An absolute tolerance of n units in the last place at the largest magnitude among `tensors`, in
+    their dtype: for comparing two computations of the same values in different orders (another chunking,
+    batch or kernel), whose results differ by rounding alone. Which kernels torch picks depends on the CPU
+    (AVX-512, AVX2 or neither), so such results are equal on some machines and a few ulps apart on others."""
+    dtype = tensors[0].dtype
+    largest = max(float(t.detach().abs().max()) for t in tensors)
+    return n * torch.finfo(dtype).eps * max(largest, torch.finfo(dtype).tiny)
 
 
 @pytest.fixture(scope="session")

@@ -317,7 +317,7 @@ def test_grpo_round_trip_keeps_the_layout(name, ragged_prompts, tmp_path):
     in_memory.model.load_state_dict(got)
     x = torch.randint(0, 500, (2, 40))
     with torch.no_grad():
-        assert torch.equal(reloaded.model(x), in_memory.model(x))
+        assert torch.equal(reloaded.model(x), in_memory.model(x))  # the same weights through the same code: bitwise
 
 
 def test_grpo_two_ranks_match_one_rank_on_ragged_prompts(ragged_prompts, tmp_path):

@@ -1,5 +1,8 @@
 """speedrun.sh end to end with tiny settings: every stage runs, a re-run skips them all, an interrupted
-stage resumes, and a missing artifact stops the pipeline with a message."""
+stage resumes, and a missing artifact stops the pipeline with a message. One pipeline run serves all of it:
+EXPERIMENT=density runs the plain pipeline (the same speedrun.sh, EXPERIMENT unset) once per seed, so a
+one-seed experiment with every arm covers every stage and the experiment's own report; each stage is a
+torchrun of 2 ranks, about 8 s at these sizes, most of it starting the processes."""
 from __future__ import annotations
 
 import json
@@ -8,8 +11,9 @@ import subprocess
 
 from conftest import REPO
 
-TINY = {"NPROC_PER_NODE": "2", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS": "4", "EVAL_SAMPLES": "2",
-        "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
+# OMP_NUM_THREADS=1 whatever the caller's: 2 ranks of 2 threads each would oversubscribe 2 cores.
+TINY = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS": "4",
+        "EVAL_SAMPLES": "2", "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
 
 
 def speedrun(base, **env) -> subprocess.CompletedProcess:
@@ -17,37 +21,50 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "speedrun.sh")], env=full, capture_output=True, text=True, timeout=600)
 
 
-def test_speedrun_end_to_end_skip_and_resume(tmp_path):
+def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
+    """EXPERIMENT=density, shortened: one seed, the three arms (the fork's weighting too), each seed's report
+    and the experiment's; a re-run skips every finished stage; an interrupted GRPO stage resumes."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    first = speedrun(base, BACKEND="cuda:gloo")
+    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="10",
+               BACKEND="cuda:gloo")
+    first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "eval"):
+    seed = base / "experiment" / "seed_0"
+    for stage in ("demo_data", "sft", "density", "density_fork", "rm_uniform", "rm_density", "rm_fork",
+                  "grpo_uniform", "grpo_density", "grpo_fork", "eval"):
         assert f"== {stage}" in first.stdout
-    report = json.loads((base / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform"}
-    assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
-    assert "rare topics" in report["reward_models"][str(base / "rm_checkpoints" / "uniform")]
-    md = (base / "report.md").read_text()
-    assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (base / "grpo_uniform.png").is_file()
+    report = json.loads((seed / "report.json").read_text())
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork"}
+    assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread"} <= set(report["policies"]["GRPO fork"])
+    assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density", "fork"}
+    assert "rare topics" in report["reward_models"][str(seed / "rm_checkpoints" / "uniform")]
+    md = (seed / "report.md").read_text()
+    assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
+    experiment = json.loads((base / "experiment" / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"density", "fork"}
+    assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
+    assert "One seed: differences only" in (base / "experiment" / "experiment.md").read_text()
+    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
+    assert abs(sum(weights) / len(weights) - 1) < 1e-3
 
     # Everything present: every stage is skipped.
-    again = speedrun(base)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert again.stdout.count(": skipped") == 7, again.stdout  # demo, sft, density, 2 RMs, GRPO, eval
+    again = speedrun(base, **env)
+    assert again.returncode == 0 and again.stdout.count(": skipped") == 11, again.stdout  # 10 stages + eval
 
     # GRPO "killed" after its step-2 checkpoint: the re-run resumes it and finishes the pipeline.
-    grpo = base / "chatrl_checkpoints" / "uniform"
+    grpo = seed / "chatrl_checkpoints" / "uniform"
     (grpo / ".complete").unlink()
     stamps = sorted(int(p.stem.split("_")[1]) for p in grpo.glob("model_*.pt"))
     for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
         (grpo / name).unlink()
-    resumed = speedrun(base, GRPO_STEPS="4")
+    resumed = speedrun(base, **env)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "== grpo_uniform (2 ranks), resuming" in resumed.stdout and "resume: from" in resumed.stdout
-    assert "== sft: skipped" in resumed.stdout and "== eval (2 ranks)" in resumed.stdout
+    assert "== sft: skipped" in resumed.stdout and "== grpo_density: skipped" in resumed.stdout
+    assert "== eval (2 ranks)" in resumed.stdout
 
 
 def test_missing_data_stops_the_pipeline(tmp_path):
@@ -56,26 +73,3 @@ def test_missing_data_stops_the_pipeline(tmp_path):
     proc = speedrun(tmp_path / "base", BACKBONE=str(tmp_path / "nope"), PAIRS=str(empty))
     assert proc.returncode != 0
     assert "pairs.jsonl is missing or empty" in proc.stderr
-
-
-def test_density_experiment_one_seed_all_arms_then_resumes(tmp_path):
-    """EXPERIMENT=density, shortened: one seed, the three arms (the fork's weighting too), a report; a
-    re-run skips every finished stage of every arm."""
-    base = tmp_path / "base"
-    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="10")
-    first = speedrun(base, **env)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    seed = base / "experiment" / "seed_0"
-    for stage in ("density_fork", "rm_fork", "grpo_uniform", "grpo_density", "grpo_fork"):
-        assert f"== {stage} (2 ranks)" in first.stdout
-    report = json.loads((seed / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork"}
-    assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread"} <= set(report["policies"]["GRPO fork"])
-    experiment = json.loads((base / "experiment" / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "fork"}
-    assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
-    assert "One seed: differences only" in (base / "experiment" / "experiment.md").read_text()
-    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
-    assert abs(sum(weights) / len(weights) - 1) < 1e-3
-    again = speedrun(base, **env)
-    assert again.returncode == 0 and again.stdout.count(": skipped") == 11, again.stdout  # 10 stages + eval

@@ -217,7 +217,7 @@ def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_pa
     """--compile 0 against the default --compile auto, its threshold lowered so that this 2-step run
     compiles (the rule itself: test_sampling's test_compile_auto_compiles_where_the_compile_pays_back)."""
     common = ("--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "2",
-              "--group_size", "4", "--log_rollouts", "--beta", "0.04")
+              "--group_size", "4", "--log_rollouts", "--beta", "0.04", "--val_ratio", "0")  # no evaluation: one shape
     monkeypatch.setattr(sampling, "COMPILE_PAYS_AFTER", 16)  # 2 steps x 8 tokens
     runs, compile_s = {}, {}
     torch._dynamo.reset()  # nothing compiled by earlier tests: this run compiles its step itself

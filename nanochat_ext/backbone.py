@@ -13,7 +13,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-from torch._dynamo.utils import counters as dynamo_counters
 
 from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete_reason, read_json, resolve_model_path,
                                      save_checkpoint, torch_load)
@@ -165,6 +164,8 @@ class Backbone(nn.Module):
         rows on the bench's 4-layer Llama, 2 threads). Calls that compile a new graph add their time to
         compile_s, so callers can report it apart from the steady state."""
         if fn not in self._compiled:
+            from torch._dynamo.utils import counters as dynamo_counters  # here: importing dynamo takes ~1.5 s
+
             if next(self.parameters()).device.type == "cuda":
                 step = torch.compile(fn, dynamic=False, mode="reduce-overhead")
             else:

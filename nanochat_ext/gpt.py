@@ -136,6 +136,13 @@ def rotary_slice(table: torch.Tensor, positions: torch.Tensor | None, T0: int, T
     return table[positions]
 
 
+def gate_input(x: torch.Tensor, channels: int) -> torch.Tensor:
+    """x's first `channels` features, contiguous, for a gate's linear layer. On a strided 3-D input torch's
+    matmul runs one folded mm when the weight requires grad and a bmm when it does not, which round
+    differently: GRPO's frozen reference would then not give its policy's log-probs at equal weights."""
+    return x[..., :channels].contiguous()
+
+
 def rows_at(t: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     """Row b's entries at positions at[b] (B, K) of a (B or 1, T, ...) tensor, as (B, K, ...)."""
     t = t.expand(at.size(0), *t.shape[1:])
@@ -334,7 +341,7 @@ class CausalSelfAttention(nn.Module):
         k = self.c_k(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.c_v(x).view(B, T, self.n_kv_head, self.head_dim)
         if ve is not None:
-            gate = self.v.ve_gate_scale * torch.sigmoid(self.ve_gate(x[..., :self.v.ve_gate_channels]))
+            gate = self.v.ve_gate_scale * torch.sigmoid(self.ve_gate(gate_input(x, self.v.ve_gate_channels)))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_kv_head, self.head_dim)
         cos, sin = cos_sin
         cos_q, sin_q = (cos, sin) if at is None else (rows_at(cos, at), rows_at(sin, at))
@@ -558,13 +565,13 @@ class GPT(nn.Module):
         if kv_cache is not None:
             kv_cache.prev_embedding = x[:, -1:]
         if x.size(1) > 1:
-            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(x[:, 1:, :SMEAR_CHANNELS]))
+            gate = self.smear_lambda * torch.sigmoid(self.smear_gate(gate_input(x[:, 1:], SMEAR_CHANNELS)))
             if positions is not None:  # a left-padded row's first real token has no predecessor
                 gate = gate * (positions[:, 1:, None] > 0)
             before = x[:, :-1] if prev is None else x.gather(1, prev[:, 1:, None].expand(-1, -1, x.size(-1)))
             return torch.cat([x[:, :1], x[:, 1:] + gate * before], dim=1)
         if cached is not None:  # one decoded token: its predecessor's embedding is in the cache
-            return x + self.smear_lambda * torch.sigmoid(self.smear_gate(x[..., :SMEAR_CHANNELS])) * cached
+            return x + self.smear_lambda * torch.sigmoid(self.smear_gate(gate_input(x, SMEAR_CHANNELS))) * cached
         return x
 
     def hidden_states(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,

@@ -345,3 +345,43 @@ def test_grpo_two_ranks_match_one_rank_on_ragged_prompts(ragged_prompts, tmp_pat
             assert (p - q).abs().max() <= 2 * 2 * 1e-4
             continue
         torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=k)
+
+
+def zero_reward_argv(policy: Path, prompts: Path, out: Path, dtype: str) -> list[str]:
+    """Every reward 0, so every advantage 0, with the KL term on (--beta 0.04) and a large lr."""
+    argv = grpo_argv("current", prompts, out, "--max_steps", "2", "--beta", "0.04", "--lr", "1e-2", "--dtype", dtype,
+                     "--log_every", "1")
+    argv[argv.index("--policy") + 1], argv[argv.index("--reward_fn") + 1] = str(policy), "rewards_for_tests:zero"
+    return argv
+
+
+def assert_unchanged(policy: Path, out: Path) -> None:
+    """Every weight bitwise as it started, and both steps logged a KL and a gradient of exactly 0."""
+    before, after = load_backbone(policy).model.state_dict(), load_backbone(out).model.state_dict()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), (k, (v - after[k]).abs().max())
+    logged = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["train/kl"], m["train/grad_norm"]) for m in logged if "train/kl" in m] == [(0.0, 0.0)] * 2
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("policy", ["current", "llama"])
+def test_zero_advantages_leave_the_policy_unchanged(assets, ragged_prompts, tmp_path, policy, dtype):
+    """The policy's, the old policy's and the reference's log-probs come from one code path, so at equal
+    weights they are bitwise equal and the KL term's gradient is exactly 0: nothing moves the policy, in fp32
+    and under bf16 autocast. It failed when the reference's frozen weights made torch's matmul take a bmm
+    where the policy's took one mm (nanochat's sliced gate inputs), and when the reference held its
+    embeddings in bf16 (Adam turned the 1e-8..1e-5 gradients into lr-sized steps)."""
+    src = fixture_dir("current") if policy == "current" else assets["hf"]
+    out = tmp_path / "out"
+    assert kat_train_grpo.main(zero_reward_argv(src, ragged_prompts, out, dtype)) == 0
+    assert_unchanged(src, out)
+
+
+def test_zero_advantages_leave_the_policy_unchanged_on_two_ranks(ragged_prompts, tmp_path):
+    out = tmp_path / "two"
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    proc = run_script("scripts.kat_train_grpo", zero_reward_argv(fixture_dir("current"), ragged_prompts, out,
+                                                                 "bfloat16"), nproc=2, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert_unchanged(fixture_dir("current"), out)

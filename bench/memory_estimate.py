@@ -61,10 +61,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def backbone(cfg, frozen_dtype: torch.dtype | None) -> Backbone:
+def backbone(cfg, frozen_dtype: torch.dtype | None, matmuls_only: bool = False) -> Backbone:
     bb = Backbone("nanochat", GPT(cfg), "fake").eval()
     if frozen_dtype is not None:
-        hold_frozen_in(bb.requires_grad_(False), frozen_dtype)
+        hold_frozen_in(bb.requires_grad_(False), frozen_dtype, matmuls_only)
     return bb
 
 
@@ -101,7 +101,7 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
     with FakeTensorMode(), LiveBytes() as mem:
         policy = backbone(cfg, None)
         model = CompletionLogprobs(policy, chunk)
-        reference = CompletionLogprobs(backbone(cfg, frozen), chunk)
+        reference = CompletionLogprobs(backbone(cfg, frozen, matmuls_only=True), chunk)  # as the trainer holds it
         rm = RewardModel(backbone(cfg, frozen)).requires_grad_(False)
         opt = make_adamw(list(model.parameters()), 1e-6, 0.0, torch.device("cpu"))
         # AdamW's state exists after the first step: allocate it as the step would.

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
 from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
-                               policy_backward, token_logprobs)
+                               policy_backward, reference_model, token_logprobs)
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
 from nanochat_ext.sampling import SamplingConfig, generate  # noqa: E402
@@ -146,7 +146,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     cfg = shape_config(shape, b.vintage)
     G, n, P, L = b.group_size, b.grpo_prompts, b.prompt_len, b.new_tokens
     policy = make_backbone(cfg, device, 0)
-    reference = CompletionLogprobs(hold_frozen_in(make_backbone(cfg, device, 0).requires_grad_(False), torch.bfloat16))
+    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16)
     rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)

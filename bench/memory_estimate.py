@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_gpu import shape_config  # noqa: E402
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
 from nanochat_ext.gpt import GPT  # noqa: E402
-from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss  # noqa: E402
+from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss, reference_model  # noqa: E402
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.reward import RewardModel  # noqa: E402
 
@@ -61,10 +61,10 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
-def backbone(cfg, frozen_dtype: torch.dtype | None, matmuls_only: bool = False) -> Backbone:
+def backbone(cfg, frozen_dtype: torch.dtype | None) -> Backbone:
     bb = Backbone("nanochat", GPT(cfg), "fake").eval()
     if frozen_dtype is not None:
-        hold_frozen_in(bb.requires_grad_(False), frozen_dtype, matmuls_only)
+        hold_frozen_in(bb.requires_grad_(False), frozen_dtype)
     return bb
 
 
@@ -101,7 +101,7 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
     with FakeTensorMode(), LiveBytes() as mem:
         policy = backbone(cfg, None)
         model = CompletionLogprobs(policy, chunk)
-        reference = CompletionLogprobs(backbone(cfg, frozen, matmuls_only=True), chunk)  # as the trainer holds it
+        reference = reference_model(backbone(cfg, None), frozen, chunk_tokens=chunk)  # as the trainer holds it
         rm = RewardModel(backbone(cfg, frozen)).requires_grad_(False)
         opt = make_adamw(list(model.parameters()), 1e-6, 0.0, torch.device("cpu"))
         # AdamW's state exists after the first step: allocate it as the step would.

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.backbone import Backbone, tree_positions, unshare_branches
+from nanochat_ext.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
 from nanochat_ext.data import prefix_tree_rows, right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
 from nanochat_ext.errors import InputError
@@ -257,6 +257,15 @@ class CompletionLogprobs(nn.Module):
             hidden = self.backbone.hidden_states(input_ids)
             h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
         return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
+
+
+def reference_model(backbone: Backbone, dtype: torch.dtype, temperature: float = 1.0,
+                    chunk_tokens: int = 4096) -> CompletionLogprobs:
+    """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
+    linear weights held in `dtype`, see hold_frozen_in), so that at equal weights its log-probs are the
+    policy's bitwise and the KL term is exactly 0."""
+    frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=True)
+    return CompletionLogprobs(frozen, chunk_tokens, temperature)
 
 
 def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor,

@@ -33,9 +33,12 @@ class RewardModel(nn.Module):
         self.head = nn.Linear(backbone.hidden_size, 1, bias=False)
 
     def init_head(self, seed: int) -> None:
+        """N(0, 1/hidden), drawn on CPU from `seed` and copied to the head's device: the same head for a seed
+        on CPU and CUDA (a CPU generator cannot fill a CUDA tensor)."""
         g = torch.Generator().manual_seed(seed)
+        draw = torch.empty(self.head.weight.shape).normal_(0.0, self.backbone.hidden_size ** -0.5, generator=g)
         with torch.no_grad():
-            self.head.weight.normal_(0.0, self.backbone.hidden_size ** -0.5, generator=g)
+            self.head.weight.copy_(draw)
 
     @property
     def backbone_frozen(self) -> bool:

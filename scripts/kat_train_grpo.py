@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
+from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume, save_synced
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
@@ -31,7 +31,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
                                group_advantages, in_global_order, load_reward_fn, make_sequences, overlong_penalty,
-                               policy_backward, sample_seed, token_logprobs, zero_std_groups)
+                               policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
@@ -262,9 +262,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     policy.set_trainable("all")
     dtype = compute_dtype(args.dtype, env.device)
     reference = None
-    if args.beta > 0:  # the policy's own code and precision, so that equal weights give equal log-probs
-        frozen = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage).requires_grad_(False)
-        reference = CompletionLogprobs(hold_frozen_in(frozen, dtype, matmuls_only=True), temperature=args.temperature)
+    if args.beta > 0:
+        reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
+                                    args.temperature)
     model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]

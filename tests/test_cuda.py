@@ -60,3 +60,17 @@ def test_compiled_decode_as_cuda_graphs_samples_like_eager(assets):
     runs = [generate(bb, prompts, 2, SamplingConfig(16, 0.0, compile=compiled), 1, 0,
                      [torch.Generator().manual_seed(i) for i in range(2)]) for compiled in (False, True)]
     assert runs[0].completions == runs[1].completions and static_step in bb._compiled and bb.compile_s > 0
+
+
+def test_reward_head_inits_on_the_gpu_as_on_cpu(assets):
+    """A seed gives the same RM head on CUDA as on CPU (drawing into the CUDA tensor with the CPU generator
+    crashed bench_gpu.py's RM bench)."""
+    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.reward import RewardModel
+
+    heads = []
+    for device in ("cpu", "cuda"):
+        model = RewardModel(load_backbone(assets["gpt_modern"], device)).to(device)
+        model.init_head(3)
+        heads.append(model.head.weight.detach().cpu())
+    assert torch.equal(*heads)

@@ -4,8 +4,8 @@ architecture), run through the library's own step functions. One JSON line per m
     python bench/bench_gpu.py                                   # d12 and d20 on the GPU, bf16 autocast
     python bench/bench_gpu.py --shapes tiny --device cpu --steps 1 --warmup 0   # smoke test (CI runs it)
 
-Shapes: dN = nanochat's depth-N model: N layers, width 64*N, heads of 128, vocab 65536, context
-2048. Peak memory without a GPU: bench/memory_estimate.py.
+Shapes: dN = nanochat's depth-N model: N layers, width 64*N rounded up to a multiple of 128, heads of
+128, vocab 65536 (dN:V for another: d24:32768 is nanochat's speedrun model), context 2048. Peak memory without a GPU: bench/memory_estimate.py.
 
 FLOPs, in nanochat's convention (a (m x k)(k x n) matmul is 2mkn; attention counts its full key
 range, no causal halving, a windowed layer its window). Per token of a T-token sequence, one forward
@@ -43,17 +43,28 @@ from nanochat_ext.sampling import SamplingConfig, generate  # noqa: E402
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
 
-def shape_config(name: str, vintage: str = "current") -> GPTConfig:
-    """nanochat's depth-parameterised model (model_dim = 64 * depth, head_dim 128) of that vintage.
-    d20 is 561M parameters up to dec2025; today's value embeddings bring it to 1.40B."""
+def nanochat_dims(name: str) -> tuple[int, int, int, int]:
+    """(depth, model_dim, heads, vocab) of shape `name`: 'dN' or 'dN:VOCAB' (default vocab 65536, what the
+    GPU baseline measured; nanochat's speedrun tokenizer has 32768: 'd24:32768'), by nanochat's own rule
+    (scripts/base_train.py): model_dim = depth * 64 rounded up to a multiple of head_dim 128, heads of 128.
+    'tiny': the CPU smoke test's."""
     if name == "tiny":
-        return GPTConfig(sequence_len=256, vocab_size=512, n_layer=2, n_head=4, n_kv_head=4, n_embd=64,
-                         window_pattern="SL", vintage=vintage, padded_vocab_size=512)
-    depth = int(name.removeprefix("d"))
-    width = 64 * depth
-    heads = max(1, width // 128)
-    return GPTConfig(sequence_len=2048, vocab_size=65536, n_layer=depth, n_head=heads, n_kv_head=heads,
-                     n_embd=width, window_pattern="SSSL", vintage=vintage, padded_vocab_size=padded(65536))
+        return 2, 64, 4, 512
+    depth, _, vocab = name.removeprefix("d").partition(":")
+    depth = int(depth)
+    model_dim = -(-depth * 64 // 128) * 128
+    return depth, model_dim, model_dim // 128, int(vocab or 65536)
+
+
+def shape_config(name: str, vintage: str = "current") -> GPTConfig:
+    """nanochat's model of shape `name` (nanochat_dims) of that vintage. d20 is 561M parameters up to
+    dec2025; today's value embeddings bring it to 1.40B."""
+    depth, width, heads, vocab = nanochat_dims(name)
+    if name == "tiny":
+        return GPTConfig(sequence_len=256, vocab_size=vocab, n_layer=depth, n_head=heads, n_kv_head=heads,
+                         n_embd=width, window_pattern="SL", vintage=vintage, padded_vocab_size=vocab)
+    return GPTConfig(sequence_len=2048, vocab_size=vocab, n_layer=depth, n_head=heads, n_kv_head=heads,
+                     n_embd=width, window_pattern="SSSL", vintage=vintage, padded_vocab_size=padded(vocab))
 
 
 def make_backbone(cfg: GPTConfig, device: torch.device, seed: int) -> Backbone:

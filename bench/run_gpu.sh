@@ -1,21 +1,37 @@
 #!/usr/bin/env bash
-# On a GPU machine, in one sitting: the CUDA-marked tests, then ours (bench_gpu.py) and Hugging Face TRL
-# (trl_gpu.py) at d12 and d20, interleaved; JSON lines on stdout.
-# TRL is not installed on the lent GPU machines: bring it as wheels in $WHEELS (default .whl, ignored by
-# git), fetched on a machine with pip access, e.g.
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 -d .whl \
-#     trl==1.16.0 transformers==5.23.0 accelerate==1.15.0 datasets==5.2.0 tokenizers==0.23.3 ...
-# (the rest of ../shared/anchor-bench/requirements-bench.txt that the machine lacks).
+# The one GPU command: from a clean clone on a machine with a CUDA torch already installed and no network
+# (no venv, nothing downloaded), in one sitting: the CUDA-marked tests, then ours (bench_gpu.py) and Hugging
+# Face TRL (trl_gpu.py) shape by shape. Every figure is a JSON line in one file; a table ends the output.
+#   bash bench/run_gpu.sh                  # SHAPES="d12 d20 d24:32768" (d24:32768: nanochat's speedrun model)
+# What the machine lacks (our pins of transformers, tokenizers and rustbpe; TRL and its dependencies) comes as
+# wheels in $WHEELS (default .whl, ignored by git): `bash bench/fetch_gpu_wheels.sh` makes them on a machine
+# with pip access; carry .whl with the checkout. Results: $RESULTS (default bench/results/gpu_<UTC time>.jsonl,
+# or in $OUT where the device tool sets it). Knobs: SHAPES, DEVICE (cuda), BENCH_ARGS and TRL_ARGS (extra flags
+# for bench_gpu.py and trl_gpu.py). The test suite runs it on CPU: DEVICE=cpu SHAPES=tiny BENCH_ARGS="...".
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$WHEELS"/*.whl && export PYTHONPATH=/tmp/site
+  SITE=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl &&
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
+export NANOCHAT_SYSTEM_PYTHON=1  # speedrun.sh (run by the CUDA tests) uses this python, not a venv
 export PYTHONUNBUFFERED=1
-python3 -m pytest -q -m cuda tests >&2
-for shape in ${SHAPES:-d12 d20}; do
-  python3 bench/bench_gpu.py --shapes "$shape"
-  python3 -c "import trl" 2>/dev/null && python3 bench/trl_gpu.py --shape "$shape" | tail -1
+DEVICE=${DEVICE:-cuda}
+RESULTS=${RESULTS:-${OUT:-bench/results}/gpu_$(date -u +%Y-%m-%d_%H%M).jsonl}
+mkdir -p "$(dirname "$RESULTS")"
+summary=$(python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee /dev/stderr | tail -n 1)
+python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' "$summary" >> "$RESULTS"
+for shape in ${SHAPES:-d12 d20 d24:32768}; do
+  # shellcheck disable=SC2086
+  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" ${BENCH_ARGS:-} | tee -a "$RESULTS"
+  if python3 -c "import trl" 2>/dev/null; then
+    # shellcheck disable=SC2086
+    python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | tail -n 1 | tee -a "$RESULTS"
+  else
+    echo "run_gpu: trl does not import here: no TRL figures (bring its wheels in $WHEELS)" >&2
+  fi
 done
+python3 bench/gpu_table.py "$RESULTS"
+echo "run_gpu: figures in $RESULTS" >&2

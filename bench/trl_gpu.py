@@ -5,7 +5,7 @@ Same as bench_gpu.py's GRPO: 16 prompts of 128 random tokens x 16 completions of
 (min_new_tokens), a reward model of the policy's size (random), beta 0.04 (reference model), micro-
 batches of 64 sequences (TRL: per_device_train_batch_size 64, 4 accumulation steps = one generation
 batch of 256), bf16 on CUDA, transformers' generate (no vLLM). The Llama has nanochat dN's width, depth,
-heads, 4x MLP and 65536 vocabulary. It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
+heads, 4x MLP and vocabulary (bench_gpu.nanochat_dims). It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
 
     python bench/trl_gpu.py --shape d20
     python bench/trl_gpu.py --shape tiny --device cpu --steps 1 --warmup 0    # smoke test
@@ -28,14 +28,11 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassif
                           PreTrainedTokenizerFast, TrainerCallback, set_seed)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
+from bench_gpu import nanochat_dims  # noqa: E402  (bench/ is on the path: run as a script)
+
 
 def llama_config(shape: str) -> LlamaConfig:
-    if shape == "tiny":
-        width, depth, vocab = 64, 2, 512
-    else:
-        depth = int(shape.removeprefix("d"))
-        width, vocab = 64 * depth, 65536
-    heads = max(1, width // 128) if shape != "tiny" else 4
+    depth, width, heads, vocab = nanochat_dims(shape)
     return LlamaConfig(vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
                        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=2048,
                        tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)

@@ -1,14 +1,17 @@
 # Sourced by speedrun.sh and run_tests.sh: make ./.venv from requirements.txt when it is missing
-# or older than requirements.txt, then put it first on PATH.
+# or older than requirements.txt, then put it first on PATH. NANOCHAT_SYSTEM_PYTHON=1 skips both and
+# runs the python on PATH as it is (a GPU machine's preinstalled CUDA torch, no network: bench/run_gpu.sh).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-if [ ! -x "$VENV/bin/python" ] || [ "$ROOT/requirements.txt" -nt "$VENV/.installed" ]; then
-    echo "setup: creating $VENV from requirements.txt"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install -q --upgrade pip
-    "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt"
-    touch "$VENV/.installed"
+if [ -z "${NANOCHAT_SYSTEM_PYTHON:-}" ]; then
+    if [ ! -x "$VENV/bin/python" ] || [ "$ROOT/requirements.txt" -nt "$VENV/.installed" ]; then
+        echo "setup: creating $VENV from requirements.txt"
+        python3 -m venv "$VENV"
+        "$VENV/bin/pip" install -q --upgrade pip
+        "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt"
+        touch "$VENV/.installed"
+    fi
+    export PATH="$VENV/bin:$PATH"
 fi
-export PATH="$VENV/bin:$PATH"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

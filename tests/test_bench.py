@@ -1,10 +1,11 @@
-"""The benchmarks keep running: the GPU bench at a tiny shape on CPU, and the memory estimator's
-byte counting."""
+"""The benchmarks keep running: the one GPU command at a tiny shape on CPU, its table, nanochat's shapes,
+and the memory estimator's byte counting."""
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -14,21 +15,51 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 
-def test_gpu_bench_runs_at_a_tiny_shape_on_cpu():
-    cmd = [sys.executable, "bench/bench_gpu.py", "--shapes", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
-           "--grpo_prompts", "2", "--group_size", "4", "--new_tokens", "8", "--prompt_len", "8", "--rm_pairs", "4",
-           "--rm_len", "32", "--micro", "4"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
-                          env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
+    """bash bench/run_gpu.sh, as a GPU machine runs it (python3 as found, no venv), on CPU at a tiny shape:
+    the CUDA tests' summary, our RM and GRPO benches as JSON lines in one file, and the table."""
+    results = tmp_path / "gpu.jsonl"
+    small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
+             "--rm_len 32 --micro 4")
+    env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
+           "SHAPES": "tiny", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
-    rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    assert [r["bench"] for r in rows] == ["gpu_rm"] * 3 + ["gpu_grpo"]
-    assert [r["unfreeze_last"] for r in rows[:3]] == ["0", "2", "all"]
-    assert rows[0]["trainable"] < rows[1]["trainable"] < rows[2]["trainable"]
-    assert all(r["tflops"] > 0 for r in rows[:3])
-    grpo = rows[3]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo"]
+    assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
+    rm, grpo = rows[1:4], rows[4]
+    assert [r["unfreeze_last"] for r in rm] == ["0", "2", "all"]
+    assert rm[0]["trainable"] < rm[1]["trainable"] < rm[2]["trainable"]
+    assert all(r["tflops"] > 0 for r in rm)
     assert grpo["gen_tokens_per_s"] > 0 and grpo["train_tokens_per_s"] > 0
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
+    assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
+
+
+def test_gpu_table_puts_ours_beside_trl():
+    from gpu_table import table
+
+    rm = [{"bench": "gpu_rm", "shape": "d20", "unfreeze_last": u, "pairs_per_s": 10.0, "mfu": 0.25, "peak_mem_gb": 50.0}
+          for u in ("0", "2", "all")]
+    ours = {"bench": "gpu_grpo", "shape": "d20", "completions_per_s": 30.0, "s_generation": 1.0, "s_scoring": 0.1,
+            "s_reference": 0.2, "s_training": 0.5, "train_mfu": 0.4, "peak_mem_gb": {"training": 45.5}}
+    trl = {"bench": "trl_gpu_grpo", "shape": "d20", "completions_per_s": 20.0}
+    out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl])
+    assert out.splitlines()[0] == "CUDA tests: 5 passed in 9s"
+    assert out.splitlines()[-1] == ("| d20 | 10.0 (25.0%) | 10.0 (25.0%) | 10.0 (25.0%, 50.0) | 30.0 / 20.0 (1.50x) | "
+                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 |")
+
+
+def test_shapes_follow_nanochats_rule():
+    """nanochat's base_train.py: model_dim = depth x 64 rounded up to a multiple of head_dim 128."""
+    from bench_gpu import nanochat_dims, shape_config
+
+    assert nanochat_dims("d20") == (20, 1280, 10, 65536)
+    assert nanochat_dims("d24:32768") == (24, 1536, 12, 32768)  # the speedrun's model and tokenizer
+    assert nanochat_dims("d13") == (13, 896, 7, 65536)  # 832 rounded up
+    cfg = shape_config("d24:32768")
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.vocab_size) == (24, 1536, 12, 32768)
 
 
 def test_block_flops_follow_the_written_formula():

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Wheels for bench/run_gpu.sh on the lent GPU machines (Python 3.12, x86_64, a CUDA torch preinstalled, no
+# network), fetched here with pip: what their image lacks (rustbpe, TRL, datasets and two of its dependencies)
+# or holds at another version than requirements.txt pins (transformers, tokenizers). Into $WHEELS (default
+# .whl, ignored by git); carry it with the checkout (the device tool's carry: [".whl"]).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=${WHEELS:-.whl}
+mkdir -p "$WHEELS"
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
+    transformers==5.23.0 tokenizers==0.23.3 rustbpe==0.1.0 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+du -sh "$WHEELS"

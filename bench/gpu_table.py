@@ -1,0 +1,53 @@
+"""The short table at the end of bench/run_gpu.sh: one row per shape from its JSON lines (bench_gpu.py's,
+trl_gpu.py's and the CUDA tests' summary), in the layout of the GPU baseline's table.
+
+    python bench/gpu_table.py bench/results/gpu_<time>.jsonl
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
+          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB |")
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def rm_cell(r: dict | None, peak: bool = False) -> str:
+    if r is None:
+        return "-"
+    extra = f", {r['peak_mem_gb']}" if peak and r.get("peak_mem_gb") is not None else ""
+    return f"{r['pairs_per_s']} ({pct(r['mfu'])}{extra})"
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: the CUDA tests' summary, then a row per shape in the order the shapes were measured."""
+    tests = [r["summary"] for r in rows if r.get("bench") == "cuda_tests"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
+    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 7 + "|"]
+    for shape in shapes:
+        rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and r["shape"] == shape}
+        ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and r["shape"] == shape), None)
+        trl = next((r for r in rows if r.get("bench") == "trl_gpu_grpo" and r["shape"] == shape), None)
+        ratio = f" ({ours['completions_per_s'] / trl['completions_per_s']:.2f}x)" if ours and trl else ""
+        grpo = f"{ours['completions_per_s'] if ours else '-'} / {trl['completions_per_s'] if trl else '-'}{ratio}"
+        phases = " / ".join(str(ours[f"s_{k}"]) for k in ("generation", "scoring", "reference", "training")) if ours else "-"
+        peak = (ours.get("peak_mem_gb") or {}).get("training") if ours else None
+        train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}" if ours else "-"
+        lines.append(f"| {shape} | {rm_cell(rm.get('0'))} | {rm_cell(rm.get('2'))} | {rm_cell(rm.get('all'), peak=True)} | "
+                     f"{grpo} | {phases} | {train} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    path = Path(sys.argv[1])
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

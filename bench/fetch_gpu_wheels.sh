@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Wheels for bench/run_gpu.sh on the lent GPU machines (Python 3.12, x86_64, a CUDA torch preinstalled, no
 # network), fetched here with pip: what their image lacks (rustbpe, TRL, datasets and two of its dependencies)
-# or holds at another version than requirements.txt pins (transformers, tokenizers). Into $WHEELS (default
-# .whl, ignored by git); carry it with the checkout (the device tool's carry: [".whl"]).
+# or holds at another version than requirements.txt pins (transformers, tokenizers); tiktoken 0.14.0 and
+# accelerate 1.15.0 are in the image as pinned. Into $WHEELS (default .whl, ignored by git); carry it with the
+# checkout (the device tool's carry: [".whl"]).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}

@@ -35,17 +35,19 @@ def table(rows: list[dict]) -> str:
         trl = next((r for r in rows if r.get("bench") == "trl_gpu_grpo" and r["shape"] == shape), None)
         ratio = f" ({ours['completions_per_s'] / trl['completions_per_s']:.2f}x)" if ours and trl else ""
         grpo = f"{ours['completions_per_s'] if ours else '-'} / {trl['completions_per_s'] if trl else '-'}{ratio}"
-        phases = " / ".join(str(ours[f"s_{k}"]) for k in ("generation", "scoring", "reference", "training")) if ours else "-"
-        peak = (ours.get("peak_mem_gb") or {}).get("training") if ours else None
-        train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}" if ours else "-"
-        lines.append(f"| {shape} | {rm_cell(rm.get('0'))} | {rm_cell(rm.get('2'))} | {rm_cell(rm.get('all'), peak=True)} | "
-                     f"{grpo} | {phases} | {train} |")
+        phases, train = "-", "-"
+        if ours:
+            phases = " / ".join(str(ours[f"s_{k}"]) for k in ("generation", "scoring", "reference", "training"))
+            peak = (ours.get("peak_mem_gb") or {}).get("training")
+            train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}"
+        rms = " | ".join((rm_cell(rm.get("0")), rm_cell(rm.get("2")), rm_cell(rm.get("all"), peak=True)))
+        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} |")
     return "\n".join(lines)
 
 
 def main() -> None:
     path = Path(sys.argv[1])
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith("{")]
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"bench"')]
     print(table(rows))
 
 

@@ -19,19 +19,25 @@ fi
 export NANOCHAT_SYSTEM_PYTHON=1  # speedrun.sh (run by the CUDA tests) uses this python, not a venv
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}
-RESULTS=${RESULTS:-${OUT:-bench/results}/gpu_$(date -u +%Y-%m-%d_%H%M).jsonl}
+RESULTS=${RESULTS:-${OUT:-bench/results}/gpu_$(date -u +%Y-%m-%d_%H%M%S).jsonl}
 mkdir -p "$(dirname "$RESULTS")"
-summary=$(python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1 | tee /dev/stderr | tail -n 1)
-python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' "$summary" >> "$RESULTS"
+: > "$RESULTS"
+status=0  # non-zero when any step failed; every step still runs
+tests=$(python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1) || status=1
+printf '%s\n' "$tests" >&2
+python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' \
+    "$(tail -n 1 <<<"$tests")" >> "$RESULTS"
 for shape in ${SHAPES:-d12 d20 d24:32768}; do
   # shellcheck disable=SC2086
-  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" ${BENCH_ARGS:-} | tee -a "$RESULTS"
+  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" ${BENCH_ARGS:-} | tee -a "$RESULTS" || status=1
   if python3 -c "import trl" 2>/dev/null; then
     # shellcheck disable=SC2086
-    python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | tail -n 1 | tee -a "$RESULTS"
+    python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | grep '^{"bench"' | tee -a "$RESULTS" ||
+      status=1
   else
     echo "run_gpu: trl does not import here: no TRL figures (bring its wheels in $WHEELS)" >&2
   fi
 done
-python3 bench/gpu_table.py "$RESULTS"
-echo "run_gpu: figures in $RESULTS" >&2
+python3 bench/gpu_table.py "$RESULTS" || status=1
+echo "run_gpu: figures in $RESULTS$([ $status = 0 ] || echo '; a step failed, see above')" >&2
+exit $status

@@ -256,14 +256,20 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype, matmuls_only: bool = F
     matmul anyway: the RM's frozen backbone, GRPO's reference and the eval models take half the memory.
     Trainable parameters keep their fp32 masters. Training and scoring an RM apply the same rule, so an
     RM scores exactly as it was validated.
-    matmuls_only: only linear layers' weights, which autocast casts anyway. Embeddings, norms and scalars
-    stay fp32 as the policy's masters do, so GRPO's reference computes bitwise as the policy it copies (with
-    its embeddings in bf16, step 1 of a bf16 run measured a KL of up to 2e-6 between equal weights)."""
-    held = [m for m in module.modules() if isinstance(m, nn.Linear)] if matmuls_only else [module]
-    for m in held:
-        for p in m.parameters(recurse=not matmuls_only):
-            if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
-                p.data = p.data.to(dtype)
+    matmuls_only: only linear layers' weights and biases, which autocast casts anyway (not one tied to an
+    embedding, which a lookup reads too). Embeddings, norms and scalars stay fp32 as the policy's masters do,
+    so GRPO's reference computes bitwise as the policy it copies (with its embeddings in bf16, step 1 of a
+    bf16 run measured a KL of up to 2e-6 between equal weights)."""
+    params = list(module.parameters())
+    if matmuls_only:
+        def owned(linear: bool) -> list[nn.Parameter]:
+            return [p for m in module.modules() if isinstance(m, nn.Linear) == linear for p in m.parameters(recurse=False)]
+
+        elsewhere = {id(p) for p in owned(linear=False)}
+        params = [p for p in owned(linear=True) if id(p) not in elsewhere]
+    for p in params:
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
     return module
 
 

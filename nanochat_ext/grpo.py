@@ -259,11 +259,12 @@ class CompletionLogprobs(nn.Module):
         return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
 
 
-def reference_model(backbone: Backbone, dtype: torch.dtype, temperature: float = 1.0,
+def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: float = 1.0,
                     chunk_tokens: int = 4096) -> CompletionLogprobs:
     """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
     linear weights held in `dtype`, see hold_frozen_in), so that at equal weights its log-probs are the
-    policy's bitwise and the KL term is exactly 0."""
+    policy's bitwise and the KL term is exactly 0. temperature and chunk_tokens: the policy's
+    CompletionLogprobs' own (the LM head's chunking sets its rounding)."""
     frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=True)
     return CompletionLogprobs(frozen, chunk_tokens, temperature)
 

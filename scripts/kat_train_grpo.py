@@ -264,7 +264,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     reference = None
     if args.beta > 0:
         reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
-                                    args.temperature)
+                                    temperature=args.temperature)
     model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -4,7 +4,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-if [ -z "${NANOCHAT_SYSTEM_PYTHON:-}" ]; then
+if [ "${NANOCHAT_SYSTEM_PYTHON:-0}" != 1 ]; then
     if [ ! -x "$VENV/bin/python" ] || [ "$ROOT/requirements.txt" -nt "$VENV/.installed" ]; then
         echo "setup: creating $VENV from requirements.txt"
         python3 -m venv "$VENV"
@@ -13,5 +13,9 @@ if [ -z "${NANOCHAT_SYSTEM_PYTHON:-}" ]; then
         touch "$VENV/.installed"
     fi
     export PATH="$VENV/bin:$PATH"
+else
+    for tool in python torchrun; do
+        command -v "$tool" >/dev/null || { echo "setup: NANOCHAT_SYSTEM_PYTHON=1 but no $tool on PATH" >&2; exit 2; }
+    done
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -2,25 +2,26 @@
 tiny nanochat GPT checkpoints (classic and modern), a tiny Hugging Face Llama dir, pairs files."""
 from __future__ import annotations
 
-import getpass
 import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from nanochat_ext import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 # Inductor's on-disk cache does not key its generated code by the kernels torch was told to use: C++
 # written for AVX2 by one run is reused by a run with ATEN_CPU_CAPABILITY=default and fails to build there
-# ("'at::vec' has not been declared"). One cache per capability, for this process and its subprocesses.
-_inductor_cache = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")  # inductor's default
-os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or _inductor_cache,
-                                                     f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}")
+# ("'at::vec' has not been declared"). One cache per capability, for this process and the subprocesses that
+# inherit its environment.
+_cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
+_capability = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
+if os.path.basename(_cache) != _capability:  # a nested run inherits the parent's: no second suffix
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, _capability)
 # The suite runs on 2 cores: keep in-process work from fighting subprocesses. One thread also makes the
 # in-process arithmetic the same whatever OMP_NUM_THREADS the caller set (subprocesses get 1 too).
 torch.set_num_threads(1)

@@ -192,7 +192,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     stamps = sorted(int(p.stem.split("_")[1]) for p in two.glob("model_*.pt"))
     for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
         (two / name).unlink()
-    state = torch.load(two / f"state_{stamps[-2]}.pt", weights_only=False)
+    state = torch.load(two / f"state_{stamps[-2]}.pt", weights_only=True)
     assert state["step"] == 2 and state["draw"] > 2
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 0
     a, b = load_backbone(one), load_backbone(two)
@@ -230,8 +230,9 @@ def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_pa
     assert "decode: eager (--compile 0)" in logged
     assert "decode: compiled (auto: 2 steps x 8 tokens = 16 token steps pay back the compile)" in logged
     # The same completions, token for token, and rewards. Compiled and eager logits differ by rounding, so
-    # this holds unless one of the run's 128 draws lands within ~1e-7 of a CDF boundary (a tie; odds of about
-    # 128 x 2 x 1e-7 = 3e-5 on any CPU): test_sampling checks the compiled tokens tie-aware, draw by draw.
+    # this holds unless one of the run's 128 draws lands where their CDFs disagree (a tie: the CDFs of the
+    # tiny current-vintage model differ by ~1e-5 summed over the vocabulary, so odds of ~1e-3 per run on a
+    # given CPU); test_sampling checks compiled tokens tie-aware, draw by draw.
     assert runs["0"][0] == runs["auto"][0]
     assert compile_s["0"] == 0 and compile_s["auto"] > 0  # the compile is reported apart from generation
     for name, p in runs["0"][1].items():  # bitwise: with the same tokens, training is the same eager computation

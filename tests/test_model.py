@@ -5,9 +5,10 @@ import json
 
 import pytest
 import torch
+import torch.nn as nn
 
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import default_tokenizer_path, load_backbone, load_tokenizer_for
+from nanochat_ext.backbone import default_tokenizer_path, hold_frozen_in, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
 from nanochat_ext.errors import InputError
 from nanochat_ext.data import TokenizedPair, collate_pairs, prefix_tree_rows
@@ -296,3 +297,19 @@ def test_native_llama_prefix_tree_rows_match_transformers(assets):
                 alone = torch.cat([rows[i][:prefix], rows[i][start:start + n]])[None]
                 want = hf(alone).logits[0, prefix:]
                 torch.testing.assert_close(got[i, start:start + n], want, atol=1e-4, rtol=1e-4, msg=f"row {i}")
+
+
+def test_matmuls_only_holds_linear_weights_in_bf16_but_not_a_tied_embedding():
+    """GRPO's reference (hold_frozen_in matmuls_only): linear weights and biases in bf16, which autocast
+    casts anyway; an embedding, and a linear weight tied to it (an LM head sharing the input table, which
+    the lookup reads in full precision), stay fp32; trainable weights are never touched."""
+    embed, tied, proj, trained = nn.Embedding(10, 4), nn.Linear(4, 10, bias=False), nn.Linear(4, 4), nn.Linear(4, 4)
+    tied.weight = embed.weight
+    model = nn.ModuleList([embed, tied, proj, trained]).requires_grad_(False)
+    trained.requires_grad_(True)
+    hold_frozen_in(model, torch.bfloat16, matmuls_only=True)
+    assert embed.weight.dtype == torch.float32 and tied.weight is embed.weight
+    assert proj.weight.dtype == proj.bias.dtype == torch.bfloat16
+    assert trained.weight.dtype == torch.float32
+    hold_frozen_in(model, torch.bfloat16)  # the RM's and eval's rule: every frozen weight
+    assert embed.weight.dtype == torch.bfloat16 and trained.weight.dtype == torch.float32

@@ -1,4 +1,5 @@
-"""KV-cache generation equals generation by full re-forward, for the nanochat GPT and an HF model."""
+"""KV-cache and compiled generation sample what a full re-forward gives (up to ties), for the nanochat GPT
+and an HF model."""
 from __future__ import annotations
 
 import pytest
@@ -18,20 +19,22 @@ TIE = 1e-5
 
 
 def is_tie(logits: torch.Tensor, u: torch.Tensor, token: int, cfg: SamplingConfig) -> bool:
-    """Whether `token` is within TIE of what sample_token takes from `logits` (1, V) at uniform u."""
+    """Whether `token` is within TIE of what sample_token takes from `logits` (1, V) at uniform u: a token the
+    filters kept whose CDF interval (low, high] lies within TIE of u's point (greedy: of the top logit)."""
     if cfg.temperature == 0:
         return bool(logits[0, token] >= logits.max() - TIE)
     cdf = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)[0].double().cumsum(0)
     target = float(u) * float(cdf[-1])
-    low = float(cdf[token - 1]) if token else 0.0
-    return low - TIE <= target <= float(cdf[token]) + TIE
+    low, high = (float(cdf[token - 1]) if token else 0.0), float(cdf[token])
+    return high > low and low - TIE <= target <= high + TIE
 
 
 def assert_sampled_from_reforward(model, prompts, G, cfg, stop_id, generators, got) -> None:
     """Each token of `got` is the one sample_token takes at its uniform from logits of a full re-forward
     (no cache, one unpadded sequence at a time, fed the tokens `got` sampled before it), or a tie with it;
     a completion ends at its first stop token, or at max_new_tokens, as its truncated flag says."""
-    for i, (p, g) in enumerate(zip(prompts, generators)):
+    assert len(got.completions) == len(prompts) * G
+    for i, (p, g) in enumerate(zip(prompts, generators, strict=True)):
         uniforms = torch.rand(G, cfg.max_new_tokens, generator=g)
         for s in range(G):
             completion, truncated = got.completions[i * G + s], got.truncated[i * G + s]
@@ -118,19 +121,21 @@ def test_compiled_static_decode_samples_the_same_tokens(assets, name):
     prompts = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]
     torch._dynamo.reset()  # compiled here, whatever earlier tests compiled
 
+    seeds = lambda: [torch.Generator().manual_seed(i) for i in range(3)]  # noqa: E731
+
     def run(compiled: bool, temperature: float, stop_id: int):
         cfg = SamplingConfig(20, temperature, min_new_tokens=3, compile=compiled)
-        return generate(bb, prompts, 3, cfg, stop_id, 0, [torch.Generator().manual_seed(i) for i in range(3)])
+        return generate(bb, prompts, 3, cfg, stop_id, 0, seeds())
 
     for temperature in (1.0, 0.0):
         # greedy: the stop token is what row 0 picks 4th, so rows stop at different steps (the loop goes
         # on for the others, pads after a stop) and the ban before min_new_tokens is exercised
         stop_id = 1 if temperature else run(False, 0.0, 1).completions[0][3]
+        # Compiled and eager logits differ from a re-forward's by rounding: each token is its, or a tie.
         eager, compiled = run(False, temperature, stop_id), run(True, temperature, stop_id)
-        # Compiled and eager logits differ by rounding: each compiled token is the eager model's, or a tie.
-        seeds = [torch.Generator().manual_seed(i) for i in range(3)]
-        assert_sampled_from_reforward(bb, prompts, 3, SamplingConfig(20, temperature, min_new_tokens=3), stop_id,
-                                      seeds, compiled)
+        for samples in (eager, compiled):
+            assert_sampled_from_reforward(bb, prompts, 3, SamplingConfig(20, temperature, min_new_tokens=3),
+                                          stop_id, seeds(), samples)
     assert len(eager.completions[0]) == 4 and True in eager.truncated
     # the compiled step ran (a graph was compiled for it), whole: sampling and decoding in one graph
     assert static_step in bb._compiled and bb.compile_s > 0
@@ -161,9 +166,12 @@ def test_a_tie_is_told_from_another_token():
     """The checker above admits a token only within TIE of the CDF boundary (greedy: of the top logit)."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
     sampled, greedy = SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.0)
-    at_boundary = torch.tensor([0.5])  # token 0's CDF ends here; right=True picks token 1
-    assert int(sample_token(logits, at_boundary, sampled)) == 1
-    assert is_tie(logits, at_boundary, 0, sampled) and not is_tie(logits, at_boundary, 2, sampled)
-    assert not is_tie(logits, torch.tensor([0.4]), 1, sampled)
+    near_boundary = torch.tensor([0.5 + 1e-6])  # just past token 0's CDF (0.5): token 1, token 0 a tie
+    assert int(sample_token(logits, near_boundary, sampled)) == 1
+    assert is_tie(logits, near_boundary, 0, sampled) and not is_tie(logits, near_boundary, 2, sampled)
+    for u, token in ((0.4, 1), (0.25, 1), (0.65, 0), (0.9, 1)):  # inside another token's interval: no tie
+        assert not is_tie(logits, torch.tensor([u]), token, sampled), (u, token)
+    top1 = SamplingConfig(temperature=1.0, top_k=1)  # tokens 1 and 2 removed: never a tie, wherever u falls
+    assert not any(is_tie(logits, torch.tensor([u]), t, top1) for u in (0.0, 0.5, 0.999999) for t in (1, 2))
     close = torch.tensor([[1.0, 1.0 - 1e-7, 0.0]])
-    assert is_tie(close, at_boundary, 1, greedy) and not is_tie(close, at_boundary, 2, greedy)
+    assert is_tie(close, near_boundary, 1, greedy) and not is_tie(close, near_boundary, 2, greedy)

@@ -14,6 +14,7 @@ import fcntl
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -103,11 +104,15 @@ def check_zip(path: Path) -> None:
                          path=str(path)) from None
 
 
-def torch_load(path: str | os.PathLike, what: str, weights_only: bool = True, map_location: Any = "cpu") -> Any:
-    """torch.load, or one line naming the file when it is truncated or not a torch file."""
+def torch_load(path: str | os.PathLike, what: str, map_location: Any = "cpu") -> Any:
+    """torch.load of tensors and plain data only (weights_only: nothing in the file can run code), or one
+    line naming the file when it is truncated, not a torch file, or holds other objects."""
     try:
-        return torch.load(path, map_location=map_location, weights_only=weights_only)
+        return torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # truncated or foreign file: torch raises many types
+        if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
+            raise InputError(f"cannot read the {what}: it holds objects other than tensors and plain data, which "
+                             f"are refused (loading them could run code)", path=str(path)) from None
         raise InputError(f"cannot read the {what} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
                          f"the file is truncated or not a torch checkpoint", path=str(path)) from None
 
@@ -293,7 +298,7 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
             raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
         if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
             check_zip(model_path)
-        return model_path, meta_path, torch_load(state_path, "resume state", weights_only=False)
+        return model_path, meta_path, torch_load(state_path, "resume state")
 
     return first_loadable(target, load)
 

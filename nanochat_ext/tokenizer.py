@@ -31,6 +31,57 @@ SPLIT_PATTERN = (
 Message = dict  # {"role": "user"|"assistant"|"system", "content": str}
 
 
+class _EncodingState:
+    """What a tokenizer.pkl's tiktoken Encoding unpickles into here: its state, kept as data."""
+
+    def __setstate__(self, state: object) -> None:
+        self.state = state
+
+
+class _TokenizerUnpickler(pickle.Unpickler):
+    """Admits the one class a nanochat tokenizer.pkl names, tiktoken's Encoding, and builds a stand-in
+    for it: unpickling then calls no function of the file's choosing (a pickle's __reduce__ can run any)."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) == ("tiktoken.core", "Encoding"):
+            return _EncodingState
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which a nanochat tokenizer does not hold; "
+                                     f"refused before running anything")
+
+
+ENCODING_FIELDS = {"name": str, "pat_str": str, "mergeable_ranks": dict, "special_tokens": dict}
+
+
+def load_tiktoken_pickle(path: Path):
+    """nanochat's tokenizer.pkl (a pickled tiktoken Encoding) without trusting the file: a restricted
+    unpickler, then the Encoding is built from its checked fields by tiktoken itself. A registered
+    encoding pickled by name (tiktoken would fetch it from the internet) is refused too."""
+    import tiktoken
+
+    def refuse(why: str) -> InputError:
+        return InputError(f"cannot read the tokenizer: {why}", path=str(path))
+
+    try:
+        with open(path, "rb") as f:
+            obj = _TokenizerUnpickler(f).load()
+    except Exception as e:  # truncated, foreign or refused: unpickling raises many types
+        raise refuse(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+    state = getattr(obj, "state", None)
+    if not isinstance(obj, _EncodingState) or not isinstance(state, dict) or set(state) != set(ENCODING_FIELDS):
+        raise refuse("not a pickled tiktoken Encoding with fields " + ", ".join(ENCODING_FIELDS))
+    for field, kind in ENCODING_FIELDS.items():
+        if not isinstance(state[field], kind):
+            raise refuse(f"field {field!r} is {type(state[field]).__name__}, not {kind.__name__}")
+    ranks, specials = state["mergeable_ranks"], state["special_tokens"]
+    if not all(isinstance(k, bytes) and type(v) is int for k, v in ranks.items()) or \
+            not all(isinstance(k, str) and type(v) is int for k, v in specials.items()):
+        raise refuse("mergeable_ranks must map bytes to ints and special_tokens str to ints")
+    try:
+        return tiktoken.Encoding(**state)
+    except Exception as e:  # tiktoken's own checks of the ranks and the pattern
+        raise refuse(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+
+
 class TokenizerWrapper:
     """One interface over the two tokenizer kinds. `kind` is "rustbpe" or "hf"."""
 
@@ -59,13 +110,7 @@ class TokenizerWrapper:
         p = Path(path)
         pkl = p / "tokenizer.pkl" if p.is_dir() else p
         if pkl.name == "tokenizer.pkl" and pkl.is_file():
-            try:
-                with open(pkl, "rb") as f:
-                    enc = pickle.load(f)
-            except Exception as e:  # truncated or foreign pickle: unpickling raises many types
-                raise InputError(f"cannot read the tokenizer ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]})",
-                                 path=str(pkl)) from None
-            return cls("rustbpe", enc, str(pkl))
+            return cls("rustbpe", load_tiktoken_pickle(pkl), str(pkl))
         hf_dir = p if p.is_dir() else p.parent
         if (hf_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
@@ -17,6 +18,7 @@ import torch
 from conftest import REPO, run_script
 from nanochat_ext import checkpoint
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
+from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo, kat_train_rm
 
 
@@ -313,6 +315,59 @@ def test_corrupt_inputs_end_in_one_line(assets, tmp_path, capsys, case):
     assert kat_train_rm.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, err
+
+
+# ---- nothing from outside runs code ---------------------------------------------------------------
+class _RunsACommand:
+    """Unpickled, it would run `touch <marker>`: what a hostile tokenizer.pkl or checkpoint can hold."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("payload,expected", [
+    ("command", "it names posix.system, which a nanochat tokenizer does not hold; refused before running anything"),
+    ("by_name", "not a pickled tiktoken Encoding with fields name, pat_str, mergeable_ranks, special_tokens"),
+])
+def test_a_tokenizer_pickle_that_would_run_code_is_refused_in_one_line(assets, tmp_path, capsys, monkeypatch,
+                                                                      payload, expected):
+    """A pickled command is refused before anything runs; so is tiktoken's Encoding pickled by the name of a
+    registered encoding, which tiktoken's own unpickling would fetch from the internet."""
+    import tiktoken.registry
+
+    marker = tmp_path / "ran"
+    tokenizer = tmp_path / "tok"
+    tokenizer.mkdir()
+    if payload == "command":
+        obj = _RunsACommand(marker)
+    else:  # a registered encoding pickles as its name
+        obj = TokenizerWrapper.load(assets["tokenizer"])._impl
+        monkeypatch.setitem(tiktoken.registry.ENCODINGS, obj.name, obj)
+    (tokenizer / "tokenizer.pkl").write_bytes(pickle.dumps(obj, protocol=4))
+    args = rm_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[3] = str(tokenizer)
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: {tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer: UnpicklingError: {expected}" \
+        if payload == "command" else err == f"error: {tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer: {expected}"
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def test_a_resume_state_that_would_run_code_is_refused(assets, tmp_path, capsys):
+    """The resume state is read weights_only, like every checkpoint: tensors and plain data, nothing else. A
+    hostile newest state is skipped, with the reason, for the checkpoint before it."""
+    out, marker = tmp_path / "out", tmp_path / "ran"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--save_every", "2")) == 0
+    newest = max(out.glob("state_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+    torch.save({**torch.load(newest, weights_only=True), "extra": _RunsACommand(marker)}, newest)
+    capsys.readouterr()
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--resume", "latest")) == 0
+    printed = capsys.readouterr().out
+    assert "holds objects other than tensors and plain data, which are refused (loading them could run code)" in printed
+    assert "at step 2" in printed and not marker.exists()
 
 
 # ---- reward functions -----------------------------------------------------------------------------

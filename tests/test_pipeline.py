@@ -12,7 +12,7 @@ import subprocess
 from conftest import REPO
 
 # OMP_NUM_THREADS=1 whatever the caller's: 2 ranks of 2 threads each would oversubscribe 2 cores.
-TINY = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "SFT_STEPS": "20", "RM_STEPS": "10", "GRPO_STEPS": "4",
+TINY = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "SFT_STEPS": "8", "RM_STEPS": "4", "GRPO_STEPS": "4",
         "EVAL_SAMPLES": "2", "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
 
 
@@ -28,7 +28,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="10",
+    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="4",
                BACKEND="cuda:gloo")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

@@ -1,10 +1,11 @@
 """Loss and gradients of one fixed GRPO rollout batch (4 prompts x G=4, uneven density weights, a
 reference model, old log-probs that make the clip bite, temperature 0.8, two completions masked as
---mask_truncated does), split over however many ranks this was launched with and N_MICRO micro-batches
-per rank, for every --loss_agg x --importance_level, with one row per completion and with each group's
-prompt shared by its completions (PrefixTree rows). Rank 0 saves them.
+--mask_truncated does), split over however many ranks this was launched with and into each of N_MICROS
+(comma-separated) micro-batches per rank in turn, for every --loss_agg x --importance_level, with one row
+per completion and with each group's prompt shared by its completions (PrefixTree rows). Rank 0 saves them,
+{n_micro: results}.
 
-    python tests/workers/grpo_grad_worker.py ASSETS N_MICRO OUT
+    python tests/workers/grpo_grad_worker.py ASSETS 1,4 OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
 """
 import contextlib
@@ -87,13 +88,14 @@ def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
     return results
 
 
-def main(assets: Path, n_micro: int, out: Path) -> None:
+def main(assets: Path, n_micros: list[int], out: Path) -> None:
+    """Every split in n_micros from one launch (a launch costs more than the computation)."""
     torch.set_num_threads(1)
     with dist_session("cpu") as env:
-        results = compute(assets, n_micro, env)
+        results = {n_micro: compute(assets, n_micro, env) for n_micro in n_micros}
         if env.is_main:
             torch.save(results, out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main(Path(sys.argv[1]), [int(n) for n in sys.argv[2].split(",")], Path(sys.argv[3]))

@@ -1,8 +1,9 @@
 """Loss and gradients of one fixed global batch of 8 weighted pairs, split over however many ranks
-this was launched with and `n_micro` micro-batches per rank. Rank 0 saves them for the test to compare.
+this was launched with and into each of N_MICROS (comma-separated) micro-batches per rank in turn. Rank 0
+saves them, {n_micro: results}, for the test to compare.
 
-    python tests/workers/rm_grad_worker.py ASSETS N_MICRO OUT
-    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/rm_grad_worker.py ASSETS N_MICRO OUT
+    python tests/workers/rm_grad_worker.py ASSETS 1,4 OUT
+    python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/rm_grad_worker.py ASSETS 1,2 OUT
 """
 import contextlib
 import sys
@@ -47,13 +48,14 @@ def compute(assets: Path, n_micro: int, env) -> dict:
     return results
 
 
-def main(assets: Path, n_micro: int, out: Path) -> None:
+def main(assets: Path, n_micros: list[int], out: Path) -> None:
+    """Every split in n_micros from one launch (a launch costs more than the computation)."""
     torch.set_num_threads(1)
     with dist_session("cpu") as env:
-        results = compute(assets, n_micro, env)
+        results = {n_micro: compute(assets, n_micro, env) for n_micro in n_micros}
         if env.is_main:
             torch.save(results, out)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main(Path(sys.argv[1]), [int(n) for n in sys.argv[2].split(",")], Path(sys.argv[3]))

@@ -1,7 +1,7 @@
 """Preference pairs: parse and validate JSONL, attach weights, split by prompt, tokenize with
 prompt-left / response-right truncation, and feed global batches sharded over ranks.
 
-Formats accepted per line (see DESIGN.md): plain {prompt, chosen, rejected}; chat messages
+Formats accepted per line (README.md, "Data formats"): plain {prompt, chosen, rejected}; chat messages
 {prompt: [messages], chosen: [messages] | str, rejected: ...}; implicit-prompt chat
 {chosen: [messages], rejected: [messages]} (the shared leading turns are the prompt); HH-RLHF
 transcripts {chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}; the density fork's

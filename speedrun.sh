@@ -30,8 +30,11 @@ source scripts/setup_env.sh
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 B=$NANOCHAT_BASE_DIR
-GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
-NPROC_PER_NODE="${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
+if [ -z "${NPROC_PER_NODE:-}" ]; then  # one rank per GPU, else 2 on CPU (asking torch takes 2 s: only if not given)
+    GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+    NPROC_PER_NODE=$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)
+fi
+export NPROC_PER_NODE  # the experiment's per-seed runs take it as given
 FORCE="${FORCE:-0}"
 SFT_STEPS="${SFT_STEPS:-400}"
 RM_STEPS="${RM_STEPS:-150}"

@@ -27,7 +27,7 @@ import torch
 
 from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, get_world_size, is_main, print0,
                                      raise_if_any)
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, first_line
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
 _META_RE = re.compile(r"^meta_(\d+)\.json$")
@@ -113,7 +113,7 @@ def torch_load(path: str | os.PathLike, what: str, map_location: Any = "cpu") ->
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in str(e):
             raise InputError(f"cannot read the {what}: it holds objects other than tensors and plain data, which "
                              f"are refused (loading them could run code)", path=str(path)) from None
-        raise InputError(f"cannot read the {what} ({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}); "
+        raise InputError(f"cannot read the {what} ({first_line(e)}); "
                          f"the file is truncated or not a torch checkpoint", path=str(path)) from None
 
 

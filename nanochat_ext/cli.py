@@ -11,7 +11,7 @@ from typing import Callable
 
 from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
 from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
                                 restore_signal_handlers)
@@ -109,7 +109,7 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or an environment failure: its traceback, then the one line
         traceback.print_exc()
-        report(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}", everyone=True)
+        report(first_line(e, 300), everyone=True)
         return 1
     finally:
         release_out_dirs()

@@ -13,3 +13,8 @@ class InputError(Exception):
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field
         self.collective = False  # raised on every rank by ddp_common.raise_if_any
+
+
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """'Type: first line of the message', cut to `limit` characters: a third-party error in one line."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:limit]}"

@@ -19,7 +19,7 @@ import torch.nn as nn
 from nanochat_ext.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
 from nanochat_ext.data import prefix_tree_rows, right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.gpt import PrefixTree
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
@@ -65,7 +65,7 @@ def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: d
     try:
         value = fn(prompt, completion, row)
     except Exception as e:  # the user's code: any failure becomes the run's one line
-        raise InputError(f"{where} raised {type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+        raise InputError(f"{where} raised {first_line(e)}") from None
     if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
         raise InputError(f"{where} returned {value!r} ({type(value).__name__}), not a real number")
     value = float(value)

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, first_line
 
 # nanochat's special tokens, in nanochat's order (ids follow the mergeable ranks).
 SPECIAL_TOKENS = [
@@ -65,7 +65,7 @@ def load_tiktoken_pickle(path: Path):
         with open(path, "rb") as f:
             obj = _TokenizerUnpickler(f).load()
     except Exception as e:  # truncated, foreign or refused: unpickling raises many types
-        raise refuse(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+        raise refuse(first_line(e)) from None
     state = getattr(obj, "state", None)
     if not isinstance(obj, _EncodingState) or not isinstance(state, dict) or set(state) != set(ENCODING_FIELDS):
         raise refuse("not a pickled tiktoken Encoding with fields " + ", ".join(ENCODING_FIELDS))
@@ -79,7 +79,7 @@ def load_tiktoken_pickle(path: Path):
     try:
         return tiktoken.Encoding(**state)
     except Exception as e:  # tiktoken's own checks of the ranks and the pattern
-        raise refuse(f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}") from None
+        raise refuse(first_line(e)) from None
 
 
 class TokenizerWrapper:

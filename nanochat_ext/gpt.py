@@ -315,8 +315,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     if isinstance(mask, TreeAttention):
         return mask(q, k, v)
     gqa = q.size(1) != k.size(1)
+    if mask is None and q.size(2) > 1:  # a branch, not is_causal=T > 1: compiled, T is a symbol, not a bool
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=q.size(2) > 1, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
@@ -626,7 +628,8 @@ class GPT(nn.Module):
                 x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             if v.value_embeds and str(i) in self.value_embeds:
                 ve = self.value_embeds[str(i)](idx)
-            x = block(x, ve, cos_sin, masks[i], kv_cache, at if i == last else None, real_tokens)
+            x = block(x, ve, cos_sin, masks[i], kv_cache=kv_cache, at=at if i == last else None,
+                      real_tokens=real_tokens)
             if v.backout and i == self.config.n_layer // 2:
                 x_backout = x
         if x_backout is not None:  # taken before the last block unless there is only one

@@ -152,7 +152,7 @@ class Llama(nn.Module):
         x = self.embed(idx)
         last, real_tokens = len(self.layers) - 1, tree.real_tokens if tree is not None else None
         for i, (block, mask) in enumerate(zip(self.layers, masks)):
-            x = block(x, cos_sin, mask, kv_cache, at if i == last else None, real_tokens)
+            x = block(x, cos_sin, mask, kv_cache=kv_cache, at=at if i == last else None, real_tokens=real_tokens)
         x = F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
         return x[:, 0] if single else x
 
@@ -163,7 +163,7 @@ class Llama(nn.Module):
         masks = static_masks(key_valid, kv_cache.slot, self.window_sizes)
         x = self.embed(tokens[:, None])
         for block, mask in zip(self.layers, masks):
-            x = block(x, cos_sin, mask, kv_cache)
+            x = block(x, cos_sin, mask, kv_cache=kv_cache)
         return self.logits(F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from nanochat_ext.compiled import compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum
 
 JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
@@ -39,9 +40,13 @@ class Tracker:
             self.bar = tqdm(total=total_steps, initial=start_step, desc=name, dynamic_ncols=True)
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
-        """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line."""
+        """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line. Once
+        anything is compiled (--compile), rank 0's graph count and compile seconds so far ride along."""
         if not self.enabled:
             return
+        graphs, seconds = compile_stats()
+        if graphs:
+            metrics = {**metrics, "perf/compiled_graphs": graphs, "perf/compile_s_total": seconds}
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(k, v, step)
@@ -72,6 +77,9 @@ class Tracker:
             self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
+        graphs, seconds = compile_stats()
+        if self.enabled and graphs:
+            print(f"compile: {graphs} graphs, {seconds:.1f} s", flush=True)
         if self.bar is not None:
             self.bar.close()
         if self.writer is not None:

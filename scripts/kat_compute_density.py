@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_writable
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts, right_pad
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any
@@ -100,6 +101,7 @@ def compute(args: argparse.Namespace, env: DistEnv) -> Path:
     dtype = compute_dtype(args.dtype, env.device)
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage, frozen=dtype)
     tok = load_tokenizer_for(backbone, args.tokenizer)
+    print0(compile_models(args.compile, env.device, backbone))
     raise_if_any(check_writable(out.parent) if env.is_main else None)
 
     tokens = [tok.render_prompt(first[pid])[-args.max_len:] for pid in ids]

@@ -26,6 +26,7 @@ import torch
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
@@ -99,8 +100,9 @@ def dense_topics(counts: Counter) -> set[str]:
     return {t for t, c in counts.items() if c >= sum(counts.values()) / len(counts)}
 
 
-def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv, rm_backbone: str | None = None) -> dict:
-    scorer = load_reward_model(rm_dir, env.device, backbone=rm_backbone)
+def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv, args: argparse.Namespace) -> dict:
+    scorer = load_reward_model(rm_dir, env.device, backbone=args.rm_backbone)
+    print0(compile_models(args.compile, env.device, scorer.model.backbone))
     mine = pairs[env.rank::env.world_size]
     prompts = [r.prompt for r in mine]
     margins = [c - r for c, r in zip(scorer.score(prompts, [r.chosen for r in mine]),
@@ -253,13 +255,15 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.rm and Path(args.eval_pairs).is_file():
         pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
         for d in args.rm:
-            rms[d] = eval_rm(d, pairs, topics, env, args.rm_backbone)
+            rms[d] = eval_rm(d, pairs, topics, env, args)
             print0(f"eval: rm {d} accuracy {rms[d]['overall']['accuracy']:.3f}")
     policies = {}
     if Path(args.eval_prompts).is_file():
         rows = load_prompts(args.eval_prompts)
         scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
                   if find_checkpoint(args.score_rm) else None)
+        if scorer is not None:
+            print0(compile_models(args.compile, env.device, scorer.model.backbone))
         for name, path in [("before (SFT)", args.policy_before)] + named_policies(args):
             resolved = resolve_model_path(path)  # sft:d20 and checkpoint roots too
             if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_model_path, resolve_resume, save_synced
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
@@ -77,6 +78,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     print0(f"data: {len(examples)} conversations from {args.conversations}; {loader.steps_per_epoch} steps per epoch")
 
     model_bb.set_trainable("all")
+    print0(compile_models(args.compile, env.device, model_bb))
     model = CompletionLogprobs(model_bb)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]

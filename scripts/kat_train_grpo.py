@@ -21,6 +21,7 @@ import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume, save_synced
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
@@ -77,13 +78,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
-    g.add_argument("--compile", choices=("auto", "0", "1"), default="auto",
-                   help="1: decode with a torch.compile'd static-shape step, sampling included (our models; the same "
-                        "tokens as eager). Compiled once per batch size and 64-slot cache bucket: ~10-19 s on a 2-core "
-                        "CPU the first time, ~2.5 s from inductor's cache after. On that CPU it decodes the bench's "
-                        "tiny Llama ~1.6x faster (0.5 vs 0.9 ms per token step). auto: compiled on CPU when "
-                        "--max_steps x --max_new_tokens >= 100000, where that pays back; eager on CUDA, where the "
-                        "step (CUDA graphs) is not yet measured (default: %(default)s)")
     g.add_argument("--mask_truncated", action="store_true",
                    help="leave completions that hit --max_new_tokens out of the loss")
     g.add_argument("--filter_zero_std", action="store_true",
@@ -266,6 +260,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.beta > 0:
         reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
                                     temperature=args.temperature)
+    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference else None,
+                          rm.model.backbone if rm else None))
     model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -19,6 +19,7 @@ import torch
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint, save_synced, torch_load)
 from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, by_length, collate_pairs,
@@ -129,6 +130,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     model = RewardModel(backbone)
     model.init_head(args.seed)
     model.to(env.device)
+    print0(compile_models(args.compile, env.device, backbone))
     trainable = [p for p in model.parameters() if p.requires_grad]
     print0(f"model: {backbone.kind} backbone {backbone.source}, tokenizer {tokenizer.kind}; "
            f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,}")

@@ -8,7 +8,6 @@ if [ "${NANOCHAT_SYSTEM_PYTHON:-0}" != 1 ]; then
     if [ ! -x "$VENV/bin/python" ] || [ "$ROOT/requirements.txt" -nt "$VENV/.installed" ]; then
         echo "setup: creating $VENV from requirements.txt"
         python3 -m venv "$VENV"
-        "$VENV/bin/pip" install -q --upgrade pip
         "$VENV/bin/pip" install -q -r "$ROOT/requirements.txt"
         touch "$VENV/.installed"
     fi

@@ -62,13 +62,15 @@ def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = 
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
-def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...], out: Path) -> dict:
+def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...], out: Path,
+               env: dict | None = None) -> dict:
     """Run tests/workers/<worker>.py on `nproc` gloo ranks (plain python for 1), splitting each rank's batch
-    into each of n_micros micro-batches in turn, and load what rank 0 saved: {n_micro: results}."""
+    into each of n_micros micro-batches in turn, and load what rank 0 saved: {n_micro: results}. env: added
+    to the workers' environment."""
     path = str(REPO / "tests" / "workers" / f"{worker}.py")
     launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
                                                      f"--nproc_per_node={nproc}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     proc = subprocess.run([*launcher, path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -3,18 +3,20 @@ reference model, old log-probs that make the clip bite, temperature 0.8, two com
 --mask_truncated does), split over however many ranks this was launched with and into each of N_MICROS
 (comma-separated) micro-batches per rank in turn, for every --loss_agg x --importance_level, with one row
 per completion and with each group's prompt shared by its completions (PrefixTree rows). Rank 0 saves them,
-{n_micro: results}.
+{n_micro: results}. COMPILE_BACKEND set: the policy's and reference's blocks compiled with it.
 
     python tests/workers/grpo_grad_worker.py ASSETS 1,4 OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
 """
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from nanochat_ext.backbone import load_backbone
+from nanochat_ext.compiled import compile_blocks, compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, CompletionLogprobs, LossConfig, group_advantages, make_sequences,
                                policy_backward, token_logprobs)
@@ -61,6 +63,9 @@ def compute(assets: Path, n_micro: int, env) -> dict:
 def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
     policy, batch = rollout(assets, env.rank, env.world_size, share_prompt)
     reference = load_backbone(assets / "gpt").requires_grad_(False)
+    if os.environ.get("COMPILE_BACKEND"):  # --compile's blocks, under this torch.compile backend
+        for bb in (policy, reference):
+            compile_blocks(bb, backend=os.environ["COMPILE_BACKEND"])
     with torch.no_grad():
         for i, p in enumerate(reference.parameters()):
             p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
@@ -84,7 +89,8 @@ def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
             totals = all_reduce_sum(stats.clone())
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             results[f"{agg}/{level}"] = {"loss": totals[0].item(), "clipped": totals[2].item(),
-                                         "tokens": totals[3].item(), "grads": grads}
+                                         "tokens": totals[3].item(), "grads": grads,
+                                         "graphs": compile_stats()[0]}
     return results
 
 

@@ -1,17 +1,19 @@
 """Loss and gradients of one fixed global batch of 8 weighted pairs, split over however many ranks
 this was launched with and into each of N_MICROS (comma-separated) micro-batches per rank in turn. Rank 0
-saves them, {n_micro: results}, for the test to compare.
+saves them, {n_micro: results}, for the test to compare. COMPILE_BACKEND set: the blocks compiled with it.
 
     python tests/workers/rm_grad_worker.py ASSETS 1,4 OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/rm_grad_worker.py ASSETS 1,2 OUT
 """
 import contextlib
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from nanochat_ext.backbone import load_backbone
+from nanochat_ext.compiled import compile_blocks, compile_stats
 from nanochat_ext.data import BatchPlan, collate_pairs, load_pairs, tokenize_pairs
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
 from nanochat_ext.reward import RewardModel, rm_backward
@@ -27,6 +29,8 @@ def compute(assets: Path, n_micro: int, env) -> dict:
     backbone = load_backbone(assets / "gpt")
     tok = TokenizerWrapper.load(assets / "tokenizer")
     backbone.set_trainable(1)
+    if os.environ.get("COMPILE_BACKEND"):  # --compile's blocks, under this torch.compile backend
+        compile_blocks(backbone, backend=os.environ["COMPILE_BACKEND"])
     model = RewardModel(backbone)
     model.init_head(0)
     ddp_model = wrap_ddp(model, env)
@@ -44,7 +48,7 @@ def compute(assets: Path, n_micro: int, env) -> dict:
         stats = rm_backward(ddp_model, batches, mode, cap, env.device, contextlib.nullcontext())
         loss = all_reduce_sum(stats[:1].clone()).item()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[mode] = {"loss": loss, "grads": grads}
+        results[mode] = {"loss": loss, "grads": grads, "graphs": compile_stats()[0]}
     return results
 
 

@@ -1,0 +1,184 @@
+"""--compile (nanochat_ext/compiled.py): every block under torch.compile, held to torch's own counters (graphs
+compiled, graph breaks) and to the eager path and nanochat's own logits."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from conftest import REPO, run_worker
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.compiled import blocks_compiled, compile_blocks
+from nanochat_ext.data import TokenizedPair, collate_pairs
+from nanochat_ext.grpo import CompletionLogprobs, LossConfig, make_sequences, policy_backward, token_logprobs
+from nanochat_ext.reward import RewardModel, rm_backward
+
+GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
+FIXTURES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.pt").is_file())
+CPU = torch.device("cpu")
+EAGER = contextlib.nullcontext()
+
+
+class CountingBackend:
+    """A torch.compile backend that runs dynamo's graphs as captured and counts the runs: with no graph
+    breaks, one run per block call proves that every block ran compiled (torch falls back to eager, silently,
+    once a function has more graphs than its recompile limit). Dynamo's graphs and guards, which decide
+    recompiles and breaks, are the same whichever backend compiles them."""
+
+    def __init__(self):
+        self.runs = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        def run(*args):
+            self.runs += 1
+            return gm.forward(*args)
+
+        return run
+
+
+def fixture_backbone(name: str = "current"):
+    return load_backbone(GOLDEN / name / "chatsft_checkpoints" / "d2", vintage=name)
+
+
+def rm_batch(rng: random.Random, pairs: int, vocab: int) -> dict:
+    """Pairs of ragged lengths sharing ragged prompts, as kat_train_rm collates them (PrefixTree rows)."""
+    out = []
+    for _ in range(pairs):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(3, 40))]
+        out.append(TokenizedPair(prompt + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))],
+                                 prompt + [rng.randrange(vocab) for _ in range(rng.randint(1, 30))], 1.0))
+    return collate_pairs(out, 0)
+
+
+def grpo_batch(rng: random.Random, prompts: int, group: int, vocab: int) -> dict:
+    """Ragged prompts and completions, a group's prompt shared (PrefixTree rows), with advantages."""
+    prompt_ids = [[rng.randrange(vocab) for _ in range(rng.randint(3, 40))] for _ in range(prompts)]
+    completions = [[rng.randrange(vocab) for _ in range(rng.randint(1, 24))] for _ in range(prompts * group)]
+    batch = make_sequences(prompt_ids, completions, group, 0, share_prompt=True)
+    batch["advantages"] = torch.tensor([rng.uniform(-1, 1) for _ in completions])
+    batch["weights"] = torch.ones(len(completions))
+    return batch
+
+
+def test_auto_compiles_on_cuda_only():
+    assert blocks_compiled("auto", torch.device("cuda"))[0]
+    assert not blocks_compiled("auto", CPU)[0]
+    assert blocks_compiled("1", CPU)[0] and not blocks_compiled("0", torch.device("cuda"))[0]
+
+
+def test_ragged_steps_add_no_graphs_after_warm_up():
+    """Two warm-up steps of everything a GRPO run with an RM computes (RM training and scoring on pair trees,
+    the policy's update and the reference's log-probs on group trees, ragged throughout), then four more
+    steps of new lengths and batch sizes: torch compiles no new graph, breaks none, and every block call
+    runs a compiled graph. It fails with SDPA's is_causal given `T > 1` (a symbol once lengths vary: a graph
+    break in every causal block) and with torch's default recompile limit of 8 (blocks fall back to eager)."""
+    torch.manual_seed(0)
+    backend = CountingBackend()
+    policy, reference, rm_backbone = fixture_backbone(), fixture_backbone(), fixture_backbone()
+    reference.requires_grad_(False)
+    for bb in (policy, reference, rm_backbone):
+        assert compile_blocks(bb, backend=backend)
+    block_calls = [0]
+    for bb in (policy, reference, rm_backbone):
+        for block in bb.blocks:
+            block.register_forward_pre_hook(lambda *_: block_calls.__setitem__(0, block_calls[0] + 1))
+    rm = RewardModel(rm_backbone)
+    rm.init_head(0)
+    model, ref = CompletionLogprobs(policy), CompletionLogprobs(reference)
+    vocab, rng = policy.vocab_size, random.Random(0)
+    before = None
+    for step in range(6):
+        if step == 2:
+            before = counters["stats"]["unique_graphs"], backend.runs, block_calls[0]
+            counters.clear()  # graphs and breaks are counted from here on
+        rm_backward(rm, [rm_batch(rng, rng.randint(2, 5), vocab) for _ in range(2)], "mean", None, CPU, EAGER)
+        with torch.no_grad():
+            rm(**{k: v for k, v in rm_batch(rng, 3, vocab).items() if k in ("input_ids", "lengths")})
+        batch = grpo_batch(rng, rng.randint(1, 3), 4, vocab)
+        batch["ref_logp"] = token_logprobs(ref, batch, 4, CPU, EAGER)
+        policy_backward(model, batch, 4, LossConfig(beta=0.04), CPU, EAGER)
+    graphs_before, runs_before, calls_before = before
+    assert counters["stats"]["unique_graphs"] == 0, "new graphs after warm-up"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs_before > 0 and block_calls[0] > calls_before
+    assert backend.runs - runs_before == block_calls[0] - calls_before, "some block calls ran eager"
+
+
+def test_compiled_training_agrees_with_eager():
+    """Inductor, as --compile 1 runs it, on today's nanochat vintage: an RM step and a GRPO step (ragged,
+    pairs and groups as prefix trees, a reference) give eager's losses, reference log-probs and gradients.
+    Inductor fuses and reorders fp32 reductions, so agreement is to rounding (1e-5), far below what a wrong
+    mask or a dropped value embedding moves. One micro-batch each: a second shape would compile every graph
+    again with symbolic sizes (test_ragged_steps_add_no_graphs_after_warm_up holds that contract)."""
+    eager_bb, compiled_bb = fixture_backbone(), fixture_backbone()
+    compile_blocks(compiled_bb)
+    rng = random.Random(1)
+    pairs = rm_batch(rng, 4, eager_bb.vocab_size)
+    grpo = grpo_batch(rng, 2, 4, eager_bb.vocab_size)
+    results = []
+    for bb in (eager_bb, compiled_bb):
+        reference = copy.deepcopy(bb).requires_grad_(False)
+        rm = RewardModel(bb)
+        rm.init_head(0)
+        rm_stats = rm_backward(rm, [pairs], "mean", None, CPU, EAGER)
+        rm_grads = [p.grad.clone() for p in rm.parameters() if p.grad is not None]
+        rm.zero_grad(set_to_none=True)
+        batch = {**grpo, "ref_logp": token_logprobs(CompletionLogprobs(reference), grpo, 8, CPU, EAGER)}
+        grpo_stats = policy_backward(CompletionLogprobs(bb), batch, 8, LossConfig(beta=0.04), CPU, EAGER)
+        results.append((rm_stats, rm_grads, batch["ref_logp"], grpo_stats, [p.grad.clone() for p in bb.parameters()]))
+    (rm_e, rm_ge, ref_e, grpo_e, ge), (rm_c, rm_gc, ref_c, grpo_c, gc) = results
+    assert len(rm_ge) == len(rm_gc) > 1 and len(ge) == len(gc)
+    close = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(rm_c, rm_e, **close)
+    torch.testing.assert_close(ref_c, ref_e, **close)
+    torch.testing.assert_close(grpo_c, grpo_e, **close)
+    for a, b in zip(rm_gc + gc, rm_ge + ge):
+        torch.testing.assert_close(a, b, **close)
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_every_vintage_compiles_to_nanochats_logits(name):
+    """Every nanochat vintage's blocks, as dynamo captures them (CountingBackend: no fusion, so any difference
+    is a capture that changed the computation), give nanochat's logits on its golden inputs, right-padded
+    rows and the RM's scored-position path, with no graph break."""
+    golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
+    bb = fixture_backbone(name)
+    backend = CountingBackend()
+    compile_blocks(bb, backend=backend)
+    counters.clear()
+    V = golden["vocab_size"]
+    long_row, rows60 = golden["inputs"][3][0], golden["inputs"][2]
+    want_long, want60 = golden["logits"][3][0], golden["logits"][2]
+    ids = torch.zeros(3, 300, dtype=torch.long)
+    ids[0], ids[1, :60], ids[2, :35] = long_row, rows60[0], rows60[1, :35]
+    with torch.no_grad():
+        out = bb.model(ids)
+        scored = bb.model.logits(bb.model.hidden_states(ids, at=torch.tensor([299, 59, 34])))
+    torch.testing.assert_close(out[0, 236:, :V], want_long, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1, :60, :V], want60[0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[2, :35, :V], want60[1, :35], atol=1e-4, rtol=0)
+    torch.testing.assert_close(scored[:, :V], torch.stack([want_long[-1], want60[0, 59], want60[1, 34]]),
+                               atol=1e-4, rtol=0)
+    assert backend.runs == 2 * len(bb.blocks) and not counters["graph_break"]
+
+
+@pytest.mark.parametrize("worker", ["rm_grad_worker", "grpo_grad_worker"])
+def test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients(assets, tmp_path, worker):
+    """DDP over compiled blocks: the RM's (last block trainable, three weight modes) and GRPO's (every loss
+    aggregation and importance level, rows and shared prompts, a reference) losses and gradients on 2 gloo
+    ranks, blocks compiled through AOT autograd (aot_eager: the graphs and backward inductor would get,
+    computed without its fusions), equal one eager rank's to the tolerances of the eager rank tests."""
+    eager = run_worker(worker, assets, 1, (1,), tmp_path / "eager.pt")[1]
+    compiled = run_worker(worker, assets, 2, (1,), tmp_path / "compiled.pt", env={"COMPILE_BACKEND": "aot_eager"})[1]
+    assert compiled.keys() == eager.keys() and len(eager) >= 3
+    for cfg, want in eager.items():
+        got = compiled[cfg]
+        assert got["graphs"] > 0 and want["graphs"] == 0, cfg
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7), cfg
+        assert got["grads"].keys() == want["grads"].keys() and want["grads"]
+        for name, g in want["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, atol=1e-6, rtol=1e-4, msg=f"{cfg} {name}")

@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
+from nanochat_ext.compiled import compile_models, compile_stats  # noqa: E402
 from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
                                policy_backward, reference_model, token_logprobs)
@@ -67,10 +68,21 @@ def shape_config(name: str, vintage: str = "current") -> GPTConfig:
                      n_embd=width, window_pattern="SSSL", vintage=vintage, padded_vocab_size=padded(vocab))
 
 
+_INITIAL: dict[tuple[str, int], dict[str, torch.Tensor]] = {}  # (config, seed) -> weights drawn on CPU
+
+
 def make_backbone(cfg: GPTConfig, device: torch.device, seed: int) -> Backbone:
-    model = GPT(cfg)
-    model.init_weights(seed)  # on CPU: its generator is a CPU one
-    return Backbone("nanochat", model.to(device), f"random {cfg.n_layer}x{cfg.n_embd}").eval()
+    """A random model of that shape, its weights drawn once per (shape, seed) on CPU (init_weights' generator
+    is a CPU one; drawing 1.4B of them takes long enough to matter in a 10-minute GPU call) and copied after."""
+    key = (repr(cfg), seed)
+    if key not in _INITIAL:
+        model = GPT(cfg)
+        model.init_weights(seed)
+        _INITIAL[key] = model.state_dict()
+    with torch.device(device):
+        model = GPT(cfg)
+    model.load_state_dict(_INITIAL[key])
+    return Backbone("nanochat", model, f"random {cfg.n_layer}x{cfg.n_embd}").eval()
 
 
 def block_fwd_flops(cfg: GPTConfig, blocks: list, T: int) -> float:
@@ -125,6 +137,7 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     hold_frozen_in(backbone, torch.bfloat16)
     model = RewardModel(backbone).to(device)
     model.init_head(0)
+    compiled = compile_models(b.compile, device, backbone)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, 1e-5, 0.0, device)
     g = torch.Generator().manual_seed(0)
@@ -133,9 +146,12 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (2 * n, T), generator=g),
              "lengths": torch.full((2 * n,), T), "weights": torch.ones(n), "tokens": 2 * n * T, "computed": 2 * n * T}
     times, peaks = [], []
+    # The first warm-up step is 64 tokens shorter: compiled, a new length makes torch recompile with symbolic
+    # sizes, so the timed steps run the graph that ragged training runs, not one specialised to T.
+    short = {**batch, "input_ids": batch["input_ids"][:, :T - 64], "lengths": torch.full((2 * n,), T - 64)}
     for step in range(b.warmup + b.steps):
         with Clock(device) as c:
-            rm_backward(model, [batch], "mean", None, device, autocast_for(device))
+            rm_backward(model, [short if step == 0 and b.warmup else batch], "mean", None, device, autocast_for(device))
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -150,7 +166,8 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
             "params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in trainable),
             "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2), "tokens_per_s": round(2 * n * T / s, 1),
             "tflops": round(flops / s / 1e12, 3), "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
-            "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None}
+            "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None, "compile": compiled,
+            "compiled_graphs": compile_stats()[0]}
 
 
 def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
@@ -161,6 +178,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
+    compiled = compile_models(b.compile, device, policy, reference.backbone, rm_model.backbone)
     model = CompletionLogprobs(policy)
     trainable = list(model.parameters())
     optimizer = make_adamw(trainable, 1e-6, 0.0, device)
@@ -169,18 +187,21 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     loss_cfg = LossConfig("token", 0.2, None, 0.04, L)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
+    # The first warm-up step's prompts are 16 tokens shorter, for the reason bench_rm gives.
+    warm_prompts = [p[16:] for p in prompts]
     phases = {"generation": [], "scoring": [], "reference": [], "training": []}
     peaks = dict.fromkeys(phases, 0.0)
     for step in range(b.warmup + b.steps):
         clocks = {}
         with Clock(device) as clocks["generation"], autocast_for(device):
             policy.eval()
-            samples = generate(policy, prompts, G, sampling, stop, 0,
+            step_prompts = warm_prompts if step == 0 and b.warmup else prompts
+            samples = generate(policy, step_prompts, G, sampling, stop, 0,
                                [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
         with Clock(device) as clocks["scoring"]:
-            rewards = torch.tensor(scorer.score_ids([prompts[i // G] + c for i, c in enumerate(samples.completions)],
+            rewards = torch.tensor(scorer.score_ids([step_prompts[i // G] + c for i, c in enumerate(samples.completions)],
                                                     batch_size=b.micro), dtype=torch.float64)
-        batch = make_sequences(prompts, samples.completions, G, 0)
+        batch = make_sequences(step_prompts, samples.completions, G, 0)
         batch["advantages"] = group_advantages(rewards, G, "group")
         batch["weights"] = torch.ones(n * G)
         with Clock(device) as clocks["reference"]:
@@ -209,7 +230,8 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             "train_tokens_per_s": round(completions * T / s["training"], 1),
             "train_tflops": round(train_flops / s["training"] / 1e12, 3),
             "train_mfu": round(train_flops / s["training"] / 1e12 / peak, 4) if peak else None,
-            "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None}
+            "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None,
+            "compile": compiled, "compiled_graphs": compile_stats()[0]}
 
 
 def main() -> None:
@@ -228,6 +250,7 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=64, help="sequences per forward in scoring / reference / training")
     p.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak, if not known here")
+    p.add_argument("--compile", choices=("auto", "0", "1"), default="auto", help="the trainers' --compile (blocks)")
     b = p.parse_args()
     device = torch.device(b.device)
     if device.type == "cuda":

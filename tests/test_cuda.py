@@ -74,3 +74,31 @@ def test_reward_head_inits_on_the_gpu_as_on_cpu(assets):
         model.init_head(3)
         heads.append(model.head.weight.detach().cpu())
     assert torch.equal(*heads)
+
+
+def test_compiled_blocks_train_at_a_real_vocabulary():
+    """--compile 1's blocks on a GPU at nanochat's real vocabulary (65536; the tiny test vocabulary hid a
+    compile crash once): bench_gpu's RM full fine-tune and GRPO steps (ragged: their first warm-up step is
+    shorter) on a 2-layer model of today's vintage, eager and then compiled under bf16 autocast, with graphs
+    compiled and none broken."""
+    import argparse
+    import sys
+
+    from torch._dynamo.utils import counters
+
+    from conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    import bench_gpu
+
+    device = torch.device("cuda")
+
+    b = argparse.Namespace(vintage="current", steps=1, warmup=2, rm_pairs=4, rm_len=256, grpo_prompts=2, group_size=4,
+                           prompt_len=32, new_tokens=16, micro=8, peak_tflops=None)
+    shape = "d2:65536"
+    runs = {}
+    for flag in ("0", "1"):
+        b.compile = flag
+        runs[flag] = bench_gpu.bench_rm(shape, "all", b, device), bench_gpu.bench_grpo(shape, b, device)
+    assert runs["1"][0]["compile"].startswith("compile: blocks compiled") and runs["1"][0]["compiled_graphs"] > 0
+    assert not counters["graph_break"], dict(counters["graph_break"])

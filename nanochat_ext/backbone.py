@@ -8,7 +8,6 @@ module. Nothing is downloaded: Hugging Face loads use local_files_only.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -34,7 +33,6 @@ class Backbone(nn.Module):
         super().__init__()
         self.kind, self.source = kind, source
         self._compiled: dict = {}  # function -> its torch.compile'd form (Backbone.compiled)
-        self.compile_s = 0.0  # seconds spent compiling them so far
         self.model = model
         self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
         # A nanochat checkpoint is saved back in its own layout: its model_config verbatim, each
@@ -161,24 +159,12 @@ class Backbone(nn.Module):
         """fn under torch.compile as this backbone's device runs it best, made once per fn and kept. Static
         shapes. On a GPU: CUDA graphs (mode reduce-overhead). On CPU: inductor with its C++ wrapper, so a
         decode step's ~60 kernel calls run without Python between them (557 -> 438 us per step of 8
-        rows on the bench's 4-layer Llama, 2 threads). Calls that compile a new graph add their time to
-        compile_s, so callers can report it apart from the steady state."""
+        rows on the bench's 4-layer Llama, 2 threads). The time its compiles take: compiled.compile_stats."""
         if fn not in self._compiled:
-            from torch._dynamo.utils import counters as dynamo_counters  # here: importing dynamo takes ~1.5 s
-
             if next(self.parameters()).device.type == "cuda":
-                step = torch.compile(fn, dynamic=False, mode="reduce-overhead")
+                self._compiled[fn] = torch.compile(fn, dynamic=False, mode="reduce-overhead")
             else:
-                step = torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
-
-            def timed(*args, **kwargs):
-                graphs, t0 = dynamo_counters["stats"]["unique_graphs"], time.perf_counter()
-                out = step(*args, **kwargs)
-                if dynamo_counters["stats"]["unique_graphs"] != graphs:
-                    self.compile_s += time.perf_counter() - t0
-                return out
-
-            self._compiled[fn] = timed
+                self._compiled[fn] = torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
         return self._compiled[fn]
 
     def repeat_cache(self, cache, n: int) -> None:

@@ -77,8 +77,8 @@ class Tracker:
             self.writer.add_text(tag, text, step)
 
     def close(self) -> None:
-        graphs, seconds = compile_stats()
-        if self.enabled and graphs:
+        graphs, seconds = compile_stats() if self.enabled else (0, 0.0)
+        if graphs:
             print(f"compile: {graphs} graphs, {seconds:.1f} s", flush=True)
         if self.bar is not None:
             self.bar.close()

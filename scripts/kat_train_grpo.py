@@ -21,7 +21,7 @@ import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume, save_synced
-from nanochat_ext.compiled import compile_models
+from nanochat_ext.compiled import compile_models, compile_stats
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
@@ -305,12 +305,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     def rollout(draw: int) -> Rollout:
         """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
         indices = [i for mb in loader.micro_batches(draw) for i in mb]
-        t0, compiled_before = time.time(), policy.compile_s
+        t0, compiled_before = time.time(), compile_stats()[1]
         policy.eval()
         with autocast:
             samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
-        t1, compile_s = time.time(), policy.compile_s - compiled_before  # --compile: a new shape's compile
+        t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
                                            [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)

@@ -39,7 +39,8 @@ from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages,
                                policy_backward, reference_model, token_logprobs)
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
-from nanochat_ext.sampling import SamplingConfig, generate  # noqa: E402
+from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth  # noqa: E402
+from nanochat_ext.sampling import SamplingConfig  # noqa: E402
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
@@ -148,7 +149,8 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     times, peaks = [], []
     # The first warm-up step is 64 tokens shorter: compiled, a new length makes torch recompile with symbolic
     # sizes, so the timed steps run the graph that ragged training runs, not one specialised to T.
-    short = {**batch, "input_ids": batch["input_ids"][:, :T - 64], "lengths": torch.full((2 * n,), T - 64)}
+    cut = T - min(64, T // 2)
+    short = {**batch, "input_ids": batch["input_ids"][:, :cut], "lengths": torch.full((2 * n,), cut)}
     for step in range(b.warmup + b.steps):
         with Clock(device) as c:
             rm_backward(model, [short if step == 0 and b.warmup else batch], "mean", None, device, autocast_for(device))
@@ -179,6 +181,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, reference.backbone, rm_model.backbone)
+    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0])
     model = CompletionLogprobs(policy)
     trainable = list(model.parameters())
     optimizer = make_adamw(trainable, 1e-6, 0.0, device)
@@ -188,16 +191,17 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
     # The first warm-up step's prompts are 16 tokens shorter, for the reason bench_rm gives.
-    warm_prompts = [p[16:] for p in prompts]
+    warm_prompts = [p[min(16, P // 2):] for p in prompts]
     phases = {"generation": [], "scoring": [], "reference": [], "training": []}
     peaks = dict.fromkeys(phases, 0.0)
+    decoded = []
     for step in range(b.warmup + b.steps):
         clocks = {}
         with Clock(device) as clocks["generation"], autocast_for(device):
             policy.eval()
             step_prompts = warm_prompts if step == 0 and b.warmup else prompts
-            samples = generate(policy, step_prompts, G, sampling, stop, 0,
-                               [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
+            samples = engine.generate(step_prompts, G, sampling, stop, 0,
+                                      [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
         with Clock(device) as clocks["scoring"]:
             rewards = torch.tensor(scorer.score_ids([step_prompts[i // G] + c for i, c in enumerate(samples.completions)],
                                                     batch_size=b.micro), dtype=torch.float64)
@@ -212,6 +216,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if step >= b.warmup:
+            decoded.append(engine.last)
             for k, c in clocks.items():
                 phases[k].append(c.s)
                 peaks[k] = max(peaks[k], c.peak_gb or 0.0)
@@ -231,7 +236,96 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             "train_tflops": round(train_flops / s["training"] / 1e12, 3),
             "train_mfu": round(train_flops / s["training"] / 1e12 / peak, 4) if peak else None,
             "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None,
+            **decode_figures(decoded, device), "decode_compiled": engine.compiled,
             "compile": compiled, "compiled_graphs": compile_stats()[0]}
+
+
+def decode_figures(runs: list, device: torch.device) -> dict:
+    """Decoding over the engine's timed calls, as nanochat's infer_bench reports it: rows x steps per second of
+    decode steps, and MBU (the bytes those steps must read, over the device's peak bandwidth)."""
+    s = sum(r.decode_s for r in runs)
+    bw = peak_bandwidth(device)
+    return {"decode_tok_per_s": round(sum(r.rows * r.steps for r in runs) / s, 1),
+            "decode_mbu": round(sum(r.bytes_read for r in runs) / s / bw, 4) if bw else None,
+            "prefill_s": round(sum(r.prefill_s for r in runs) / len(runs), 4)}
+
+
+def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> list[dict]:
+    """The rollout engine alone, as GRPO's generation phase runs it: grpo_prompts prompts of prompt_len tokens x
+    group_size samples, every row decoding new_tokens (the stop token held back) at temperature 1, bf16 autocast.
+    Eager and compiled (--compile auto: both on CUDA, eager on CPU; 0 or 1: that one), then nanochat's own Engine
+    on the same weights where its source is at hand (--nanochat_src: one prompt x the same rows, as its
+    scripts/infer_bench.py runs it)."""
+    cfg = shape_config(shape, b.vintage)
+    n, G, P, L = b.grpo_prompts, b.group_size, b.prompt_len, b.new_tokens
+    policy = make_backbone(cfg, device, 0)
+    stop = cfg.vocab_size - 1
+    sampling = SamplingConfig(max_new_tokens=L, temperature=1.0, min_new_tokens=L)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
+    modes = {"0": [False], "1": [True]}.get(b.compile, [False, True] if device.type == "cuda" else [False])
+    out = []
+    for compiled in modes:
+        engine = Engine(policy, compile=compiled)
+        runs = []
+        with Clock(device) as clock:
+            for rep in range(b.warmup + b.steps):
+                with autocast_for(device):
+                    engine.generate(prompts, G, sampling, stop, 0, [torch.Generator().manual_seed(i) for i in range(n)])
+                if rep >= b.warmup:
+                    runs.append(engine.last)
+        out.append({"bench": "gpu_decode", "shape": shape, "engine": "ours compiled" if compiled else "ours eager",
+                    "rows": n * G, "prompt_len": P, "new_tokens": L, **decode_figures(runs, device),
+                    "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
+                    "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb})
+        del engine
+    if b.nanochat_src:
+        out.append(bench_nanochat_engine(shape, policy, b, device))
+    return out
+
+
+def bench_nanochat_engine(shape: str, policy: Backbone, b: argparse.Namespace, device: torch.device) -> dict:
+    """nanochat's own Engine (its source at --nanochat_src, a checkout's root) decoding our model's weights (the
+    parameter names are nanochat's): one prompt of prompt_len tokens x grpo_prompts * group_size samples."""
+    sys.path.insert(0, str(Path(b.nanochat_src).resolve()))
+    from nanochat.engine import Engine as NanochatEngine
+    from nanochat.gpt import GPT as NanochatGPT
+    from nanochat.gpt import GPTConfig as NanochatConfig
+
+    c = policy.model.config
+    with torch.device("meta"):
+        model = NanochatGPT(NanochatConfig(**c.nanochat_dict()))
+    model.to_empty(device=device)
+    model.init_weights()  # its buffers (rotary tables); the weights come next
+    model.load_state_dict(policy.model.state_dict())
+    model.eval()
+    rows, P, L = b.grpo_prompts * b.group_size, b.prompt_len, b.new_tokens
+    prompt = torch.randint(0, c.vocab_size - 1, (P,), generator=torch.Generator().manual_seed(0)).tolist()
+    times, steps = [], 0
+    for rep in range(b.warmup + b.steps):
+        with Clock(device) as clock:
+            steps = sum(1 for _ in NanochatEngine(model, _NanochatTokens(c.vocab_size)).generate(
+                prompt, num_samples=rows, max_tokens=L, temperature=1.0))
+        if rep >= b.warmup:
+            times.append(clock.s)
+    s = sum(times) / len(times)
+    return {"bench": "gpu_decode", "shape": shape, "engine": "nanochat", "rows": rows, "prompt_len": P,
+            "new_tokens": L, "decode_tok_per_s": round(rows * steps / s, 1), "decode_mbu": None,
+            "prefill_s": None, "note": "tokens/s over the whole call, prefill included"}
+
+
+class _NanochatTokens:
+    """What nanochat's Engine asks of a tokenizer when it samples without tools: special token ids (the top of
+    the vocabulary, which a random prompt does not use) and a BOS."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def encode_special(self, name: str) -> int:
+        return self.vocab_size - 2
+
+    def get_bos_token_id(self) -> int:
+        return self.vocab_size - 1
 
 
 def main() -> None:
@@ -239,7 +333,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
     p.add_argument("--vintage", default="current", help="nanochat architecture (gpt.VINTAGES; default: today's)")
-    p.add_argument("--only", choices=("rm", "grpo", "both"), default="both")
+    p.add_argument("--only", choices=("rm", "grpo", "decode", "all"), default="all")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
@@ -250,19 +344,25 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=64, help="sequences per forward in scoring / reference / training")
     p.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak, if not known here")
-    p.add_argument("--compile", choices=("auto", "0", "1"), default="auto", help="the trainers' --compile (blocks)")
+    p.add_argument("--compile", choices=("auto", "0", "1"), default="auto",
+                   help="the trainers' --compile (blocks, and GRPO's decode step as its engine decides)")
+    p.add_argument("--nanochat_src", default=None,
+                   help="a nanochat checkout's root: its Engine decodes beside ours in the decode bench")
     b = p.parse_args()
     device = torch.device(b.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     for shape in b.shapes:
-        if b.only in ("rm", "both"):
+        if b.only in ("rm", "all"):
             for unfreeze in ("0", "2", "all"):
                 print(json.dumps({**bench_rm(shape, unfreeze, b, device), "device": device_name(device),
                                   "torch": torch.__version__}), flush=True)
-        if b.only in ("grpo", "both"):
+        if b.only in ("grpo", "all"):
             print(json.dumps({**bench_grpo(shape, b, device), "device": device_name(device),
                               "torch": torch.__version__}), flush=True)
+        if b.only in ("decode", "all"):
+            for row in bench_decode(shape, b, device):
+                print(json.dumps({**row, "device": device_name(device), "torch": torch.__version__}), flush=True)
 
 
 def device_name(device: torch.device) -> str:

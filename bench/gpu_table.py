@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
-          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB |")
+          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | decode tok/s ours eager / compiled / "
+          "nanochat (MBU) |")
 
 
 def pct(x: float | None) -> str:
@@ -24,11 +25,17 @@ def rm_cell(r: dict | None, peak: bool = False) -> str:
     return f"{r['pairs_per_s']} ({pct(r['mfu'])}{extra})"
 
 
+def decode_cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    return f"{r['decode_tok_per_s']}" + (f" ({pct(r['decode_mbu'])})" if r.get("decode_mbu") is not None else "")
+
+
 def table(rows: list[dict]) -> str:
     """Markdown: the CUDA tests' summary, then a row per shape in the order the shapes were measured."""
     tests = [r["summary"] for r in rows if r.get("bench") == "cuda_tests"]
     shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
-    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 7 + "|"]
+    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 8 + "|"]
     for shape in shapes:
         rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and r["shape"] == shape}
         ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and r["shape"] == shape), None)
@@ -41,7 +48,9 @@ def table(rows: list[dict]) -> str:
             peak = (ours.get("peak_mem_gb") or {}).get("training")
             train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}"
         rms = " | ".join((rm_cell(rm.get("0")), rm_cell(rm.get("2")), rm_cell(rm.get("all"), peak=True)))
-        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} |")
+        decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and r["shape"] == shape}
+        decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours compiled", "nanochat"))
+        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} |")
     return "\n".join(lines)
 
 

@@ -7,7 +7,10 @@
 # wheels in $WHEELS (default .whl, ignored by git): `bash bench/fetch_gpu_wheels.sh` makes them on a machine
 # with pip access; carry .whl with the checkout. Results: $RESULTS (default bench/results/gpu_<UTC time>.jsonl,
 # or in $OUT where the device tool sets it). Knobs: SHAPES, DEVICE (cuda), BENCH_ARGS and TRL_ARGS (extra flags
-# for bench_gpu.py and trl_gpu.py), CUDA_TESTS (1; 0 skips the tests). The test suite runs it on CPU: DEVICE=cpu
+# for bench_gpu.py and trl_gpu.py), CUDA_TESTS (1; 0 skips the tests), NANOCHAT_SRC (default .nanochat, ignored by
+# git: a nanochat checkout's root, whose Engine then decodes beside ours; make it where a nanochat clone is, e.g.
+# `mkdir .nanochat && git -C ~/nanochat archive HEAD nanochat | tar -x -C .nanochat`, and carry it like .whl).
+# The test suite runs it on CPU: DEVICE=cpu
 # SHAPES=tiny BENCH_ARGS="...". Where one call is limited to 10 minutes (the lent H100s), split it:
 # `SHAPES=d12 bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES="d20 d24:32768" bash bench/run_gpu.sh`.
 set -uo pipefail
@@ -31,9 +34,13 @@ if [ "${CUDA_TESTS:-1}" = 1 ]; then
   python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' \
       "$(tail -n 1 <<<"$tests")" >> "$RESULTS"
 fi
+NANOCHAT_SRC=${NANOCHAT_SRC:-.nanochat}
+NANOCHAT_ARGS=()
+[ -d "$NANOCHAT_SRC/nanochat" ] && NANOCHAT_ARGS=(--nanochat_src "$NANOCHAT_SRC")
 for shape in ${SHAPES:-d12 d20 d24:32768}; do
   # shellcheck disable=SC2086
-  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" ${BENCH_ARGS:-} | tee -a "$RESULTS" || status=1
+  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" "${NANOCHAT_ARGS[@]}" ${BENCH_ARGS:-} | tee -a "$RESULTS" ||
+    status=1
   if python3 -c "import trl" 2>/dev/null; then
     # shellcheck disable=SC2086
     python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | grep '^{"bench"' | tee -a "$RESULTS" ||

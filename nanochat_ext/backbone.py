@@ -32,7 +32,6 @@ class Backbone(nn.Module):
                  source_meta: dict | None = None, source_dtypes: dict[str, torch.dtype] | None = None):
         super().__init__()
         self.kind, self.source = kind, source
-        self._compiled: dict = {}  # function -> its torch.compile'd form (Backbone.compiled)
         self.model = model
         self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
         # A nanochat checkpoint is saved back in its own layout: its model_config verbatim, each
@@ -155,18 +154,6 @@ class Backbone(nn.Module):
                          past_key_values=cache, use_cache=True)
         return out.logits[:, -1].float()
 
-    def compiled(self, fn):
-        """fn under torch.compile as this backbone's device runs it best, made once per fn and kept. Static
-        shapes. On a GPU: CUDA graphs (mode reduce-overhead). On CPU: inductor with its C++ wrapper, so a
-        decode step's ~60 kernel calls run without Python between them (557 -> 438 us per step of 8
-        rows on the bench's 4-layer Llama, 2 threads). The time its compiles take: compiled.compile_stats."""
-        if fn not in self._compiled:
-            if next(self.parameters()).device.type == "cuda":
-                self._compiled[fn] = torch.compile(fn, dynamic=False, mode="reduce-overhead")
-            else:
-                self._compiled[fn] = torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
-        return self._compiled[fn]
-
     def repeat_cache(self, cache, n: int) -> None:
         if self.native:
             cache.repeat_interleave(n)
@@ -246,17 +233,21 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype, matmuls_only: bool = F
     embedding, which a lookup reads too). Embeddings, norms and scalars stay fp32 as the policy's masters do,
     so GRPO's reference computes bitwise as the policy it copies (with its embeddings in bf16, step 1 of a
     bf16 run measured a KL of up to 2e-6 between equal weights)."""
-    params = list(module.parameters())
-    if matmuls_only:
-        def owned(linear: bool) -> list[nn.Parameter]:
-            return [p for m in module.modules() if isinstance(m, nn.Linear) == linear for p in m.parameters(recurse=False)]
-
-        elsewhere = {id(p) for p in owned(linear=False)}
-        params = [p for p in owned(linear=True) if id(p) not in elsewhere]
+    params = matmul_params(module) if matmuls_only else list(module.parameters())
     for p in params:
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return module
+
+
+def matmul_params(module: nn.Module) -> list[nn.Parameter]:
+    """The weights and biases of module's linear layers, which autocast casts to its dtype at every matmul, less
+    any also held by another kind of module (an embedding tied to the LM head, which a lookup reads too)."""
+    def owned(linear: bool) -> list[nn.Parameter]:
+        return [p for m in module.modules() if isinstance(m, nn.Linear) == linear for p in m.parameters(recurse=False)]
+
+    elsewhere = {id(p) for p in owned(linear=False)}
+    return [p for p in owned(linear=True) if id(p) not in elsewhere]
 
 
 def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True,

@@ -1,6 +1,6 @@
 """--compile for every model that trains or scores: each transformer block's forward under torch.compile
 (regional compilation), for the calls that run without a KV cache (training, log-probs, the reference, RM
-scores, evaluation). Decoding keeps its own path (sampling.py).
+scores, evaluation). Decoding keeps its own path (engine.py).
 
 Per block rather than the whole model: the blocks are the compute, their inputs are plain tensors, and the
 code around them (masks, prefix trees, chunked LM head) would otherwise break graphs or recompile. Blocks of one
@@ -18,8 +18,8 @@ from nanochat_ext.backbone import Backbone
 
 # Graphs per code object before torch gives up compiling it: every block of a model shares Block.forward,
 # and a GRPO run needs ~15 of them (with/without value embeddings, causal/windowed/tree masks, the scored
-# last block, grad and no-grad, static then symbolic shapes). At torch's default of 8 the rest would fall
-# back to eager without a word.
+# last block, grad and no-grad, static then symbolic shapes), and the engine's decode step one per batch shape
+# and sampling setting. At torch's default of 8 the rest would fall back to eager without a word.
 RECOMPILE_LIMIT = 64
 
 
@@ -42,10 +42,15 @@ def compile_blocks(backbone: Backbone, backend: str = "inductor") -> bool:
     use aot_eager where only dynamo's graphs and guards are under test)."""
     if not backbone.native:
         return False
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    allow_recompiles()
     for block in backbone.blocks:
         block.forward = _without_cache(block.forward, torch.compile(block.forward, backend=backend))
     return True
+
+
+def allow_recompiles() -> None:
+    """Raise torch's graphs-per-function limit to RECOMPILE_LIMIT (see there)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
 
 
 def _without_cache(eager, compiled):

@@ -468,6 +468,17 @@ class KVCache:
             self.pos = end
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
+    def swap_embedding(self, last: torch.Tensor) -> torch.Tensor | None:
+        """Keep `last` (B, 1, n_embd), the newest token's embedding, for the next token's smear; return the one
+        kept before (None before the first). Static decoding writes it in place, at the buffer's fixed address."""
+        before = self.prev_embedding
+        if self.slot is None or before is None:
+            self.prev_embedding = last
+            return before
+        before = before.clone()
+        self.prev_embedding.copy_(last)
+        return before
+
     def repeat_interleave(self, n: int) -> None:
         """Each row becomes n rows: a prompt prefilled once serves its n samples."""
         self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
@@ -563,9 +574,7 @@ class GPT(nn.Module):
                prev: torch.Tensor | None = None) -> torch.Tensor:
         """Mix the previous token's normed embedding into each token that has one (position >= 1).
         prev (B, T): each token's predecessor index when it is not the token before (a PrefixTree)."""
-        cached = kv_cache.prev_embedding if kv_cache is not None else None
-        if kv_cache is not None:
-            kv_cache.prev_embedding = x[:, -1:]
+        cached = kv_cache.swap_embedding(x[:, -1:]) if kv_cache is not None else None
         if x.size(1) > 1:
             gate = self.smear_lambda * torch.sigmoid(self.smear_gate(gate_input(x[:, 1:], SMEAR_CHANNELS)))
             if positions is not None:  # a left-padded row's first real token has no predecessor

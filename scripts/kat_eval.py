@@ -27,13 +27,14 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.compiled import compile_models
+from nanochat_ext.engine import Engine
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.data import load_pairs, load_prompts, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import sample_seed
 from nanochat_ext.reward import RewardScorer, load_reward_model
-from nanochat_ext.sampling import SamplingConfig, generate
+from nanochat_ext.sampling import SamplingConfig
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
 PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]), "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
@@ -131,12 +132,12 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
     prompt_ids = [tok.render_prompt(rows[i].messages) for i in mine]
-    results = []
+    results, engine = [], Engine(policy)
     for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
         cfg = SamplingConfig(args.max_new_tokens, temperature)
         with autocast:
-            out = generate(policy, prompt_ids, n, cfg, tok.eos_id, tok.pad_id,
-                           [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
+            out = engine.generate(prompt_ids, n, cfg, tok.eos_id, tok.pad_id,
+                                  [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
                 if mine else None
         comps = out.completions if out else []
         scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)

@@ -28,6 +28,7 @@ from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_d
                                split_by_prefix, truncate)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
+from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
@@ -36,7 +37,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.reward import RewardScorer, load_reward_model
-from nanochat_ext.sampling import SamplingConfig, decode_compiled, generate
+from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tracking import Tracker, WindowSums
 
@@ -242,8 +243,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     claim_out_dir(out_dir, log_dir)
 
     compile_decode, why = decode_compiled(args.compile, env.device, args.max_steps, args.max_new_tokens)
-    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens,
-                              compile=compile_decode)
+    sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens)
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
                           args.importance_level)
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
@@ -278,8 +278,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
            f"reference {'loaded' if reference else 'off (beta 0)'}")
-    print0(f"decode: {'compiled' if compile_decode and policy.native else 'eager'} "
-           f"({why if policy.native else 'a transformers model decodes eagerly'})")
+    engine = Engine(policy, compile=compile_decode)
+    peak_bw = peak_bandwidth(env.device)
+    print0(f"decode: {'compiled' if engine.compiled else 'eager'} "
+           f"({why if policy.native else 'a transformers model decodes eagerly'})"
+           + ("; from a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else ""))
 
     def save(step: int, metrics: dict) -> Path:
         def write(stamp: int) -> Path:
@@ -300,7 +303,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # sums over the steps of one logging window, on this rank (reduced over ranks at log time)
     window = WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in rewards.names), "tokens",
                          "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
-                         "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps"])
+                         "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps", "decoded", "decode_s",
+                         "decode_bytes"])
 
     def rollout(draw: int) -> Rollout:
         """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
@@ -308,9 +312,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         t0, compiled_before = time.time(), compile_stats()[1]
         policy.eval()
         with autocast:
-            samples = generate(policy, [prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
-                               [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
+            samples = engine.generate([prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
+                                      [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
+        decoded = engine.last
         per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
                                            [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
@@ -318,6 +323,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                    tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
                    zero_std=zero_std_groups(total, G).sum(), groups=len(indices), draws=1.0 / env.world_size,
                    gen_s=t1 - t0 - compile_s, compile_s=compile_s, score_s=time.time() - t1,
+                   decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s, decode_bytes=decoded.bytes_read,
                    **{f"reward_{n}": v for n, v in zip(rewards.names, per_reward.sum(0).tolist())})
         return Rollout(indices, samples.completions, samples.truncated, per_reward)
 
@@ -372,14 +378,15 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                    train_s=time.time() - t1, steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
-            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm, time.time() - t_log)
+            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm, time.time() - t_log,
+                                     peak_bw)
             metrics.update(peak_memory_gb(env.device))
             tracker.log(done, metrics)
             window.zero()
             t_log = time.time()
         if done == args.max_steps or due(done, args.eval_every):
             if eval_rows:
-                ev = evaluate(policy, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
+                ev = evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
                 tracker.log(done, ev)
                 metrics.update(ev)
             t_log = time.time()
@@ -403,7 +410,7 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
 
 
 def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float,
-                   elapsed: float) -> dict:
+                   elapsed: float, peak_bw: float | None = None) -> dict:
     """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
     over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
     world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
@@ -423,12 +430,17 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
               # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
               **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
               "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
-              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed})
+              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
+              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
+              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
+              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
+    if peak_bw:
+        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
     return m
 
 
 @torch.no_grad()
-def evaluate(policy: Backbone, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
+def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
              tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv, autocast, tracker: Tracker,
              step: int) -> dict:
     """Mean rewards (each one and the weighted total) on held-out prompts, one completion each, greedy and
@@ -436,15 +448,15 @@ def evaluate(policy: Backbone, rows: list[PromptRow], prompt_ids: list[list[int]
     mine = list(range(env.rank, len(rows), env.world_size))
     k = len(rewards.names)
     sums = torch.zeros(2 * (k + 1) + 1, dtype=torch.float64)
-    policy.eval()
+    engine.model.eval()
     for j, temperature in enumerate((0.0, sampling.temperature)):
         if not mine:  # fewer eval prompts than ranks: still take part in the reward check's collective
             raise_if_any(None)
             continue
         cfg = dataclasses.replace(sampling, temperature=temperature)
         with autocast:
-            samples = generate(policy, [prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
-                               [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
+            samples = engine.generate([prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
+                                      [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
         per_reward, _ = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
         sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1), per_reward.sum(0)])
         if temperature == 0 and env.is_main:

@@ -17,6 +17,7 @@ from conftest import REPO, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import resolve_model_path
+from nanochat_ext.engine import compile_for
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import VINTAGES, PrefixTree
 from scripts import kat_train_grpo
@@ -152,7 +153,7 @@ def test_static_decode_step_matches_nanochat(name):
                 key_valid[:, P + t] = True
                 cache.slot = torch.tensor([P + t])
                 tokens = torch.stack([row[k + t] for row, k in zip(rows, lengths)])
-                step = bb.compiled(bb.model.decode_step) if compiled else bb.model.decode_step
+                step = compile_for(bb.model.decode_step, torch.device("cpu")) if compiled else bb.model.decode_step
                 got = step(tokens, positions, key_valid, cache)[:, :golden["vocab_size"]]
                 positions = positions + 1
                 want = torch.stack([want_long[290 + t - 236], want60[50 + t]])

@@ -1,14 +1,13 @@
-"""KV-cache and compiled generation sample what a full re-forward gives (up to ties), for the nanochat GPT
-and an HF model."""
+"""The sampling rules, and the engine's eager KV-cache generation sampling what a full re-forward gives (up to
+ties), for the nanochat GPT and an HF model."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from nanochat_ext.backbone import load_backbone
-from nanochat_ext.compiled import compile_stats
-from nanochat_ext.sampling import (COMPILE_PAYS_AFTER, SamplingConfig, decode_compiled, filter_logits, generate,
-                                    sample_token, static_step)
+from nanochat_ext.engine import Engine
+from nanochat_ext.sampling import SamplingConfig, filter_logits, sample_token
 
 
 # Two computations of the same logits (cached or re-forward, compiled or eager, another batch) agree to a
@@ -60,7 +59,7 @@ def test_kv_cache_generation_matches_full_reforward(assets, name, native, temper
     cfg = SamplingConfig(max_new_tokens=12, temperature=temperature, top_k=top_k, top_p=top_p)
     stop_id = 101  # random weights: rows stop at different times, or not at all
     gens = lambda: [torch.Generator().manual_seed(1000 + i) for i in range(len(prompts))]  # noqa: E731
-    got = generate(model, prompts, 3, cfg, stop_id, 0, gens())
+    got = Engine(model).generate(prompts, 3, cfg, stop_id, 0, gens())
     assert_sampled_from_reforward(model, prompts, 3, cfg, stop_id, gens(), got)
     assert all(0 <= t < model.vocab_size for c in got.completions for t in c)
 
@@ -68,9 +67,9 @@ def test_kv_cache_generation_matches_full_reforward(assets, name, native, temper
 def test_sampling_repeats_with_the_same_seed_and_differs_with_another(assets):
     model = load_backbone(assets["gpt"])
     cfg = SamplingConfig(max_new_tokens=10, temperature=1.0)
-    a = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
-    b = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
-    c = generate(model, [[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(2)])
+    a = Engine(model).generate([[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
+    b = Engine(model).generate([[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(1)])
+    c = Engine(model).generate([[1, 2, 3]], 4, cfg, 5, 0, [torch.Generator().manual_seed(2)])
     assert a.completions == b.completions != c.completions
     assert len({tuple(x) for x in a.completions}) > 1  # the group's samples differ from each other
 
@@ -78,12 +77,12 @@ def test_sampling_repeats_with_the_same_seed_and_differs_with_another(assets):
 def test_min_new_tokens_holds_back_the_stop_token(assets):
     model = load_backbone(assets["gpt"])
     greedy = SamplingConfig(max_new_tokens=6, temperature=0.0)
-    first = generate(model, [[1, 2, 3]], 1, greedy, 0, 0, [torch.Generator()]).completions[0][0]
+    first = Engine(model).generate([[1, 2, 3]], 1, greedy, 0, 0, [torch.Generator()]).completions[0][0]
     # Greedy decoding would stop at once if `first` were the stop token...
-    assert generate(model, [[1, 2, 3]], 1, greedy, first, 0, [torch.Generator()]).completions == [[first]]
+    assert Engine(model).generate([[1, 2, 3]], 1, greedy, first, 0, [torch.Generator()]).completions == [[first]]
     # ...but not before min_new_tokens.
     held = SamplingConfig(max_new_tokens=6, temperature=0.0, min_new_tokens=3)
-    out = generate(model, [[1, 2, 3]], 1, held, first, 0, [torch.Generator()]).completions[0]
+    out = Engine(model).generate([[1, 2, 3]], 1, held, first, 0, [torch.Generator()]).completions[0]
     assert len(out) >= 3 and first not in out[:3]
 
 
@@ -111,56 +110,6 @@ def test_kv_cache_is_held_in_the_autocast_dtype_with_the_same_logits(assets, nam
             second = model(torch.tensor([[1], [2]]), kv_cache=cache)[:, -1]
         out[cache_dtype] = torch.cat([first, second])
     assert torch.equal(out[torch.bfloat16], out[torch.float32])  # the same bf16 operands to the same kernels
-
-
-@pytest.mark.parametrize("name,temperature", [("gpt_modern", 1.0), ("hf", 0.0)])
-def test_compiled_static_decode_samples_the_same_tokens(assets, name, temperature):
-    """--compile 1: a torch.compile'd static-shape decode step (cache slots written in place, masks as
-    tensors) samples what eager decoding and a full re-forward give for the same uniforms: left-padded
-    prompts of three lengths, today's nanochat (smear, windows, value embeddings) at temperature 1 and the
-    Llama greedy (each a graph of its own to compile; the sampler does not depend on the model)."""
-    bb = load_backbone(assets[name])
-    prompts = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]
-    torch._dynamo.reset()  # compiled here, whatever earlier tests compiled
-    seeds = lambda: [torch.Generator().manual_seed(i) for i in range(3)]  # noqa: E731
-
-    def run(compiled: bool, stop_id: int):
-        cfg = SamplingConfig(20, temperature, min_new_tokens=3, compile=compiled)
-        return generate(bb, prompts, 3, cfg, stop_id, 0, seeds())
-
-    # greedy: the stop token is what row 0 picks 4th, so rows stop at different steps (the loop goes on for
-    # the others, pads after a stop) and the ban before min_new_tokens is exercised
-    stop_id = 1 if temperature else run(False, 1).completions[0][3]
-    eager, graphs = run(False, stop_id), compile_stats()[0]
-    compiled = run(True, stop_id)
-    for samples in (eager, compiled):  # logits a few ulps from a re-forward's: each token its, or a tie
-        assert_sampled_from_reforward(bb, prompts, 3, SamplingConfig(20, temperature, min_new_tokens=3), stop_id,
-                                      seeds(), samples)
-    if not temperature:
-        assert len(eager.completions[0]) == 4 and True in eager.truncated
-    # the compiled step ran (a graph was compiled for it), whole: sampling and decoding in one graph
-    assert static_step in bb._compiled and compile_stats()[0] > graphs
-    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-
-
-def test_compile_auto_compiles_where_the_compile_pays_back(monkeypatch):
-    """--compile auto: compiled on CPU for a run that decodes COMPILE_PAYS_AFTER token steps or more, with
-    a C++ compiler for inductor; eager for shorter runs (the demo's 200 x 16), without a compiler, and
-    on CUDA. 0 and 1 are obeyed as given."""
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    n = -(-COMPILE_PAYS_AFTER // 64)  # the fewest steps of 64 tokens that reach it
-    assert decode_compiled("auto", cpu, n, 64)[0] and not decode_compiled("auto", cpu, n - 1, 64)[0]
-    off, why = decode_compiled("auto", cpu, 200, 16)
-    assert not off and "3200 token steps" in why
-    assert not decode_compiled("auto", cuda, 10 * n, 64)[0]
-    assert decode_compiled("1", cuda, 1, 1)[0] and not decode_compiled("0", cpu, 10 * n, 64)[0]
-    from torch._inductor import config as inductor
-
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-compiler-here"))
-    off, why = decode_compiled("auto", cpu, 10 * n, 64)
-    assert not off and "no C++ compiler (no-such-compiler-here)" in why
-    with pytest.raises(ValueError, match="auto, 0 or 1"):
-        decode_compiled("yes", cpu, 1, 1)
 
 
 def test_a_tie_is_told_from_another_token():

@@ -3,7 +3,8 @@ reference model, old log-probs that make the clip bite, temperature 0.8, two com
 --mask_truncated does), split over however many ranks this was launched with and into each of N_MICROS
 (comma-separated) micro-batches per rank in turn, for every --loss_agg x --importance_level, with one row
 per completion and with each group's prompt shared by its completions (PrefixTree rows). Rank 0 saves them,
-{n_micro: results}. COMPILE_BACKEND set: the policy's and reference's blocks compiled with it.
+{n_micro: results}. COMPILE_BACKEND set: the policy's and reference's blocks compiled with it, and the
+rollout sampled by the compiled engine (inductor).
 
     python tests/workers/grpo_grad_worker.py ASSETS 1,4 OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
@@ -18,9 +19,10 @@ import torch
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.compiled import compile_blocks, compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
+from nanochat_ext.engine import Engine
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, CompletionLogprobs, LossConfig, group_advantages, make_sequences,
                                policy_backward, token_logprobs)
-from nanochat_ext.sampling import SamplingConfig, generate
+from nanochat_ext.sampling import SamplingConfig
 
 N_PROMPTS, G = 4, 4
 TEMPERATURE = 0.8
@@ -33,8 +35,9 @@ def rollout(assets: Path, rank: int, world: int, share_prompt: bool):
     per_rank = N_PROMPTS // world
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     cfg = SamplingConfig(max_new_tokens=6, temperature=1.0)
-    samples = generate(policy, [PROMPTS[i] for i in mine], G, cfg, 101, 0,
-                       [torch.Generator().manual_seed(100 + i) for i in mine])
+    engine = Engine(policy, compile=bool(os.environ.get("COMPILE_BACKEND")))  # the compiled engine's tokens too
+    samples = engine.generate([PROMPTS[i] for i in mine], G, cfg, 101, 0,
+                              [torch.Generator().manual_seed(100 + i) for i in mine])
     # Ragged lengths (2..6 tokens by global row), so the three loss aggregations give different numbers.
     first_row = rank * per_rank * G
     completions = [c[:2 + (first_row + r) % 5] for r, c in enumerate(samples.completions)]

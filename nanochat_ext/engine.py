@@ -1,0 +1,365 @@
+"""The rollout engine: batched sampling for the policy (nanochat keeps its Engine apart from its GPT, and so do
+we). Prompts are left-padded and prefilled once, each prompt's cache serves its group of samples, and all rows
+decode in lockstep until every row has stopped. Which token a row takes is sampling.py's rule, so a prompt's
+samples are the same whichever way the engine runs (up to float ties between computation orders).
+
+Two ways to decode:
+- eager: a cache that grows by one position per token, allocated per call; every model, transformers' own
+  modules through their DynamicCache.
+- compiled (our models, `--compile`): the decode state of one batch shape (the KV cache, the step's buffers and
+  counters) is allocated once, kept at fixed addresses (`mark_static_address`) and reused by later calls, and one
+  decode step (take token t, feed it back) is a torch.compile'd function that reads and writes only that state,
+  in place. A second call of the same shape then adds no graph, and on CUDA (mode reduce-overhead) the step is
+  captured once as a CUDA graph and replayed: nothing it touches moves or is allocated between steps.
+
+Under a lower-precision autocast (bf16 on CUDA) the engine decodes from its own copy of the policy's matmul
+weights in that dtype, refreshed from the fp32 masters at every call (once per rollout phase). Autocast would
+cast the masters to the same values at every matmul, so the tokens are bitwise those of the masters under
+autocast, but a step reads half the weight bytes and casts nothing.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+
+from nanochat_ext.backbone import Backbone, matmul_params
+from nanochat_ext.compiled import allow_recompiles, compile_stats
+from nanochat_ext.gpt import KVCache
+from nanochat_ext.sampling import SamplingConfig, take_tokens
+
+SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
+# Peak memory bandwidth in bytes/s by device name, the most specific first (nanochat's figures, common.py).
+PEAK_BANDWIDTH = ((("h200",), 4.8e12), (("h100", "nvl"), 3.9e12), (("h100", "pcie"), 2.0e12), (("h100",), 3.35e12),
+                  (("b200",), 8.0e12), (("a100",), 2.0e12), (("l40s",), 864e9), (("a10g",), 600e9),
+                  (("4090",), 1.01e12), (("3090",), 936e9))
+
+# --compile auto, on CPU: the cold compiles (training's batch shape, ~18 s, and evaluation's) cost ~30 s
+# in a measured run and save 0.4-0.55 ms per decoded token step (2-core CPU, the bench's 4-layer Llama):
+# break-even at 55-75k token steps (bench/RESULTS.md). Both scale with the number of layers, so the
+# ratio holds for deeper models.
+COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
+
+
+def decode_compiled(flag: str, device: torch.device, max_steps: int, max_new_tokens: int) -> tuple[bool, str]:
+    """--compile for the engine: '1' and '0' as asked; 'auto' compiles the decode step on CPU when the run
+    decodes enough token steps to pay back the compile, and inductor's C++ compiler is there.
+    On CUDA auto stays eager: the CUDA-graph step has not been measured on a GPU yet.
+    Returns (compile, why) for the log."""
+    if flag in ("0", "1"):
+        return flag == "1", f"--compile {flag}"
+    if flag != "auto":
+        raise ValueError(f"--compile must be auto, 0 or 1, got {flag!r}")
+    token_steps = max_steps * max_new_tokens
+    if device.type != "cpu":
+        return False, f"auto: on {device.type} the compiled step is not yet measured; --compile 1 to use it"
+    if token_steps < COMPILE_PAYS_AFTER:
+        return False, (f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps "
+                       f"would not pay back the compile (< {COMPILE_PAYS_AFTER})")
+    from torch._inductor import config as inductor
+
+    cxx = inductor.cpp.cxx  # what inductor will try: $CXX, else g++ (clang++ on macOS)
+    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else [cxx]) if c]
+    if not any(shutil.which(c) for c in names):
+        return False, f"auto: no C++ compiler ({' or '.join(names)}) for inductor"
+    return True, f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps pay back the compile"
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """The device's peak memory bandwidth (bytes/s) where it is known here: the denominator of decode MBU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((bw for keys, bw in PEAK_BANDWIDTH if all(k in name for k in keys)), None)
+
+
+def compile_for(fn, device: torch.device):
+    """fn under torch.compile as a decode step runs best on `device`, with static shapes. On a GPU: CUDA graphs
+    (mode reduce-overhead). On CPU: inductor with its C++ wrapper, so a step's ~60 kernel calls run without
+    Python between them (557 -> 438 us per step of 8 rows on the bench's 4-layer Llama, 2 threads)."""
+    allow_recompiles()
+    if device.type == "cuda":
+        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
+    return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
+
+
+@dataclass
+class Samples:
+    completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
+    truncated: list[bool]  # stopped by max_new_tokens, not by the stop token
+
+
+@dataclass
+class DecodeStats:
+    """One generate call, as nanochat's scripts/infer_bench.py reports decoding: decode steps after the prefill,
+    the bytes each step must read (every matmul weight in the dtype decoded from, and each row's keys and values
+    at its context, sliding windows counted by their width), and the seconds they took."""
+    rows: int
+    steps: int
+    prefill_s: float
+    decode_s: float
+    weight_bytes: int  # per step
+    kv_bytes: float  # per row and step, at the call's middle context
+
+    @property
+    def bytes_read(self) -> float:
+        """Over all steps."""
+        return self.steps * (self.weight_bytes + self.rows * self.kv_bytes)
+
+
+@dataclass
+class DecodeState:
+    """Everything a compiled decode step reads and writes, for `rows` rows and `slots` cache positions; token t
+    of the call goes to cache slot `slot` (= prompt length + t)."""
+    cache: KVCache
+    logits: torch.Tensor  # (rows, V): the logits token t is drawn from
+    uniforms: torch.Tensor  # (rows, max_new_tokens)
+    out: torch.Tensor  # (rows, max_new_tokens) tokens taken, pads after a row's stop
+    lengths: torch.Tensor  # (rows,)
+    done: torch.Tensor  # (rows,)
+    positions: torch.Tensor  # (rows,) each row's position for token 0: its prompt's real tokens
+    key_valid: torch.Tensor  # (rows, slots): the slots each row may attend to
+    t: torch.Tensor  # () the token being taken
+    slot: torch.Tensor  # (1,) the slot it is written to
+
+    def tensors(self) -> list[torch.Tensor]:
+        cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
+                                               else [])
+        return cache + [getattr(self, f.name) for f in fields(self) if f.name != "cache"]
+
+    @property
+    def rows(self) -> int:
+        return self.key_valid.size(0)
+
+    @property
+    def slots(self) -> int:
+        return self.key_valid.size(1)
+
+
+def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id: int, pad_id: int) -> None:
+    """Take token t of every row from the state's logits, decode it at its slot (static shapes), and leave the
+    logits after it; everything in place, so torch.compile captures the whole step, sampling included."""
+    u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
+    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id)
+    s.key_valid.index_fill_(1, s.slot, True)
+    s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
+    s.t.add_(1)
+    s.slot.add_(1)
+
+
+class Engine:
+    """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
+    compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly)."""
+
+    def __init__(self, model: Backbone, compile: bool = False):
+        self.model = model
+        self.compiled = compile and model.native
+        self._states: dict[int, DecodeState] = {}  # rows -> the kept decode state (compiled only)
+        self._step = None
+        self._lowered: tuple[Backbone, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # (copy, pairs)
+        self.last: DecodeStats | None = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], group_size: int, cfg: SamplingConfig, stop_id: int, pad_id: int,
+                 generators: list[torch.Generator]) -> Samples:
+        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]."""
+        device = next(self.model.parameters()).device
+        n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
+        ids = torch.full((n, P), pad_id, dtype=torch.long)
+        key_mask = torch.zeros((n, P), dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at position P-1
+            ids[i, P - len(p):] = torch.tensor(p)
+            key_mask[i, P - len(p):] = True
+        ids, key_mask = ids.to(device), key_mask.to(device)
+        uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
+        decoder = self._decoder(device)
+        sync(device)
+        t0, compiling = time.perf_counter(), compile_stats()[1]
+        if self.compiled:
+            state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, pad_id)
+            sync(device)
+            t1 = time.perf_counter()
+            steps = self._decode_compiled(decoder, state, cfg, stop_id, pad_id)
+            out, lengths, done = state.out, state.lengths, state.done
+        else:
+            logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
+            sync(device)
+            t1 = time.perf_counter()
+            out, lengths, done, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg, stop_id,
+                                                           pad_id)
+        t2 = time.perf_counter()  # the last step's done.all() synchronised
+        compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
+        context = P + steps / 2  # a step's average context, as nanochat's infer_bench takes the middle one
+        self.last = DecodeStats(n * G, steps, t1 - t0, max(t2 - t1 - compiled_s, 0.0), weight_bytes(decoder),
+                                kv_bytes(decoder, context))
+        lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
+        return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done])
+
+    # ---- eager ------------------------------------------------------------------------------------
+    def _prefill_eager(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int, max_new: int):
+        # Prompts of one length need no mask at all (our models); transformers' always takes one.
+        use_mask = not bool(key_mask.all()) or not decoder.native
+        logits, cache = decoder.prefill(ids, key_mask if use_mask else None, ids.size(1) + max_new)
+        decoder.repeat_cache(cache, G)
+        return logits.repeat_interleave(G, dim=0), cache, key_mask.repeat_interleave(G, dim=0) if use_mask else None
+
+    def _decode_eager(self, decoder: Backbone, logits: torch.Tensor, cache, key_mask: torch.Tensor | None,
+                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int):
+        rows, device = logits.size(0), logits.device
+        out = torch.full((rows, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
+        steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
+        for t in range(cfg.max_new_tokens):
+            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_id, pad_id)
+            if t == cfg.max_new_tokens - 1 or bool(done.all()):
+                return out, lengths, done, t
+            if key_mask is not None:
+                key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
+            logits = decoder.decode(cache, token, key_mask)
+        return out, lengths, done, 0  # max_new_tokens 0
+
+    # ---- compiled ---------------------------------------------------------------------------------
+    def _prefill_state(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int,
+                       uniforms: torch.Tensor, cfg: SamplingConfig, pad_id: int) -> DecodeState:
+        """Prefill the prompts once (eagerly, into a cache of their own length), then fill the kept state of
+        this many rows with each prompt's cache, logits and mask repeated for its G samples."""
+        n, P = ids.shape
+        logits, prompt_cache = decoder.prefill(ids, key_mask, P)
+        s = self._state(decoder, n * G, P + cfg.max_new_tokens, cfg.max_new_tokens, prompt_cache, logits)
+
+        def fill(dst: torch.Tensor, src: torch.Tensor) -> None:  # dst's n*G rows <- src's n rows, G times each
+            dst.unflatten(0, (n, G)).copy_(src.unsqueeze(1))
+
+        for dst, src in zip(s.cache.k + s.cache.v, prompt_cache.k + prompt_cache.v):
+            fill(dst[:, :, :P], src)
+        if prompt_cache.prev_embedding is not None:
+            fill(s.cache.prev_embedding, prompt_cache.prev_embedding)
+        fill(s.logits, logits)
+        s.key_valid.zero_()
+        fill(s.key_valid[:, :P], key_mask)
+        fill(s.positions, key_mask.sum(-1))
+        s.uniforms.copy_(uniforms)
+        s.out.fill_(pad_id)
+        s.lengths.fill_(cfg.max_new_tokens)
+        s.done.zero_()
+        s.t.zero_()
+        s.slot.fill_(P)
+        return s
+
+    def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, like: KVCache,
+               logits: torch.Tensor) -> DecodeState:
+        """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots;
+        one per row count, so a run holds one for its rollouts and one for its evaluation."""
+        s = self._states.get(rows)
+        if s is not None and s.slots >= needed and s.uniforms.size(1) == max_new and s.logits.shape == (
+                rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype:
+            return s
+        self._states.pop(rows, None)  # freed before the larger one is made
+        slots = -(-needed // SLOT_BUCKET) * SLOT_BUCKET
+        k = like.k[0]
+        cache = KVCache(len(like.k), rows, k.size(1), slots, k.size(3), k.device, k.dtype)
+        cache.k = [torch.zeros(rows, k.size(1), slots, k.size(3), device=k.device, dtype=k.dtype) for _ in like.k]
+        cache.v = [torch.zeros_like(t) for t in cache.k]
+        if like.prev_embedding is not None:
+            cache.prev_embedding = like.prev_embedding.new_zeros(rows, *like.prev_embedding.shape[1:])
+        device = k.device
+        s = DecodeState(cache, logits.new_zeros(rows, logits.size(1)),
+                        torch.zeros(rows, max_new, device=device),
+                        torch.zeros(rows, max_new, dtype=torch.long, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.zeros(rows, dtype=torch.bool, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.zeros(rows, slots, dtype=torch.bool, device=device),
+                        torch.zeros((), dtype=torch.long, device=device),
+                        torch.zeros(1, dtype=torch.long, device=device))
+        cache.slot = s.slot
+        for t in s.tensors():
+            torch._dynamo.mark_static_address(t)
+        self._states[rows] = s
+        return s
+
+    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, stop_id: int,
+                         pad_id: int) -> int:
+        if self._step is None:
+            self._step = compile_for(decode_step, s.t.device)
+        last = cfg.max_new_tokens - 1
+        for t in range(last):
+            self._step(decoder.model, s, cfg, stop_id, pad_id)
+            if bool(s.done.all()):
+                return t + 1
+        if last >= 0:  # the last token needs no decoding after it
+            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id)
+        return max(last, 0)
+
+    # ---- what decodes -----------------------------------------------------------------------------
+    def _decoder(self, device: torch.device) -> Backbone:
+        """The model to decode with: under an autocast to a lower precision than the masters, a copy whose matmul
+        weights are held in that dtype, refreshed from the masters now (embeddings, norms and scalars are the
+        policy's own tensors, shared); else the model itself."""
+        if not torch.is_autocast_enabled(device.type):
+            return self.model
+        dtype = torch.get_autocast_dtype(device.type)
+        if self._lowered is None or self._lowered[1][0][1].dtype != dtype:
+            masters = [p for p in matmul_params(self.model) if p.is_floating_point() and p.dtype != dtype]
+            if not masters:
+                return self.model
+            self._lowered = lowered_copy(self.model, masters, dtype)
+        lowered, pairs = self._lowered
+        for master, low in pairs:
+            low.copy_(master)
+        return lowered
+
+    def kept_bytes(self) -> int:
+        """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""
+        held = [t for s in self._states.values() for t in s.tensors()]
+        if self._lowered is not None:
+            held += [low for _, low in self._lowered[1]]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtype
+                 ) -> tuple[Backbone, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master, copy) pairs."""
+    lowering = {id(p) for p in masters}
+    shared = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
+    lowered = copy.deepcopy(model, memo=shared)
+    for m in lowered.modules():  # a forward set on the instance (compiled.compile_blocks) calls the original's
+        m.__dict__.pop("forward", None)
+    pairs = []
+    for (_, master), (_, low) in zip(model.named_parameters(), lowered.named_parameters(), strict=True):
+        if id(master) in lowering:
+            low.requires_grad_(False)
+            low.data = low.data.to(dtype)
+            pairs.append((master, low))
+    return lowered.eval(), pairs
+
+
+def weight_bytes(decoder: Backbone) -> int:
+    """Bytes of matmul weights a decode step reads (embeddings are read by the row, and not counted)."""
+    return sum(p.numel() * p.element_size() for p in matmul_params(decoder))
+
+
+def kv_bytes(decoder: Backbone, context: float) -> float:
+    """Bytes of keys and values one row's decode step reads at this context (a sliding window reads its width),
+    held in the autocast dtype where there is one (as KVCache holds them), else the weights'."""
+    c, device = decoder.model.config, next(decoder.parameters()).device
+    itemsize = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                else next(decoder.parameters()).dtype).itemsize
+    if decoder.native:
+        heads, head_dim = c.n_kv_head, getattr(c, "head_dim", None) or c.n_embd // c.n_head
+        windows = decoder.model.window_sizes
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        windows = [context] * c.num_hidden_layers
+    return sum(2 * heads * head_dim * itemsize * min(context, w) for w in windows)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

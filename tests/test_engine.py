@@ -1,0 +1,174 @@
+"""The rollout engine: compiled decoding over kept static state samples what eager decoding and a full re-forward
+give (nanochat's golden vintages, the native Llama, ragged prompts, stop tokens); its state and graphs are made
+once per batch shape; the sampler compiles at a real vocabulary; a bf16 run decodes from a bf16 copy of the
+matmul weights with autocast's own tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from nanochat_ext import engine as engine_module
+from nanochat_ext.backbone import load_backbone, matmul_params
+from nanochat_ext.compiled import compile_stats
+from nanochat_ext.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
+from nanochat_ext.sampling import SamplingConfig, filter_logits, sample_token
+from test_nanochat_vintages import FIXTURES, fixture_dir
+from test_sampling import assert_sampled_from_reforward, is_tie
+
+PROMPTS = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]  # ragged: left padding in play
+
+
+def seeds(n: int = 3) -> list[torch.Generator]:
+    return [torch.Generator().manual_seed(i) for i in range(n)]
+
+
+def greedy_stop(bb, cfg: SamplingConfig) -> int:
+    """A stop token row 0 picks 4th when nothing stops it: rows then stop at different steps (the others go on,
+    pads after a stop) and the ban before min_new_tokens is exercised."""
+    return Engine(bb).generate(PROMPTS, 1, cfg, -1, 0, seeds()).completions[0][3]
+
+
+@pytest.fixture
+def aot_eager(monkeypatch):
+    """The engine's step compiled through dynamo and AOT autograd without inductor's code generation: the same
+    captured graph, guards and static state, seconds instead of a C++ compile per model."""
+    monkeypatch.setattr(engine_module, "compile_for",
+                        lambda fn, device: torch.compile(fn, backend="aot_eager", dynamic=False))
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+def test_compiled_engine_samples_eagers_tokens_for_every_vintage(name, aot_eager):
+    """Every nanochat vintage (smear, value embeddings, windows as each commit had them): the compiled step over
+    the kept state takes eager's tokens, and each is what a re-forward gives (or a tie)."""
+    bb = load_backbone(fixture_dir(name), vintage=name)
+    cfg = SamplingConfig(12, 1.0, min_new_tokens=3)
+    stop = greedy_stop(bb, SamplingConfig(12, 0.0, min_new_tokens=3))
+    eager = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    compiled = Engine(bb, compile=True).generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    assert compiled == eager
+    assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, stop, seeds(), compiled)
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("name,temperature", [("gpt_modern", 1.0), ("hf", 0.0)])
+def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
+    """--compile 1 with inductor: today's nanochat at temperature 1 and the native Llama greedy, rows stopping at
+    different steps. The compiled tokens are eager's (or a tie: inductor's logits are a few ulps from eager's),
+    each a re-forward's; a second call of the same batch shape reuses the state (the same data_ptr for every
+    buffer, each marked a static address for CUDA graphs) and adds no graph; a larger batch gets its own."""
+    bb = load_backbone(assets[name])
+    torch._dynamo.reset()  # compiled here, whatever earlier tests compiled
+    cfg = SamplingConfig(20, temperature, min_new_tokens=3)
+    stop = greedy_stop(bb, SamplingConfig(20, 0.0, min_new_tokens=3)) if not temperature else 1
+    eager = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    engine = Engine(bb, compile=True)
+    first = engine.generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    state, graphs = engine._states[9], compile_stats()[0]
+    pointers = [t.data_ptr() for t in state.tensors()]
+    assert graphs > 0 and all(t._dynamo_static_input_type for t in state.tensors())
+    second = engine.generate([p[1:] for p in PROMPTS], 3, cfg, stop, 0, seeds())  # shorter: the same bucket
+    assert engine._states[9] is state and [t.data_ptr() for t in state.tensors()] == pointers
+    assert compile_stats()[0] == graphs and not counters["graph_break"], dict(counters["graph_break"])
+    for got in (first, eager):
+        assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, stop, seeds(), got)
+    assert_sampled_from_reforward(bb, [p[1:] for p in PROMPTS], 3, cfg, stop, seeds(), second)
+    if not temperature:
+        assert len(eager.completions[0]) == 4 and True in eager.truncated and first == eager
+    engine.generate(PROMPTS, 4, cfg, stop, 0, seeds())
+    assert set(engine._states) == {9, 12}
+
+
+def test_compiled_state_grows_for_longer_prompts(assets, aot_eager):
+    """A call that needs more cache slots than the kept state has gets a larger one (rounded up to SLOT_BUCKET),
+    and the same tokens as eager."""
+    bb = load_backbone(assets["gpt_modern"])
+    cfg = SamplingConfig(8, 1.0)
+    engine = Engine(bb, compile=True)
+    engine.generate(PROMPTS, 2, cfg, 1, 0, seeds())
+    assert engine._states[6].slots == engine_module.SLOT_BUCKET
+    long = [list(range(3, 3 + 70)), *PROMPTS[1:]]
+    got = engine.generate(long, 2, cfg, 1, 0, seeds())
+    assert engine._states[6].slots == 2 * engine_module.SLOT_BUCKET
+    assert got == Engine(bb).generate(long, 2, cfg, 1, 0, seeds())
+
+
+def flat_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """The sampler as it was before the two-level scan, in float64 (torch's own cumsum over the whole vocabulary):
+    the oracle the chunked one must agree with but for ties."""
+    probs = torch.softmax(filter_logits(logits.double(), cfg), dim=-1)
+    cdf = probs.cumsum(-1)
+    return torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 50, 0.9)])
+def test_sampler_compiles_at_a_real_vocabulary(temperature, top_k, top_p):
+    """At vocab 65536 (where inductor's CUDA scan once crashed) the sampler compiles (inductor, CPU) and takes
+    eager's tokens, and both are the whole-vocabulary inverse CDF's (float64) but for ties; no token removed by
+    top-k / top-p or of probability 0 is ever taken, u near 1 included."""
+    g = torch.Generator().manual_seed(0)
+    logits = 4 * torch.randn(16, 65536, generator=g)
+    logits[:, -3000:] = float("-inf")  # a tail of probability 0 (as vocabulary padding is)
+    u = torch.rand(16, generator=g)
+    u[:2] = torch.tensor([0.0, 1 - 2 ** -24])
+    cfg = SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    compiled = torch.compile(sample_token, dynamic=False)(logits, u, cfg)
+    eager = sample_token(logits, u, cfg)
+    want = flat_inverse_cdf(logits, u, cfg)
+    kept = torch.isfinite(filter_logits(logits, cfg))
+    for tokens in (compiled, eager):
+        assert kept.gather(1, tokens[:, None]).all()
+        for i in range(16):
+            assert tokens[i] == want[i] or is_tie(logits[i:i + 1], u[i:i + 1], int(tokens[i]), cfg), i
+    assert torch.equal(compiled, eager) or all(
+        is_tie(logits[i:i + 1], u[i:i + 1], int(compiled[i]), cfg) for i in torch.nonzero(compiled != eager)[:, 0])
+
+
+@pytest.mark.parametrize("name", ["gpt_modern", "hf"])
+def test_bf16_decoding_reads_a_bf16_copy_with_autocasts_tokens(assets, name, monkeypatch):
+    """Under bf16 autocast the engine decodes from a copy holding the matmul weights in bf16 (embeddings, norms and
+    scalars are the policy's own tensors, not copies): its logits are bitwise those of the fp32 masters under
+    autocast (which casts them to the same bf16 at every matmul), so are its tokens, and a change to the masters
+    reaches the copy at the next call."""
+    bb = load_backbone(assets[name])
+    engine = Engine(bb)
+    cfg = SamplingConfig(10, 1.0)
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3], [3, 250, 8, 9, 10, 11]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lowered = engine._decoder(torch.device("cpu"))
+        assert lowered is not bb and all(p.dtype == torch.bfloat16 for p in matmul_params(lowered))
+        assert all(p.dtype == torch.float32 for p in matmul_params(bb))
+        shared = [n for n, p in lowered.named_parameters() if p.dtype == torch.float32]
+        assert shared and all(p is dict(bb.named_parameters())[n] for n, p in lowered.named_parameters() if n in shared)
+        assert torch.equal(lowered.prefill(ids, None, 8)[0], bb.prefill(ids, None, 8)[0])
+        got = engine.generate(PROMPTS, 2, cfg, 1, 0, seeds())
+        monkeypatch.setattr(Engine, "_decoder", lambda self, device: self.model)  # autocast on the masters
+        assert got == Engine(bb).generate(PROMPTS, 2, cfg, 1, 0, seeds())
+        monkeypatch.undo()
+    with torch.no_grad():  # outside autocast, whose cache of cast weights lasts as long as its context
+        for p in matmul_params(bb):
+            p.mul_(1.5)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(engine._decoder(torch.device("cpu")).prefill(ids, None, 8)[0], bb.prefill(ids, None, 8)[0])
+    stats = engine.last
+    assert stats.weight_bytes == sum(p.numel() * 2 for p in matmul_params(bb)) and stats.steps > 0
+
+
+def test_compile_auto_compiles_where_the_compile_pays_back(monkeypatch):
+    """--compile auto: compiled on CPU for a run that decodes COMPILE_PAYS_AFTER token steps or more, with
+    a C++ compiler for inductor; eager for shorter runs (the demo's 200 x 16), without a compiler, and
+    on CUDA. 0 and 1 are obeyed as given."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    n = -(-COMPILE_PAYS_AFTER // 64)  # the fewest steps of 64 tokens that reach it
+    assert decode_compiled("auto", cpu, n, 64)[0] and not decode_compiled("auto", cpu, n - 1, 64)[0]
+    off, why = decode_compiled("auto", cpu, 200, 16)
+    assert not off and "3200 token steps" in why
+    assert not decode_compiled("auto", cuda, 10 * n, 64)[0]
+    assert decode_compiled("1", cuda, 1, 1)[0] and not decode_compiled("0", cpu, 10 * n, 64)[0]
+    from torch._inductor import config as inductor
+
+    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-compiler-here"))
+    off, why = decode_compiled("auto", cpu, 10 * n, 64)
+    assert not off and "no C++ compiler (no-such-compiler-here)" in why
+    with pytest.raises(ValueError, match="auto, 0 or 1"):
+        decode_compiled("yes", cpu, 1, 1)

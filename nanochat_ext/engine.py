@@ -4,8 +4,8 @@ decode in lockstep until every row has stopped. Which token a row takes is sampl
 samples are the same whichever way the engine runs (up to float ties between computation orders).
 
 Two ways to decode:
-- eager: a cache that grows by one position per token, allocated per call; every model, transformers' own
-  modules through their DynamicCache.
+- eager: a cache allocated per call (prompt + new tokens; transformers' own modules grow their DynamicCache),
+  every model.
 - compiled (our models, `--compile`): the decode state of one batch shape (the KV cache, the step's buffers and
   counters) is allocated once, kept at fixed addresses (`mark_static_address`) and reused by later calls, and one
   decode step (take token t, feed it back) is a torch.compile'd function that reads and writes only that state,
@@ -13,9 +13,10 @@ Two ways to decode:
   captured once as a CUDA graph and replayed: nothing it touches moves or is allocated between steps.
 
 Under a lower-precision autocast (bf16 on CUDA) the engine decodes from its own copy of the policy's matmul
-weights in that dtype, refreshed from the fp32 masters at every call (once per rollout phase). Autocast would
+weights in that dtype, refreshed from the fp32 masters at every call (a rollout, an evaluation). Autocast would
 cast the masters to the same values at every matmul, so the tokens are bitwise those of the masters under
-autocast, but a step reads half the weight bytes and casts nothing.
+autocast, but a step reads half the weight bytes and casts nothing (but an LM head tied to the embedding,
+which stays the policy's own tensor).
 """
 from __future__ import annotations
 
@@ -97,7 +98,9 @@ class Samples:
 class DecodeStats:
     """One generate call, as nanochat's scripts/infer_bench.py reports decoding: decode steps after the prefill,
     the bytes each step must read (every matmul weight in the dtype decoded from, and each row's keys and values
-    at its context, sliding windows counted by their width), and the seconds they took."""
+    at its context, sliding windows counted by their width; a static cache physically reads all its slots), and
+    the seconds they took. steps: forward passes after the prefill (the compiled path counts the one after a
+    token that stopped every row, which eager skips)."""
     rows: int
     steps: int
     prefill_s: float
@@ -130,10 +133,6 @@ class DecodeState:
         cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
                                                else [])
         return cache + [getattr(self, f.name) for f in fields(self) if f.name != "cache"]
-
-    @property
-    def rows(self) -> int:
-        return self.key_valid.size(0)
 
     @property
     def slots(self) -> int:
@@ -169,6 +168,9 @@ class Engine:
         """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]."""
         device = next(self.model.parameters()).device
         n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
+        if P + cfg.max_new_tokens > self.model.max_seq_len:  # a compiled step would index past the rotary table
+            raise ValueError(f"a prompt of {P} tokens + {cfg.max_new_tokens} new ones exceeds the model's "
+                             f"{self.model.max_seq_len} positions")
         ids = torch.full((n, P), pad_id, dtype=torch.long)
         key_mask = torch.zeros((n, P), dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding: every prompt ends at position P-1
@@ -191,7 +193,8 @@ class Engine:
             t1 = time.perf_counter()
             out, lengths, done, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg, stop_id,
                                                            pad_id)
-        t2 = time.perf_counter()  # the last step's done.all() synchronised
+        sync(device)
+        t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
         context = P + steps / 2  # a step's average context, as nanochat's infer_bench takes the middle one
         self.last = DecodeStats(n * G, steps, t1 - t0, max(t2 - t1 - compiled_s, 0.0), weight_bytes(decoder),
@@ -262,9 +265,7 @@ class Engine:
         self._states.pop(rows, None)  # freed before the larger one is made
         slots = -(-needed // SLOT_BUCKET) * SLOT_BUCKET
         k = like.k[0]
-        cache = KVCache(len(like.k), rows, k.size(1), slots, k.size(3), k.device, k.dtype)
-        cache.k = [torch.zeros(rows, k.size(1), slots, k.size(3), device=k.device, dtype=k.dtype) for _ in like.k]
-        cache.v = [torch.zeros_like(t) for t in cache.k]
+        cache = KVCache(len(like.k), rows, k.size(1), k.size(3), slots, k.device, k.dtype)
         if like.prev_embedding is not None:
             cache.prev_embedding = like.prev_embedding.new_zeros(rows, *like.prev_embedding.shape[1:])
         device = k.device
@@ -326,17 +327,13 @@ def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtyp
                  ) -> tuple[Backbone, list[tuple[torch.Tensor, torch.Tensor]]]:
     """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master, copy) pairs."""
     lowering = {id(p) for p in masters}
-    shared = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
-    lowered = copy.deepcopy(model, memo=shared)
-    for m in lowered.modules():  # a forward set on the instance (compiled.compile_blocks) calls the original's
-        m.__dict__.pop("forward", None)
-    pairs = []
-    for (_, master), (_, low) in zip(model.named_parameters(), lowered.named_parameters(), strict=True):
-        if id(master) in lowering:
-            low.requires_grad_(False)
-            low.data = low.data.to(dtype)
-            pairs.append((master, low))
-    return lowered.eval(), pairs
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
+    memo.update({id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in masters})  # no fp32 copy
+    lowered = copy.deepcopy(model, memo=memo)
+    for m in lowered.modules():  # compiled.compile_blocks' forward, set on the instance, calls the original's
+        if getattr(m.__dict__.get("forward"), "compiled_block", False):
+            del m.forward
+    return lowered.eval(), [(p, memo[id(p)]) for p in masters]
 
 
 def weight_bytes(decoder: Backbone) -> int:

@@ -7,7 +7,6 @@ what the uninterrupted run drew. The engine (engine.py) runs these rules, eagerl
 """
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 
 import torch

@@ -49,7 +49,7 @@ def test_cuda_precision_rules(assets, tmp_path):
     assert all(torch.isfinite(p).all() for p in trainable)
 
 
-def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary():
+def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
     """--compile 1's engine on a GPU at nanochat's vocabulary (65536, where inductor's scan in the old sampler
     crashed): after warm-up every decode step is a CUDA graph replay (the profiler's cudaGraphLaunch, one per
     step) and none was skipped (torch's cudagraph_skips counter; the KV cache and step buffers are static
@@ -68,7 +68,7 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary():
     import bench_gpu
 
     device = torch.device("cuda")
-    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 matmuls: eager and compiled differ by rounding alone
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32: they differ by rounding alone
     bb = bench_gpu.make_backbone(bench_gpu.shape_config("d2:65536"), device, 0)
     prompts = [list(range(5, 29)), list(range(7, 12))]
     gens = lambda: [torch.Generator().manual_seed(i) for i in range(2)]  # noqa: E731

@@ -10,9 +10,9 @@ from torch._dynamo.utils import counters
 
 from nanochat_ext import engine as engine_module
 from nanochat_ext.backbone import load_backbone, matmul_params
-from nanochat_ext.compiled import compile_stats
+from nanochat_ext.compiled import allow_recompiles, compile_blocks, compile_stats
 from nanochat_ext.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
-from nanochat_ext.sampling import SamplingConfig, filter_logits, sample_token
+from nanochat_ext.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from test_nanochat_vintages import FIXTURES, fixture_dir
 from test_sampling import assert_sampled_from_reforward, is_tie
 
@@ -33,6 +33,7 @@ def greedy_stop(bb, cfg: SamplingConfig) -> int:
 def aot_eager(monkeypatch):
     """The engine's step compiled through dynamo and AOT autograd without inductor's code generation: the same
     captured graph, guards and static state, seconds instead of a C++ compile per model."""
+    allow_recompiles()  # as compile_for does
     monkeypatch.setattr(engine_module, "compile_for",
                         lambda fn, device: torch.compile(fn, backend="aot_eager", dynamic=False))
 
@@ -44,8 +45,10 @@ def test_compiled_engine_samples_eagers_tokens_for_every_vintage(name, aot_eager
     bb = load_backbone(fixture_dir(name), vintage=name)
     cfg = SamplingConfig(12, 1.0, min_new_tokens=3)
     stop = greedy_stop(bb, SamplingConfig(12, 0.0, min_new_tokens=3))
-    eager = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    eager, graphs = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds()), compile_stats()[0]
+    torch._dynamo.reset()  # compiled here: a graph of its own, not one another vintage left in the cache
     compiled = Engine(bb, compile=True).generate(PROMPTS, 3, cfg, stop, 0, seeds())
+    assert compile_stats()[0] > graphs
     assert compiled == eager
     assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, stop, seeds(), compiled)
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -93,6 +96,13 @@ def test_compiled_state_grows_for_longer_prompts(assets, aot_eager):
     assert got == Engine(bb).generate(long, 2, cfg, 1, 0, seeds())
 
 
+def test_chunked_cumsum_is_torchs_cumsum_at_any_length():
+    """Vocabularies below, at and above a chunk, GPT-2's, above 65536 (a second level of chunks) and Qwen's."""
+    for n in (1, 255, 256, 257, 50257, 65537, 151936):
+        x = torch.rand(3, n, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        torch.testing.assert_close(cumsum_in_chunks(x), x.cumsum(-1), rtol=1e-12, atol=1e-9, msg=str(n))
+
+
 def flat_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """The sampler as it was before the two-level scan, in float64 (torch's own cumsum over the whole vocabulary):
     the oracle the chunked one must agree with but for ties."""
@@ -131,12 +141,14 @@ def test_bf16_decoding_reads_a_bf16_copy_with_autocasts_tokens(assets, name, mon
     autocast (which casts them to the same bf16 at every matmul), so are its tokens, and a change to the masters
     reaches the copy at the next call."""
     bb = load_backbone(assets[name])
+    compile_blocks(bb, backend="eager")  # --compile's blocks: the copy must run its own weights, not these
     engine = Engine(bb)
     cfg = SamplingConfig(10, 1.0)
     ids = torch.tensor([[5, 17, 42, 99, 7, 3], [3, 250, 8, 9, 10, 11]])
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         lowered = engine._decoder(torch.device("cpu"))
         assert lowered is not bb and all(p.dtype == torch.bfloat16 for p in matmul_params(lowered))
+        assert not any("forward" in m.__dict__ for m in lowered.modules())
         assert all(p.dtype == torch.float32 for p in matmul_params(bb))
         shared = [n for n, p in lowered.named_parameters() if p.dtype == torch.float32]
         assert shared and all(p is dict(bb.named_parameters())[n] for n, p in lowered.named_parameters() if n in shared)
@@ -154,7 +166,7 @@ def test_bf16_decoding_reads_a_bf16_copy_with_autocasts_tokens(assets, name, mon
     assert stats.weight_bytes == sum(p.numel() * 2 for p in matmul_params(bb)) and stats.steps > 0
 
 
-def test_compile_auto_compiles_where_the_compile_pays_back(monkeypatch):
+def test_compile_auto_compiles_where_the_compile_pays_back():
     """--compile auto: compiled on CPU for a run that decodes COMPILE_PAYS_AFTER token steps or more, with
     a C++ compiler for inductor; eager for shorter runs (the demo's 200 x 16), without a compiler, and
     on CUDA. 0 and 1 are obeyed as given."""
@@ -167,8 +179,9 @@ def test_compile_auto_compiles_where_the_compile_pays_back(monkeypatch):
     assert decode_compiled("1", cuda, 1, 1)[0] and not decode_compiled("0", cpu, 10 * n, 64)[0]
     from torch._inductor import config as inductor
 
-    monkeypatch.setattr(inductor.cpp, "cxx", (None, "no-such-compiler-here"))
-    off, why = decode_compiled("auto", cpu, 10 * n, 64)
+    # torch's own patch: a monkeypatch of this config entry deletes it on undo, breaking every later compile
+    with inductor.patch({"cpp.cxx": (None, "no-such-compiler-here")}):
+        off, why = decode_compiled("auto", cpu, 10 * n, 64)
     assert not off and "no C++ compiler (no-such-compiler-here)" in why
     with pytest.raises(ValueError, match="auto, 0 or 1"):
         decode_compiled("yes", cpu, 1, 1)

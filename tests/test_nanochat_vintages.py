@@ -144,6 +144,7 @@ def test_static_decode_step_matches_nanochat(name):
     for i, (row, k) in enumerate(zip(rows, lengths)):
         ids[i, P - k:], key_mask[i, P - k:] = row[:k], True
     for compiled in (False, True) if name == "current" else (False,):
+        step = compile_for(bb.model.decode_step, torch.device("cpu")) if compiled else bb.model.decode_step
         with torch.no_grad():
             _, cache = bb.prefill(ids, key_mask, L)
             key_valid = torch.zeros(2, L, dtype=torch.bool)
@@ -153,7 +154,6 @@ def test_static_decode_step_matches_nanochat(name):
                 key_valid[:, P + t] = True
                 cache.slot = torch.tensor([P + t])
                 tokens = torch.stack([row[k + t] for row, k in zip(rows, lengths)])
-                step = compile_for(bb.model.decode_step, torch.device("cpu")) if compiled else bb.model.decode_step
                 got = step(tokens, positions, key_valid, cache)[:, :golden["vocab_size"]]
                 positions = positions + 1
                 want = torch.stack([want_long[290 + t - 236], want60[50 + t]])

@@ -3,8 +3,7 @@ reference model, old log-probs that make the clip bite, temperature 0.8, two com
 --mask_truncated does), split over however many ranks this was launched with and into each of N_MICROS
 (comma-separated) micro-batches per rank in turn, for every --loss_agg x --importance_level, with one row
 per completion and with each group's prompt shared by its completions (PrefixTree rows). Rank 0 saves them,
-{n_micro: results}. COMPILE_BACKEND set: the policy's and reference's blocks compiled with it, and the
-rollout sampled by the compiled engine (inductor).
+{n_micro: results}. COMPILE_BACKEND set: the policy's and reference's blocks compiled with it.
 
     python tests/workers/grpo_grad_worker.py ASSETS 1,4 OUT
     python -m torch.distributed.run --standalone --nproc_per_node 2 tests/workers/grpo_grad_worker.py ...
@@ -35,8 +34,7 @@ def rollout(assets: Path, rank: int, world: int, share_prompt: bool):
     per_rank = N_PROMPTS // world
     mine = list(range(rank * per_rank, (rank + 1) * per_rank))
     cfg = SamplingConfig(max_new_tokens=6, temperature=1.0)
-    engine = Engine(policy, compile=bool(os.environ.get("COMPILE_BACKEND")))  # the compiled engine's tokens too
-    samples = engine.generate([PROMPTS[i] for i in mine], G, cfg, 101, 0,
+    samples = Engine(policy).generate([PROMPTS[i] for i in mine], G, cfg, 101, 0,
                               [torch.Generator().manual_seed(100 + i) for i in mine])
     # Ragged lengths (2..6 tokens by global row), so the three loss aggregations give different numbers.
     first_row = rank * per_rank * G

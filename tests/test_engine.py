@@ -29,6 +29,15 @@ def greedy_stop(bb, cfg: SamplingConfig) -> int:
     return Engine(bb).generate(PROMPTS, 1, cfg, -1, 0, seeds()).completions[0][3]
 
 
+def assert_same_but_a_tie(got, want) -> None:
+    """The same samples, but that one completion may part from the other at a tie (a uniform within ~1e-7 of a
+    CDF boundary, where the static cache's masked attention and eager's round apart; each side's tokens are
+    checked against a re-forward, tie-aware, by the callers). A wrong engine parts in most completions."""
+    assert len(got.completions) == len(want.completions)
+    parted = [i for i, (a, b) in enumerate(zip(got.completions, want.completions)) if a != b]
+    assert len(parted) <= 1, parted
+
+
 @pytest.fixture
 def aot_eager(monkeypatch):
     """The engine's step compiled through dynamo and AOT autograd without inductor's code generation: the same
@@ -49,7 +58,7 @@ def test_compiled_engine_samples_eagers_tokens_for_every_vintage(name, aot_eager
     torch._dynamo.reset()  # compiled here: a graph of its own, not one another vintage left in the cache
     compiled = Engine(bb, compile=True).generate(PROMPTS, 3, cfg, stop, 0, seeds())
     assert compile_stats()[0] > graphs
-    assert compiled == eager
+    assert_same_but_a_tie(compiled, eager)
     assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, stop, seeds(), compiled)
     assert not counters["graph_break"], dict(counters["graph_break"])
 
@@ -93,7 +102,8 @@ def test_compiled_state_grows_for_longer_prompts(assets, aot_eager):
     long = [list(range(3, 3 + 70)), *PROMPTS[1:]]
     got = engine.generate(long, 2, cfg, 1, 0, seeds())
     assert engine._states[6].slots == 2 * engine_module.SLOT_BUCKET
-    assert got == Engine(bb).generate(long, 2, cfg, 1, 0, seeds())
+    assert_same_but_a_tie(got, Engine(bb).generate(long, 2, cfg, 1, 0, seeds()))
+    assert_sampled_from_reforward(bb, long, 2, cfg, 1, seeds(), got)
 
 
 def test_chunked_cumsum_is_torchs_cumsum_at_any_length():

@@ -1,7 +1,8 @@
-"""Preference pairs: parse and validate JSONL, attach weights, split by prompt, tokenize with
+"""Preference pairs: parse and validate JSONL (or a parquet or Arrow file, or a `datasets` directory written by
+save_to_disk, read with pyarrow: the same records, a row each), attach weights, split by prompt, tokenize with
 prompt-left / response-right truncation, and feed global batches sharded over ranks.
 
-Formats accepted per line (README.md, "Data formats"): plain {prompt, chosen, rejected}; chat messages
+Formats accepted per record (README.md, "Data formats"): plain {prompt, chosen, rejected}; chat messages
 {prompt: [messages], chosen: [messages] | str, rejected: ...}; implicit-prompt chat
 {chosen: [messages], rejected: [messages]} (the shared leading turns are the prompt); HH-RLHF
 transcripts {chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}; the density fork's
@@ -21,7 +22,8 @@ from typing import Callable, Iterator
 import torch
 from torch.utils.data import DistributedSampler
 
-from nanochat_ext.errors import InputError
+from nanochat_ext.checkpoint import read_json
+from nanochat_ext.errors import InputError, Row, first_line
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 ROLES = ("system", "user", "assistant")
@@ -69,10 +71,61 @@ def _json_object(line: str, path: str, lineno: int) -> dict:
     return obj
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a missing file or non-object line is an InputError."""
-    for lineno, line in _lines(path):
-        yield lineno, _json_object(line, str(path), lineno)
+def read_rows(path: str | os.PathLike) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each record: each non-blank line of JSONL, each row of a table (is_table);
+    a missing file or a non-object line is an InputError."""
+    for number, record in records(path):
+        yield number, record()
+
+
+TABLE_SUFFIXES = (".parquet", ".arrow")
+
+
+def is_table(path: str | os.PathLike) -> bool:
+    """A parquet or Arrow file, or a directory written by datasets' save_to_disk."""
+    p = Path(path)
+    return p.suffix in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()))
+
+
+def records(path: str | os.PathLike) -> Iterator[tuple[int, Callable[[], dict]]]:
+    """(number, a call that returns the object) of each record: a JSONL line (parsed when called, so a bad line
+    can be skipped), or a table's row (a Row number; null columns left out, as an absent field)."""
+    if not is_table(path):
+        for lineno, line in _lines(path):
+            yield lineno, lambda line=line, lineno=lineno: _json_object(line, str(path), lineno)
+        return
+    for i, row in enumerate(_read_table(Path(path)).to_pylist(), 1):
+        yield Row(i), lambda row=row: {k: v for k, v in row.items() if v is not None}
+
+
+def _read_table(p: Path):
+    """The pyarrow table of a parquet file, an Arrow file (IPC file or stream, as datasets writes), or a
+    save_to_disk directory (its Arrow shards in order); one line for anything else."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if p.is_dir():
+        if (p / "dataset_dict.json").is_file():
+            splits = read_json(p / "dataset_dict.json", "dataset_dict.json").get("splits", [])
+            raise InputError(f"a DatasetDict: give one split's directory ({', '.join(map(str, splits))})", path=str(p))
+        state = read_json(p / "state.json", "state.json")
+        shards = [p / f["filename"] for f in state.get("_data_files", [])] if isinstance(state, dict) else []
+        if not shards:
+            raise InputError("state.json lists no data files ('_data_files')", path=str(p / "state.json"))
+        return pa.concat_tables([_read_table(s) for s in shards])
+    if not p.is_file():
+        raise InputError("file not found", path=str(p))
+    try:
+        if p.suffix == ".parquet":
+            return pq.read_table(p)
+        with pa.memory_map(str(p)) as source:
+            try:
+                return pa.ipc.open_file(source).read_all()
+            except pa.ArrowInvalid:
+                source.seek(0)
+                return pa.ipc.open_stream(source).read_all()
+    except (pa.ArrowException, OSError) as e:
+        raise InputError(f"not a readable {p.suffix[1:]} file ({first_line(e)})", path=str(p)) from None
 
 
 def _messages(value, path, line, field) -> list[dict]:
@@ -164,9 +217,9 @@ def parse_pair(obj: dict, path: str, line: int) -> PairRow:
 def load_pairs(path: str | os.PathLike, skip_bad: bool = False) -> tuple[list[PairRow], int]:
     """All valid rows and the number skipped (only with skip_bad; otherwise the first bad row raises)."""
     rows, skipped = [], 0
-    for lineno, line in _lines(path):
+    for number, record in records(path):
         try:
-            rows.append(parse_pair(_json_object(line, str(path), lineno), str(path), lineno))
+            rows.append(parse_pair(record(), str(path), number))
         except InputError:
             if not skip_bad:
                 raise
@@ -212,7 +265,7 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
     accepted too: its distinct prompts are used."""
     rows: list[PromptRow] = []
     seen: set[str] = set()
-    for lineno, obj in read_jsonl(path):
+    for lineno, obj in read_rows(path):
         if "chosen" in obj and "rejected" in obj:
             pair = parse_pair(obj, str(path), lineno)
             key = json.dumps(pair.prompt)
@@ -230,7 +283,7 @@ def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str, i
     """SFT data: JSONL {messages: [...]} ending with the assistant reply to learn ->
     (prompt messages, reply, line)."""
     out = []
-    for lineno, obj in read_jsonl(path):
+    for lineno, obj in read_rows(path):
         msgs = _messages(obj.get("messages"), str(path), lineno, "messages")
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
             raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
@@ -256,7 +309,7 @@ def load_density(path: str | os.PathLike) -> dict[str, float]:
         d = p if p.is_dir() else p.parent
         return _load_fork_density(d / "prefixes_all.jsonl", d / "density_weights.npy")
     weights: dict[str, float] = {}
-    for lineno, obj in read_jsonl(p):
+    for lineno, obj in read_rows(p):
         pid = obj.get("prefix_id")
         if not isinstance(pid, str) or not pid:
             raise InputError("missing or not a string", str(p), lineno, "prefix_id")
@@ -272,7 +325,7 @@ def _load_fork_density(prefixes: Path, npy: Path) -> dict[str, float]:
     if not npy.is_file():
         raise InputError("file not found (density_weights.npy goes with prefixes_all.jsonl)", path=str(npy))
     values = np.load(npy)
-    rows = list(read_jsonl(prefixes))
+    rows = list(read_rows(prefixes))
     if values.ndim != 1 or len(values) != len(rows):
         raise InputError(f"{len(values)} weights for {len(rows)} prefixes in {prefixes}: they do not line up",
                          path=str(npy))

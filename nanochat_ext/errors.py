@@ -2,13 +2,19 @@
 from __future__ import annotations
 
 
+class Row(int):
+    """A record's number in a table (a parquet or Arrow file, a datasets directory): where an error is, said as
+    'row N' rather than a JSONL file's ':N'. An int everywhere else."""
+
+
 class InputError(Exception):
     """Bad user input: a file, a line, a field, a flag. The message says which."""
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None, field: str | None = None):
         where = ""
         if path is not None:
-            where = str(path) + (f":{line}" if line is not None else "") + ": "
+            at = "" if line is None else f": row {line}" if isinstance(line, Row) else f":{line}"
+            where = f"{path}{at}: "
         what = f"field '{field}': " if field is not None else ""
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field

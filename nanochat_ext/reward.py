@@ -92,10 +92,13 @@ class RewardScorer:
     in (dtype: its matmul dtype; bf16 means frozen weights in bf16 under bf16 autocast, as in training)."""
 
     def __init__(self, model: RewardModel, tokenizer: TokenizerWrapper, max_len: int, meta: dict,
-                 dtype: torch.dtype = torch.float32, path: Path | None = None):
+                 dtype: torch.dtype = torch.float32, path: Path | None = None, pad_id: int | None = None):
         self.model, self.tokenizer, self.max_len, self.meta = model.eval(), tokenizer, max_len, meta
         self.dtype = dtype
-        self.path = path  # the checkpoint file it was loaded from
+        self.path = path  # the checkpoint file (or transformers dir) it was loaded from
+        # A transformers classifier scores a sequence at its last token that is not its config's pad token: a
+        # sequence ending in that token (a tokenizer that pads with EOS) is scored before it, as there.
+        self.pad_id = pad_id
 
     @property
     def device(self) -> torch.device:
@@ -119,6 +122,8 @@ class RewardScorer:
         once where that is cheaper; the same scores."""
         if group < 1 or len(seqs) % group:
             raise ValueError(f"{len(seqs)} sequences do not split into groups of {group}")
+        if self.pad_id is not None:
+            seqs = [trim_trailing(s, self.pad_id) for s in seqs]
         out: list[float] = []
         step = max(1, batch_size // group) * group
         for i in range(0, len(seqs), step):
@@ -134,6 +139,13 @@ class RewardScorer:
         return out
 
 
+def trim_trailing(seq: list[int], token: int) -> list[int]:
+    end = len(seq)
+    while end > 1 and seq[end - 1] == token:
+        end -= 1
+    return seq[:end]
+
+
 def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu",
                       backbone: str | os.PathLike | None = None) -> RewardScorer:
     """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint), set to
@@ -142,7 +154,12 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     The backbone: `backbone` if given, else found from the meta (relative to the RM's dir, then to
     $NANOCHAT_BASE_DIR, then the absolute path), and refused when its fingerprint is not the one the
     head was trained on. Checkpoints from before fingerprints load by their absolute path, with a
-    warning that they cannot be verified."""
+    warning that they cannot be verified.
+    A transformers sequence classifier's directory loads as one too (hf_reward)."""
+    from nanochat_ext.hf_reward import is_hf_classifier, load_hf_classifier  # it builds on this module
+
+    if is_hf_classifier(path):
+        return load_hf_classifier(path, device)
     if not complete_checkpoints(path):
         raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
     model_path, model, tokenizer, meta, state, dtype = first_loadable(

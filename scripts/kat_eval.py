@@ -253,7 +253,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     base, out = Path(args.base_dir), Path(args.out)
     dtype = compute_dtype(args.dtype, env.device)
     rms = {}
-    if args.rm and Path(args.eval_pairs).is_file():
+    if args.rm and Path(args.eval_pairs).exists():
         pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
         for d in args.rm:
             rms[d] = eval_rm(d, pairs, topics, env, args)

@@ -1,7 +1,12 @@
-"""Export a reward model as one self-contained directory (head, backbone, tokenizer) to share it or
-move it to another machine: it loads as --rm anywhere, with no other file.
+"""Export a reward model as one self-contained directory to share it or move it to another machine.
+
+--format native (default): head, backbone and tokenizer in this project's layout; it loads as --rm anywhere,
+with no other file. --format hf (an RM on a Hugging Face backbone): a transformers sequence classifier
+(`AutoModelForSequenceClassification`, num_labels 1, safetensors, with its tokenizer) that transformers, TRL and
+vLLM load, scoring as this project does; it loads as --rm here too.
 
     python -m scripts.kat_export_rm --rm $NANOCHAT_BASE_DIR/rm_checkpoints/uniform --out /shared/my_rm
+    python -m scripts.kat_export_rm --rm rm_checkpoints/llama --format hf --out /shared/my_rm_hf
 """
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import argparse
 import sys
 
 from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
+from nanochat_ext.hf_reward import export_hf_classifier
 from nanochat_ext.reward import export_reward_model
 
 
@@ -18,9 +24,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rm", required=True, help="reward-model checkpoint file or dir (its newest complete checkpoint)")
     p.add_argument("--out", required=True, help="new, empty directory to write")
     p.add_argument("--rm_backbone", default=None, help="the RM's backbone, where the RM cannot find it itself")
+    p.add_argument("--format", choices=("native", "hf"), default="native",
+                   help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face backbones)")
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
-    return run_plain(lambda: export_reward_model(args.rm, args.out, args.rm_backbone), "exported")
+    export = export_hf_classifier if args.format == "hf" else export_reward_model
+    return run_plain(lambda: export(args.rm, args.out, args.rm_backbone), "exported")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("inputs")
     g.add_argument("--backbone", required=True, help="model to fine-tune: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None, help="default: found beside the backbone, else $NANOCHAT_BASE_DIR/tokenizer")
-    g.add_argument("--conversations", required=True, help="JSONL {messages: [...]} ending with the reply to learn")
+    g.add_argument("--conversations", required=True,
+                   help="{messages: [...]} ending with the reply to learn, as JSONL, parquet, Arrow or a datasets dir")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL conversations per step (default: %(default)s)")
     g.add_argument("--device_batch_size", type=int, default=None, help="conversations per forward on each rank")

@@ -56,7 +56,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "$NANOCHAT_BASE_DIR, then at the absolute path it recorded); refused if its weights differ "
                         "from the ones the RM was trained on")
     g.add_argument("--prompts", required=True,
-                   help="JSONL {prompt: str | [messages], answer?, prefix_id?}; a pairs file works too (its prompts); "
+                   help="{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, Arrow or a datasets "
+                        "save_to_disk dir; a pairs file works too (its prompts); "
                         "formats: README.md, \"Data formats\"")
     g.add_argument("--eval_prompts", default=None,
                    help="held-out prompts for --eval_every (default: --val_ratio of --prompts, split by prefix_id)")

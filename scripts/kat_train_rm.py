@@ -41,7 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (tokenizer.pkl or tokenizer.json); default: found beside the backbone, "
                         "else $NANOCHAT_BASE_DIR/tokenizer")
-    g.add_argument("--pairs", required=True, help="preference pairs JSONL (formats: README.md, \"Data formats\")")
+    g.add_argument("--pairs", required=True, help="preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk dir "
+                                                  "(formats: README.md, \"Data formats\")")
     g.add_argument("--density", default=None,
                    help="density weights: JSONL {prefix_id, weight}, or the fork's prefixes_all.jsonl + "
                         "density_weights.npy (either file or their dir). Rare prompts should carry larger weights")

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete_reason, read_json, resolve_model_path,
                                      save_checkpoint, torch_load)
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.gpt import GPT, PrefixTree, gpt_from_checkpoint
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -250,6 +250,17 @@ def matmul_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in owned(linear=True) if id(p) not in elsewhere]
 
 
+def is_hf_classifier(path: str | os.PathLike) -> bool:
+    """Whether path is a transformers directory whose config names a sequence-classification architecture (a
+    reward model in Hugging Face form, see hf_reward)."""
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    meta = read_json(config, "config")
+    return isinstance(meta, dict) and any(str(a).endswith("ForSequenceClassification")
+                                          for a in meta.get("architectures") or [])
+
+
 def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True,
                   vintage: str | None = None, frozen: torch.dtype | None = None) -> Backbone:
     """A nanochat checkpoint (a dir: its largest model_<N>.pt with the meta of the same N; a
@@ -272,7 +283,10 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
         from transformers import AutoModelForCausalLM
 
         quiet_transformers()
-        hf = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
+        if is_hf_classifier(p):
+            raise InputError("a reward model (a sequence classifier), not a causal LM: give it as --rm", path=str(p))
+        with from_outside("Hugging Face model", p):
+            hf = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
         cfg = config_from_hf(hf.config) if native else None
         if cfg is not None:
             model = Llama.from_hf_state_dict(cfg, hf.state_dict())
@@ -286,6 +300,8 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
 
 def _load_nanochat(model_file: Path, meta_file: Path, device: torch.device | str, vintage: str | None) -> Backbone:
     meta = read_json(meta_file)
+    if isinstance(meta, dict) and meta.get("kind") == "reward_model":
+        raise InputError("a reward-model checkpoint, not a model: give it as --rm", path=str(meta_file))
     if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
         raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
     state = torch_load(model_file, "checkpoint")

@@ -1,6 +1,9 @@
 """The one error type for bad input. Scripts catch it, print one line, and exit non-zero."""
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 
 class Row(int):
     """A record's number in a table (a parquet or Arrow file, a datasets directory): where an error is, said as
@@ -19,6 +22,19 @@ class InputError(Exception):
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field
         self.collective = False  # raised on every rank by ddp_common.raise_if_any
+
+
+@contextlib.contextmanager
+def from_outside(what: str, path) -> Iterator[None]:
+    """The boundary where a third-party loader (transformers, tokenizers, safetensors) reads a file from outside:
+    whatever it raises for a broken one (truncated or missing weights, a config that does not parse or does not
+    fit the weights, a file of another kind) becomes one line naming the path."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(f"{what} does not load ({first_line(e)})", path=str(path)) from None
 
 
 def first_line(e: BaseException, limit: int = 200) -> str:

@@ -19,23 +19,10 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, load_tokenizer_for, quiet_transformers
-from nanochat_ext.checkpoint import read_json
-from nanochat_ext.errors import InputError
+from nanochat_ext.backbone import Backbone, is_hf_classifier, load_tokenizer_for, quiet_transformers
+from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.reward import RewardModel, RewardScorer, load_reward_model
-
-CLASSIFIER = "ForSequenceClassification"
-
-
-def is_hf_classifier(path: str | os.PathLike) -> bool:
-    """Whether path is a transformers directory whose config names a sequence-classification architecture."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    meta = read_json(config, "config")
-    return isinstance(meta, dict) and any(str(a).endswith(CLASSIFIER) for a in meta.get("architectures") or [])
-
 
 def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cpu") -> RewardScorer:
     """A transformers sequence classifier with one label, ready to score as load_reward_model's RMs do (fp32)."""
@@ -43,11 +30,13 @@ def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cp
 
     quiet_transformers()
     d = Path(path)
-    config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    with from_outside("Hugging Face classifier", d):
+        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
     if config.num_labels != 1:
         raise InputError(f"a classifier of {config.num_labels} labels, not a reward model (num_labels 1)",
                          path=str(d / "config.json"), field="num_labels")
-    hf = AutoModelForSequenceClassification.from_pretrained(str(d), local_files_only=True, dtype=torch.float32)
+    with from_outside("Hugging Face classifier", d):
+        hf = AutoModelForSequenceClassification.from_pretrained(str(d), local_files_only=True, dtype=torch.float32)
     state = hf.state_dict()
     if "score.weight" not in state or "score.bias" in state:
         raise InputError("no bias-free `score` head of one output, as transformers' reward classifiers have", path=str(d))

@@ -13,7 +13,7 @@ import shutil
 from pathlib import Path
 from typing import Iterable
 
-from nanochat_ext.errors import InputError, first_line
+from nanochat_ext.errors import InputError, first_line, from_outside
 
 # nanochat's special tokens, in nanochat's order (ids follow the mergeable ranks).
 SPECIAL_TOKENS = [
@@ -115,7 +115,8 @@ class TokenizerWrapper:
         if (hf_dir / "tokenizer.json").is_file():
             from transformers import AutoTokenizer
 
-            tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
+            with from_outside("Hugging Face tokenizer", hf_dir):
+                tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
             return cls("hf", tok, str(hf_dir))
         raise InputError(f"no tokenizer found: tried {p / 'tokenizer.pkl'} (nanochat/RustBPE) "
                          f"and {hf_dir / 'tokenizer.json'} (Hugging Face)", path=str(p))

@@ -317,6 +317,68 @@ def test_corrupt_inputs_end_in_one_line(assets, tmp_path, capsys, case):
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, err
 
 
+def _broken_hf(assets, tmp_path, case: str):
+    """The tiny Hugging Face Llama dir broken the way downloads and mix-ups break it; (dir, what the line says)."""
+    d = tmp_path / case
+    shutil.copytree(assets["hf"], d)
+    weights, config = d / "model.safetensors", d / "config.json"
+    if case == "weights_truncated":
+        weights.write_bytes(weights.read_bytes()[:1000])
+        return d, "Hugging Face model does not load (SafetensorError"
+    if case == "weights_missing":
+        weights.unlink()
+        return d, "Hugging Face model does not load (OSError: Error no file named model.safetensors"
+    if case == "weights_are_text":
+        weights.write_text("not weights\n")
+        return d, "Hugging Face model does not load (SafetensorError"
+    if case == "config_not_json":
+        config.write_text('{"model_type": ')
+        return d, "config.json: config is not valid JSON"
+    if case == "config_does_not_fit":
+        config.write_text(json.dumps({**json.loads(config.read_text()), "hidden_size": 32}))
+        return d, "Hugging Face model does not load (RuntimeError"
+    if case == "tokenizer_broken":
+        (d / "tokenizer.json").write_text("{broken")
+        return d, "Hugging Face tokenizer does not load (JSONDecodeError"
+    assert case == "a_classifier", case
+    config.write_text(json.dumps({**json.loads(config.read_text()), "architectures": ["LlamaForSequenceClassification"],
+                                  "num_labels": 1}))
+    return d, "a reward model (a sequence classifier), not a causal LM: give it as --rm"
+
+
+@pytest.mark.parametrize("case", ["weights_truncated", "weights_missing", "weights_are_text", "config_not_json",
+                                  "config_does_not_fit", "tokenizer_broken", "a_classifier"])
+def test_a_broken_hugging_face_dir_ends_in_one_line(assets, tmp_path, capsys, case):
+    """Each as --backbone: exit 2, one line naming the dir and what failed, no traceback, nothing written."""
+    backbone, expected = _broken_hf(assets, tmp_path, case)
+    out = tmp_path / "out"
+    args = rm_args(assets, out, "--max_steps", "1")
+    args[1], args[3] = str(backbone), str(backbone)
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: {backbone}") and expected in err, err
+    assert not out.exists()
+
+
+def test_a_model_and_a_reward_model_given_for_each_other_end_in_one_line(assets, tmp_path, capsys):
+    rm = tmp_path / "rm"
+    assert kat_train_rm.main(rm_args(assets, rm, "--max_steps", "1")) == 0
+    capsys.readouterr()
+    args = rm_args(assets, tmp_path / "out", "--max_steps", "1")
+    args[1] = str(rm)
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "a reward-model checkpoint, not a model: give it as --rm" in err, err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n' * 8)
+    assert kat_train_grpo.main(["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--rm",
+                                str(assets["gpt"]), "--prompts", str(prompts), "--device", "cpu", "--max_steps", "1",
+                                "--out", str(tmp_path / "grpo")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not a reward-model checkpoint" in err, err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "grpo").exists()
+
+
 # ---- nothing from outside runs code ---------------------------------------------------------------
 class _RunsACommand:
     """Unpickled, it would run `touch <marker>`: what a hostile tokenizer.pkl or checkpoint can hold."""

@@ -245,8 +245,8 @@ def decode_figures(runs: list, device: torch.device) -> dict:
     decode steps, and MBU (the bytes those steps must read, over the device's peak bandwidth)."""
     s = sum(r.decode_s for r in runs)
     bw = peak_bandwidth(device)
-    return {"decode_tok_per_s": round(sum(r.rows * r.steps for r in runs) / s, 1),
-            "decode_mbu": round(sum(r.bytes_read for r in runs) / s / bw, 4) if bw else None,
+    return {"decode_tok_per_s": round(sum(r.rows * r.steps for r in runs) / s, 1) if s > 0 else None,
+            "decode_mbu": round(sum(r.bytes_read for r in runs) / s / bw, 4) if bw and s > 0 else None,
             "prefill_s": round(sum(r.prefill_s for r in runs) / len(runs), 4)}
 
 
@@ -333,7 +333,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
     p.add_argument("--vintage", default="current", help="nanochat architecture (gpt.VINTAGES; default: today's)")
-    p.add_argument("--only", choices=("rm", "grpo", "decode", "all"), default="all")
+    p.add_argument("--only", choices=("rm", "grpo", "decode", "both", "all"), default="all",
+                   help="which benches (both: rm and grpo, as before the decode bench)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
@@ -353,11 +354,11 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     for shape in b.shapes:
-        if b.only in ("rm", "all"):
+        if b.only in ("rm", "both", "all"):
             for unfreeze in ("0", "2", "all"):
                 print(json.dumps({**bench_rm(shape, unfreeze, b, device), "device": device_name(device),
                                   "torch": torch.__version__}), flush=True)
-        if b.only in ("grpo", "all"):
+        if b.only in ("grpo", "both", "all"):
             print(json.dumps({**bench_grpo(shape, b, device), "device": device_name(device),
                               "torch": torch.__version__}), flush=True)
         if b.only in ("decode", "all"):

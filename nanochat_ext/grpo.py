@@ -1,4 +1,4 @@
-"""GRPO pieces: reward functions, group-relative advantages, token log-probs of completions, and the
+"""GRPO pieces: group-relative advantages, token log-probs of completions, and the
 clipped-surrogate + KL loss with aggregation normalised by global counts.
 
 A rollout batch on one rank is `n` prompts x G samples, prompt-major (prompt i owns rows i*G..i*G+G-1);
@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
-import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -19,7 +16,6 @@ import torch.nn as nn
 from nanochat_ext.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
 from nanochat_ext.data import prefix_tree_rows, right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
-from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.gpt import PrefixTree
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
@@ -30,50 +26,11 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4
 
-RewardFn = Callable[[str, str, dict], float]
-
-
 def sample_seed(seed: int, draw: int, prompt_index: int) -> int:
     """Seed of one prompt's sampling generator: a function of (seed, draw, prompt) only, so the samples
     do not depend on the rank or batch the prompt landed in. A draw is one prompt batch (one per step,
     more under dynamic sampling; -1 for evaluation)."""
     return int(hashlib.sha256(f"{seed}:{draw}:{prompt_index}".encode()).hexdigest()[:15], 16)
-
-
-# ---- rewards ------------------------------------------------------------------------------------
-def load_reward_fn(spec: str) -> RewardFn:
-    """`package.module:function` -> the callable f(prompt, completion, row) -> float."""
-    module_name, _, fn_name = spec.partition(":")
-    if not module_name or not fn_name:
-        raise InputError(f"--reward_fn {spec!r} must look like 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise InputError(f"--reward_fn {spec!r}: cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise InputError(f"--reward_fn {spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
-
-
-def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int,
-                   clip: float | None = None) -> float:
-    """fn's value as a float, or one line naming the function and the prompt: when it raises anything,
-    returns something other than a real number (a bool or a string included), a NaN/inf, or a value
-    outside [-clip, clip]."""
-    where = f"reward function {name} on prompt {prompt_index}"
-    try:
-        value = fn(prompt, completion, row)
-    except Exception as e:  # the user's code: any failure becomes the run's one line
-        raise InputError(f"{where} raised {first_line(e)}") from None
-    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
-        raise InputError(f"{where} returned {value!r} ({type(value).__name__}), not a real number")
-    value = float(value)
-    if not math.isfinite(value):
-        raise InputError(f"{where} returned {value}")
-    if clip is not None and abs(value) > clip:
-        raise InputError(f"{where} returned {value}, outside --reward_clip {clip}")
-    return value
 
 
 # ---- advantages ---------------------------------------------------------------------------------
@@ -103,13 +60,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mod
     if scale == "none":
         return centred.view(-1).float()
     raise ValueError(f"unknown scale_rewards {scale!r}")
-
-
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
-    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer tokens, then falling linearly to
-    -penalty at max_new_tokens (a completion cut there gets the full -penalty)."""
-    start = max_new_tokens - buffer
-    return -penalty * ((lengths.double() - start) / buffer).clamp(min=0.0, max=1.0)
 
 
 # ---- rollouts and DAPO's dynamic sampling -----------------------------------------------------------

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, is_hf_classifier, load_tokenizer_for, quiet_transformers
+from nanochat_ext.backbone import Backbone, load_tokenizer_for, quiet_transformers
 from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.reward import RewardModel, RewardScorer, load_reward_model

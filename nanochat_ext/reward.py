@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
+from nanochat_ext.backbone import Backbone, hold_frozen_in, is_hf_classifier, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
                                      save_checkpoint, stamp_digits, torch_load)
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
@@ -156,7 +156,7 @@ def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu
     head was trained on. Checkpoints from before fingerprints load by their absolute path, with a
     warning that they cannot be verified.
     A transformers sequence classifier's directory loads as one too (hf_reward)."""
-    from nanochat_ext.hf_reward import is_hf_classifier, load_hf_classifier  # it builds on this module
+    from nanochat_ext.hf_reward import load_hf_classifier  # it builds on this module
 
     if is_hf_classifier(path):
         return load_hf_classifier(path, device)

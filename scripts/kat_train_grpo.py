@@ -25,18 +25,18 @@ from nanochat_ext.compiled import compile_models, compile_stats
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
-                               split_by_prefix, truncate)
+                               split_by_prefix)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                       print0, raise_if_any, seed_everything, wrap_ddp)
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, call_reward_fn,
-                               group_advantages, in_global_order, load_reward_fn, make_sequences, overlong_penalty,
-                               policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
+                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
+                               in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
-from nanochat_ext.reward import RewardScorer, load_reward_model
+from nanochat_ext.reward import load_reward_model
+from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tracking import Tracker, WindowSums
@@ -65,6 +65,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="per-prompt density weights (as for kat_train_rm): scale each prompt's share of the loss")
     g.add_argument("--reward_fn", action="append", default=[],
                    help="rule-based reward 'module:function', called f(prompt, completion, row) -> float; repeatable")
+    g.add_argument("--reward_workers", type=int, default=1,
+                   help="threads calling each per-completion --reward_fn (a judge or sandbox that waits on I/O); a "
+                        "function with `batched = True` is called once per step with lists instead (default: 1)")
+    g.add_argument("--reward_url", default=None,
+                   help="a reward service: each rank POSTs its completions of a step as JSON {prompts, completions, "
+                        "rows} and reads {rewards: [...]} back; one more reward column, 'url'")
+    g.add_argument("--reward_timeout", type=float, default=60.0,
+                   help="seconds per --reward_url call, tried 3 times (default: %(default)s)")
     g.add_argument("--reward_clip", type=float, default=None,
                    help="refuse (stop the run with the prompt named) a reward function value outside [-C, C]; "
                         "NaN/inf and non-numbers are always refused")
@@ -141,72 +149,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-class Rewards:
-    """The RM score and the rule-based functions, each weighted; per-reward values kept for logging."""
-
-    def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
-                 overlong: tuple[int, int, float] | None = None, clip: float | None = None):
-        self.rm, self.clip = rm, clip
-        self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
-        self.names = (["rm"] if rm else []) + [name for name, _ in self.fns]
-        if not self.names:
-            raise InputError("no reward: give --rm and/or --reward_fn")
-        self.weights = list(weights) if weights is not None else [1.0] * len(self.names)
-        if len(self.weights) != len(self.names):
-            raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
-                             f"({', '.join(self.names)})")
-        self.overlong = overlong  # (max_new_tokens, buffer, penalty): one more reward column, weight 1
-        if overlong:
-            self.names.append("overlong")
-            self.weights.append(1.0)
-
-    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
-              tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
-        """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it
-        scores what it was trained on: prompt cut from the left, completion from the right). A
-        reward function's failure or bad value, or a non-finite RM score, is raised on every rank."""
-        n = len(samples.completions)
-        out = torch.zeros(n, len(self.names), dtype=torch.float64)
-        col, rm_cut, error = 0, 0, None
-        if self.rm is not None:
-            full = [(prompt_ids[i // G], c) for i, c in enumerate(samples.completions)]
-            rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
-            seqs = [truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]
-            out[:, 0] = torch.tensor(self.rm.score_ids(seqs, group=G))  # a prompt's G samples share it
-            bad = (~torch.isfinite(out[:, 0])).nonzero()
-            if len(bad):
-                i = int(bad[0])
-                error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
-                         f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
-            col = 1
-        texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in samples.completions]
-        try:
-            for j, (name, fn) in enumerate(self.fns if error is None else []):
-                for i, text in enumerate(texts):
-                    row = rows[i // G]
-                    out[i, col + j] = call_reward_fn(name, fn, row.messages[-1]["content"], text, row.row,
-                                                     indices[i // G], self.clip)
-        except InputError as e:
-            error = str(e)
-        raise_if_any(error)
-        if self.overlong:
-            out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
-        return out, rm_cut
-
-    def total(self, per_reward: torch.Tensor) -> torch.Tensor:
-        return per_reward @ torch.tensor(self.weights, dtype=torch.float64)
-
-
-def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) -> None:
-    """The RM scores the policy's token ids directly, so both must speak the same tokenizer."""
-    probe = "Hello there! 12 + 30 = 42, isn't it?"
-    if (rm.tokenizer.vocab_size, rm.tokenizer.encode(probe), rm.tokenizer.eos_id) != \
-            (tok.vocab_size, tok.encode(probe), tok.eos_id):
-        raise InputError(f"reward model was trained with another tokenizer ({rm.tokenizer.source}, "
-                         f"{rm.tokenizer.vocab_size} ids) than the policy's ({tok.source}, {tok.vocab_size} ids)",
-                         path=rm_path)
-
-
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
     out_dir, log_dir = output_dirs(args, "chatrl_checkpoints")
@@ -238,7 +180,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.overlong_buffer < 0 or args.overlong_buffer > args.max_new_tokens:
         raise InputError(f"--overlong_buffer must be 0..--max_new_tokens ({args.max_new_tokens}), got {args.overlong_buffer}")
     overlong = (args.max_new_tokens, args.overlong_buffer, args.overlong_penalty) if args.overlong_buffer else None
-    rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong, args.reward_clip)
+    rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong, args.reward_clip, args.reward_workers,
+                      args.reward_url, args.reward_timeout)
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
     claim_out_dir(out_dir, log_dir)
@@ -512,6 +455,8 @@ GRPO_RANGES = {
     "beta": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     "overlong_penalty": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     "reward_clip": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
+    "reward_workers": (lambda v: v >= 1, ">= 1"),
+    "reward_timeout": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
 }
 
 # What a checkpoint written before these flags existed was trained with.

@@ -37,3 +37,19 @@ def returns_huge(prompt, completion, row):
 def zero(prompt, completion, row):
     """Every completion 0: every group has zero spread, so every advantage is 0."""
     return 0.0
+
+
+def vowel_share_batched(prompts, completions, rows):
+    """vowel_share over a step's lists at once (a batched reward function)."""
+    return [vowel_share(p, c, r) for p, c, r in zip(prompts, completions, rows)]
+
+
+vowel_share_batched.batched = True
+
+
+def batched_short(prompts, completions, rows):
+    """A batched function that loses a value."""
+    return [0.0] * (len(completions) - 1)
+
+
+batched_short.batched = True

@@ -97,7 +97,7 @@ def test_gspo_takes_one_clipped_ratio_per_completion():
 
 
 def test_overlong_penalty_is_dapos_soft_punishment():
-    from nanochat_ext.grpo import overlong_penalty
+    from nanochat_ext.rewards import overlong_penalty
 
     got = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, penalty=0.5)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5], dtype=torch.float64))

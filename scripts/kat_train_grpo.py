@@ -34,7 +34,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
+from nanochat_ext.optim import OPTIMIZERS, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.reward import load_reward_model
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.sampling import SamplingConfig
@@ -128,7 +128,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--device_batch_size", type=int, default=None,
                    help="sequences per forward on each rank (default: all of the rank's prompts x group_size)")
     g.add_argument("--max_steps", type=int, default=100, help="rollout steps (default: %(default)s)")
-    g.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (default: %(default)s)")
+    g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
+                   help="adamw; or muon, nanochat's own recipe for nanochat policies: torch's Muon on the block "
+                        "matrices, AdamW on embeddings, LM head and scalars, each group at the learning rate "
+                        "nanochat's chat_rl.py gives it (default: adamw)")
+    g.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate (adamw; default 1e-5); with --optimizer muon the fraction of nanochat's "
+                        "learning rates, its chat_rl.py --init-lr-frac (default 0.05)")
     g.add_argument("--warmup_steps", type=int, default=0)
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
@@ -146,6 +152,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(script_argv(argv))
     if args.loss_type:
         args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
+    if args.lr is None:
+        args.lr = 0.05 if args.optimizer == "muon" else 1e-5
     return args
 
 
@@ -209,7 +217,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     model = CompletionLogprobs(policy, temperature=args.temperature)
     ddp_model = wrap_ddp(model, env)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
+    optimizer = make_optimizer(args.optimizer, policy.model, trainable, args.lr, args.weight_decay, env.device)
     start_step, draw = 0, 0  # draw: prompt batches drawn so far (one per step unless --filter_zero_std)
     source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
     if resume is not None:
@@ -309,9 +317,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         if args.num_iterations > 1:
             batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
         t1 = time.time()
-        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
+        lr_mult = lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = group["initial_lr"] * lr_mult
+        lr = args.lr * lr_mult
         stats = torch.zeros(5, dtype=torch.float64)
         done = step + 1
         for _ in range(args.num_iterations):
@@ -434,10 +443,12 @@ def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume
     """Restores the policy and optimizer; returns (step, draw)."""
     model_path, _, state = resume
     keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-            "filter_zero_std") + (("max_draws",) if args.filter_zero_std else ())
+            "filter_zero_std", "optimizer") + (("max_draws",) if args.filter_zero_std else ())
     check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
     policy.restore(state, saved=load_backbone(model_path, device))
     optimizer.load_state_dict(state["optimizer"])
+    for group in optimizer.param_groups:  # a checkpoint from before the schedule kept each group's base lr
+        group.setdefault("initial_lr", args.lr)
     return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step
 
 
@@ -460,7 +471,8 @@ GRPO_RANGES = {
 }
 
 # What a checkpoint written before these flags existed was trained with.
-PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False}
+PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
+                     "optimizer": "adamw"}
 
 
 def main(argv: list[str] | None = None) -> int:

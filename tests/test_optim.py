@@ -1,7 +1,14 @@
-"""The optimizer the trainers build, against torch's reference implementation."""
+"""The optimizers the trainers build: AdamW against torch's reference implementation, and --optimizer muon against
+nanochat's own parameter groups, on 1 and 2 ranks and resumed."""
+import json
+
+import pytest
 import torch
 
+from conftest import REPO, run_script
 from nanochat_ext.optim import make_adamw
+from nanochat_ext.synthetic import make_pairs, write_jsonl
+from scripts import kat_train_grpo
 
 
 def test_cpu_adamw_is_fused_and_steps_like_the_reference():
@@ -24,3 +31,91 @@ def test_cpu_adamw_is_fused_and_steps_like_the_reference():
     for a, b, s in zip(fused, ref, start):
         assert not torch.allclose(a, s, atol=0.05)  # the steps moved the weights
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+# ---- --optimizer muon: nanochat's recipe with torch's Muon -------------------------------------------------------
+MUON_FIXTURE = REPO / "tests" / "fixtures" / "nanochat-optimizer" / "groups.json"
+GOLDEN_CURRENT = REPO / "tests" / "fixtures" / "nanochat-golden" / "current" / "chatsft_checkpoints" / "d2"
+
+
+def test_muon_groups_are_nanochats():
+    """Every parameter of the golden current-vintage checkpoint in the group, with the learning rate, betas, eps
+    and weight decay, that nanochat's own setup_optimizer and chat_rl.py give it (groups.json, made by nanochat's
+    code: make_groups.py). nanochat splits its Muon parameters by shape for stacking; torch's Muon takes them in one
+    group with the same hyperparameters."""
+    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.optim import nanochat_groups
+
+    model = load_backbone(GOLDEN_CURRENT).model
+    names = {id(p): n for n, p in model.named_parameters()}
+    adamw, muon = nanochat_groups(model, lr_frac=0.05)  # chat_rl.py's --init-lr-frac
+    ours = {names[id(p)]: ("adamw", g) for g in adamw for p in g["params"]}
+    ours.update({names[id(p)]: ("muon", g) for g in muon for p in g["params"]})
+    want = json.loads(MUON_FIXTURE.read_text())
+    assert sorted(ours) == sorted(n for g in want for n in g["params"])
+    for g in want:
+        for name in g["params"]:
+            kind, mine = ours[name]
+            assert kind == g["kind"] and mine["lr"] == pytest.approx(g["lr"], rel=1e-12), name
+            assert mine["weight_decay"] == g["weight_decay"], name
+            if kind == "adamw":
+                assert list(mine["betas"]) == g["betas"] and mine["eps"] == g["eps"], name
+            else:
+                assert (mine["momentum"], mine["ns_steps"]) == (g["momentum"], g["ns_steps"]), name
+
+
+def muon_args(assets, out, *extra) -> list[str]:
+    prompts = out.parent / "prompts.jsonl"
+    if not prompts.exists():
+        write_jsonl(prompts, [{"prompt": r["prompt"]} for r in make_pairs(40, seed=2)])
+    return ["--policy", str(assets["gpt_modern"]), "--tokenizer", str(assets["tokenizer"]), "--prompts", str(prompts),
+            "--reward_fn", "rewards_for_tests:vowel_share", "--optimizer", "muon", "--batch_size", "4",
+            "--group_size", "4", "--max_new_tokens", "8", "--val_ratio", "0", "--beta", "0.04", "--device", "cpu",
+            "--out", str(out), *extra]
+
+
+def test_muon_on_two_ranks_trains_as_one_rank_and_resumes_exactly(assets, tmp_path):
+    env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+    # --lr 0.002: nanochat's learning rates / 25. As in test_grpo's 1-vs-2-rank test, Adam turns the float noise of
+    # near-zero gradients into steps of about its lr, so the float-level gap between the splits scales with lr.
+    small = ("--max_steps", "2", "--lr", "0.002")
+    one = run_script("scripts.kat_train_grpo", muon_args(assets, tmp_path / "one", *small), env=env)
+    two = run_script("scripts.kat_train_grpo", muon_args(assets, tmp_path / "two", *small, "--device_batch_size", "4"),
+                     nproc=2, env=env)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    from nanochat_ext.backbone import load_backbone
+
+    a, b = load_backbone(tmp_path / "one").model.state_dict(), load_backbone(tmp_path / "two").model.state_dict()
+    init = load_backbone(assets["gpt_modern"]).model.state_dict()
+    # Every tensor trains, in its group, and agrees, but backout_lambda: in a 2-layer model the backout is taken
+    # after the last block, so it only rescales what the RMS norm then normalises; its gradient is rounding noise,
+    # which Adam (eps 1e-10) turns into steps of up to its lr either way, different for each split of the batch.
+    for name, p in a.items():
+        if name != "backout_lambda":
+            torch.testing.assert_close(b[name], p, atol=1e-5, rtol=0, msg=name)
+            assert not torch.equal(p, init[name]), name
+    # resume: 1 step, saved, then the second from the checkpoint = the two straight
+    crashed = tmp_path / "crashed"
+    assert kat_train_grpo.main(muon_args(assets, crashed, *small, "--save_every", "1")) == 0
+    stamps = sorted(int(p.stem.split("_")[1]) for p in crashed.glob("model_*.pt"))
+    for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
+        (crashed / name).unlink()
+    assert kat_train_grpo.main(muon_args(assets, crashed, *small, "--resume", "latest")) == 0
+    for name, p in load_backbone(crashed).model.state_dict().items():
+        torch.testing.assert_close(p, a[name], atol=0, rtol=0, msg=name)
+
+
+def test_muon_refuses_what_is_not_a_nanochat_policy_and_a_resume_with_another_optimizer(assets, tmp_path, capsys):
+    args = muon_args(assets, tmp_path / "hf", "--max_steps", "1")
+    args[1], args[3] = str(assets["hf"]), str(assets["hf"])
+    assert kat_train_grpo.main(args) == 2
+    assert "--optimizer muon is nanochat's recipe for nanochat GPT policies; a Llama trains with --optimizer adamw" \
+        in capsys.readouterr().err
+    out = tmp_path / "m"
+    assert kat_train_grpo.main(muon_args(assets, out, "--max_steps", "2", "--save_every", "1")) == 0
+    adamw = muon_args(assets, out, "--max_steps", "3", "--resume", "latest", "--resume_extend")
+    adamw[adamw.index("muon")] = "adamw"
+    capsys.readouterr()
+    assert kat_train_grpo.main(adamw) == 2
+    assert "--optimizer is 'adamw' but the checkpoint was trained with 'muon'" in capsys.readouterr().err

@@ -3,6 +3,7 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import traceback
@@ -44,6 +45,11 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
                    help="skip up to N steps whose loss or gradient is NaN/inf, logged (default 0: stop at the first, "
                         "with nothing saved)")
     g.add_argument("--log_dir", default=None, help="TensorBoard + metrics.jsonl dir (default: <out>/logs)")
+    g.add_argument("--report_to", default="tensorboard",
+                   help="where rank 0 sends the scalars besides <log_dir>/metrics.jsonl: tensorboard, wandb (the "
+                        "wandb library, installed apart; WANDB_MODE=offline works), both as 'tensorboard,wandb', or "
+                        "none (default: %(default)s)")
+    g.add_argument("--wandb_project", default=None, help="wandb project (default: $WANDB_PROJECT, else nanochat_ext)")
 
 
 MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "
@@ -158,6 +164,23 @@ def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[floa
         value = getattr(args, name, None)
         if value is not None and not ok(value):
             raise InputError(f"--{name} must be {want}, got {value!r}")
+    if getattr(args, "report_to", None) is not None:
+        report_targets(args.report_to)
+
+
+REPORT_TARGETS = ("tensorboard", "wandb", "none")
+
+
+def report_targets(value: str) -> list[str]:
+    """--report_to as a list of targets ('none': none), or one line for an unknown target or a wandb that is not
+    installed."""
+    targets = [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in REPORT_TARGETS]
+    if unknown or not targets or ("none" in targets and len(targets) > 1):
+        raise InputError(f"--report_to must be tensorboard, wandb, both comma-separated, or none; got {value!r}")
+    if "wandb" in targets and importlib.util.find_spec("wandb") is None:
+        raise InputError("--report_to wandb: the wandb library is not installed here (pip install wandb==0.31.0)")
+    return [t for t in targets if t != "none"]
 
 
 def due(done: int, every: int) -> bool:

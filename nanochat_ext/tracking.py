@@ -1,5 +1,6 @@
-"""Rank-0 outputs of a run: TensorBoard scalars, a metrics.jsonl, one-line greppable log lines and a
-progress bar. Other ranks get a Tracker that does nothing, so call sites need no rank checks.
+"""Rank-0 outputs of a run: a metrics.jsonl, the same scalars in TensorBoard and/or wandb (--report_to), one-line
+greppable log lines and a progress bar. Other ranks get a Tracker that does nothing, so call sites need no rank
+checks. A wandb run's id is kept in <log_dir>/wandb_run_id, so a resumed run continues the same wandb run.
 
 A run that starts at step S (a resume, or 0) first drops every record past S that an interrupted
 run left in metrics.jsonl, rollouts.jsonl and TensorBoard, so no step is logged twice."""
@@ -9,10 +10,12 @@ import json
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import torch
 
+from nanochat_ext.cli import report_targets
 from nanochat_ext.compiled import compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum
 
@@ -20,20 +23,25 @@ JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
 
 class Tracker:
-    def __init__(self, log_dir: str | Path | None, enabled: bool, total_steps: int, start_step: int, name: str):
+    def __init__(self, log_dir: str | Path | None, enabled: bool, total_steps: int, start_step: int, name: str,
+                 report_to: str = "tensorboard", config: dict | None = None, project: str | None = None):
         self.enabled, self.name = enabled, name
-        self.writer = self.metrics_file = self.bar = None
+        self.writer = self.metrics_file = self.bar = self.wandb = None
         self.t0 = time.time()
         if not enabled:
             return
+        targets = report_targets(report_to)
         if log_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
             Path(log_dir).mkdir(parents=True, exist_ok=True)
-            for name in JSONL_LOGS:
-                drop_records_after(Path(log_dir) / name, start_step)
-            self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1)
+            for jsonl in JSONL_LOGS:
+                drop_records_after(Path(log_dir) / jsonl, start_step)
+            if "tensorboard" in targets:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1)
             self.metrics_file = open(Path(log_dir) / "metrics.jsonl", "a")
+            if "wandb" in targets:
+                self.wandb = start_wandb(Path(log_dir), name, config or {}, project)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -50,6 +58,8 @@ class Tracker:
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
         if self.metrics_file is not None:
             self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
             self.metrics_file.flush()
@@ -86,7 +96,21 @@ class Tracker:
             self.writer.close()
         if self.metrics_file is not None:
             self.metrics_file.close()
-        self.bar = self.writer = self.metrics_file = None
+        if self.wandb is not None:
+            self.wandb.finish()
+        self.bar = self.writer = self.metrics_file = self.wandb = None
+
+
+def start_wandb(log_dir: Path, name: str, config: dict, project: str | None):
+    """A wandb run writing under log_dir, the run's flags as its config; the id a first run gets is kept in
+    log_dir/wandb_run_id, and a resumed run continues that run."""
+    import wandb
+
+    id_file = log_dir / "wandb_run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "nanochat_ext", id=run_id, resume="allow",
+                      name=f"{name}-{log_dir.parent.name}", dir=str(log_dir), config=config, job_type=name)
 
 
 def drop_records_after(path: Path, step: int) -> None:

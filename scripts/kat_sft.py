@@ -103,7 +103,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
         return save_synced(out_dir, trainable, write)
 
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft")
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft", args.report_to, vars(args),
+                      args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
     window = WindowSums(["loss", "tokens", "steps"])  # this rank's sums since the last log
     t0, metrics = time.time(), {}

@@ -249,7 +249,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return save_synced(out_dir, trainable, write)
 
     # ---- train ------------------------------------------------------------------------------------
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo")
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo", args.report_to, vars(args),
+                      args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
     n_rewards = len(rewards.names)
     # sums over the steps of one logging window, on this rank (reduced over ranks at log time)

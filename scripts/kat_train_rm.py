@@ -163,7 +163,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return save_synced(out_dir, trainable, write)
 
     # ---- train ----------------------------------------------------------------------------------
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm")
+    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
+                      args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
     window = WindowSums([*RM_STATS, "steps"])  # this rank's sums since the last log
     t_log = time.time()

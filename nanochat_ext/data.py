@@ -84,7 +84,7 @@ TABLE_SUFFIXES = (".parquet", ".arrow")
 def is_table(path: str | os.PathLike) -> bool:
     """A parquet or Arrow file, or a directory written by datasets' save_to_disk."""
     p = Path(path)
-    return p.suffix in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()))
+    return p.suffix.lower() in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()))
 
 
 def records(path: str | os.PathLike) -> Iterator[tuple[int, Callable[[], dict]]]:
@@ -106,17 +106,22 @@ def _read_table(p: Path):
 
     if p.is_dir():
         if (p / "dataset_dict.json").is_file():
-            splits = read_json(p / "dataset_dict.json", "dataset_dict.json").get("splits", [])
-            raise InputError(f"a DatasetDict: give one split's directory ({', '.join(map(str, splits))})", path=str(p))
+            splits = read_json(p / "dataset_dict.json", "dataset_dict.json")
+            names = splits.get("splits") if isinstance(splits, dict) else None
+            raise InputError(f"a DatasetDict: give one split's directory ({', '.join(map(str, names or []))})",
+                             path=str(p))
         state = read_json(p / "state.json", "state.json")
-        shards = [p / f["filename"] for f in state.get("_data_files", [])] if isinstance(state, dict) else []
-        if not shards:
-            raise InputError("state.json lists no data files ('_data_files')", path=str(p / "state.json"))
-        return pa.concat_tables([_read_table(s) for s in shards])
+        files = state.get("_data_files") if isinstance(state, dict) else None
+        if not isinstance(files, list) or not files or not all(isinstance(f, dict) and "filename" in f for f in files):
+            raise InputError("state.json lists no data files ('_data_files': [{filename}])", path=str(p / "state.json"))
+        try:
+            return pa.concat_tables([_read_table(p / f["filename"]) for f in files])
+        except pa.ArrowInvalid as e:  # shards of different columns
+            raise InputError(f"its shards do not make one table ({first_line(e)})", path=str(p)) from None
     if not p.is_file():
         raise InputError("file not found", path=str(p))
     try:
-        if p.suffix == ".parquet":
+        if p.suffix.lower() == ".parquet":
             return pq.read_table(p)
         with pa.memory_map(str(p)) as source:
             try:
@@ -342,7 +347,8 @@ def attach_density(rows: list[PairRow] | list[PromptRow], density: dict[str, flo
     """Multiply each row's weight by its prompt's density weight; every prompt must have one."""
     for r in rows:
         if r.prefix_id not in density:
-            raise InputError(f"row on line {r.line} has prefix_id {r.prefix_id!r}, which has no density weight",
+            where = f"row {r.line}" if isinstance(r.line, Row) else f"the row on line {r.line}"
+            raise InputError(f"{where} has prefix_id {r.prefix_id!r}, which has no density weight",
                              path=density_path)
         r.weight *= density[r.prefix_id]
 

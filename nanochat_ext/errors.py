@@ -4,6 +4,8 @@ from __future__ import annotations
 import contextlib
 from typing import Iterator
 
+import torch
+
 
 class Row(int):
     """A record's number in a table (a parquet or Arrow file, a datasets directory): where an error is, said as
@@ -25,13 +27,13 @@ class InputError(Exception):
 
 
 @contextlib.contextmanager
-def from_outside(what: str, path) -> Iterator[None]:
+def from_outside(what: str, path: object) -> Iterator[None]:
     """The boundary where a third-party loader (transformers, tokenizers, safetensors) reads a file from outside:
     whatever it raises for a broken one (truncated or missing weights, a config that does not parse or does not
     fit the weights, a file of another kind) becomes one line naming the path."""
     try:
         yield
-    except InputError:
+    except (InputError, MemoryError, torch.OutOfMemoryError):  # out of memory is not a broken file
         raise
     except Exception as e:
         raise InputError(f"{what} does not load ({first_line(e)})", path=str(path)) from None

@@ -37,13 +37,14 @@ def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cp
                          path=str(d / "config.json"), field="num_labels")
     with from_outside("Hugging Face classifier", d):
         hf = AutoModelForSequenceClassification.from_pretrained(str(d), local_files_only=True, dtype=torch.float32)
-    state = hf.state_dict()
+    state, architecture = hf.state_dict(), type(hf).__name__
     if "score.weight" not in state or "score.bias" in state:
         raise InputError("no bias-free `score` head of one output, as transformers' reward classifiers have", path=str(d))
     native = config_from_hf(hf.config)
     if native is not None:  # the LM head is not needed to score: tie it to the embedding rather than invent one
         body = Llama.from_hf_state_dict(dataclasses.replace(native, tie_word_embeddings=True), state)
         backbone = Backbone("hf", body, str(d), hf_config=hf.config)
+        del hf  # not held twice
     else:
         backbone = Backbone("hf", hf, str(d))  # scored through hf.base_model; its own score sits unused
     model = RewardModel(backbone).to(device)
@@ -51,8 +52,11 @@ def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cp
         model.head.weight.copy_(state["score.weight"])
     model.requires_grad_(False)
     tokenizer = load_tokenizer_for(backbone, d)
-    meta = {"kind": "reward_model", "format": "hf", "max_len": backbone.max_seq_len, "architecture": type(hf).__name__}
-    return RewardScorer(model.eval(), tokenizer, backbone.max_seq_len, meta, path=d, pad_id=config.pad_token_id)
+    # The tokenizer's model_max_length, where it sets one (ours: the length the RM was trained on), else the context.
+    said = tokenizer._impl.model_max_length
+    max_len = min(backbone.max_seq_len, said) if isinstance(said, int) and said < 1 << 30 else backbone.max_seq_len
+    meta = {"kind": "reward_model", "format": "hf", "max_len": max_len, "architecture": architecture}
+    return RewardScorer(model.eval(), tokenizer, max_len, meta, path=d, pad_id=config.pad_token_id)
 
 
 def export_hf_classifier(path: str | os.PathLike, out_dir: str | os.PathLike,
@@ -76,10 +80,12 @@ def export_hf_classifier(path: str | os.PathLike, out_dir: str | os.PathLike,
                          path=str(tok.source))
     config = copy.deepcopy(bb.hf_config if bb.native else bb.model.config)
     config.num_labels, config.pad_token_id = 1, tok.pad_id
-    classifier = AutoModelForSequenceClassification.from_config(config)
+    with from_outside(f"a sequence classifier of {type(config).__name__}", path):  # one the architecture may lack
+        classifier = AutoModelForSequenceClassification.from_config(config)
     config.architectures = [type(classifier).__name__]
     body = bb.model.to_hf_state_dict() if bb.native else bb.model.state_dict()
-    state = {k: v.float() for k, v in body.items() if not k.startswith("lm_head.")}
+    base = classifier.base_model_prefix + "."  # the base model's weights, whatever its LM head is called
+    state = {k: v.float() for k, v in body.items() if k.startswith(base)}
     state["score.weight"] = scorer.model.head.weight.detach().float()
     missing, unexpected = classifier.load_state_dict(state, strict=False)
     if missing or unexpected:
@@ -88,7 +94,8 @@ def export_hf_classifier(path: str | os.PathLike, out_dir: str | os.PathLike,
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     classifier.save_pretrained(str(staging), safe_serialization=True)
-    tok._impl.save_pretrained(str(staging))
+    tok._impl.model_max_length = scorer.max_len  # the length it was trained on, read back as its max_len
+    tok.save(staging)
     if out.exists():
         out.rmdir()
     os.replace(staging, out)

@@ -221,6 +221,9 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
     if out.exists() and any(out.iterdir()):
         raise InputError("export dir is not empty", path=str(out))
     scorer = load_reward_model(path, "cpu", backbone=backbone)  # finds and verifies the backbone
+    if scorer.meta.get("format") == "hf":
+        raise InputError("a transformers sequence classifier is self-contained already: copy its directory",
+                         path=str(path))
     model_path, meta = scorer.path, dict(scorer.meta)
     source, tok_source = Path(scorer.model.backbone.source), Path(scorer.tokenizer.source)
     staging = out.with_name(out.name + ".tmp")

@@ -2,8 +2,8 @@
 weighted, with DAPO's overlong penalty; checked and logged per reward.
 
 A reward function is `module:function`, called f(prompt, completion, row) -> float per completion, in a thread
-pool of --reward_workers; or, with an attribute `batched = True`, once per step with this rank's lists,
-f(prompts, completions, rows) -> list[float] (TRL's batched reward functions). A reward service (--reward_url)
+pool of --reward_workers (it must then be thread-safe); or, with an attribute `batched = True`, once per step with
+this rank's lists, f(prompts, completions, rows) -> a sequence of floats (batched, as TRL's reward functions are). A reward service (--reward_url)
 gets a rank's completions of a step as one JSON POST, {"prompts": [...], "completions": [...], "rows": [...]},
 and answers {"rewards": [...]} (as OpenRLHF's remote RM does), within a timeout, retried with backoff. Every
 value passes the same checks (a real, finite number within --reward_clip), and any failure is one line naming
@@ -11,6 +11,7 @@ the function or the URL and the prompt, raised on every rank.
 """
 from __future__ import annotations
 
+import http.client
 import importlib
 import json
 import math
@@ -82,7 +83,8 @@ def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, pe
 def post_rewards(url: str, prompts: list[str], completions: list[str], rows: list[dict], timeout: float) -> list:
     """One reward-service call: the completions as JSON, their rewards back (unchecked). Tries URL_RETRIES times,
     1 s then 2 s apart, on a connection failure, a timeout or a 5xx; one line naming the URL otherwise."""
-    body = json.dumps({"prompts": prompts, "completions": completions, "rows": rows}).encode()
+    body = json.dumps({"prompts": prompts, "completions": completions, "rows": rows}, default=str).encode()  # a
+    # table's row can hold dates or decimals: sent as text
     request = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method="POST")
     for attempt in range(URL_RETRIES):
         try:
@@ -95,7 +97,7 @@ def post_rewards(url: str, prompts: list[str], completions: list[str], rows: lis
                 raise InputError(f"--reward_url {url} answered {failure}") from None
         except urllib.error.URLError as e:  # refused, unreachable, or a timeout while connecting
             failure = str(e.reason)
-        except (TimeoutError, ConnectionError) as e:  # a timeout or a dropped connection while answering
+        except (OSError, http.client.HTTPException) as e:  # a timeout, a dropped or garbled answer
             failure = first_line(e)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise InputError(f"--reward_url {url} answered something other than JSON ({first_line(e)})") from None
@@ -171,7 +173,7 @@ class Rewards:
             out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
         return out, rm_cut
 
-    def _call(self, name: str, fn, prompts: list[str], texts: list[str], rows: list[dict], indices: list[int],
+    def _call(self, name: str, fn: RewardFn, prompts: list[str], texts: list[str], rows: list[dict], indices: list[int],
               G: int) -> list[float]:
         """One function's values for every completion: once with the lists (batched), else per completion, in the
         pool where there is one (the same values in the same order)."""
@@ -181,7 +183,7 @@ class Rewards:
                 values = fn(prompts, texts, rows)
             except Exception as e:  # the user's code
                 raise InputError(f"{where} raised {first_line(e)}") from None
-            if not isinstance(values, (list, tuple)) or len(values) != len(texts):
+            if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
                 raise InputError(f"{where} returned {type(values).__name__} of "
                                  f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")
             return [checked(v, f"reward function {name} on prompt {indices[i // G]}", self.clip)

@@ -17,7 +17,8 @@ import torch
 
 from nanochat_ext.cli import report_targets
 from nanochat_ext.compiled import compile_stats
-from nanochat_ext.ddp_common import all_reduce_sum
+from nanochat_ext.ddp_common import all_reduce_sum, raise_if_any
+from nanochat_ext.errors import first_line
 
 JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
@@ -28,8 +29,17 @@ class Tracker:
         self.enabled, self.name = enabled, name
         self.writer = self.metrics_file = self.bar = self.wandb = None
         self.t0 = time.time()
-        if not enabled:
-            return
+        failure = None
+        try:
+            if enabled:
+                self._open(log_dir, total_steps, start_step, report_to, config, project)
+        except Exception as e:  # wandb's init (a login, a run id it refuses): one line, on every rank
+            failure = f"--report_to wandb: wandb did not start ({first_line(e)})"
+        raise_if_any(failure)
+
+    def _open(self, log_dir, total_steps: int, start_step: int, report_to: str, config: dict | None,
+              project: str | None) -> None:
+        name = self.name
         targets = report_targets(report_to)
         if log_dir is not None:
             Path(log_dir).mkdir(parents=True, exist_ok=True)
@@ -41,7 +51,7 @@ class Tracker:
                 self.writer = SummaryWriter(str(log_dir), purge_step=start_step + 1)
             self.metrics_file = open(Path(log_dir) / "metrics.jsonl", "a")
             if "wandb" in targets:
-                self.wandb = start_wandb(Path(log_dir), name, config or {}, project)
+                self.wandb = start_wandb(Path(log_dir), name, config or {}, project, resumed=start_step > 0)
         if sys.stderr.isatty():
             from tqdm import tqdm
 
@@ -101,16 +111,19 @@ class Tracker:
         self.bar = self.writer = self.metrics_file = self.wandb = None
 
 
-def start_wandb(log_dir: Path, name: str, config: dict, project: str | None):
-    """A wandb run writing under log_dir, the run's flags as its config; the id a first run gets is kept in
-    log_dir/wandb_run_id, and a resumed run continues that run."""
+def start_wandb(log_dir: Path, name: str, config: dict, project: str | None, resumed: bool):
+    """A wandb run writing under log_dir, the run's flags as its config. The id of the run it started is kept in
+    log_dir/wandb_run_id once wandb has started, and a resumed run (resumed: from a checkpoint) continues that run;
+    a fresh one gets a new id. wandb keeps what an interrupted run logged past the checkpoint and ignores the
+    resumed run's steps it already has (metrics.jsonl and TensorBoard drop and rewrite them)."""
     import wandb
 
     id_file = log_dir / "wandb_run_id"
-    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
-    id_file.write_text(run_id + "\n")
-    return wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "nanochat_ext", id=run_id, resume="allow",
-                      name=f"{name}-{log_dir.parent.name}", dir=str(log_dir), config=config, job_type=name)
+    run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:8]
+    run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "nanochat_ext", id=run_id, resume="allow",
+                     name=f"{name}-{log_dir.parent.name}", dir=str(log_dir), config=config, job_type=name)
+    id_file.write_text(run.id + "\n")
+    return run
 
 
 def drop_records_after(path: Path, step: int) -> None:

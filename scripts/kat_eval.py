@@ -29,7 +29,7 @@ from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.engine import Engine
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
-from nanochat_ext.data import load_pairs, load_prompts, truncate
+from nanochat_ext.data import load_pairs, load_prompts, read_rows, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import sample_seed
@@ -88,13 +88,8 @@ def named_policies(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def topics_of(path: str) -> dict[int, str]:
-    """line number -> "topic" field, for rows that have one."""
-    out = {}
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if line.strip() and isinstance(topic := json.loads(line).get("topic"), str):
-                out[lineno] = topic
-    return out
+    """row number (a JSONL line, a table's row) -> "topic" field, for rows that have one."""
+    return {n: row["topic"] for n, row in read_rows(path) if isinstance(row.get("topic"), str)}
 
 
 def dense_topics(counts: Counter) -> set[str]:

@@ -34,7 +34,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.optim import OPTIMIZERS, guarded_step, lr_multiplier, make_optimizer
+from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.reward import load_reward_model
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.sampling import SamplingConfig
@@ -321,7 +321,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         lr_mult = lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = group["initial_lr"] * lr_mult
-        lr = args.lr * lr_mult
+        lr = optimizer.param_groups[0]["lr"]  # adamw: the lr; muon: the LM head's (its first group)
         stats = torch.zeros(5, dtype=torch.float64)
         done = step + 1
         for _ in range(args.num_iterations):
@@ -439,7 +439,7 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
     return out
 
 
-def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume: tuple, args,
+def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer | MuonAdamW, resume: tuple, args,
                       device) -> tuple[int, int]:
     """Restores the policy and optimizer; returns (step, draw)."""
     model_path, _, state = resume
@@ -447,9 +447,10 @@ def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer, resume
             "filter_zero_std", "optimizer") + (("max_draws",) if args.filter_zero_std else ())
     check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
     policy.restore(state, saved=load_backbone(model_path, device))
-    optimizer.load_state_dict(state["optimizer"])
-    for group in optimizer.param_groups:  # a checkpoint from before the schedule kept each group's base lr
-        group.setdefault("initial_lr", args.lr)
+    bases = [group["initial_lr"] for group in optimizer.param_groups]  # this run's --lr (--resume_extend may change it)
+    optimizer.load_state_dict(state["optimizer"])  # takes the saved groups' hyperparameters, initial_lr included
+    for group, base in zip(optimizer.param_groups, bases):
+        group["initial_lr"] = base
     return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step
 
 

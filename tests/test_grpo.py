@@ -14,6 +14,7 @@ from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import check_resume_args
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import group_advantages
+from nanochat_ext.optim import lr_multiplier
 from scripts import kat_train_grpo, kat_train_rm
 
 
@@ -208,6 +209,19 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     assert "--filter_zero_std is False but the checkpoint was trained with True" in capsys.readouterr().err
 
 
+def test_a_resume_with_another_lr_trains_at_it(assets, grpo_assets, tmp_path):
+    """--resume_extend --lr X: the resumed steps run at X (each optimizer group's base lr is this run's, not the
+    checkpoint's), and train/lr logs the lr applied."""
+    out = tmp_path / "lr"
+    common = ("--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "2", "--group_size", "4", "--beta", "0",
+              "--val_ratio", "0", "--log_every", "1")
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--max_steps", "2")) == 0
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--max_steps", "3", "--lr", "0.5",
+                                         "--resume", "latest", "--resume_extend")) == 0
+    lrs = {m["step"]: m["train/lr"] for m in read_metrics(out) if "train/lr" in m}
+    assert lrs[1] == pytest.approx(1e-2) and lrs[3] == pytest.approx(0.5 * lr_multiplier(2, 3, 0))
+
+
 def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
     """A checkpoint from before --std_mode existed was trained with the population std."""
     args = argparse.Namespace(std_mode="sample", filter_zero_std=False, resume_extend=True)
@@ -254,7 +268,7 @@ def _fails(args, capsys, expected, out):
     (["--group_size", "1", "--reward_fn", "rewards_for_tests:vowel_share"], "--group_size must be >= 2"),
     (["--reward_fn", "no_such_module:f"], "cannot import 'no_such_module'"),
     (["--reward_fn", "rewards_for_tests:missing"], "has no function 'missing'"),
-    ([], "no reward: give --rm and/or --reward_fn"),
+    ([], "no reward: give --rm, --reward_fn and/or --reward_url"),
     (["--reward_fn", "rewards_for_tests:not_a_number", "--max_steps", "1"], "reward function not_a_number on prompt "),
     (["--rm", "/nonexistent/rm"], "no reward-model checkpoint"),
     (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"], "exceeds the policy's context of 256"),

@@ -100,8 +100,11 @@ def test_a_classifier_written_by_transformers_scores_as_transformers_does(assets
     seqs = SEQS + [[5, 17, 42, eos]]
     want = transformers_scores(d, seqs, pad)
     torch.testing.assert_close(torch.tensor(scorer.score_ids(seqs)), torch.tensor(want), atol=1e-5, rtol=0)
-    if pad_is_eos:  # the EOS made no difference: scored at the token before it
+    if pad_is_eos:  # the EOS made no difference: scored at the token before it, grouped too (as GRPO scores)
         assert scorer.score_ids([[5, 17, 42, eos]]) == pytest.approx(scorer.score_ids([[5, 17, 42]]), abs=1e-6)
+        group = [[5, 17, 42, 9, eos], [5, 17, 42, eos], [3, 4, 6], [3, 4, 7, 7]]  # a completion of EOS alone
+        torch.testing.assert_close(torch.tensor(scorer.score_ids(group, group=2)),
+                                   torch.tensor(transformers_scores(d, group, pad)), atol=1e-5, rtol=0)
 
 
 def test_grpo_takes_a_transformers_classifier_as_its_rm(assets, tmp_path):

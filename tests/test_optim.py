@@ -64,6 +64,21 @@ def test_muon_groups_are_nanochats():
                 assert (mine["momentum"], mine["ns_steps"]) == (g["momentum"], g["ns_steps"]), name
 
 
+@pytest.mark.parametrize("vintage", sorted(p.name for p in (REPO / "tests" / "fixtures" / "nanochat-golden").iterdir()
+                                            if (p / "golden.pt").is_file()))
+def test_muon_groups_hold_every_parameter_of_every_vintage(vintage):
+    """Older vintages lack the lambdas, value embeddings or smear: their groups are left out, and every parameter is
+    in exactly one group (nanochat_groups refuses otherwise)."""
+    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.optim import nanochat_groups
+
+    model = load_backbone(REPO / "tests" / "fixtures" / "nanochat-golden" / vintage / "chatsft_checkpoints" / "d2",
+                          vintage=vintage).model
+    adamw, muon = nanochat_groups(model, 0.05)
+    assert sum(len(g["params"]) for g in adamw + muon) == len(list(model.parameters()))
+    assert [id(p) for p in muon[0]["params"]] == [id(p) for p in model.transformer.h.parameters()]
+
+
 def muon_args(assets, out, *extra) -> list[str]:
     prompts = out.parent / "prompts.jsonl"
     if not prompts.exists():

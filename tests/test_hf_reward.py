@@ -3,12 +3,14 @@ classifiers transformers wrote score here as transformers scores them (the Llama
 transformers), as --rm in GRPO too."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 import torch
 
 from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.reward import load_reward_model
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 
@@ -116,4 +118,12 @@ def test_grpo_takes_a_transformers_classifier_as_its_rm(assets, tmp_path):
     out = tmp_path / "grpo"
     assert kat_train_grpo.main(["--policy", str(policy), "--rm", str(d), "--prompts", str(prompts), "--batch_size", "2",
                                 "--group_size", "2", "--max_new_tokens", "4", "--max_steps", "1", "--val_ratio", "0",
-                                "--device", "cpu", "--out", str(out)]) == 0
+                                "--log_rollouts", "--device", "cpu", "--out", str(out)]) == 0
+    # each completion's reward is what transformers' classifier scores for the prompt the policy saw and it
+    tok = load_tokenizer_for(load_backbone(policy), None)
+    rows = [json.loads(line) for line in prompts.read_text().splitlines()]
+    rollouts = [json.loads(line) for line in (out / "logs" / "rollouts.jsonl").read_text().splitlines()]
+    seqs = [tok.render_prompt([{"role": "user", "content": rows[r["prompt_index"]]["prompt"]}]) + r["completion_ids"]
+            for r in rollouts]
+    want = transformers_scores(d, seqs, tok.pad_id)
+    torch.testing.assert_close(torch.tensor([r["reward"] for r in rollouts]), torch.tensor(want), atol=1e-5, rtol=0)

@@ -64,6 +64,10 @@ def test_wandb_holds_the_metrics_and_a_resume_continues_its_run(assets, tmp_path
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert (logs / "wandb_run_id").read_text().strip() == run_id
     assert len(list(logs.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))) == 2  # the same run, resumed
+    # a fresh run (from step 0) logging into the same dir is a run of its own, not a continuation
+    fresh = rm_args(assets, tmp_path / "fresh", "--max_steps", "1", "--report_to", "wandb", "--log_dir", str(logs))
+    assert run_script("scripts.kat_train_rm", fresh, env=env).returncode == 0
+    assert (logs / "wandb_run_id").read_text().strip() != run_id
 
 
 def test_an_unknown_target_or_a_missing_wandb_is_one_line(assets, tmp_path, capsys, monkeypatch):

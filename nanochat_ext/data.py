@@ -94,7 +94,8 @@ def records(path: str | os.PathLike) -> Iterator[tuple[int, Callable[[], dict]]]
         for lineno, line in _lines(path):
             yield lineno, lambda line=line, lineno=lineno: _json_object(line, str(path), lineno)
         return
-    for i, row in enumerate(_read_table(Path(path)).to_pylist(), 1):
+    rows = (row for batch in _read_table(Path(path)).to_batches() for row in batch.to_pylist())  # a batch at a time
+    for i, row in enumerate(rows, 1):
         yield Row(i), lambda row=row: {k: v for k, v in row.items() if v is not None}
 
 

@@ -34,10 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
 from nanochat_ext.compiled import compile_models, compile_stats  # noqa: E402
+from nanochat_ext.ddp_common import init_dist  # noqa: E402
 from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
                                policy_backward, reference_model, token_logprobs)
 from nanochat_ext.optim import make_adamw  # noqa: E402
+from nanochat_ext.parallel import Parallel, checkpoint_activations  # noqa: E402
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth  # noqa: E402
 from nanochat_ext.sampling import SamplingConfig  # noqa: E402
@@ -139,6 +141,7 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     model = RewardModel(backbone).to(device)
     model.init_head(0)
     compiled = compile_models(b.compile, device, backbone)
+    shard(model, backbone, b)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, 1e-5, 0.0, device)
     g = torch.Generator().manual_seed(0)
@@ -169,20 +172,22 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
             "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2), "tokens_per_s": round(2 * n * T / s, 1),
             "tflops": round(flops / s / 1e12, 3), "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
             "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None, "compile": compiled,
-            "compiled_graphs": compile_stats()[0]}
+            "compiled_graphs": compile_stats()[0], **memory_setting(b)}
 
 
 def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     cfg = shape_config(shape, b.vintage)
     G, n, P, L = b.group_size, b.grpo_prompts, b.prompt_len, b.new_tokens
     policy = make_backbone(cfg, device, 0)
-    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16)
+    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16, matmuls_only=b.par is None)
     rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, reference.backbone, rm_model.backbone)
-    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0])
+    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0],
+                    whole_in=torch.bfloat16 if b.par else None)
     model = CompletionLogprobs(policy)
+    shard(model, policy, b)
     trainable = list(model.parameters())
     optimizer = make_adamw(trainable, 1e-6, 0.0, device)
     stop = cfg.vocab_size - 1
@@ -237,7 +242,19 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             "train_mfu": round(train_flops / s["training"] / 1e12 / peak, 4) if peak else None,
             "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None,
             **decode_figures(decoded, device), "decode_compiled": engine.compiled,
-            "compile": compiled, "compiled_graphs": compile_stats()[0]}
+            "compile": compiled, "compiled_graphs": compile_stats()[0], **memory_setting(b)}
+
+
+def shard(model: torch.nn.Module, backbone: Backbone, b: argparse.Namespace) -> None:
+    """--activation_checkpointing and --parallel fsdp (one rank) as the trainers apply them."""
+    if b.activation_checkpointing:
+        checkpoint_activations(backbone.blocks)
+    if b.par is not None:
+        b.par.wrap(model, backbone.blocks)
+
+
+def memory_setting(b: argparse.Namespace) -> dict:
+    return {"parallel": "fsdp" if b.par else "none", "activation_checkpointing": b.activation_checkpointing}
 
 
 def decode_figures(runs: list, device: torch.device) -> dict:
@@ -347,15 +364,22 @@ def main() -> None:
     p.add_argument("--peak_tflops", type=float, default=None, help="the device's dense bf16 peak, if not known here")
     p.add_argument("--compile", choices=("auto", "0", "1"), default="auto",
                    help="the trainers' --compile (blocks, and GRPO's decode step as its engine decides)")
+    p.add_argument("--parallel", choices=("none", "fsdp"), default="none",
+                   help="fsdp: the RM (full fine-tune only) and GRPO benches under FSDP2 on a one-rank group, as "
+                        "`torchrun --nproc_per_node 1 ... --parallel fsdp` trains (none: the plain module)")
+    p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--nanochat_src", default=None,
                    help="a nanochat checkout's root: its Engine decodes beside ours in the decode bench")
     b = p.parse_args()
     device = torch.device(b.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
+    b.par = None
+    if b.parallel == "fsdp":
+        b.par = Parallel("fsdp", init_dist(device.type, group=True), torch.bfloat16)
     for shape in b.shapes:
         if b.only in ("rm", "both", "all"):
-            for unfreeze in ("0", "2", "all"):
+            for unfreeze in ("0", "2", "all") if b.par is None else ("all",):
                 print(json.dumps({**bench_rm(shape, unfreeze, b, device), "device": device_name(device),
                                   "torch": torch.__version__}), flush=True)
         if b.only in ("grpo", "both", "all"):

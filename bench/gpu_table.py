@@ -31,15 +31,22 @@ def decode_cell(r: dict | None) -> str:
     return f"{r['decode_tok_per_s']}" + (f" ({pct(r['decode_mbu'])})" if r.get("decode_mbu") is not None else "")
 
 
+def label(r: dict) -> str:
+    """The table row a figure belongs to: its shape, and the memory setting it ran under (FSDP, activation
+    checkpointing) where it is not the plain one."""
+    fsdp = " fsdp" if r.get("parallel", "none") != "none" else ""
+    return r["shape"] + fsdp + (" +AC" if r.get("activation_checkpointing") else "")
+
+
 def table(rows: list[dict]) -> str:
-    """Markdown: the CUDA tests' summary, then a row per shape in the order the shapes were measured."""
+    """Markdown: the CUDA tests' summary, then a row per shape and setting in the order they were measured."""
     tests = [r["summary"] for r in rows if r.get("bench") == "cuda_tests"]
-    shapes = list(dict.fromkeys(r["shape"] for r in rows if "shape" in r))
+    shapes = list(dict.fromkeys(label(r) for r in rows if "shape" in r))
     lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 8 + "|"]
     for shape in shapes:
-        rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and r["shape"] == shape}
-        ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and r["shape"] == shape), None)
-        trl = next((r for r in rows if r.get("bench") == "trl_gpu_grpo" and r["shape"] == shape), None)
+        rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and label(r) == shape}
+        ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and label(r) == shape), None)
+        trl = next((r for r in rows if r.get("bench") == "trl_gpu_grpo" and label(r) == shape), None)
         ratio = f" ({ours['completions_per_s'] / trl['completions_per_s']:.2f}x)" if ours and trl else ""
         grpo = f"{ours['completions_per_s'] if ours else '-'} / {trl['completions_per_s'] if trl else '-'}{ratio}"
         phases, train = "-", "-"
@@ -48,7 +55,7 @@ def table(rows: list[dict]) -> str:
             peak = (ours.get("peak_mem_gb") or {}).get("training")
             train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}"
         rms = " | ".join((rm_cell(rm.get("0")), rm_cell(rm.get("2")), rm_cell(rm.get("all"), peak=True)))
-        decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and r["shape"] == shape}
+        decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and label(r) == shape}
         decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours compiled", "nanochat"))
         lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} |")
     return "\n".join(lines)

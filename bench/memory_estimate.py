@@ -7,7 +7,14 @@ allocator's rounding and the kernels' workspaces (cuBLAS, SDPA), so read it as a
 a few percent. "before" is the code before the GPU work (frozen weights fp32, KV cache fp32, the LM
 head's log-softmax over the whole batch at once); "after" is today's.
 
+Beside each fake-tensor GRPO run (today's code, with and without --activation_checkpointing) it prints the
+arithmetic of nanochat_ext/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
+--model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing; with
+--table the README's "which setting for which model and GPUs" table.
+
     python bench/memory_estimate.py            # one JSON line per configuration
+    python bench/memory_estimate.py --model d32:32768 --parallel fsdp --ranks 8 --activation_checkpointing
+    python bench/memory_estimate.py --table    # markdown
 """
 from __future__ import annotations
 
@@ -31,10 +38,9 @@ from bench_gpu import shape_config  # noqa: E402
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
 from nanochat_ext.gpt import GPT  # noqa: E402
 from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss, reference_model  # noqa: E402
+from nanochat_ext.memory import GiB, grpo_memory, model_shape, rm_memory  # noqa: E402
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.reward import RewardModel  # noqa: E402
-
-GiB = 2**30
 
 
 class LiveBytes(TorchDispatchMode):
@@ -89,7 +95,7 @@ def rm_step(cfg, unfreeze: str, after: bool, pairs: int, T: int) -> float:
         return mem.peak / GiB
 
 
-def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int) -> dict[str, float]:
+def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int, ac: bool = False) -> dict[str, float]:
     """Peaks of the phases of one GRPO step, each on top of what lives through the whole run (policy,
     its AdamW state, reference, RM): generation (prefill, cache x G, one decode step), reference
     log-probs and RM scoring of the whole batch, and a training micro-batch (forward, loss, backward,
@@ -100,6 +106,10 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
     out = {}
     with FakeTensorMode(), LiveBytes() as mem:
         policy = backbone(cfg, None)
+        if ac:
+            from nanochat_ext.parallel import checkpoint_activations
+
+            checkpoint_activations(policy.blocks)
         model = CompletionLogprobs(policy, chunk)
         reference = reference_model(backbone(cfg, None), frozen, chunk_tokens=chunk)  # as the trainer holds it
         rm = RewardModel(backbone(cfg, frozen)).requires_grad_(False)
@@ -156,9 +166,58 @@ def _fp32_cache(model: GPT):
     return new_kv_cache
 
 
+def shape_of(name: str):
+    """nanochat_ext.memory's ModelShape of nanochat shape `name` (bench_gpu.shape_config), built on the meta device."""
+    with torch.device("meta"):
+        return model_shape(GPT(shape_config(name)))
+
+
+def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b) -> list[dict]:
+    """The memory model's GRPO and RM lines for one shape and setting: the global batch of the fake-tensor runs
+    (prompts x group_size completions, rm_pairs pairs) split over the ranks."""
+    s = shape_of(name)
+    rows = b.prompts * b.group_size // ranks
+    grpo = grpo_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, micro=min(b.micro, rows),
+                       prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s)
+    rm = rm_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, pairs=max(1, b.rm_pairs // ranks),
+                   seq_len=b.rm_len)
+    common = {"shape": name, "params": s.params, "parallel": parallel, "ranks": ranks, "activation_checkpointing": ac}
+    return [{"bench": "memory_model_grpo", **common, "completions_per_rank": rows, "micro": min(b.micro, rows),
+             **{f"gb_{k}": v for k, v in grpo.gib().items()}},
+            {"bench": "memory_model_rm", **common, "pairs_per_rank": max(1, b.rm_pairs // ranks), "seq_len": b.rm_len,
+             **{f"gb_{k}": v for k, v in rm.gib().items()}}]
+
+
+# The README's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
+# (bench_gpu.nanochat_dims), and the settings that reach them.
+TABLE_SHAPES = ("d20:32768", "d24:32768", "d26:32768", "d32:32768")
+TABLE_SETTINGS = (("ddp", 1, False), ("fsdp", 1, True), ("fsdp", 2, False), ("fsdp", 2, True), ("fsdp", 8, False),
+                  ("fsdp", 8, True))
+
+
+def table(b) -> str:
+    head = ("| model | params | " + " | ".join(f"{p} x{n}{' +AC' if ac else ''}" for p, n, ac in TABLE_SETTINGS)
+            + " |")
+    lines = [head, "|" + "---|" * (len(TABLE_SETTINGS) + 2)]
+    for name in TABLE_SHAPES:
+        for bench in ("grpo", "rm"):
+            cells = [next(line for line in arithmetic(name, p, n, ac, b) if line["bench"] == f"memory_model_{bench}")
+                     for p, n, ac in TABLE_SETTINGS]
+            label = f"{name.split(':')[0]} {'GRPO' if bench == 'grpo' else 'RM full'}"
+            lines.append(f"| {label} | {cells[0]['params'] / 1e9:.2f}B | "
+                         + " | ".join(f"{c['gb_peak']:.0f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="d20")
+    p.add_argument("--model", default=None, help="the arithmetic alone for these shapes (comma-separated, e.g. "
+                                                 "d24:32768,d32:32768)")
+    p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
+    p.add_argument("--ranks", type=int, default=1)
+    p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--table", action="store_true", help="the README's table (markdown), from the arithmetic")
     p.add_argument("--vintage", default="current", help="dec2025: the 561M-parameter d20 (no value embeddings)")
     p.add_argument("--rm_pairs", type=int, default=32)
     p.add_argument("--rm_len", type=int, default=512)
@@ -168,6 +227,14 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=512)
     p.add_argument("--micro", type=int, default=32, help="sequences per training / reference forward")
     b = p.parse_args()
+    if b.table:
+        print(table(b))
+        return
+    if b.model:
+        for name in b.model.split(","):
+            for line in arithmetic(name, b.parallel, b.ranks, b.activation_checkpointing, b):
+                print(json.dumps(line), flush=True)
+        return
     cfg = shape_config(b.shape, b.vintage)
     with FakeTensorMode():
         params = sum(q.numel() for q in GPT(cfg).parameters())
@@ -183,6 +250,21 @@ def main() -> None:
                           "new_tokens": b.new_tokens, "micro": b.micro,
                           **{f"peak_gb_{k}": round(v, 2) for k, v in phases.items()},
                           "peak_gb": round(max(phases.values()), 2)}), flush=True)
+    for ac in (False, True):  # the arithmetic beside the fake-tensor run it models
+        fake = grpo_step(cfg, True, b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro, ac)
+        print(json.dumps({"bench": "memory_model_check", "shape": b.shape, "activation_checkpointing": ac,
+                          "fake_gb_training": round(fake["training"], 2),
+                          "model_gb_training": round(modelled_training(b.shape, ac, b) / GiB, 2)}), flush=True)
+
+
+def modelled_training(name: str, ac: bool, b) -> float:
+    """The arithmetic's training phase of grpo_step's run (one rank, ddp), less the rollout engine's weights, which
+    the trainer keeps and grpo_step (decoding from the policy itself) does not."""
+    s = shape_of(name)
+    rows = b.prompts * b.group_size
+    m = grpo_memory(s, parallel="ddp", ranks=1, checkpointing=ac, micro=b.micro, prompt_len=b.prompt_len,
+                    new_tokens=b.new_tokens, rows=rows, rm=s)
+    return m.phase("training") - m.parts["engine_weights"]
 
 
 if __name__ == "__main__":

@@ -25,13 +25,14 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, get_world_size, is_main, print0,
-                                     raise_if_any)
+from nanochat_ext.ddp_common import (barrier, broadcast_object, check_params_in_sync, gather_objects, get_world_size,
+                                     is_main, print0, raise_if_any)
 from nanochat_ext.errors import InputError, first_line
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
 _META_RE = re.compile(r"^meta_(\d+)\.json$")
 _STATE_RE = re.compile(r"^state_(\d+)\.pt$")
+_SHARDS_RE = re.compile(r"^shards_(\d+)$")  # a sharded training checkpoint (--parallel fsdp, parallel.py)
 LOCK_FILE = ".lock"
 # nanochat's short names for its checkpoint roots under $NANOCHAT_BASE_DIR (checkpoint_manager.load_model)
 SOURCE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
@@ -128,6 +129,10 @@ def incomplete_reason(path: str | os.PathLike) -> str | None:
     names = [f.name for f in p.iterdir()]
     models = sorted((int(m.group(1)), n) for n in names if (m := _MODEL_RE.match(n)))
     metas = sorted((int(m.group(1)), n) for n in names if (m := _META_RE.match(n)))
+    shards = sorted((int(m.group(1)), n) for n in names if (m := _SHARDS_RE.match(n)))
+    if shards and (not models or shards[-1][0] > models[-1][0]):
+        return (f"{shards[-1][1]} is a sharded training checkpoint (--parallel fsdp), not a model: write one from it "
+                f"with the trainer's --resume {p} --consolidate DIR")
     if models:
         return f"{models[-1][1]} has no matching meta_<N>.json (metas here: {', '.join(n for _, n in metas) or 'none'})"
     if metas:
@@ -174,9 +179,9 @@ def new_stamp(out_dir: str | os.PathLike) -> int:
     stamp = None
     if is_main():
         stamp = int(time.time())
-        existing = find_checkpoint(out_dir)
-        if existing is not None:
-            stamp = max(stamp, int(stamp_digits(existing[0])) + 1)
+        existing = resumable_checkpoints(out_dir)  # whole and sharded ones
+        if existing:
+            stamp = max(stamp, int(existing[0][1].name.removeprefix("meta_").removesuffix(".json")) + 1)
     return broadcast_object(stamp)
 
 
@@ -207,16 +212,19 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 _SAVE_HOOK: Callable[[str], None] = lambda file_written: None
 
 
-def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None], meta: dict,
-                    train_state: dict | None = None) -> Path:
-    """Rank 0 only. model_state is a state dict (-> model_<stamp>.pt) or a function that writes a
-    directory (-> model_<stamp>/, e.g. save_pretrained). Returns the model path. A failed write (disk
-    full, I/O error) removes every file of this stamp and raises one line with the free space; the
-    previous checkpoint stays the newest complete one."""
+def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None] | None,
+                    meta: dict, train_state: dict | None = None) -> Path:
+    """Rank 0 only. model_state is a state dict (-> model_<stamp>.pt), a function that writes a
+    directory (-> model_<stamp>/, e.g. save_pretrained), or None beside a sharded checkpoint
+    (shards_<stamp>/, written before). Returns the model path (the shards' where there is no model). A
+    failed write (disk full, I/O error) removes every file of this stamp and raises one line with the
+    free space; the previous checkpoint stays the newest complete one."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     try:
-        if callable(model_state):
+        if model_state is None:
+            model_path = d / f"shards_{stamp}"
+        elif callable(model_state):
             model_path = d / f"model_{stamp}"
             tmp_dir = d / f"model_{stamp}.tmp"
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -225,7 +233,8 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
         else:
             model_path = d / f"model_{stamp}.pt"
             _atomic_torch_save(model_state, model_path)
-        _SAVE_HOOK(model_path.name)
+        if model_state is not None:
+            _SAVE_HOOK(model_path.name)
         if train_state is not None:
             _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
             _SAVE_HOOK(f"state_{stamp}.pt")
@@ -242,13 +251,21 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
     return model_path
 
 
-def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path]) -> Path:
-    """Collective save: check that every rank holds the same trainable parameters, let rank 0 pick the
-    stamp and call write(stamp) -> path. Returns that path on every rank."""
-    check_params_in_sync(params)
-    if get_world_size() > 1:
+def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path],
+                shards: Callable[[Path], None] | None = None) -> Path:
+    """Collective save: check that every rank holds the same trainable parameters (those not sharded), let
+    rank 0 pick the stamp, let every rank write its part of a sharded checkpoint into shards_<stamp>/ when
+    `shards` is given (parallel.Parallel.save_shards), then rank 0 call write(stamp) -> path, which writes
+    the meta last. Returns that path on every rank."""
+    from nanochat_ext.parallel import is_sharded
+
+    whole = [p for p in params if not is_sharded(p)]
+    check_params_in_sync(whole)
+    if get_world_size() > 1 and len(whole) == len(params):
         print0(f"ddp: trainable parameters identical on {get_world_size()} ranks")
     stamp = new_stamp(out_dir)
+    if shards is not None:
+        _write_shards(Path(out_dir), stamp, shards)
     path, error = None, None
     if is_main():
         try:
@@ -257,6 +274,47 @@ def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: C
             error = str(e)
     raise_if_any(error)
     return broadcast_object(path)
+
+
+def _write_shards(d: Path, stamp: int, shards: Callable[[Path], None]) -> None:
+    """Collective: every rank writes into shards_<stamp>.tmp/, then rank 0 makes it durable and renames it to
+    shards_<stamp>/. A failure on any rank removes the directory and is one line on every rank."""
+    tmp, error = d / f"shards_{stamp}.tmp", None
+    try:
+        shards(tmp)
+    except Exception as e:  # a full disk, an I/O error: torch.distributed.checkpoint wraps them in its own type
+        error = first_line(e, 200)
+    errors = [e for e in gather_objects(error) if e]
+    if is_main():
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            _publish(tmp, d / f"shards_{stamp}")
+    if errors:
+        free = shutil.disk_usage(d).free / 2**20
+        raise_if_any(f"{d}: could not write sharded checkpoint {stamp} ({errors[0]}); {free:.0f} MiB free there; "
+                     f"its partial files were removed, the previous checkpoint is intact")
+    barrier()
+
+
+def is_shards(path: str | os.PathLike) -> bool:
+    """Whether path is a sharded training checkpoint's directory (shards_<stamp>/)."""
+    return bool(_SHARDS_RE.match(Path(path).name))
+
+
+def resumable_checkpoints(path: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """complete_checkpoints(path) and the sharded ones (shards_<N>/ + meta_<N>.json), newest first; where a
+    stamp has both (an fsdp run's final checkpoint) its shards, which hold the optimizer state."""
+    p = Path(path)
+    if _SHARDS_RE.match(p.name):
+        meta = p.with_name(f"meta_{_SHARDS_RE.match(p.name).group(1)}.json")
+        return [(p, meta)] if p.is_dir() and meta.is_file() else []
+    found = {int(stamp_digits(m)): (m, meta) for m, meta in complete_checkpoints(p)}
+    if p.is_dir() and not _MODEL_RE.match(p.name):
+        for f in p.iterdir():
+            if (m := _SHARDS_RE.match(f.name)) and (p / f"meta_{m.group(1)}.json").is_file():
+                found[int(m.group(1))] = (f, p / f"meta_{m.group(1)}.json")
+    return [found[k] for k in sorted(found, reverse=True)]
 
 
 SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps")  # may change on resume with --resume_extend only
@@ -286,21 +344,26 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
     if resume is None:
         return None
     target = out_dir if resume in ("latest", "must") else resume
-    if not complete_checkpoints(target):
+    found = resumable_checkpoints(target)
+    if not found:
         if resume == "latest":
             print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
             return None
         raise InputError("no complete checkpoint to resume from", path=str(target))
 
-    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, dict]:
-        state_path = model_path.parent / f"state_{stamp_digits(model_path)}.pt"
-        if not state_path.is_file():
-            raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
-        if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
-            check_zip(model_path)
-        return model_path, meta_path, torch_load(state_path, "resume state")
-
-    return first_loadable(target, load)
+    for k, (model_path, meta_path) in enumerate(found):
+        digits = meta_path.name.removeprefix("meta_").removesuffix(".json")
+        state_path = model_path.parent / f"state_{digits}.pt"
+        try:
+            if not state_path.is_file():
+                raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+            if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
+                check_zip(model_path)
+            return model_path, meta_path, torch_load(state_path, "resume state")
+        except InputError as e:
+            if k == len(found) - 1:
+                raise
+            print0(f"warning: skipping a checkpoint that does not load ({e}); trying {found[k + 1][0].name}")
 
 
 def remove_orphans(out_dir: Path) -> list[str]:
@@ -311,7 +374,7 @@ def remove_orphans(out_dir: Path) -> list[str]:
     names = {f.name for f in out_dir.iterdir()}
     orphans = [n for n in names if n.endswith(".tmp")]
     for n in names:
-        m = _MODEL_RE.match(n) or _STATE_RE.match(n)
+        m = _MODEL_RE.match(n) or _STATE_RE.match(n) or _SHARDS_RE.match(n)
         if m and f"meta_{m.group(1)}.json" not in names:
             orphans.append(n)
     for n in orphans:

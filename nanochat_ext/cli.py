@@ -50,6 +50,21 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
                         "wandb library, installed apart; WANDB_MODE=offline works), both as 'tensorboard,wandb', or "
                         "none (default: %(default)s)")
     g.add_argument("--wandb_project", default=None, help="wandb project (default: $WANDB_PROJECT, else nanochat_ext)")
+    g.add_argument("--consolidate", default=None, metavar="DIR",
+                   help="with --resume: write the checkpoint resumed from (a sharded one too) whole, in the input's own "
+                        "layout, into DIR, and stop without training")
+
+
+def add_parallel_args(parser: argparse.ArgumentParser) -> None:
+    """--parallel and --activation_checkpointing, for the scripts that train (parallel.py)."""
+    g = parser.add_argument_group("memory")
+    g.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+                   help="ddp: every rank holds the whole trained model, gradients and optimizer state; fsdp: each rank "
+                        "holds 1/N of them (PyTorch FSDP2), checkpoints while training are sharded and the final one is "
+                        "also written whole (one rank under torchrun is fine) (default: %(default)s)")
+    g.add_argument("--activation_checkpointing", action="store_true",
+                   help="keep only each transformer block's input for the backward pass and recompute the rest there: "
+                        "less memory for about one more forward pass, the same gradients")
 
 
 MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "
@@ -105,7 +120,8 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
             print(f"error: {message}", file=sys.stderr, flush=True)
 
     try:
-        with dist_session(args.device, args.backend, args.dist_timeout) as env:
+        group = getattr(args, "parallel", "ddp") == "fsdp"  # FSDP shards over a process group, even of one rank
+        with dist_session(args.device, args.backend, args.dist_timeout, group) as env:
             result = body(args, env)
             if env.is_main:
                 print(f"{label}: {result}", flush=True)
@@ -166,6 +182,12 @@ def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[floa
             raise InputError(f"--{name} must be {want}, got {value!r}")
     if getattr(args, "report_to", None) is not None:
         report_targets(args.report_to)
+
+
+def check_consolidate(args: argparse.Namespace) -> None:
+    """--consolidate writes the checkpoint --resume names: one line when there is none to write."""
+    if getattr(args, "consolidate", None) and args.resume is None:
+        raise InputError("--consolidate DIR writes a checkpoint whole: give the one to write with --resume")
 
 
 REPORT_TARGETS = ("tensorboard", "wandb", "none")

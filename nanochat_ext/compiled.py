@@ -61,7 +61,7 @@ def _without_cache(eager, compiled):
             return eager(*args, kv_cache=kv_cache, **kwargs)
         return compiled(*args, **kwargs)
 
-    forward.compiled_block = True  # engine.lowered_copy drops it from its copy, which must run its own weights
+    forward.wraps_block = True  # engine.lowered_copy drops it from its copy, which must run its own weights
     return forward
 
 

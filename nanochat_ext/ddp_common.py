@@ -89,13 +89,14 @@ def served_device_types(backend: str) -> set[str]:
     return {"cuda"} if backend == "nccl" else {"cpu", "cuda"}
 
 
-def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> DistEnv:
-    """Set up this process: pick the device and, when launched with world size > 1 or asked for a
-    backend explicitly, the process group."""
+def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0,
+              group: bool = False) -> DistEnv:
+    """Set up this process: pick the device and, when launched with world size > 1, asked for a
+    backend explicitly or for a group (group=True), the process group."""
     global _CPU_GROUP
     launcher, rank, local_rank, world_size = detect_launcher()
     dev = pick_device(device, local_rank)
-    if world_size == 1 and backend is None:
+    if world_size == 1 and backend is None and not group:
         return DistEnv(rank, local_rank, 1, dev, launcher, None)
     # mpirun / srun (and a plain one-process run) do not set the rendezvous address; torchrun does.
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -126,9 +127,10 @@ def group_for(device: torch.device) -> Any:
 
 
 @contextlib.contextmanager
-def dist_session(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0) -> Iterator[DistEnv]:
+def dist_session(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0,
+                 group: bool = False) -> Iterator[DistEnv]:
     """init_dist(), and always destroy the group on the way out, exceptions included."""
-    env = init_dist(device, backend, timeout_s)
+    env = init_dist(device, backend, timeout_s, group)
     try:
         yield env
         barrier()
@@ -229,13 +231,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
-def no_sync(module: torch.nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager:
-    """DDP's no_sync() while accumulating micro-batches; a null context for a plain module."""
-    if skip_sync and hasattr(module, "no_sync"):
-        return module.no_sync()
-    return contextlib.nullcontext()
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -273,7 +268,7 @@ def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:
 def check_params_in_sync(params: list[torch.Tensor]) -> None:
     """Collective: raise if any rank's parameters differ from rank 0's (bitwise). Catches the
     classic failure of a "DDP" trainer whose ranks silently train separate copies."""
-    if not _is_dist():
+    if not _is_dist() or not params:
         return
     flat = torch.cat([p.detach().reshape(-1).float() for p in params])
     group = group_for(flat.device)

@@ -17,6 +17,11 @@ weights in that dtype, refreshed from the fp32 masters at every call (a rollout,
 cast the masters to the same values at every matmul, so the tokens are bitwise those of the masters under
 autocast, but a step reads half the weight bytes and casts nothing (but an LM head tied to the embedding,
 which stays the policy's own tensor).
+
+A policy about to be sharded (--parallel fsdp) gives the engine `whole_in`: it keeps a whole copy of the policy, every
+floating tensor in that dtype (the dtype FSDP gathers the weights in), and refreshes it at every call by gathering
+each weight from its shards once: one all-gather per weight per rollout, not per block per token, and decoding
+reads plain tensors that stay where they are.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import torch.nn as nn
 from nanochat_ext.backbone import Backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_stats
 from nanochat_ext.gpt import KVCache
+from nanochat_ext.parallel import whole
 from nanochat_ext.sampling import SamplingConfig, take_tokens
 
 SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
@@ -155,12 +161,15 @@ class Engine:
     """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
     compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly)."""
 
-    def __init__(self, model: Backbone, compile: bool = False):
+    def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None):
         self.model = model
         self.compiled = compile and model.native
         self._states: dict[int, DecodeState] = {}  # rows -> the kept decode state (compiled only)
         self._step = None
-        self._lowered: tuple[Backbone, list[tuple[torch.Tensor, torch.Tensor]]] | None = None  # (copy, pairs)
+        self._lowered: tuple[Backbone, list[tuple[str, torch.Tensor]]] | None = None  # (copy, (name, its tensor))
+        self._whole = whole_in is not None
+        if self._whole:  # made now, before the policy is sharded: a copy of a sharded module would hold shards
+            self._lowered = lowered_copy(model, [p for p in model.parameters() if p.is_floating_point()], whole_in)
         self.last: DecodeStats | None = None
 
     @torch.no_grad()
@@ -300,20 +309,30 @@ class Engine:
 
     # ---- what decodes -----------------------------------------------------------------------------
     def _decoder(self, device: torch.device) -> Backbone:
-        """The model to decode with: under an autocast to a lower precision than the masters, a copy whose matmul
-        weights are held in that dtype, refreshed from the masters now (embeddings, norms and scalars are the
-        policy's own tensors, shared); else the model itself."""
-        if not torch.is_autocast_enabled(device.type):
-            return self.model
-        dtype = torch.get_autocast_dtype(device.type)
-        if self._lowered is None or self._lowered[1][0][1].dtype != dtype:
-            masters = [p for p in matmul_params(self.model) if p.is_floating_point() and p.dtype != dtype]
-            if not masters:
+        """The model to decode with: the whole copy of a sharded policy; under an autocast to a lower precision
+        than the masters, a copy whose matmul weights are held in that dtype (embeddings, norms and scalars are
+        the policy's own tensors, shared); either refreshed from the masters now. Else the model itself."""
+        if not self._whole:
+            if not torch.is_autocast_enabled(device.type):
                 return self.model
-            self._lowered = lowered_copy(self.model, masters, dtype)
+            dtype = torch.get_autocast_dtype(device.type)
+            if self._lowered is None or self._lowered[1][0][1].dtype != dtype:
+                masters = [p for p in matmul_params(self.model) if p.is_floating_point() and p.dtype != dtype]
+                if not masters:
+                    return self.model
+                self._lowered = lowered_copy(self.model, masters, dtype)
+        return self.refresh()
+
+    def refresh(self) -> Backbone | None:
+        """Copy the policy's current weights into the engine's copy (if it keeps one) and return the copy.
+        Collective for a sharded policy's whole copy: every rank calls it (generate does), also a rank that has
+        nothing to decode."""
+        if self._lowered is None:
+            return None
         lowered, pairs = self._lowered
-        for master, low in pairs:
-            low.copy_(master)
+        masters = dict(self.model.named_parameters())  # by name: sharding replaces the parameter objects
+        for name, low in pairs:
+            low.copy_(whole(masters[name]))
         return lowered
 
     def kept_bytes(self) -> int:
@@ -325,16 +344,17 @@ class Engine:
 
 
 def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtype
-                 ) -> tuple[Backbone, list[tuple[torch.Tensor, torch.Tensor]]]:
-    """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master, copy) pairs."""
+                 ) -> tuple[Backbone, list[tuple[str, torch.Tensor]]]:
+    """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master's name, copy)
+    pairs."""
     lowering = {id(p) for p in masters}
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
     memo.update({id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in masters})  # no fp32 copy
     lowered = copy.deepcopy(model, memo=memo)
-    for m in lowered.modules():  # compiled.compile_blocks' forward, set on the instance, calls the original's
-        if getattr(m.__dict__.get("forward"), "compiled_block", False):
+    for m in lowered.modules():  # a forward set on the instance (compiled, checkpointed) calls the original's
+        if getattr(m.__dict__.get("forward"), "wraps_block", False):
             del m.forward
-    return lowered.eval(), [(p, memo[id(p)]) for p in masters]
+    return lowered.eval(), [(name, memo[id(p)]) for name, p in model.named_parameters() if id(p) in lowering]
 
 
 def weight_bytes(decoder: Backbone) -> int:

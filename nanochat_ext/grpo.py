@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
 from nanochat_ext.data import prefix_tree_rows, right_pad
-from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size
+from nanochat_ext.parallel import no_sync
 from nanochat_ext.gpt import PrefixTree
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
@@ -210,12 +211,13 @@ class CompletionLogprobs(nn.Module):
 
 
 def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: float = 1.0,
-                    chunk_tokens: int = 4096) -> CompletionLogprobs:
+                    chunk_tokens: int = 4096, matmuls_only: bool = True) -> CompletionLogprobs:
     """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
     linear weights held in `dtype`, see hold_frozen_in), so that at equal weights its log-probs are the
     policy's bitwise and the KL term is exactly 0. temperature and chunk_tokens: the policy's
-    CompletionLogprobs' own (the LM head's chunking sets its rounding)."""
-    frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=True)
+    CompletionLogprobs' own (the LM head's chunking sets its rounding). matmuls_only False: every weight in
+    dtype, as an FSDP policy gathers them in bf16 (parallel.Parallel.gathers_in)."""
+    frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=matmuls_only)
     return CompletionLogprobs(frozen, chunk_tokens, temperature)
 
 

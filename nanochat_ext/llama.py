@@ -201,25 +201,25 @@ class Llama(nn.Module):
         model.load_state_dict({k: v.float() for k, v in ours.items()}, strict=True)
         return model
 
-    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        c = self.config
-        sd = {"model.embed_tokens.weight": self.embed.weight, "model.norm.weight": self.norm}
-        if self.lm_head is not None:
-            sd["lm_head.weight"] = self.lm_head.weight
+    def to_hf_state_dict(self, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """transformers' LlamaForCausalLM keys of this model's weights (or of `weights`, its own state dict)."""
+        c, own = self.config, weights if weights is not None else self.state_dict()
+        sd = {"model.embed_tokens.weight": own["embed.weight"], "model.norm.weight": own["norm"]}
+        if "lm_head.weight" in own:
+            sd["lm_head.weight"] = own["lm_head.weight"]
         q, kv = c.n_head * c.head_dim, c.n_kv_head * c.head_dim
-        for i, b in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            sd[p + "input_layernorm.weight"] = b.attn_norm
-            sd[p + "post_attention_layernorm.weight"] = b.mlp_norm
+        for i in range(len(self.layers)):
+            p, ours = f"model.layers.{i}.", f"layers.{i}."
+            sd[p + "input_layernorm.weight"] = own[ours + "attn_norm"]
+            sd[p + "post_attention_layernorm.weight"] = own[ours + "mlp_norm"]
             for kind in ("weight", "bias"):
-                t = getattr(b.attn.qkv, kind)
-                if t is not None:
+                if (t := own.get(ours + f"attn.qkv.{kind}")) is not None:
                     for n, part in zip("qkv", t.split([q, kv, kv])):
                         sd[p + f"self_attn.{n}_proj.{kind}"] = part
-                if getattr(b.attn.o, kind) is not None:
-                    sd[p + f"self_attn.o_proj.{kind}"] = getattr(b.attn.o, kind)
-                if getattr(b.gate_up, kind) is not None:
-                    gate, up = getattr(b.gate_up, kind).chunk(2)
+                if (t := own.get(ours + f"attn.o.{kind}")) is not None:
+                    sd[p + f"self_attn.o_proj.{kind}"] = t
+                if (t := own.get(ours + f"gate_up.{kind}")) is not None:
+                    gate, up = t.chunk(2)
                     sd[p + f"mlp.gate_proj.{kind}"], sd[p + f"mlp.up_proj.{kind}"] = gate, up
-                    sd[p + f"mlp.down_proj.{kind}"] = getattr(b.down, kind)
+                    sd[p + f"mlp.down_proj.{kind}"] = own[ours + f"down.{kind}"]
         return {k: v.detach().cpu().contiguous() for k, v in sd.items()}

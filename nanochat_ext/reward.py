@@ -16,7 +16,8 @@ from nanochat_ext.backbone import Backbone, hold_frozen_in, is_hf_classifier, lo
 from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
                                      save_checkpoint, stamp_digits, torch_load)
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
-from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, no_sync, precision, print0
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision, print0
+from nanochat_ext.parallel import no_sync
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -81,10 +82,12 @@ def bradley_terry_loss(r_chosen: torch.Tensor, r_rejected: torch.Tensor, weights
     return (w * -F.logsigmoid(r_chosen - r_rejected)).sum() / normaliser
 
 
-def trainable_state(model: RewardModel) -> dict[str, torch.Tensor]:
-    """The head plus every backbone tensor that trains (the frozen rest is reloaded from its source)."""
-    return {n: p.detach().cpu().clone() for n, p in model.named_parameters()
-            if p.requires_grad or n.startswith("head.")}
+def trainable_state(model: RewardModel, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The head plus every backbone tensor that trains (the frozen rest is reloaded from its source): the model's
+    own, or those of `weights`, its state dict gathered whole from a sharded model."""
+    names = [n for n, p in model.named_parameters() if p.requires_grad or n.startswith("head.")]
+    own = dict(model.named_parameters()) if weights is None else weights
+    return {n: own[n].detach().cpu().clone() for n in names}
 
 
 class RewardScorer:

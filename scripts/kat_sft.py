@@ -17,16 +17,17 @@ import time
 from pathlib import Path
 
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, resolve_model_path, resolve_resume, save_synced
+from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, is_shards, resolve_model_path, resolve_resume
 from nanochat_ext.compiled import compile_models
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
-                              output_dirs, run_script, script_argv)
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
+                              check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
-from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything, wrap_ddp
+from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
+from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.tracking import Tracker, WindowSums
 
 
@@ -49,6 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max_len", type=int, default=None, help="tokens per conversation (default: the model's context)")
     g.add_argument("--log_every", type=int, default=20, help="log train metrics every N steps")
     add_output_args(p, "chatsft_checkpoints", tag_help="'default'")
+    add_parallel_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
     return p.parse_args(script_argv(argv))
@@ -58,11 +60,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
     out_dir, log_dir = output_dirs(args, "chatsft_checkpoints", default_tag="default")
     check_flags(args)
+    check_consolidate(args)
     conversations = load_conversations(args.conversations)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
     resume = resolve_resume(args.resume, out_dir)
-    model_bb = load_backbone(resume[0] if resume else args.backbone, env.device, vintage=args.nanochat_vintage)
+    whole = resume is not None and not is_shards(resume[0])  # a whole checkpoint holds the weights; shards load later
+    model_bb = load_backbone(resume[0] if whole else args.backbone, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(model_bb, args.tokenizer)
     max_len = args.max_len or model_bb.max_seq_len
     if max_len > model_bb.max_seq_len:
@@ -80,28 +84,37 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     model_bb.set_trainable("all")
     print0(compile_models(args.compile, env.device, model_bb))
+    if args.activation_checkpointing:
+        checkpoint_activations(model_bb.blocks)
     model = CompletionLogprobs(model_bb)
-    ddp_model = wrap_ddp(model, env)
+    dtype = compute_dtype(args.dtype, env.device)
+    parallel = Parallel(args.parallel, env, dtype)
+    ddp_model = parallel.wrap(model, model_bb.blocks)
+    print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
     start_step = 0
     if resume is not None:
         state = resume[2]
         check_resume_args(state["args"], args, ("batch_size", "seed", "max_len"), resume[0])
-        model_bb.restore(state)  # fp32 masters where the layout saved bf16
-        optimizer.load_state_dict(state["optimizer"])
+        if not parallel.resume(resume[0], model, optimizer):
+            model_bb.restore(state)  # fp32 masters where the layout saved bf16
+            optimizer.load_state_dict(state["optimizer"])
         start_step = int(state["step"])
         print0(f"resume: from {resume[0]} at step {start_step}")
-    autocast = precision(compute_dtype(args.dtype, env.device), env.device)
+    autocast = precision(dtype, env.device)
 
-    def save(step: int, metrics: dict) -> Path:
-        def write(stamp: int) -> Path:
-            meta = {"kind": "sft", "stamp": stamp, "step": step, "source": str(resolve_model_path(args.backbone).resolve()),
-                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
-            return model_bb.save(out_dir, stamp, meta, tok, {"step": step, "optimizer": optimizer.state_dict(),
-                                                              "args": vars(args)})
+    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+        return parallel.save(into, model, optimizer, module=model_bb.model, final=step == args.max_steps,
+                             consolidate=consolidate, state={"step": step, "args": vars(args)},
+                             meta=lambda stamp: {"kind": "sft", "stamp": stamp, "step": step,
+                                                 "source": str(resolve_model_path(args.backbone).resolve()),
+                                                 "world_size": env.world_size, "metrics": metrics, "args": vars(args)},
+                             write_whole=lambda d, stamp, meta, state, weights: model_bb.save(d, stamp, meta, tok, state,
+                                                                                              weights))
 
-        return save_synced(out_dir, trainable, write)
+    if args.consolidate:
+        return parallel.consolidate(args.consolidate, resume, out_dir, lambda d: save(start_step, {}, d, True))
 
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft", args.report_to, vars(args),
                       args.wandb_project)

@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume, save_synced
+from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume
 from nanochat_ext.compiled import compile_models, compile_stats
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
-                              output_dirs, run_script, script_argv)
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
+                              check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
-                                      print0, raise_if_any, seed_everything, wrap_ddp)
+                                      print0, raise_if_any, seed_everything)
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
@@ -35,6 +35,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
+from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import load_reward_model
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.sampling import SamplingConfig
@@ -147,6 +148,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write every completion (token ids, text, reward) of every step to <log_dir>/rollouts.jsonl, "
                         "in global prompt order whatever the world size")
     add_output_args(p, "chatrl_checkpoints")
+    add_parallel_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
@@ -164,6 +166,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, GRPO_RANGES)
+    check_consolidate(args)
+    if args.parallel == "fsdp" and args.optimizer == "muon":
+        raise InputError("--optimizer muon orthogonalises whole matrices, which --parallel fsdp splits over ranks: "
+                         "train with --optimizer adamw under fsdp")
     prompts = load_prompts(args.prompts)
     if args.density:
         attach_density(prompts, load_density(args.density), args.density)
@@ -208,14 +214,21 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- models, optimizer, resume ----------------------------------------------------------------
     policy.set_trainable("all")
     dtype = compute_dtype(args.dtype, env.device)
+    parallel = Parallel(args.parallel, env, dtype)
     reference = None
-    if args.beta > 0:
+    if args.beta > 0:  # computes as the policy does: under fsdp on CUDA every weight is gathered in bf16
         reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
-                                    temperature=args.temperature)
+                                    temperature=args.temperature, matmuls_only=parallel.gathers_in is None)
     print0(compile_models(args.compile, env.device, policy, reference.backbone if reference else None,
                           rm.model.backbone if rm else None))
+    if args.activation_checkpointing:
+        checkpoint_activations(policy.blocks)
     model = CompletionLogprobs(policy, temperature=args.temperature)
-    ddp_model = wrap_ddp(model, env)
+    # The engine copies the policy before it is sharded (under fsdp it decodes from a whole copy)
+    engine = Engine(policy, compile=compile_decode,
+                    whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None)
+    ddp_model = parallel.wrap(model, policy.blocks)
+    print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(args.optimizer, policy.model, trainable, args.lr, args.weight_decay, env.device)
     start_step, draw = 0, 0  # draw: prompt batches drawn so far (one per step unless --filter_zero_std)
@@ -225,28 +238,30 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             raise InputError(f"--policy {policy.source} is not the policy this run started from: its weights changed "
                              f"since (fingerprint); resume with the original policy or start a new --out",
                              path=str(resume[0]))
-        start_step, draw = load_resume_state(policy, optimizer, resume, args, env.device)
+        start_step, draw = load_resume_state(policy, model, optimizer, resume, args, env.device, parallel)
         print0(f"resume: from {resume[0]} at step {start_step} (draw {draw})")
     autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
-           f"reference {'loaded' if reference else 'off (beta 0)'}")
-    engine = Engine(policy, compile=compile_decode)
+           f"reference {'loaded' if reference else 'off (beta 0)'}"
+           + (" (the reference and the reward model are held whole on every rank)" if parallel.sharded else ""))
     peak_bw = peak_bandwidth(env.device)
+    copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
+            "a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else "")
     print0(f"decode: {'compiled' if engine.compiled else 'eager'} "
-           f"({why if policy.native else 'a transformers model decodes eagerly'})"
-           + ("; from a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else ""))
+           f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
 
-    def save(step: int, metrics: dict) -> Path:
-        def write(stamp: int) -> Path:
-            meta = {"kind": "grpo_policy", "stamp": stamp, "step": step,
-                    "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
-                    "world_size": env.world_size,
-                    "metrics": metrics, "args": vars(args)}
-            state = {"step": step, "draw": draw, "optimizer": optimizer.state_dict(), "args": vars(args),
-                     "source_fingerprint": source_print}
-            return policy.save(out_dir, stamp, meta, tok, state)
+    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+        meta = lambda stamp: {"kind": "grpo_policy", "stamp": stamp, "step": step,  # noqa: E731
+                              "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
+                              "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
+        return parallel.save(into, model, optimizer, module=policy.model, final=step == args.max_steps,
+                             consolidate=consolidate, meta=meta,
+                             state={"step": step, "draw": draw, "args": vars(args), "source_fingerprint": source_print},
+                             write_whole=lambda d, stamp, meta, state, weights: policy.save(d, stamp, meta, tok, state,
+                                                                                            weights))
 
-        return save_synced(out_dir, trainable, write)
+    if args.consolidate:
+        return parallel.consolidate(args.consolidate, resume, out_dir, lambda d: save(start_step, {}, d, True))
 
     # ---- train ------------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo", args.report_to, vars(args),
@@ -404,7 +419,8 @@ def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]],
     sums = torch.zeros(2 * (k + 1) + 1, dtype=torch.float64)
     engine.model.eval()
     for j, temperature in enumerate((0.0, sampling.temperature)):
-        if not mine:  # fewer eval prompts than ranks: still take part in the reward check's collective
+        if not mine:  # fewer eval prompts than ranks: still take part in the collectives of the others' call
+            engine.refresh()  # (a sharded policy's weights are gathered from every rank)
             raise_if_any(None)
             continue
         cfg = dataclasses.replace(sampling, temperature=temperature)
@@ -439,16 +455,17 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
     return out
 
 
-def load_resume_state(policy: Backbone, optimizer: torch.optim.Optimizer | MuonAdamW, resume: tuple, args,
-                      device) -> tuple[int, int]:
+def load_resume_state(policy: Backbone, model: CompletionLogprobs, optimizer: torch.optim.Optimizer | MuonAdamW,
+                      resume: tuple, args, device, parallel: Parallel) -> tuple[int, int]:
     """Restores the policy and optimizer; returns (step, draw)."""
     model_path, _, state = resume
     keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
             "filter_zero_std", "optimizer") + (("max_draws",) if args.filter_zero_std else ())
     check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
-    policy.restore(state, saved=load_backbone(model_path, device))
     bases = [group["initial_lr"] for group in optimizer.param_groups]  # this run's --lr (--resume_extend may change it)
-    optimizer.load_state_dict(state["optimizer"])  # takes the saved groups' hyperparameters, initial_lr included
+    if not parallel.resume(model_path, model, optimizer):  # the shards hold weights and optimizer state
+        policy.restore(state, saved=load_backbone(model_path, device))
+        optimizer.load_state_dict(state["optimizer"])  # takes the saved groups' hyperparameters, initial_lr included
     for group, base in zip(optimizer.param_groups, bases):
         group["initial_lr"] = base
     return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step

@@ -17,18 +17,19 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_runtime_args, check_flags, due,
-                              output_dirs, run_script, script_argv)
+from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
+                              check_flags, check_consolidate, due, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
-                                     save_checkpoint, save_synced, torch_load)
+                                     save_checkpoint, torch_load)
 from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, by_length, collate_pairs,
                                load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
-                                      seed_everything, wrap_ddp)
+                                      seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
+from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
 from nanochat_ext.tracking import Tracker, WindowSums
 
@@ -78,6 +79,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--eval_every", type=int, default=50, help="validate every N steps, and at the end (0: end only)")
     g.add_argument("--log_every", type=int, default=10, help="print/log train metrics every N steps")
     add_output_args(p, "rm_checkpoints")
+    add_parallel_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
@@ -92,6 +94,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, {"weight_cap": (lambda v: v > 0, "> 0 (a pair's weight is clipped to it)")})
+    check_consolidate(args)
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
     if skipped:
         print0(f"data: skipped {skipped} bad rows of {args.pairs}")
@@ -132,35 +135,44 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     model.init_head(args.seed)
     model.to(env.device)
     print0(compile_models(args.compile, env.device, backbone))
-    trainable = [p for p in model.parameters() if p.requires_grad]
+    if args.activation_checkpointing:
+        checkpoint_activations(backbone.blocks)
+    n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print0(f"model: {backbone.kind} backbone {backbone.source}, tokenizer {tokenizer.kind}; "
-           f"{sum(p.numel() for p in trainable):,} trainable of {sum(p.numel() for p in model.parameters()):,}")
-    ddp_model = wrap_ddp(model, env)
+           f"{n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,}")
+    parallel = Parallel(args.parallel, env, dtype)
+    ddp_model = parallel.wrap(model, backbone.blocks)
+    print0(parallel.describe(model))
+    trainable = [p for p in model.parameters() if p.requires_grad]  # after wrapping: FSDP's own parameters
     optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
     start_step = 0
     if resume is not None:
-        start_step = load_resume_state(model, optimizer, resume, args)
+        start_step = load_resume_state(model, optimizer, resume, args, parallel)
         print0(f"resume: from {resume[0]} at step {start_step}")
     autocast = precision(dtype, env.device)
 
     backbone_print = fingerprint(backbone.source) if env.is_main else None  # recorded so a moved RM finds it
 
-    def save(step: int, metrics: dict) -> Path:
-        def write(stamp: int) -> Path:
-            meta = {"kind": "reward_model", "stamp": stamp, "step": step,
+    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+        def meta(stamp: int) -> dict:
+            return {"kind": "reward_model", "stamp": stamp, "step": step,
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
-                    "backbone_ref": {**portable_paths(backbone.source, out_dir), "given": args.backbone,
+                    "backbone_ref": {**portable_paths(backbone.source, into), "given": args.backbone,
                                      "fingerprint": backbone_print},
-                    "tokenizer_ref": portable_paths(tokenizer.source, out_dir),
+                    "tokenizer_ref": portable_paths(tokenizer.source, into),
                     "backbone_vintage": backbone.vintage,
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
                     "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
                     "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
-            state = {"step": step, "optimizer": optimizer.state_dict(), "args": vars(args)}
-            return save_checkpoint(out_dir, stamp, trainable_state(model), meta, state)
 
-        return save_synced(out_dir, trainable, write)
+        return parallel.save(into, model, optimizer, module=model, final=step == args.max_steps,
+                             consolidate=consolidate, meta=meta, state={"step": step, "args": vars(args)},
+                             write_whole=lambda d, stamp, meta, state, weights: save_checkpoint(
+                                 d, stamp, trainable_state(model, weights), meta, state))
+
+    if args.consolidate:
+        return parallel.consolidate(args.consolidate, resume, out_dir, lambda d: save(start_step, {}, d, True))
 
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
@@ -224,10 +236,13 @@ def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: 
     return {"val/accuracy": stats[0].item() / n, "val/margin": stats[1].item() / n, "val/loss": stats[2].item() / n}
 
 
-def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args) -> int:
+def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args,
+                      parallel: Parallel) -> int:
     model_path, _, state = resume
     check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
                                             "max_len", "long_pairs"), model_path)
+    if parallel.resume(model_path, model, optimizer):
+        return int(state["step"])
     weights = torch_load(model_path, "reward-model checkpoint")
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:

@@ -2,11 +2,13 @@
 and the memory estimator's byte counting."""
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -22,12 +24,17 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
              "--rm_len 32 --micro 4")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
-           "SHAPES": "tiny", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
+           "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
            "CUDA_VISIBLE_DEVICES": ""}  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode"]
+    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode"] + \
+        ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and with activation checkpointing
+    fsdp = rows[6:]
+    assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
+    assert all(r["unfreeze_last"] == "all" and r["tflops"] > 0 for r in fsdp[::2])
+    assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
     rm, grpo, decode = rows[1:4], rows[4], rows[5]
     assert [r["unfreeze_last"] for r in rm] == ["0", "2", "all"]
@@ -37,6 +44,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert decode["engine"] == "ours eager" and decode["rows"] == 8 and decode["decode_tok_per_s"] > 0  # CPU: eager
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
+    assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
 
 
 def test_gpu_table_puts_ours_beside_trl():
@@ -111,3 +119,21 @@ def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
     assert proc.returncode == 0, proc.stderr
     row = json.loads(proc.stdout.splitlines()[-1])
     assert row["shape"] == "35+8x32" and row["tree"] is True and row["ms_per_group"] > 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing):
+    """nanochat_ext.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
+    128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own modules, whose
+    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing (which the
+    arithmetic must see cut the activations by more than a third)."""
+    import memory_estimate
+    from bench_gpu import shape_config
+
+    b = argparse.Namespace(prompts=16, group_size=16, prompt_len=128, new_tokens=512, micro=16)
+    fake = memory_estimate.grpo_step(shape_config("d12:32768"), True, 16, 16, 128, 512, 16, checkpointing)["training"]
+    modelled = memory_estimate.modelled_training("d12:32768", checkpointing, b) / 2**30
+    assert modelled == pytest.approx(fake, rel=0.1)
+    if checkpointing:
+        full = memory_estimate.modelled_training("d12:32768", False, b) / 2**30
+        assert modelled < full * 2 / 3

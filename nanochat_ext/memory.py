@@ -1,0 +1,124 @@
+"""What a training step holds on each rank, by arithmetic: the memory model of bench/memory_estimate.py and the
+README's "which setting for which model and GPUs" table.
+
+Per trained parameter: fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8): 16 bytes on every
+rank under ddp, 16 / N under fsdp, which adds the weights FSDP gathers in bf16 while they compute (the root's
+embeddings and LM head through the step, two blocks at a time: one computing, one prefetched) and, while micro-batches
+accumulate unsharded, every weight gathered in bf16 with its fp32 gradient (6 bytes). What does not train is held in
+bf16 (2 bytes): GRPO's reference, its reward model, the RM's frozen blocks; the rollout engine's weights (a bf16 copy of
+the policy's matmul weights under ddp, of all its weights under fsdp) and its KV cache.
+
+Activations of a training micro-batch, calibrated on fake-tensor runs of our own nanochat blocks under bf16 autocast
+(bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 55 bytes
+per unit of width without activation checkpointing (what a block saves for its backward), 11 with it (its input and
+the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
+most 4096 tokens at once (grpo.token_logprobs_chunked); and, without activation checkpointing under ddp, the bf16 casts
+of the blocks' weights that autocast saves for the backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GiB = 2**30
+ACT_BYTES = {False: 55, True: 11}  # per token, block and unit of width (see the docstring)
+HEAD_CHUNK = 4096  # completion tokens whose logits exist at once (grpo.CompletionLogprobs.chunk_tokens)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A transformer's sizes, as the memory model needs them (nanochat GPT: model_shape)."""
+    layers: int
+    width: int
+    vocab: int
+    kv_heads: int
+    head_dim: int
+    params: int  # all of them
+    block_params: int  # one transformer block's
+    lm_head: int  # the LM head's (not a reward model's: it reads hidden states)
+
+    @property
+    def root_params(self) -> int:
+        """Outside the blocks: embeddings (value embeddings too), the LM head, scalars."""
+        return self.params - self.layers * self.block_params
+
+
+def model_shape(model) -> ModelShape:
+    """The shape of one of our nanochat GPTs (built on the meta device, or real)."""
+    c = model.config
+    blocks = model.transformer.h
+    return ModelShape(c.n_layer, c.n_embd, c.vocab_size, c.n_kv_head, c.n_embd // c.n_head,
+                      sum(p.numel() for p in model.parameters()),
+                      max(sum(p.numel() for p in b.parameters()) for b in blocks), model.lm_head.weight.numel())
+
+
+@dataclass
+class StepMemory:
+    """Bytes per rank, part by part, and which phase peaks."""
+    parts: dict[str, float] = field(default_factory=dict)  # always held
+    training: dict[str, float] = field(default_factory=dict)  # on top, while a micro-batch trains
+    rollout: dict[str, float] = field(default_factory=dict)  # on top, while the engine decodes (GRPO)
+
+    def phase(self, name: str) -> float:
+        """Bytes held while `name` ('training' or 'rollout') runs."""
+        return sum(self.parts.values()) + sum(getattr(self, name).values())
+
+    def peak(self) -> float:
+        return max(self.phase("training"), self.phase("rollout"))
+
+    def gib(self) -> dict[str, float]:
+        flat = {**self.parts, **self.training, **{f"rollout_{k}": v for k, v in self.rollout.items()}}
+        return {k: round(v / GiB, 2) for k, v in flat.items()} | {"peak": round(self.peak() / GiB, 2)}
+
+
+def trained_state(s: ModelShape, trained: int, parallel: str, ranks: int, accum: int) -> tuple[dict, dict]:
+    """(held, while training) bytes of the trained parameters: weights, gradients, AdamW; under fsdp the gathered
+    weights too."""
+    share = ranks if parallel == "fsdp" else 1
+    held = {"weights": 4 * trained / share, "optimizer": 8 * trained / share}
+    training = {"gradients": 4 * trained / share}
+    if parallel == "fsdp":
+        training["gathered"] = 2 * (s.root_params + 2 * s.block_params)
+        if accum > 1:  # weights stay gathered and gradients unsharded between micro-batches
+            training["gathered"] = 6 * trained
+    return held, training
+
+
+def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointing: bool, casts: bool) -> float:
+    """Bytes a training micro-batch keeps for its backward (see the module docstring)."""
+    blocks = tokens * s.layers * s.width * ACT_BYTES[checkpointing]
+    head = 2 * 4 * s.vocab * min(completion_tokens, HEAD_CHUNK)
+    weight_casts = 2 * s.layers * s.block_params if casts and not checkpointing else 0
+    return blocks + head + weight_casts + 2 * s.lm_head
+
+
+def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
+                new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None
+                ) -> StepMemory:
+    """GRPO's full fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of
+    `micro` sequences, `accum` of them per step."""
+    held, training = trained_state(s, s.params, parallel, ranks, accum)
+    m = StepMemory(held, training)
+    if reference:  # matmul weights in bf16; under fsdp (gathered in bf16) every weight, to compute as the policy
+        m.parts["reference"] = 2 * s.params if parallel == "fsdp" else 2 * (s.params - s.root_params + s.lm_head) + 4 * (s.root_params - s.lm_head)
+    if rm is not None:
+        m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
+    m.parts["engine_weights"] = 2 * (s.params if parallel == "fsdp" else s.layers * s.block_params + s.lm_head)
+    T = prompt_len + new_tokens
+    m.training["activations"] = activations(s, micro * T, micro * new_tokens, checkpointing, parallel == "ddp")
+    m.rollout["kv_cache"] = rows * T * s.layers * 2 * s.kv_heads * s.head_dim * 2
+    m.rollout["logits"] = rows * s.vocab * 4 * 3  # the step's logits, probabilities and their running sums
+    return m
+
+
+def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, pairs: int, seq_len: int,
+              accum: int = 1, unfreeze: str = "all") -> StepMemory:
+    """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all), `pairs` pairs a micro-batch."""
+    n = s.layers if unfreeze == "all" else int(unfreeze)
+    trained = (s.params - s.lm_head) if unfreeze == "all" else n * s.block_params
+    held, training = trained_state(s, trained, parallel, ranks, accum)
+    m = StepMemory(held, training)
+    m.parts["frozen"] = 2 * (s.params - trained)
+    tokens = 2 * pairs * seq_len
+    sub = ModelShape(n, s.width, s.vocab, s.kv_heads, s.head_dim, s.params, s.block_params, 0)
+    m.training["activations"] = activations(sub, tokens, 0, checkpointing, parallel == "ddp")
+    return m

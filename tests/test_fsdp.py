@@ -1,0 +1,177 @@
+"""--parallel fsdp (PyTorch FSDP2) over real gloo process groups: the training DDP and one rank do, sharded checkpoints
+that resume exactly after a kill (and onto another number of ranks), the final checkpoint whole in the input's own
+layout, and --activation_checkpointing's gradients. Policies and backbones: nanochat's own checkpoint of its current
+vintage (value embeddings, sliding windows; tests/fixtures/nanochat-golden) and the native Llama."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, run_script
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.grpo import CompletionLogprobs, make_sequences
+from nanochat_ext.parallel import checkpoint_activations
+from nanochat_ext.reward import load_reward_model
+from scripts import kat_train_grpo, kat_train_rm
+
+GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current"
+NANOCHAT = GOLDEN / "chatsft_checkpoints" / "d2"  # written by nanochat's own code (its README)
+ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    rows = synthetic.make_pairs(60, seed=5)  # prompts of ragged lengths
+    return synthetic.write_jsonl(tmp_path_factory.mktemp("fsdp") / "prompts.jsonl",
+                                 [{"prompt": r["prompt"], "answer": "Sure"} for r in rows])
+
+
+def weights(d) -> dict[str, torch.Tensor]:
+    return torch.load(find_checkpoint(d)[0], weights_only=True)
+
+
+# nanochat's backout_lambda: its gradient on these fixtures is float noise, which Adam normalises into updates of
+# about +-lr, so any other rounding (one rank against two; DDP's all-reduce of gradients pre-divided by the world
+# size against FSDP's reduce-scatter) leaves it up to ~lr apart: measured 1-3.5e-4 at lr 5e-4-1e-3.
+NOISE = ("backout_lambda",)
+
+
+def assert_close(a: dict, b: dict, atol: float, skip: tuple[str, ...] = ()) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if not (skip and k.endswith(skip)):
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=k)
+
+
+def die_at_save(module: str, n_state: int, args: list[str]) -> subprocess.CompletedProcess:
+    """Two ranks of scripts.<module>, rank 0 killed once it has written its n-th state file (tests/workers)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "workers" / "die_at_save.py"), module, str(n_state), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def rm_args(assets, out, *extra) -> list[str]:
+    return ["--backbone", str(NANOCHAT), "--tokenizer", str(GOLDEN / "tokenizer"), "--pairs", str(assets["pairs"]),
+            "--batch_size", "8", "--max_steps", "4", "--unfreeze_last", "all", "--lr", "5e-4", "--eval_every", "0",
+            "--log_every", "2", "--seed", "3", "--device", "cpu", "--max_len", "64", "--out", str(out), *extra]
+
+
+def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path):
+    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank; a run
+    killed in its second (sharded) save resumes from the first to the uninterrupted weights, bitwise; the final
+    shards written whole by --consolidate are the final checkpoint, and load as an RM."""
+    two = ("--device_batch_size", "2")  # the same global batch of 8: 2 ranks x 2 micro-batches x 2 pairs
+    one = tmp_path / "one"
+    assert kat_train_rm.main(rm_args(assets, one)) == 0
+    ddp = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "ddp", *two), nproc=2)
+    straight, crashed = tmp_path / "fsdp", tmp_path / "crashed"
+    fsdp_args = (*two, "--parallel", "fsdp", "--save_every", "2")
+    fsdp = run_script("scripts.kat_train_rm", rm_args(assets, straight, *fsdp_args), nproc=2)
+    assert ddp.returncode == 0, ddp.stderr
+    assert fsdp.returncode == 0, fsdp.stderr
+    assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout
+    assert "ddp: trainable parameters identical on 2 ranks" in ddp.stdout
+    assert "parallel: fsdp over 2 ranks: " in fsdp.stdout and "ddp: trainable" not in fsdp.stdout
+    # Rank 0 owns I/O: one line per checkpoint, the last naming the final one. The step-2 checkpoint is sharded
+    # only (no whole model); the final one is whole (the RM's layout) and sharded (to resume from).
+    stamps = sorted(int(p.name.split("_")[1]) for p in straight.glob("shards_*"))
+    assert len(stamps) == 2 and not list(straight.glob("*.tmp"))
+    assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{stamps[1]}.pt"]
+    assert fsdp.stdout.count("checkpoint: ") == 2
+    assert fsdp.stdout.strip().splitlines()[-1] == f"checkpoint: {straight / f'model_{stamps[1]}.pt'}"
+    # Weights: FSDP reduce-scatters what DDP all-reduces (the same sums); one rank sums in another order.
+    w_one, w_ddp, w_fsdp = weights(one), weights(tmp_path / "ddp"), weights(straight)
+    assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_ddp.items()}
+    assert_close(w_fsdp, w_ddp, atol=1e-6, skip=NOISE)
+    assert_close(w_fsdp, w_one, atol=2e-5, skip=NOISE)
+    init = load_backbone(NANOCHAT).model.state_dict()
+    assert (w_fsdp["backbone.model.transformer.h.1.mlp.c_fc.weight"] - init["transformer.h.1.mlp.c_fc.weight"]
+            ).abs().max() > 1e-4
+
+    # Killed between the second checkpoint's state and meta: its shards and state are orphans.
+    killed = die_at_save("kat_train_rm", 2, rm_args(assets, crashed, *fsdp_args))
+    assert killed.returncode != 0
+    assert len(list(crashed.glob("shards_*"))) == 2 and len(list(crashed.glob("meta_*.json"))) == 1
+    resumed = run_script("scripts.kat_train_rm", rm_args(assets, crashed, *fsdp_args, "--resume", "latest"), nproc=2)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint: removed what an interrupted save left: " in resumed.stdout
+    assert "resume: from " in resumed.stdout and "shards_" in resumed.stdout and "at step 2" in resumed.stdout
+    assert_close(weights(crashed), w_fsdp, atol=0)
+
+    # The final shards, written whole by one process (no process group): the final checkpoint, and an RM.
+    whole = tmp_path / "whole"
+    final_shards = straight / f"shards_{stamps[1]}"
+    assert kat_train_rm.main(rm_args(assets, straight, "--resume", str(final_shards), "--consolidate", str(whole))) == 0
+    assert_close(weights(whole), w_fsdp, atol=0)
+    scorer = load_reward_model(whole)
+    assert scorer.score(["How do I boil an egg?"], ["Put it in boiling water."])[0] == pytest.approx(
+        load_reward_model(straight).score(["How do I boil an egg?"], ["Put it in boiling water."])[0], abs=0)
+
+
+def grpo_args(policy, tokenizer, prompts, out, *extra) -> list[str]:
+    return ["--policy", str(policy), *(["--tokenizer", str(tokenizer)] if tokenizer else []), "--prompts", str(prompts),
+            "--batch_size", "4", "--group_size", "4", "--max_new_tokens", "8", "--max_steps", "2", "--beta", "0.04",
+            "--lr", "1e-3", "--log_every", "1", "--device", "cpu", "--out", str(out), *extra]
+
+
+@pytest.mark.parametrize("case", ["nanochat", "llama-dynamic-sampling"])
+def test_grpo_on_fsdp_trains_as_ddp_and_one_rank(assets, prompts, tmp_path, case):
+    """GRPO's full fine-tune: FSDP on 2 ranks = DDP on 2 ranks = 1 rank, with ragged prompts, on nanochat's current
+    vintage (every completion kept) and on the native Llama with --filter_zero_std (only groups with a reward
+    spread train). The policy decodes from a whole copy gathered from the shards: the same tokens as DDP's. The
+    final checkpoint has nanochat's own layout: its keys, shapes and dtypes."""
+    if case == "nanochat":
+        policy, tokenizer, extra = NANOCHAT, GOLDEN / "tokenizer", ["--reward_fn", "rewards_for_tests:vowel_share"]
+    else:
+        policy, tokenizer, extra = assets["hf"], None, ["--reward_fn", "rewards_for_tests:flat_for_even_prompts",
+                                                        "--filter_zero_std", "--max_draws", "8"]
+    one = tmp_path / "one"
+    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
+    assert kat_train_grpo.main(grpo_args(policy, tokenizer, prompts, one, *extra)) == 0
+    runs = {mode: run_script("scripts.kat_train_grpo", grpo_args(policy, tokenizer, prompts, tmp_path / mode, *extra,
+                                                                 "--device_batch_size", "4", "--parallel", mode),
+                             nproc=2, env=ENV) for mode in ("ddp", "fsdp")}
+    for proc in runs.values():
+        assert proc.returncode == 0, proc.stderr
+    assert "from a whole copy gathered from the shards per rollout" in runs["fsdp"].stdout
+    rewards = [[line for line in runs[m].stdout.splitlines() if "train/reward " in line] for m in ("ddp", "fsdp")]
+    assert rewards[0] and [r.split("| train/loss")[0] for r in rewards[0]] == \
+        [r.split("| train/loss")[0] for r in rewards[1]]  # the same samples and rewards at every step
+    trained = {k: load_backbone(tmp_path / k).model.state_dict() for k in ("one", "ddp", "fsdp")}
+    init = load_backbone(policy).model.state_dict()
+    assert_close(trained["fsdp"], trained["ddp"], atol=1e-6)
+    assert_close(trained["fsdp"], trained["one"], atol=1e-5, skip=NOISE)
+    assert all((trained["fsdp"][k] - init[k]).abs().max() > 1e-5 for k in init)  # every tensor trained
+    if case == "nanochat":
+        saved, golden = weights(tmp_path / "fsdp"), torch.load(next(NANOCHAT.glob("model_*.pt")), weights_only=True)
+        assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}
+
+
+def test_activation_checkpointing_gives_the_same_gradients(assets):
+    """Recomputing each block in the backward pass: the gradients of every parameter, bitwise, on nanochat's current
+    vintage and the native Llama (a prefix-tree batch: the masks and positions the blocks take in training)."""
+    for path in (NANOCHAT, assets["hf"]):
+        grads, runs = [], []
+        for ac in (False, True):
+            policy = load_backbone(path)
+            policy.set_trainable("all")
+            block, inner, calls = policy.blocks[0], policy.blocks[0].forward, []
+            block.forward = lambda *a, **k: calls.append(1) or inner(*a, **k)
+            if ac:
+                checkpoint_activations(policy.blocks)
+            batch = make_sequences([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]], 2, 0, True)
+            logp, _ = CompletionLogprobs(policy)(batch["input_ids"], batch["gather"], batch["target"],
+                                                 batch.get("branches"))
+            (logp * batch["mask"]).sum().backward()
+            grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
+            runs.append(len(calls))
+        assert runs == [1, 2]  # checkpointed: the block ran again in the backward pass
+        assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(policy.parameters()))
+        assert_close(grads[1], grads[0], atol=0)

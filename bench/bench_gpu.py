@@ -179,13 +179,14 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     cfg = shape_config(shape, b.vintage)
     G, n, P, L = b.group_size, b.grpo_prompts, b.prompt_len, b.new_tokens
     policy = make_backbone(cfg, device, 0)
-    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16, matmuls_only=b.par is None)
+    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16,
+                                matmuls_only=b.par is None or b.par.gathers_in is None)
     rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, reference.backbone, rm_model.backbone)
     engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0],
-                    whole_in=torch.bfloat16 if b.par else None)
+                    whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
     model = CompletionLogprobs(policy)
     shard(model, policy, b)
     trainable = list(model.parameters())

@@ -177,12 +177,11 @@ class Backbone(nn.Module):
         """Rank 0: write the model so that load_backbone() takes it back: a nanochat checkpoint
         (model_<stamp>.pt + meta with model_config, tokenizer beside it) or an HF dir model_<stamp>/.
         weights: self.model's state dict gathered whole beforehand (a sharded model's), else its own."""
-        weights = weights if weights is not None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if self.kind == "nanochat":
             tokenizer.save(out_dir)
             config = self.source_meta.get("model_config") or self.model.config.nanochat_dict()
             meta = {**meta, "model_config": config, "nanochat_vintage": self.vintage}
-            full = weights
+            full = weights if weights is not None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             state = {k: v.to(self.source_dtypes.get(k, v.dtype)) for k, v in full.items()}
             if train_state is not None:  # a resumed run continues from the fp32 masters, not the bf16 copy
                 train_state = {**train_state, "fp32_masters": {k: v for k, v in full.items()
@@ -198,7 +197,7 @@ class Backbone(nn.Module):
                 save_file(self.model.to_hf_state_dict(weights), str(d / "model.safetensors"),
                           metadata={"format": "pt"})
             else:
-                self.model.save_pretrained(str(d), state_dict=weights)
+                self.model.save_pretrained(str(d), **({} if weights is None else {"state_dict": weights}))
             tokenizer.save(d)
 
         return save_checkpoint(out_dir, stamp, write_dir, meta, train_state)

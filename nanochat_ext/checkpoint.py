@@ -129,10 +129,10 @@ def incomplete_reason(path: str | os.PathLike) -> str | None:
     names = [f.name for f in p.iterdir()]
     models = sorted((int(m.group(1)), n) for n in names if (m := _MODEL_RE.match(n)))
     metas = sorted((int(m.group(1)), n) for n in names if (m := _META_RE.match(n)))
-    shards = sorted((int(m.group(1)), n) for n in names if (m := _SHARDS_RE.match(n)))
+    shards = sorted((int(m.group(1)), n) for n in names if (m := _SHARDS_RE.match(n)) and f"meta_{m.group(1)}.json" in names)
     if shards and (not models or shards[-1][0] > models[-1][0]):
         return (f"{shards[-1][1]} is a sharded training checkpoint (--parallel fsdp), not a model: write one from it "
-                f"with the trainer's --resume {p} --consolidate DIR")
+                f"with the run's own command and --resume {p} --consolidate DIR")
     if models:
         return f"{models[-1][1]} has no matching meta_<N>.json (metas here: {', '.join(n for _, n in metas) or 'none'})"
     if metas:
@@ -282,19 +282,43 @@ def _write_shards(d: Path, stamp: int, shards: Callable[[Path], None]) -> None:
     tmp, error = d / f"shards_{stamp}.tmp", None
     try:
         shards(tmp)
-    except Exception as e:  # a full disk, an I/O error: torch.distributed.checkpoint wraps them in its own type
+    except OSError as e:
+        error = e.strerror or first_line(e, 200)
+    except Exception as e:  # torch.distributed.checkpoint wraps a rank's failure in its own type for the others
         error = first_line(e, 200)
-    errors = [e for e in gather_objects(error) if e]
-    if is_main():
-        if errors:
+    error = next((e for e in gather_objects(error) if e), None)
+    if is_main() and error is None:
+        try:
+            error = missing_shards(tmp)
+            if error is None:
+                _publish(tmp, d / f"shards_{stamp}")
+        except OSError as e:
+            error = e.strerror or str(e)
+    error = broadcast_object(error)
+    if error is not None:
+        if is_main():
             shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            _publish(tmp, d / f"shards_{stamp}")
-    if errors:
         free = shutil.disk_usage(d).free / 2**20
-        raise_if_any(f"{d}: could not write sharded checkpoint {stamp} ({errors[0]}); {free:.0f} MiB free there; "
+        raise_if_any(f"{d}: could not write sharded checkpoint {stamp} ({error}); {free:.0f} MiB free there; "
                      f"its partial files were removed, the previous checkpoint is intact")
     barrier()
+
+
+def missing_shards(path: Path) -> str | None:
+    """Why a sharded checkpoint's directory is not whole (no .metadata, or a shard file it names is absent: ranks
+    that wrote to disks of their own, not one every rank shares), or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # absent or garbled: torch raises its own types
+        return f"its .metadata does not read ({first_line(e, 120)})"
+    files = {info.relative_path for info in (metadata.storage_data or {}).values()}
+    absent = sorted(f for f in files if not (path / f).is_file())
+    if absent:
+        return (f"shard files {', '.join(absent[:3])} are not in {path.name}: under --parallel fsdp --out must be a "
+                f"directory every rank shares")
+    return None
 
 
 def is_shards(path: str | os.PathLike) -> bool:
@@ -354,12 +378,21 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
     for k, (model_path, meta_path) in enumerate(found):
         digits = meta_path.name.removeprefix("meta_").removesuffix(".json")
         state_path = model_path.parent / f"state_{digits}.pt"
+        shards = model_path.parent / f"shards_{digits}"
+        if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer
+            model_path = shards
         try:
             if not state_path.is_file():
                 raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
             if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
                 check_zip(model_path)
-            return model_path, meta_path, torch_load(state_path, "resume state")
+            if is_shards(model_path) and (why := missing_shards(model_path)):
+                raise InputError(f"sharded checkpoint is not whole: {why}", path=str(model_path))
+            state = torch_load(state_path, "resume state")
+            if not is_shards(model_path) and "optimizer" not in state:
+                raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
+                                 f"(which did) is gone", path=str(model_path))
+            return model_path, meta_path, state
         except InputError as e:
             if k == len(found) - 1:
                 raise

@@ -14,6 +14,7 @@ from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
+from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
                                 restore_signal_handlers)
 
@@ -58,7 +59,7 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
 def add_parallel_args(parser: argparse.ArgumentParser) -> None:
     """--parallel and --activation_checkpointing, for the scripts that train (parallel.py)."""
     g = parser.add_argument_group("memory")
-    g.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp",
+    g.add_argument("--parallel", choices=PARALLEL_MODES, default="ddp",
                    help="ddp: every rank holds the whole trained model, gradients and optimizer state; fsdp: each rank "
                         "holds 1/N of them (PyTorch FSDP2), checkpoints while training are sharded and the final one is "
                         "also written whole (one rank under torchrun is fine) (default: %(default)s)")

@@ -5,15 +5,19 @@ Per trained parameter: fp32 weights (4 bytes), fp32 gradients (4) and AdamW's tw
 rank under ddp, 16 / N under fsdp, which adds the weights FSDP gathers in bf16 while they compute (the root's
 embeddings and LM head through the step, two blocks at a time: one computing, one prefetched) and, while micro-batches
 accumulate unsharded, every weight gathered in bf16 with its fp32 gradient (6 bytes). What does not train is held in
-bf16 (2 bytes): GRPO's reference, its reward model, the RM's frozen blocks; the rollout engine's weights (a bf16 copy of
-the policy's matmul weights under ddp, of all its weights under fsdp) and its KV cache.
+bf16 (2 bytes): GRPO's reward model, the RM's frozen blocks, GRPO's reference (under ddp its matmul weights only: its
+embeddings stay fp32 like the policy's); the rollout engine's weights (a bf16 copy of the policy's matmul weights under
+ddp, of all its weights under fsdp) and its KV cache. Micro-batches that accumulate unsharded (accum > 1 under fsdp,
+where memory allows: parallel.Parallel) hold every trained weight gathered and every gradient unsharded instead.
 
 Activations of a training micro-batch, calibrated on fake-tensor runs of our own nanochat blocks under bf16 autocast
 (bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 55 bytes
 per unit of width without activation checkpointing (what a block saves for its backward), 11 with it (its input and
 the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
-most 4096 tokens at once (grpo.token_logprobs_chunked); and, without activation checkpointing under ddp, the bf16 casts
-of the blocks' weights that autocast saves for the backward.
+most 4096 tokens at once (grpo.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves
+for the backward (the LM head's, and the blocks' without activation checkpointing; under fsdp they are the gathered
+weights). Checked against fake-tensor runs of a one-rank GRPO step (tests/test_bench.py); the fsdp terms are
+arithmetic only.
 """
 from __future__ import annotations
 
@@ -87,8 +91,8 @@ def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointin
     """Bytes a training micro-batch keeps for its backward (see the module docstring)."""
     blocks = tokens * s.layers * s.width * ACT_BYTES[checkpointing]
     head = 2 * 4 * s.vocab * min(completion_tokens, HEAD_CHUNK)
-    weight_casts = 2 * s.layers * s.block_params if casts and not checkpointing else 0
-    return blocks + head + weight_casts + 2 * s.lm_head
+    weight_casts = (2 * s.layers * s.block_params if not checkpointing else 0) + 2 * s.lm_head if casts else 0
+    return blocks + head + weight_casts
 
 
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,

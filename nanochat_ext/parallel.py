@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.ddp_common import DistEnv, is_main, wrap_ddp
+from nanochat_ext.ddp_common import DistEnv, all_reduce_max, is_main, wrap_ddp
 from nanochat_ext.errors import InputError
 
 PARALLEL_MODES = ("ddp", "fsdp")
@@ -98,7 +98,8 @@ class Parallel:
         if self.env.device.type != "cuda":
             return True
         extra = 6 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-        return extra <= torch.cuda.mem_get_info(self.env.device)[0] / 2
+        free = -all_reduce_max(-torch.cuda.mem_get_info(self.env.device)[0])  # the least free: every rank decides alike
+        return extra <= free / 2
 
     def describe(self, model: nn.Module) -> str:
         """The log line: what each rank holds."""
@@ -139,14 +140,17 @@ class Parallel:
 
         return save_synced(into, [p for p in model.parameters() if p.requires_grad], write, shards)
 
-    def consolidate(self, into: str, resume: tuple | None, out_dir: Path, save: Callable[[Path], Path]) -> Path:
-        """--consolidate DIR: save(DIR) writes the checkpoint resumed from whole, into DIR (claimed as an output)."""
-        from nanochat_ext.checkpoint import claim_out_dir
+    def consolidate(self, into: str, resume: tuple | None, out_dir: Path, save: Callable[[Path, dict], Path]) -> Path:
+        """--consolidate DIR: save(DIR, metrics) writes the checkpoint resumed from whole, into DIR (claimed as an
+        output), with the metrics its meta recorded."""
+        from nanochat_ext.checkpoint import claim_out_dir, read_json
 
         if resume is None:
             raise InputError(f"--consolidate: no checkpoint in {out_dir} to write whole")
+        if Path(into).resolve() == Path(out_dir).resolve():
+            raise InputError("--consolidate DIR must be another dir than --out, which holds the run's checkpoints")
         claim_out_dir(into)
-        return save(Path(into))
+        return save(Path(into), read_json(resume[1]).get("metrics", {}))
 
     def resume(self, path: Path, model: nn.Module, optimizer) -> bool:
         """Collective: load a sharded checkpoint (shards_<stamp>/) into model and optimizer and return True,
@@ -158,8 +162,8 @@ class Parallel:
             self.load_shards(path, model, optimizer)
             return True
         if self.sharded:
-            raise InputError("this checkpoint was written by a --parallel ddp run (its optimizer state is not "
-                             "sharded): resume it with --parallel ddp", path=str(path))
+            raise InputError("a whole checkpoint without shards (a --parallel ddp run's): its optimizer state is not "
+                             "sharded; resume it with --parallel ddp", path=str(path))
         return False
 
     def whole_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor]:

@@ -114,7 +114,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                                                                               weights))
 
     if args.consolidate:
-        return parallel.consolidate(args.consolidate, resume, out_dir, lambda d: save(start_step, {}, d, True))
+        return parallel.consolidate(args.consolidate, resume, out_dir,
+                                    lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft", args.report_to, vars(args),
                       args.wandb_project)

@@ -172,7 +172,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                  d, stamp, trainable_state(model, weights), meta, state))
 
     if args.consolidate:
-        return parallel.consolidate(args.consolidate, resume, out_dir, lambda d: save(start_step, {}, d, True))
+        return parallel.consolidate(args.consolidate, resume, out_dir,
+                                    lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     # ---- train ----------------------------------------------------------------------------------
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
@@ -220,14 +221,19 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
 @torch.no_grad()
 def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: int, autocast) -> dict:
-    """Validation accuracy / margin / loss over all ranks: each rank scores every W-th pair."""
+    """Validation accuracy / margin / loss over all ranks: each rank scores every W-th pair. Every rank runs as
+    many forwards as the rank with the most (one with fewer scores a pair it then leaves out): under --parallel fsdp
+    each forward gathers the weights from every rank."""
     mine = pairs[env.rank::env.world_size]
     stats = torch.zeros(4, dtype=torch.float64)  # correct, margin, loss, n
-    for i in range(0, len(mine), batch):
-        b = collate_pairs(mine[i:i + batch], pad_id)
+    for i in range(0, -(-len(pairs) // env.world_size), batch):
+        chunk = mine[i:i + batch]
+        b = collate_pairs(chunk or pairs[:1], pad_id)
         n = b["weights"].numel()
         with autocast:
             r = model(b["input_ids"].to(env.device), b["lengths"].to(env.device)).float()
+        if not chunk:
+            continue
         margin = (r[:n] - r[n:]).double().cpu()
         stats += torch.tensor([(margin > 0).sum().item(), margin.sum().item(),
                                torch.nn.functional.softplus(-margin).sum().item(), n], dtype=torch.float64)

@@ -33,7 +33,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
         ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and with activation checkpointing
     fsdp = rows[6:]
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
-    assert all(r["unfreeze_last"] == "all" and r["tflops"] > 0 for r in fsdp[::2])
+    assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
     rm, grpo, decode = rows[1:4], rows[4], rows[5]
@@ -125,8 +125,7 @@ def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
 def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing):
     """nanochat_ext.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
     128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own modules, whose
-    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing (which the
-    arithmetic must see cut the activations by more than a third)."""
+    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing."""
     import memory_estimate
     from bench_gpu import shape_config
 
@@ -134,6 +133,3 @@ def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing):
     fake = memory_estimate.grpo_step(shape_config("d12:32768"), True, 16, 16, 128, 512, 16, checkpointing)["training"]
     modelled = memory_estimate.modelled_training("d12:32768", checkpointing, b) / 2**30
     assert modelled == pytest.approx(fake, rel=0.1)
-    if checkpointing:
-        full = memory_estimate.modelled_training("d12:32768", False, b) / 2**30
-        assert modelled < full * 2 / 3

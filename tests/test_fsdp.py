@@ -36,9 +36,9 @@ def weights(d) -> dict[str, torch.Tensor]:
     return torch.load(find_checkpoint(d)[0], weights_only=True)
 
 
-# nanochat's backout_lambda: its gradient on these fixtures is float noise, which Adam normalises into updates of
-# about +-lr, so any other rounding (one rank against two; DDP's all-reduce of gradients pre-divided by the world
-# size against FSDP's reduce-scatter) leaves it up to ~lr apart: measured 1-3.5e-4 at lr 5e-4-1e-3.
+# nanochat's backout_lambda: with n_layer 2 backout subtracts from the last block's output and the final rms-norm
+# cancels it, so its true gradient is exactly 0 and Adam moves it by rounding noise alone, up to lr a step: any other
+# rounding (one rank against two; DDP's all-reduce against FSDP's reduce-scatter) leaves it up to ~lr apart.
 NOISE = ("backout_lambda",)
 
 
@@ -59,14 +59,17 @@ def die_at_save(module: str, n_state: int, args: list[str]) -> subprocess.Comple
 
 def rm_args(assets, out, *extra) -> list[str]:
     return ["--backbone", str(NANOCHAT), "--tokenizer", str(GOLDEN / "tokenizer"), "--pairs", str(assets["pairs"]),
-            "--batch_size", "8", "--max_steps", "4", "--unfreeze_last", "all", "--lr", "5e-4", "--eval_every", "0",
-            "--log_every", "2", "--seed", "3", "--device", "cpu", "--max_len", "64", "--out", str(out), *extra]
+            "--batch_size", "8", "--max_steps", "6", "--unfreeze_last", "all", "--lr", "5e-4", "--eval_every", "0",
+            "--log_every", "2", "--seed", "3", "--device", "cpu", "--max_len", "64", "--out", str(out),
+            "--val_ratio", "0.08", *extra]  # 45 validation pairs: 12 batches of 2 on rank 0, 11 on rank 1
 
 
 def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path):
-    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank; a run
-    killed in its second (sharded) save resumes from the first to the uninterrupted weights, bitwise; the final
-    shards written whole by --consolidate are the final checkpoint, and load as an RM."""
+    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank (with a
+    validation set the ranks split unevenly: each forward is collective under FSDP); a run killed in its second
+    sharded save resumes from the first to the uninterrupted weights, bitwise; the final shards, loaded by one
+    process (another number of ranks, no process group) and written whole by --consolidate, are the final
+    checkpoint, and load as an RM."""
     two = ("--device_batch_size", "2")  # the same global batch of 8: 2 ranks x 2 micro-batches x 2 pairs
     one = tmp_path / "one"
     assert kat_train_rm.main(rm_args(assets, one)) == 0
@@ -79,35 +82,40 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout
     assert "ddp: trainable parameters identical on 2 ranks" in ddp.stdout
     assert "parallel: fsdp over 2 ranks: " in fsdp.stdout and "ddp: trainable" not in fsdp.stdout
-    # Rank 0 owns I/O: one line per checkpoint, the last naming the final one. The step-2 checkpoint is sharded
-    # only (no whole model); the final one is whole (the RM's layout) and sharded (to resume from).
+    # Rank 0 owns I/O: one line per checkpoint, the last naming the final one. The step-2 and -4 checkpoints are
+    # sharded only (no whole model); the final one is whole (the RM's layout) and sharded (to resume from).
     stamps = sorted(int(p.name.split("_")[1]) for p in straight.glob("shards_*"))
-    assert len(stamps) == 2 and not list(straight.glob("*.tmp"))
-    assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{stamps[1]}.pt"]
-    assert fsdp.stdout.count("checkpoint: ") == 2
-    assert fsdp.stdout.strip().splitlines()[-1] == f"checkpoint: {straight / f'model_{stamps[1]}.pt'}"
+    assert len(stamps) == 3 and not list(straight.glob("*.tmp"))
+    assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{stamps[2]}.pt"]
+    assert fsdp.stdout.count("checkpoint: ") == 3
+    assert fsdp.stdout.strip().splitlines()[-1] == f"checkpoint: {straight / f'model_{stamps[2]}.pt'}"
     # Weights: FSDP reduce-scatters what DDP all-reduces (the same sums); one rank sums in another order.
     w_one, w_ddp, w_fsdp = weights(one), weights(tmp_path / "ddp"), weights(straight)
     assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_ddp.items()}
     assert_close(w_fsdp, w_ddp, atol=1e-6, skip=NOISE)
     assert_close(w_fsdp, w_one, atol=2e-5, skip=NOISE)
+    assert_close(w_ddp, w_one, atol=2e-5, skip=NOISE)
+    ddp_dir = tmp_path / "ddp"  # ddp: one whole checkpoint, its state holding the optimizer, nothing sharded
+    assert len(list(ddp_dir.glob("model_*.pt"))) == 1 and not list(ddp_dir.glob("shards_*"))
+    assert not list(ddp_dir.glob("*.tmp")) and ddp.stdout.strip().splitlines()[-1].startswith("checkpoint: ")
     init = load_backbone(NANOCHAT).model.state_dict()
     assert (w_fsdp["backbone.model.transformer.h.1.mlp.c_fc.weight"] - init["transformer.h.1.mlp.c_fc.weight"]
             ).abs().max() > 1e-4
 
-    # Killed between the second checkpoint's state and meta: its shards and state are orphans.
+    # Killed in the step-4 save, between its state and its meta: its shards and state are orphans.
     killed = die_at_save("kat_train_rm", 2, rm_args(assets, crashed, *fsdp_args))
     assert killed.returncode != 0
     assert len(list(crashed.glob("shards_*"))) == 2 and len(list(crashed.glob("meta_*.json"))) == 1
     resumed = run_script("scripts.kat_train_rm", rm_args(assets, crashed, *fsdp_args, "--resume", "latest"), nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert "checkpoint: removed what an interrupted save left: " in resumed.stdout
-    assert "resume: from " in resumed.stdout and "shards_" in resumed.stdout and "at step 2" in resumed.stdout
+    resume_line = next(line for line in resumed.stdout.splitlines() if line.startswith("resume: from "))
+    assert "/shards_" in resume_line and resume_line.endswith("at step 2")
     assert_close(weights(crashed), w_fsdp, atol=0)
 
     # The final shards, written whole by one process (no process group): the final checkpoint, and an RM.
     whole = tmp_path / "whole"
-    final_shards = straight / f"shards_{stamps[1]}"
+    final_shards = straight / f"shards_{stamps[2]}"
     assert kat_train_rm.main(rm_args(assets, straight, "--resume", str(final_shards), "--consolidate", str(whole))) == 0
     assert_close(weights(whole), w_fsdp, atol=0)
     scorer = load_reward_model(whole)
@@ -115,27 +123,22 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
         load_reward_model(straight).score(["How do I boil an egg?"], ["Put it in boiling water."])[0], abs=0)
 
 
-def grpo_args(policy, tokenizer, prompts, out, *extra) -> list[str]:
-    return ["--policy", str(policy), *(["--tokenizer", str(tokenizer)] if tokenizer else []), "--prompts", str(prompts),
+def grpo_args(policy, prompts, out, *extra) -> list[str]:
+    return ["--policy", str(policy), "--prompts", str(prompts),
             "--batch_size", "4", "--group_size", "4", "--max_new_tokens", "8", "--max_steps", "2", "--beta", "0.04",
             "--lr", "1e-3", "--log_every", "1", "--device", "cpu", "--out", str(out), *extra]
 
 
-@pytest.mark.parametrize("case", ["nanochat", "llama-dynamic-sampling"])
-def test_grpo_on_fsdp_trains_as_ddp_and_one_rank(assets, prompts, tmp_path, case):
-    """GRPO's full fine-tune: FSDP on 2 ranks = DDP on 2 ranks = 1 rank, with ragged prompts, on nanochat's current
-    vintage (every completion kept) and on the native Llama with --filter_zero_std (only groups with a reward
-    spread train). The policy decodes from a whole copy gathered from the shards: the same tokens as DDP's. The
-    final checkpoint has nanochat's own layout: its keys, shapes and dtypes."""
-    if case == "nanochat":
-        policy, tokenizer, extra = NANOCHAT, GOLDEN / "tokenizer", ["--reward_fn", "rewards_for_tests:vowel_share"]
-    else:
-        policy, tokenizer, extra = assets["hf"], None, ["--reward_fn", "rewards_for_tests:flat_for_even_prompts",
-                                                        "--filter_zero_std", "--max_draws", "8"]
+def test_grpo_on_fsdp_with_dynamic_sampling_on_the_native_llama_trains_as_ddp_and_one_rank(assets, prompts, tmp_path):
+    """GRPO's full fine-tune of the native Llama with --filter_zero_std (only groups with a reward spread train) and
+    ragged prompts: FSDP on 2 ranks = DDP on 2 ranks = 1 rank, the same samples and rewards at every step (the FSDP
+    policy decodes from a whole copy gathered from its shards). nanochat's current vintage under FSDP:
+    test_nanochat_vintages.test_grpo_two_ranks_match_one_rank_on_ragged_prompts."""
+    extra = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8"]
     one = tmp_path / "one"
     sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
-    assert kat_train_grpo.main(grpo_args(policy, tokenizer, prompts, one, *extra)) == 0
-    runs = {mode: run_script("scripts.kat_train_grpo", grpo_args(policy, tokenizer, prompts, tmp_path / mode, *extra,
+    assert kat_train_grpo.main(grpo_args(assets["hf"], prompts, one, *extra)) == 0
+    runs = {mode: run_script("scripts.kat_train_grpo", grpo_args(assets["hf"], prompts, tmp_path / mode, *extra,
                                                                  "--device_batch_size", "4", "--parallel", mode),
                              nproc=2, env=ENV) for mode in ("ddp", "fsdp")}
     for proc in runs.values():
@@ -145,13 +148,11 @@ def test_grpo_on_fsdp_trains_as_ddp_and_one_rank(assets, prompts, tmp_path, case
     assert rewards[0] and [r.split("| train/loss")[0] for r in rewards[0]] == \
         [r.split("| train/loss")[0] for r in rewards[1]]  # the same samples and rewards at every step
     trained = {k: load_backbone(tmp_path / k).model.state_dict() for k in ("one", "ddp", "fsdp")}
-    init = load_backbone(policy).model.state_dict()
+    init = load_backbone(assets["hf"]).model.state_dict()
     assert_close(trained["fsdp"], trained["ddp"], atol=1e-6)
-    assert_close(trained["fsdp"], trained["one"], atol=1e-5, skip=NOISE)
+    assert_close(trained["fsdp"], trained["one"], atol=1e-5)
+    assert_close(trained["ddp"], trained["one"], atol=1e-5)
     assert all((trained["fsdp"][k] - init[k]).abs().max() > 1e-5 for k in init)  # every tensor trained
-    if case == "nanochat":
-        saved, golden = weights(tmp_path / "fsdp"), torch.load(next(NANOCHAT.glob("model_*.pt")), weights_only=True)
-        assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}
 
 
 def test_activation_checkpointing_gives_the_same_gradients(assets):

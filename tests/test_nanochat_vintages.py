@@ -16,7 +16,7 @@ import torch
 from conftest import REPO, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import resolve_model_path
+from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.engine import compile_for
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import VINTAGES, PrefixTree
@@ -322,30 +322,41 @@ def test_grpo_round_trip_keeps_the_layout(name, ragged_prompts, tmp_path):
 
 
 def test_grpo_two_ranks_match_one_rank_on_ragged_prompts(ragged_prompts, tmp_path):
-    """Today's nanochat (smear, windows), prompts of different lengths: 1 rank and 2 ranks sample the
-    same completions and end with the same weights."""
+    """Today's nanochat (smear, windows), prompts of different lengths: 1 rank, 2 DDP ranks and 2 FSDP ranks
+    (--parallel fsdp, decoding from a whole copy gathered from the shards) sample the same completions and end
+    with the same weights; FSDP's final checkpoint is whole, in nanochat's own layout (the fixture's keys, shapes
+    and dtypes)."""
     # lr 1e-4: Adam turns float noise in near-zero gradients into updates of about +-lr, so the float-level
     # gap between the runs scales with lr (measured: 5.7e-5 at lr 1e-3, 5.7e-6 at 1e-4).
     common = ["--max_steps", "2", "--lr", "1e-4", "--beta", "0.04", "--log_rollouts", "--log_every", "1"]
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    one = run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / "one", *common), env=env)
-    two = run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / "two", *common),
-                     nproc=2, env=env)
-    assert one.returncode == 0, one.stderr
-    assert two.returncode == 0, two.stderr
-    rollouts = [[json.loads(x) for x in (tmp_path / run / "logs" / "rollouts.jsonl").read_text().splitlines()]
-                for run in ("one", "two")]
-    assert len(rollouts[0]) == 2 * 4 * 4
-    assert len({len(r["completion_ids"]) for r in rollouts[0]}) > 1  # ragged completions too
-    assert [r["completion_ids"] for r in rollouts[0]] == [r["completion_ids"] for r in rollouts[1]]
-    a, b = load_backbone(tmp_path / "one"), load_backbone(tmp_path / "two")
-    for (k, p), q in zip(a.model.state_dict().items(), b.model.state_dict().values()):
-        if k == "backout_lambda":
-            # With n_layer 2 backout subtracts from the last block's output and the final rms-norm cancels
-            # it: its true gradient is exactly 0, so Adam moves it by noise alone, at most lr per step.
-            assert (p - q).abs().max() <= 2 * 2 * 1e-4
-            continue
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=k)
+    runs = {"one": run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / "one", *common),
+                              env=env)}
+    for mode in ("ddp", "fsdp"):
+        runs[mode] = run_script("scripts.kat_train_grpo", grpo_argv("current", ragged_prompts, tmp_path / mode, *common,
+                                                                    "--parallel", mode), nproc=2, env=env)
+    for proc in runs.values():
+        assert proc.returncode == 0, proc.stderr
+    assert "from a whole copy gathered from the shards per rollout" in runs["fsdp"].stdout
+    rollouts = {run: [json.loads(x) for x in (tmp_path / run / "logs" / "rollouts.jsonl").read_text().splitlines()]
+                for run in runs}
+    assert len(rollouts["one"]) == 2 * 4 * 4
+    assert len({len(r["completion_ids"]) for r in rollouts["one"]}) > 1  # ragged completions too
+    for run in ("ddp", "fsdp"):
+        assert [r["completion_ids"] for r in rollouts["one"]] == [r["completion_ids"] for r in rollouts[run]]
+    trained = {run: load_backbone(tmp_path / run).model.state_dict() for run in runs}
+    for a, b in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp")):
+        for k, p in trained[a].items():
+            q = trained[b][k]
+            if k == "backout_lambda":
+                # With n_layer 2 backout subtracts from the last block's output and the final rms-norm cancels
+                # it: its true gradient is exactly 0, so Adam moves it by noise alone, at most lr per step.
+                assert (p - q).abs().max() <= 2 * 2 * 1e-4
+                continue
+            torch.testing.assert_close(p, q, atol=1e-5, rtol=0, msg=f"{a} {b} {k}")
+    saved = torch.load(find_checkpoint(tmp_path / "fsdp")[0], weights_only=True)
+    golden = torch.load(find_checkpoint(fixture_dir("current"))[0], weights_only=True)
+    assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}
 
 
 def zero_reward_argv(policy: Path, prompts: Path, out: Path, dtype: str) -> list[str]:

@@ -17,6 +17,7 @@ import torch
 
 from conftest import REPO, run_script
 from nanochat_ext import checkpoint
+from nanochat_ext.ddp_common import free_port
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo, kat_train_rm
@@ -237,6 +238,38 @@ def test_a_full_disk_at_save_removes_the_partial_files_and_keeps_the_previous_ch
     assert len(names) == 3 and not any(n.endswith(".tmp") for n in names), names  # model, state, meta of step 2
 
 
+def test_a_full_disk_in_a_sharded_save_removes_its_shards_and_keeps_the_previous_checkpoint(assets, tmp_path, capsys,
+                                                                                            monkeypatch):
+    """--parallel fsdp (one rank, in this process): the step-4 shards run out of space mid-write. One line, and
+    the step-2 sharded checkpoint stays the newest; --resume latest continues from it."""
+    from nanochat_ext import parallel
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the one-rank group this process makes, scoped to this test
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    out, real_save, calls = tmp_path / "full", parallel.Parallel.save_shards, []
+
+    def save_until_full(self, path, model, optimizer):
+        calls.append(path)
+        if len(calls) == 2:
+            path.mkdir(parents=True)
+            (path / "__0_0.distcp").write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(self, path, model, optimizer)
+
+    monkeypatch.setattr(parallel.Parallel, "save_shards", save_until_full)
+    args = rm_args(assets, out, "--max_steps", "6", "--save_every", "2", "--parallel", "fsdp")
+    assert kat_train_rm.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "could not write sharded checkpoint" in err and " MiB free there" in err
+    assert "(No space left on device)" in err
+    assert [m["step"] for m in metas(out)] == [2]
+    assert sorted(p.name.split("_")[0] for p in out.iterdir() if p.name[0] != ".") == ["logs", "meta", "shards",
+                                                                                       "state"]  # step 2's only
+    monkeypatch.setattr(parallel.Parallel, "save_shards", real_save)
+    assert kat_train_rm.main([*args, "--resume", "latest"]) == 0
+    assert "at step 2" in capsys.readouterr().out and [m["step"] for m in metas(out)] == [2, 4, 6]
+
+
 # ---- bad input: one line each ---------------------------------------------------------------------
 @pytest.mark.parametrize("extra,expected", [
     (["--max_steps", "0"], "--max_steps must be >= 1, got 0"),
@@ -260,8 +293,12 @@ def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--top_p", "0"], "--top_p must be in (0, 1]"),
     (["--reward_clip", "0"], "--reward_clip must be a finite number > 0"),
+    (["--parallel", "fsdp", "--optimizer", "muon"], "--optimizer muon orthogonalises whole matrices"),
+    (["--consolidate", "somewhere"], "--consolidate DIR writes a checkpoint whole: give the one to write with --resume"),
 ])
-def test_grpo_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
+def test_grpo_flags_out_of_range(assets, tmp_path, capsys, monkeypatch, extra, expected):
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # --parallel fsdp makes a one-rank group in this process
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     args = ["--policy", str(assets["gpt"]), "--prompts", str(assets["pairs"]), "--reward_fn",
             "rewards_for_tests:vowel_share", "--device", "cpu", "--out", str(tmp_path / "out"), *extra]
     assert kat_train_grpo.main(args) == 2

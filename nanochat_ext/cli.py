@@ -14,6 +14,7 @@ from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
+from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
                                 restore_signal_handlers)
@@ -112,8 +113,9 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     """Run body(args, env) inside a process-group session that is always torn down; rank 0 prints
     `<label>: <path returned>` as the last line. A failure ends with one `error: ...` line, the last on
     stderr (of rank 0 for an error every rank shares, else of each failing rank), and an exit code:
-    EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed) or
-    1 for anything unforeseen (after its traceback)."""
+    EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed),
+    EXIT_OUT_OF_MEMORY (one line on every rank that ran out, saying what to change) or 1 for anything
+    unforeseen (after its traceback)."""
     rank = detect_launcher()[1]
 
     def report(message: str, everyone: bool = False) -> None:
@@ -138,6 +140,9 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
             print(str(e), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or an environment failure: its traceback, then the one line
+        if is_out_of_memory(e):  # bad input too (a model or batch too big): every rank that hit it says so
+            report(out_of_memory_line(e, args), everyone=True)
+            return EXIT_OUT_OF_MEMORY
         traceback.print_exc()
         report(first_line(e, 300), everyone=True)
         return 1

@@ -1,5 +1,6 @@
-"""What a training step holds on each rank, by arithmetic: the memory model of bench/memory_estimate.py and the
-README's "which setting for which model and GPUs" table.
+"""What a training step holds on each rank, by arithmetic (the memory model of bench/memory_estimate.py, the README's
+"which setting for which model and GPUs" table and the trainers' log), and the one line a run that does not fit ends
+with.
 
 Per trained parameter: fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8): 16 bytes on every
 rank under ddp, 16 / N under fsdp, which adds the weights FSDP gathers in bf16 while they compute (the root's
@@ -21,7 +22,12 @@ arithmetic only.
 """
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
 
 GiB = 2**30
 ACT_BYTES = {False: 55, True: 11}  # per token, block and unit of width (see the docstring)
@@ -53,6 +59,30 @@ def model_shape(model) -> ModelShape:
     return ModelShape(c.n_layer, c.n_embd, c.vocab_size, c.n_kv_head, c.n_embd // c.n_head,
                       sum(p.numel() for p in model.parameters()),
                       max(sum(p.numel() for p in b.parameters()) for b in blocks), model.lm_head.weight.numel())
+
+
+def backbone_shape(backbone) -> ModelShape:
+    """The shape of any Backbone: nanochat GPT, our Llama, or a transformers module (by its config's usual names)."""
+    from nanochat_ext.gpt import GPT
+
+    if isinstance(backbone.model, GPT):
+        return model_shape(backbone.model)
+    c, blocks = backbone.model.config, backbone.blocks
+    heads = getattr(c, "n_head", None) or c.num_attention_heads
+    kv = getattr(c, "n_kv_head", None) or getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return ModelShape(len(blocks), c.hidden_size, c.vocab_size, kv, head_dim, sum(p.numel() for p in backbone.parameters()),
+                      max(sum(p.numel() for p in b.parameters()) for b in blocks),
+                      sum(p.numel() for p in backbone.output_head_params()))
+
+
+def describe(m: StepMemory, micro: int) -> str:
+    """The log line of a memory model: each part, and the peak with its phase."""
+    names = {**m.parts, **m.training, **{f"rollout {k}": v for k, v in m.rollout.items()}}
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.3g}" for k, v in names.items())
+    phase = "training" if m.phase("training") >= m.phase("rollout") else "rollout"
+    return (f"memory: per rank by nanochat_ext/memory.py (bf16 on CUDA; GiB): {parts} (activations at micro-batches of "
+            f"{micro}); peak {m.peak() / GiB:.3g} in {phase}")
 
 
 @dataclass
@@ -126,3 +156,53 @@ def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, 
     sub = ModelShape(n, s.width, s.vocab, s.kv_heads, s.head_dim, s.params, s.block_params, 0)
     m.training["activations"] = activations(sub, tokens, 0, checkpointing, parallel == "ddp")
     return m
+
+
+def report_peak(device, estimate: StepMemory) -> None:
+    """Collective on CUDA: log the measured peak (the largest over ranks) beside the estimate; nothing on CPU."""
+    from nanochat_ext.ddp_common import peak_memory_gb, print0
+
+    measured = peak_memory_gb(device)
+    if measured:
+        print0(f"memory: measured peak {measured['perf/max_mem_allocated_gb']:.2f} GiB per rank (the largest over "
+               f"ranks) against the estimate's {estimate.peak() / GiB:.2f}")
+
+
+# ---- when it does not fit ---------------------------------------------------------------------------------------
+EXIT_OUT_OF_MEMORY = 4
+@contextlib.contextmanager
+def doing(what: str, micro: int | None = None) -> Iterator[None]:
+    """Name the phase that runs inside (a rollout, a training micro-batch of `micro` rows): an error raised in it
+    carries the innermost phase's name (its `during`), which the out-of-memory line gives."""
+    try:
+        yield
+    except BaseException as e:
+        if not hasattr(e, "during"):
+            e.during = (what, micro)
+        raise
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's CUDA out-of-memory error, Python's MemoryError, or the CPU allocator's failure."""
+    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def out_of_memory_line(e: BaseException, args) -> str:
+    """One line for an out-of-memory error: in which phase and what was allocating, the peak, and the flags of this
+    script that take less memory."""
+    asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", str(e))
+    what, micro = getattr(e, "during", ("", None))
+    peak = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        device = torch.cuda.current_device()
+        total = torch.cuda.get_device_properties(device).total_memory / GiB
+        peak = f"; peak {torch.cuda.max_memory_allocated(device) / GiB:.1f} of {total:.1f} GiB on this GPU"
+    flags = [f"--device_batch_size {micro // 2}" if micro and micro > 1 else "a smaller --device_batch_size"]
+    if hasattr(args, "activation_checkpointing") and not args.activation_checkpointing:
+        flags.append("--activation_checkpointing")
+    if getattr(args, "parallel", None) == "ddp":
+        flags.append("--parallel fsdp (over more GPUs)")
+    return (f"out of memory{' in ' + what if what else ''} ({asked.group(0) if asked else type(e).__name__}{peak}); "
+            f"to take less: {', '.join(flags)}; nothing was saved for this step: resume from the last checkpoint "
+            f"with --resume latest")

@@ -26,6 +26,7 @@ from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, s
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.memory import doing
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.tracking import Tracker, WindowSums
@@ -128,9 +129,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
         done = step + 1
-        guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+        with doing(f"a training micro-batch of {plan.device_batch_size} conversations", plan.device_batch_size):
+            stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
+            guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(loss=stats[0].item(), tokens=stats[1].item(), steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:

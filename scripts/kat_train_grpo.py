@@ -34,6 +34,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.memory import backbone_shape, describe, doing, grpo_memory, report_peak
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import load_reward_model
@@ -265,6 +266,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                     lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     # ---- train ------------------------------------------------------------------------------------
+    rm_model = getattr(rm, "model", None)
+    estimate = grpo_memory(backbone_shape(policy), parallel=args.parallel, ranks=env.world_size,
+                           checkpointing=args.activation_checkpointing, micro=micro,
+                           prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
+                           accum=seqs_per_rank // micro, reference=reference is not None,
+                           rm=backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None)
+    print0(describe(estimate, micro))
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo", args.report_to, vars(args),
                       args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
@@ -280,13 +288,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         indices = [i for mb in loader.micro_batches(draw) for i in mb]
         t0, compiled_before = time.time(), compile_stats()[1]
         policy.eval()
-        with autocast:
+        with autocast, doing(f"the rollout ({len(indices) * G} completions of up to {args.max_new_tokens} tokens)"):
             samples = engine.generate([prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                       [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = engine.last
-        per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
-                                           [prompt_ids[i] for i in indices], samples, tok, G)
+        with doing("scoring the rollout"):
+            per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
+                                               [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
         window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
                    tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
@@ -329,10 +338,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         if args.mask_truncated:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
         t0 = time.time()
-        if reference is not None:
-            batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
-        if args.num_iterations > 1:
-            batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
+        with doing(f"the reference's log-probs, {micro} sequences at a time", micro):
+            if reference is not None:
+                batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
+            if args.num_iterations > 1:
+                batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
         t1 = time.time()
         lr_mult = lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
@@ -341,8 +351,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         stats = torch.zeros(5, dtype=torch.float64)
         done = step + 1
         for _ in range(args.num_iterations):
-            it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
-            grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
+            with doing(f"a training micro-batch of {micro} sequences", micro):
+                it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
+                grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
             stats += it
         window.add(**dict(zip(LOSS_STATS, (stats / args.num_iterations).tolist())), ref_s=t1 - t0,
                    train_s=time.time() - t1, steps=1)
@@ -366,6 +377,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         if due(done, args.save_every) and done < args.max_steps:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
+    report_peak(env.device, estimate)
     return save(args.max_steps, metrics)
 
 

@@ -28,6 +28,7 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.memory import backbone_shape, describe, doing, report_peak, rm_memory
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -176,6 +177,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                     lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     # ---- train ----------------------------------------------------------------------------------
+    estimate = rm_memory(backbone_shape(backbone), parallel=args.parallel, ranks=env.world_size,
+                         checkpointing=args.activation_checkpointing, pairs=plan.device_batch_size,
+                         seq_len=args.max_len, accum=plan.accum_steps, unfreeze=args.unfreeze_last)
+    print0(describe(estimate, plan.device_batch_size))
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
                       args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
@@ -188,9 +193,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
         done = step + 1
-        grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+        with doing(f"a training micro-batch of {plan.device_batch_size} pairs", plan.device_batch_size):
+            stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
+            grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
         tracker.advance()
         if due(done, args.log_every) or done == args.max_steps:
@@ -206,7 +212,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             t_log = time.time()
         if done == args.max_steps or due(done, args.eval_every):
             if val_pairs:
-                val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
+                with doing(f"validation, {plan.device_batch_size} pairs at a time", plan.device_batch_size):
+                    val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
                 tracker.log(done, val)
                 metrics.update(val)
             t_log = time.time()
@@ -216,6 +223,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         if due(done, args.save_every) and done < args.max_steps:
             print0(f"checkpoint: {save(done, metrics)}")
     tracker.close()
+    report_peak(env.device, estimate)
     return save(args.max_steps, metrics)
 
 

@@ -83,6 +83,9 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout
     assert "ddp: trainable parameters identical on 2 ranks" in ddp.stdout
     assert "parallel: fsdp over 2 ranks: " in fsdp.stdout and "ddp: trainable" not in fsdp.stdout
+    # The memory model before step 1: the sharded state, what FSDP gathers, the activations (nanochat_ext.memory).
+    model_line = next(line for line in fsdp.stdout.splitlines() if line.startswith("memory: per rank"))
+    assert all(f" {part} " in model_line for part in ("weights", "optimizer", "gradients", "gathered", "activations"))
     # Rank 0 owns I/O: one line per checkpoint, the last naming the final one. The step-2 and -4 checkpoints are
     # sharded only (no whole model); the final one is whole (the RM's layout) and sharded (to resume from).
     stamps = sorted(int(p.name.split("_")[1]) for p in straight.glob("shards_*"))
@@ -146,6 +149,8 @@ def test_grpo_on_fsdp_with_dynamic_sampling_on_the_native_llama_trains_as_one_ra
                       nproc=2, env=ENV)
     assert fsdp.returncode == 0, fsdp.stderr
     assert "from a whole copy gathered from the shards per rollout" in fsdp.stdout
+    model_line = next(line for line in fsdp.stdout.splitlines() if line.startswith("memory: per rank"))
+    assert " engine weights " in model_line and " rollout kv cache " in model_line and " reference " in model_line
     rollouts = [[(r["prompt_index"], r["completion_ids"], r["reward"]) for r in map(json.loads, (
         tmp_path / run / "logs" / "rollouts.jsonl").read_text().splitlines())] for run in ("one", "fsdp")]
     assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]  # the same groups, samples and rewards

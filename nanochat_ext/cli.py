@@ -190,6 +190,29 @@ def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[floa
         report_targets(args.report_to)
 
 
+def micro_batch(value: str) -> int | str:
+    """--device_batch_size: a positive number, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or 'auto', got {value!r}")
+    return n
+
+
+def auto_micro_batch(args: argparse.Namespace, device) -> bool:
+    """Whether --device_batch_size is to be picked by memory: 'auto', or not given on CUDA."""
+    return args.device_batch_size == "auto" or (args.device_batch_size is None and device.type == "cuda")
+
+
+MICRO_BATCH_HELP = ("per forward on each rank; gradient accumulation makes up the rest. 'auto' (the default on CUDA): "
+                    "the largest that divides the rank's share and fits the free memory by the memory model, the same "
+                    "on every rank (logged with its figures). Default on CPU: the rank's whole share")
+
+
 def check_consolidate(args: argparse.Namespace) -> None:
     """--consolidate writes the checkpoint --resume names: one line when there is none to write."""
     if getattr(args, "consolidate", None) and args.resume is None:

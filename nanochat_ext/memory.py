@@ -23,9 +23,10 @@ arithmetic only.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -166,6 +167,44 @@ def report_peak(device, estimate: StepMemory) -> None:
     if measured:
         print0(f"memory: measured peak {measured['perf/max_mem_allocated_gb']:.2f} GiB per rank (the largest over "
                f"ranks) against the estimate's {estimate.peak() / GiB:.2f}")
+
+
+# ---- a micro-batch that fits by itself ------------------------------------------------------------------------------
+FREE_BYTES_ENV = "NANOCHAT_EXT_FREE_BYTES"  # on CPU: the memory a run may take (a limit the tests simulate)
+AUTO_MARGIN = 0.15  # of the free memory, left for what the arithmetic does not see (allocator rounding, workspaces)
+
+
+def free_memory(device) -> int | None:
+    """Collective: the bytes a rank may still take, the least over ranks: CUDA's free memory, or on CPU
+    $NANOCHAT_EXT_FREE_BYTES where set; None where no limit is known (CPU)."""
+    from nanochat_ext.ddp_common import all_reduce_max
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        value = os.environ.get(FREE_BYTES_ENV)
+        free = int(value) if value else None
+    if free is None:
+        return None
+    return int(-all_reduce_max(-float(free)))
+
+
+def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free: int | None,
+                     margin: float = AUTO_MARGIN) -> tuple[int, str]:
+    """--device_batch_size auto: the largest micro-batch that divides this rank's share of the global batch and whose
+    estimated peak (the memory model, at the run's longest sequences; `estimate(size)`) is at most (1 - margin) of
+    the free memory: all of the share where no limit is known, 1 where none fits. The same on every rank (free is the
+    least over ranks). Accumulation makes up the rest, so the step's result does not depend on it. Returns (size,
+    the log line with the figures it used)."""
+    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    if free is None:
+        return per_rank, f"micro-batch: auto: {per_rank} (no memory limit known on this device)"
+    budget = (1 - margin) * free
+    peaks = {m: estimate(m).peak() for m in sizes}
+    m = next((m for m in sizes if peaks[m] <= budget), 1)
+    tried = ", ".join(f"{k}: {peaks[k] / GiB:.3g}" for k in sizes)
+    return m, (f"micro-batch: auto: {m} of {per_rank} per rank (estimated peak GiB by size: {tried}; free "
+               f"{free / GiB:.3g} GiB, the least over ranks, less a {margin:.0%} margin: {budget / GiB:.3g})")
 
 
 # ---- when it does not fit ---------------------------------------------------------------------------------------

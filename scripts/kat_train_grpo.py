@@ -22,8 +22,9 @@ import torch
 from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume
 from nanochat_ext.compiled import compile_models, compile_stats
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
-                              check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
+from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args,
+                              add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
+                              output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
@@ -34,7 +35,8 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import backbone_shape, describe, doing, grpo_memory, report_peak
+from nanochat_ext.memory import (StepMemory, backbone_shape, describe, doing, free_memory, grpo_memory, pick_micro_batch,
+                                 report_peak)
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import load_reward_model
@@ -127,8 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weight of the k3 KL to the frozen reference; 0 skips the reference model (default: %(default)s)")
     g.add_argument("--num_iterations", type=int, default=1, help="optimizer updates per rollout batch, mu (default: 1)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--device_batch_size", type=int, default=None,
-                   help="sequences per forward on each rank (default: all of the rank's prompts x group_size)")
+    g.add_argument("--device_batch_size", type=micro_batch, default=None, help="sequences " + MICRO_BATCH_HELP)
     g.add_argument("--max_steps", type=int, default=100, help="rollout steps (default: %(default)s)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw; or muon, nanochat's own recipe for nanochat policies: torch's Muon on the block "
@@ -180,8 +181,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         train_rows, eval_rows = split_by_prefix(prompts, args.val_ratio)
     plan = BatchPlan.make(args.batch_size, env.world_size, None)
     seqs_per_rank = plan.per_rank * G
-    micro = args.device_batch_size or seqs_per_rank
-    if micro <= 0 or seqs_per_rank % micro:
+    auto = auto_micro_batch(args, env.device)
+    micro = seqs_per_rank if auto else args.device_batch_size or seqs_per_rank
+    if seqs_per_rank % micro:
         raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
@@ -205,12 +207,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     sampling = SamplingConfig(args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.min_new_tokens)
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
                           args.importance_level)
-    # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
-    # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
-    share_prompt = micro % G == 0
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
-    print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
-           f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
 
     # ---- models, optimizer, resume ----------------------------------------------------------------
     policy.set_trainable("all")
@@ -267,11 +264,23 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- train ------------------------------------------------------------------------------------
     rm_model = getattr(rm, "model", None)
-    estimate = grpo_memory(backbone_shape(policy), parallel=args.parallel, ranks=env.world_size,
+
+    def estimate_for(micro: int) -> StepMemory:  # at the longest prompt and every completion at --max_new_tokens
+        return grpo_memory(backbone_shape(policy), parallel=args.parallel, ranks=env.world_size,
                            checkpointing=args.activation_checkpointing, micro=micro,
                            prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
                            accum=seqs_per_rank // micro, reference=reference is not None,
                            rm=backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None)
+
+    if auto:
+        micro, line = pick_micro_batch(seqs_per_rank, estimate_for, free_memory(env.device))
+        print0(line)
+    # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
+    # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
+    share_prompt = micro % G == 0
+    print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
+           f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
+    estimate = estimate_for(micro)
     print0(describe(estimate, micro))
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo", args.report_to, vars(args),
                       args.wandb_project)

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
-                              check_flags, check_consolidate, due, output_dirs, run_script, script_argv)
+from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args,
+                              add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
+                              output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint, torch_load)
@@ -28,7 +29,8 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import backbone_shape, describe, doing, report_peak, rm_memory
+from nanochat_ext.memory import (StepMemory, backbone_shape, describe, doing, free_memory, pick_micro_batch, report_peak,
+                                 rm_memory)
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -57,9 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight_cap", type=float, default=None, help="clip each pair's weight to at most this")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL pairs per optimizer step (default: %(default)s)")
-    g.add_argument("--device_batch_size", type=int, default=None,
-                   help="pairs per forward on each rank; gradient accumulation makes up the rest "
-                        "(default: batch_size / world_size)")
+    g.add_argument("--device_batch_size", type=micro_batch, default=None, help="pairs " + MICRO_BATCH_HELP)
     g.add_argument("--max_steps", type=int, default=200, help="optimizer steps (default: %(default)s)")
     g.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (default: %(default)s)")
     g.add_argument("--warmup_steps", type=int, default=0, help="linear warmup steps before cosine decay")
@@ -102,7 +102,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.density:
         attach_density(rows, load_density(args.density), args.density)
     train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
-    plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
+    auto = auto_micro_batch(args, env.device)
+    plan = BatchPlan.make(args.batch_size, env.world_size, None if auto else args.device_batch_size)
     resume = resolve_resume(args.resume, out_dir)
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
@@ -128,8 +129,6 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
            f"{len({r.prefix_id for r in rows})} prompts; {loader.steps_per_epoch} steps per epoch")
-    print0(f"batch: {plan.batch_size} global = {env.world_size} ranks x {plan.accum_steps} micro-batches x "
-           f"{plan.device_batch_size} pairs")
 
     # ---- model, optimizer, resume ---------------------------------------------------------------
     model = RewardModel(backbone)
@@ -177,9 +176,19 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                     lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     # ---- train ----------------------------------------------------------------------------------
-    estimate = rm_memory(backbone_shape(backbone), parallel=args.parallel, ranks=env.world_size,
-                         checkpointing=args.activation_checkpointing, pairs=plan.device_batch_size,
-                         seq_len=args.max_len, accum=plan.accum_steps, unfreeze=args.unfreeze_last)
+    def estimate_for(micro: int) -> StepMemory:  # at --max_len, every pair's longest
+        return rm_memory(backbone_shape(backbone), parallel=args.parallel, ranks=env.world_size,
+                         checkpointing=args.activation_checkpointing, pairs=micro, seq_len=args.max_len,
+                         accum=plan.per_rank // micro, unfreeze=args.unfreeze_last)
+
+    if auto:
+        micro, line = pick_micro_batch(plan.per_rank, estimate_for, free_memory(env.device))
+        print0(line)
+        plan = BatchPlan.make(args.batch_size, env.world_size, micro)
+        loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
+    print0(f"batch: {plan.batch_size} global = {env.world_size} ranks x {plan.accum_steps} micro-batches x "
+           f"{plan.device_batch_size} pairs")
+    estimate = estimate_for(plan.device_batch_size)
     print0(describe(estimate, plan.device_batch_size))
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
                       args.wandb_project)

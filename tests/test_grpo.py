@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 
 import pytest
 import torch
 
 from conftest import REPO, run_script, run_worker, ulps
-from nanochat_ext import engine, synthetic
+from nanochat_ext import engine, memory, synthetic
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import check_resume_args
 from nanochat_ext.errors import InputError
@@ -301,3 +302,26 @@ def test_chunked_lm_head_logprobs_equal_one_chunk():
     torch.testing.assert_close(ent_chunked, ent_whole, atol=ulps(ent_whole), rtol=0)
     for a, b in zip(grads_chunked, grads_whole):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_micro_batch_fits_the_memory_limit_and_trains_as_that_size_by_hand(assets, grpo_assets, tmp_path, capsys,
+                                                                                 monkeypatch):
+    """--device_batch_size auto (GRPO, CPU with a simulated limit): the largest micro-batch of the rank's sequences
+    whose estimated peak fits, and the weights of the same run with that size given by hand, bitwise."""
+    args = grpo_args(assets, grpo_assets, tmp_path, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "1",
+                     "--batch_size", "4", "--group_size", "4")
+    out_at = args.index("--out") + 1
+    monkeypatch.setenv(memory.FREE_BYTES_ENV, str(2**40))
+    args[out_at] = str(tmp_path / "roomy")
+    assert kat_train_grpo.main([*args, "--device_batch_size", "auto"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("micro-batch: auto: "))
+    peaks = {int(k): float(v) for k, v in re.findall(r"(\d+): ([0-9.e+-]+)", line.split("by size: ")[1].split(";")[0])}
+    monkeypatch.setenv(memory.FREE_BYTES_ENV, str(int((peaks[4] + peaks[8]) / 2 / (1 - memory.AUTO_MARGIN) * 2**30)))
+    args[out_at] = str(tmp_path / "auto")
+    assert kat_train_grpo.main([*args, "--device_batch_size", "auto"]) == 0
+    assert "micro-batch: auto: 4 of 16 per rank" in capsys.readouterr().out
+    monkeypatch.delenv(memory.FREE_BYTES_ENV)
+    args[out_at] = str(tmp_path / "by_hand")
+    assert kat_train_grpo.main([*args, "--device_batch_size", "4"]) == 0
+    auto, by_hand = (load_backbone(tmp_path / d).model.state_dict() for d in ("auto", "by_hand"))
+    assert all(torch.equal(auto[k], by_hand[k]) for k in auto)

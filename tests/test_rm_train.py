@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import run_script
-from nanochat_ext import synthetic
+from nanochat_ext import memory, synthetic
+from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.data import load_pairs
 from nanochat_ext.reward import load_reward_model
 from scripts import kat_train_rm
@@ -230,3 +232,37 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     margins = np.array(margins)
     assert meta["metrics"]["val/accuracy"] == np.mean(margins > 0)
     assert meta["metrics"]["val/margin"] == pytest.approx(margins.mean(), rel=1e-12)
+
+
+def test_auto_micro_batch_picks_what_fits_and_trains_as_that_size_given_by_hand(assets, tmp_path, capsys, monkeypatch):
+    """--device_batch_size auto under a memory limit (simulated on CPU by NANOCHAT_EXT_FREE_BYTES): the largest
+    micro-batch whose estimated peak fits, logged with its figures, and the run's weights are those of the same run
+    with that size given by hand, bitwise (the same micro-batches, the same arithmetic)."""
+    args = ["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--pairs", str(assets["pairs"]),
+            "--batch_size", "8", "--max_steps", "3", "--unfreeze_last", "1", "--max_len", "64", "--device", "cpu",
+            "--eval_every", "0", "--seed", "3"]
+    monkeypatch.setenv(memory.FREE_BYTES_ENV, str(2**40))
+    assert kat_train_rm.main([*args, "--out", str(tmp_path / "roomy"), "--device_batch_size", "auto"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("micro-batch: auto: "))
+    assert line.startswith("micro-batch: auto: 8 of 8 per rank (estimated peak GiB by size: 8: ")
+    peaks = {int(k): float(v) for k, v in re.findall(r"(\d+): ([0-9.e+-]+)", line.split("by size: ")[1].split(";")[0])}
+    assert sorted(peaks) == [1, 2, 4, 8] and peaks[1] < peaks[2] < peaks[4] < peaks[8]
+    free = (peaks[2] + peaks[4]) / 2 / (1 - memory.AUTO_MARGIN) * 2**30  # room for 2 pairs a forward, not for 4
+    monkeypatch.setenv(memory.FREE_BYTES_ENV, str(int(free)))
+    assert kat_train_rm.main([*args, "--out", str(tmp_path / "auto"), "--device_batch_size", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch: auto: 2 of 8 per rank" in out and "batch: 8 global = 1 ranks x 4 micro-batches x 2 pairs" in out
+    monkeypatch.delenv(memory.FREE_BYTES_ENV)
+    assert kat_train_rm.main([*args, "--out", str(tmp_path / "by_hand"), "--device_batch_size", "2"]) == 0
+    auto, by_hand = (torch.load(find_checkpoint(tmp_path / d)[0], weights_only=True) for d in ("auto", "by_hand"))
+    assert auto.keys() == by_hand.keys() and all(torch.equal(auto[k], by_hand[k]) for k in auto)
+
+
+def test_pick_micro_batch_takes_the_largest_divisor_that_fits():
+    def estimate(m):
+        return memory.StepMemory({"weights": 2**30}, {"activations": m * 2**30})  # 1 GiB held + 1 GiB a row
+
+    assert memory.pick_micro_batch(12, estimate, None)[0] == 12  # no limit known
+    assert memory.pick_micro_batch(12, estimate, int(5.5 * 2**30), margin=0)[0] == 4  # 4 fits (5 GiB), 6 does not
+    assert memory.pick_micro_batch(12, estimate, int(1.5 * 2**30), margin=0)[0] == 1  # nothing fits: the smallest
+    assert memory.pick_micro_batch(12, estimate, 4 * 2**30, margin=0.25)[0] == 2  # 3 GiB to spend

@@ -175,12 +175,13 @@ AUTO_MARGIN = 0.15  # of the free memory, left for what the arithmetic does not 
 
 
 def free_memory(device) -> int | None:
-    """Collective: the bytes a rank may still take, the least over ranks: CUDA's free memory, or on CPU
-    $NANOCHAT_EXT_FREE_BYTES where set; None where no limit is known (CPU)."""
+    """Collective: the bytes a rank may hold in all, the least over ranks: on CUDA what is free plus what this process
+    holds already (the weights the estimate counts are loaded by now), on CPU $NANOCHAT_EXT_FREE_BYTES where set;
+    None where no limit is known (CPU)."""
     from nanochat_ext.ddp_common import all_reduce_max
 
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+        free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     else:
         value = os.environ.get(FREE_BYTES_ENV)
         free = int(value) if value else None
@@ -190,58 +191,85 @@ def free_memory(device) -> int | None:
 
 
 def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free: int | None,
-                     margin: float = AUTO_MARGIN) -> tuple[int, str]:
+                     margin: float = AUTO_MARGIN, prefer: int = 1) -> tuple[int, str]:
     """--device_batch_size auto: the largest micro-batch that divides this rank's share of the global batch and whose
     estimated peak (the memory model, at the run's longest sequences; `estimate(size)`) is at most (1 - margin) of
-    the free memory: all of the share where no limit is known, 1 where none fits. The same on every rank (free is the
-    least over ranks). Accumulation makes up the rest, so the step's result does not depend on it. Returns (size,
-    the log line with the figures it used)."""
+    the memory a rank may hold: all of the share where no limit is known; 1, said so, where none fits. Multiples of
+    `prefer` first (GRPO's group size: whole groups share their prompt). The same on every rank (free is the least
+    over ranks). Returns (size, the log line with the figures it used)."""
     sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
     if free is None:
         return per_rank, f"micro-batch: auto: {per_rank} (no memory limit known on this device)"
     budget = (1 - margin) * free
     peaks = {m: estimate(m).peak() for m in sizes}
-    m = next((m for m in sizes if peaks[m] <= budget), 1)
+    order = [m for m in sizes if m % prefer == 0] + [m for m in sizes if m % prefer]
+    m = next((m for m in order if peaks[m] <= budget), None)
     tried = ", ".join(f"{k}: {peaks[k] / GiB:.3g}" for k in sizes)
-    return m, (f"micro-batch: auto: {m} of {per_rank} per rank (estimated peak GiB by size: {tried}; free "
-               f"{free / GiB:.3g} GiB, the least over ranks, less a {margin:.0%} margin: {budget / GiB:.3g})")
+    verdict = f"{m} of {per_rank}" if m else f"1 of {per_rank}, though none fits by the estimate,"
+    return m or 1, (f"micro-batch: auto: {verdict} per rank (estimated peak GiB by size: {tried}; room "
+                    f"{free / GiB:.3g} GiB, the least over ranks, less a {margin:.0%} margin: {budget / GiB:.3g})")
+
+
+def auto_pick(per_rank: int, estimate: Callable[[int], StepMemory], device, resume: tuple | None,
+              prefer: int = 1) -> tuple[int, str]:
+    """Collective: --device_batch_size auto for a run: the size the run it resumes picked (the same micro-batches: an
+    exact resume, whatever memory is free now), else pick_micro_batch's over the memory free now."""
+    saved = resume[2].get("device_batch_size") if resume is not None else None
+    if saved and per_rank % int(saved) == 0:  # (another number of ranks may not split into it)
+        return int(saved), f"micro-batch: auto: {saved}, as picked by the run this one resumes"
+    return pick_micro_batch(per_rank, estimate, free_memory(device), prefer=prefer)
+
+
+def smaller_micro(micro: int, share: int) -> tuple[str, ...]:
+    """The --device_batch_size hint for a phase of `micro` rows: the next size that divides the rank's share."""
+    below = [m for m in range(micro - 1, 0, -1) if share % m == 0]
+    return (f"--device_batch_size {below[0]}",) if below else ()
 
 
 # ---- when it does not fit ---------------------------------------------------------------------------------------
 EXIT_OUT_OF_MEMORY = 4
+FEWER_RANKS_STATE = "--parallel fsdp (weights, gradients and optimizer state sharded over the GPUs)"
+
+
 @contextlib.contextmanager
-def doing(what: str, micro: int | None = None) -> Iterator[None]:
-    """Name the phase that runs inside (a rollout, a training micro-batch of `micro` rows): an error raised in it
-    carries the innermost phase's name (its `during`), which the out-of-memory line gives."""
+def doing(what: str, hints: tuple[str, ...] = ()) -> Iterator[None]:
+    """Name the phase that runs inside (a rollout, a training micro-batch) and the flags that take less memory in it:
+    an error raised in it carries the innermost phase's (its `during`), which the out-of-memory line gives."""
     try:
         yield
     except BaseException as e:
         if not hasattr(e, "during"):
-            e.during = (what, micro)
+            e.during = (what, hints)
         raise
 
 
-def is_out_of_memory(e: BaseException) -> bool:
-    """torch's CUDA out-of-memory error, Python's MemoryError, or the CPU allocator's failure."""
-    return isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+def is_out_of_memory(e: BaseException | None) -> bool:
+    """torch's CUDA out-of-memory error, Python's MemoryError, CUDA's or the CPU allocator's failure as a RuntimeError,
+    or an error raised from one of these."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (isinstance(e, RuntimeError) and any(
+                s in str(e) for s in ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory"))):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def out_of_memory_line(e: BaseException, args) -> str:
     """One line for an out-of-memory error: in which phase and what was allocating, the peak, and the flags of this
-    script that take less memory."""
+    script that take less memory there."""
     asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", str(e))
-    what, micro = getattr(e, "during", ("", None))
+    what, hints = getattr(e, "during", ("", ("a smaller --device_batch_size", "--activation_checkpointing",
+                                             FEWER_RANKS_STATE)))
     peak = ""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory / GiB
         peak = f"; peak {torch.cuda.max_memory_allocated(device) / GiB:.1f} of {total:.1f} GiB on this GPU"
-    flags = [f"--device_batch_size {micro // 2}" if micro and micro > 1 else "a smaller --device_batch_size"]
-    if hasattr(args, "activation_checkpointing") and not args.activation_checkpointing:
-        flags.append("--activation_checkpointing")
-    if getattr(args, "parallel", None) == "ddp":
-        flags.append("--parallel fsdp (over more GPUs)")
+    given = {"--activation_checkpointing": getattr(args, "activation_checkpointing", True),
+             "--parallel fsdp": getattr(args, "parallel", "fsdp") == "fsdp"}
+    flags = [h for h in hints if not any(h.startswith(flag) and on for flag, on in given.items())]
+    resume = "; nothing was saved for this step: resume from the last checkpoint with --resume latest" if what else ""
     return (f"out of memory{' in ' + what if what else ''} ({asked.group(0) if asked else type(e).__name__}{peak}); "
-            f"to take less: {', '.join(flags)}; nothing was saved for this step: resume from the last checkpoint "
-            f"with --resume latest")
+            f"to take less: {', '.join(flags) or 'a smaller model or a larger GPU'}{resume}")

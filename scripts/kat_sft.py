@@ -26,7 +26,7 @@ from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, s
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import doing
+from nanochat_ext.memory import FEWER_RANKS_STATE, doing, smaller_micro
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.tracking import Tracker, WindowSums
@@ -130,8 +130,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         for group in optimizer.param_groups:
             group["lr"] = lr
         done = step + 1
-        with doing(f"a training micro-batch of {plan.device_batch_size} conversations", plan.device_batch_size):
+        with doing(f"a training micro-batch of {plan.device_batch_size} conversations",
+                   (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
+                    FEWER_RANKS_STATE)):
             stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
+        with doing("the optimizer step", (FEWER_RANKS_STATE,)):
             guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(loss=stats[0].item(), tokens=stats[1].item(), steps=1)
         tracker.advance()

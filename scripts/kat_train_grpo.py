@@ -35,8 +35,8 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import (StepMemory, backbone_shape, describe, doing, free_memory, grpo_memory, pick_micro_batch,
-                                 report_peak)
+from nanochat_ext.memory import (FEWER_RANKS_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
+                                 grpo_memory, report_peak, smaller_micro)
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import load_reward_model
@@ -254,7 +254,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                               "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
         return parallel.save(into, model, optimizer, module=policy.model, final=step == args.max_steps,
                              consolidate=consolidate, meta=meta,
-                             state={"step": step, "draw": draw, "args": vars(args), "source_fingerprint": source_print},
+                             state={"step": step, "draw": draw, "args": vars(args), "source_fingerprint": source_print,
+                                    "device_batch_size": micro},
                              write_whole=lambda d, stamp, meta, state, weights: policy.save(d, stamp, meta, tok, state,
                                                                                             weights))
 
@@ -269,11 +270,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return grpo_memory(backbone_shape(policy), parallel=args.parallel, ranks=env.world_size,
                            checkpointing=args.activation_checkpointing, micro=micro,
                            prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
-                           accum=seqs_per_rank // micro, reference=reference is not None,
+                           accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
+                           reference=reference is not None,
                            rm=backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None)
 
     if auto:
-        micro, line = pick_micro_batch(seqs_per_rank, estimate_for, free_memory(env.device))
+        micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)
         print0(line)
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
     # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
@@ -297,12 +299,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         indices = [i for mb in loader.micro_batches(draw) for i in mb]
         t0, compiled_before = time.time(), compile_stats()[1]
         policy.eval()
-        with autocast, doing(f"the rollout ({len(indices) * G} completions of up to {args.max_new_tokens} tokens)"):
+        with autocast, doing(f"the rollout ({len(indices) * G} completions of up to {args.max_new_tokens} tokens)",
+                             ("fewer completions per rank (--batch_size, --group_size, or more ranks)",
+                              "a smaller --max_new_tokens")):
             samples = engine.generate([prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
                                       [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = engine.last
-        with doing("scoring the rollout"):
+        with doing("scoring the rollout", ("fewer completions per rank (--batch_size, --group_size, or more ranks)",)):
             per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
                                                [prompt_ids[i] for i in indices], samples, tok, G)
         total = rewards.total(per_reward)
@@ -347,7 +351,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         if args.mask_truncated:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
         t0 = time.time()
-        with doing(f"the reference's log-probs, {micro} sequences at a time", micro):
+        with doing(f"log-probs without gradients, {micro} sequences at a time", smaller_micro(micro, seqs_per_rank)):
             if reference is not None:
                 batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
             if args.num_iterations > 1:
@@ -360,8 +364,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         stats = torch.zeros(5, dtype=torch.float64)
         done = step + 1
         for _ in range(args.num_iterations):
-            with doing(f"a training micro-batch of {micro} sequences", micro):
+            with doing(f"a training micro-batch of {micro} sequences",
+                       (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE)):
                 it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
+            with doing("the optimizer step", (FEWER_RANKS_STATE,)):
                 grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
             stats += it
         window.add(**dict(zip(LOSS_STATS, (stats / args.num_iterations).tolist())), ref_s=t1 - t0,

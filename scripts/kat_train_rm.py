@@ -29,8 +29,8 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import (StepMemory, backbone_shape, describe, doing, free_memory, pick_micro_batch, report_peak,
-                                 rm_memory)
+from nanochat_ext.memory import (FEWER_RANKS_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
+                                 report_peak, rm_memory, smaller_micro)
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
@@ -167,7 +167,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
 
         return parallel.save(into, model, optimizer, module=model, final=step == args.max_steps,
-                             consolidate=consolidate, meta=meta, state={"step": step, "args": vars(args)},
+                             consolidate=consolidate, meta=meta, state={"step": step, "args": vars(args), "device_batch_size": plan.device_batch_size},
                              write_whole=lambda d, stamp, meta, state, weights: save_checkpoint(
                                  d, stamp, trainable_state(model, weights), meta, state))
 
@@ -179,10 +179,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     def estimate_for(micro: int) -> StepMemory:  # at --max_len, every pair's longest
         return rm_memory(backbone_shape(backbone), parallel=args.parallel, ranks=env.world_size,
                          checkpointing=args.activation_checkpointing, pairs=micro, seq_len=args.max_len,
-                         accum=plan.per_rank // micro, unfreeze=args.unfreeze_last)
+                         accum=plan.per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
+                         unfreeze=args.unfreeze_last)
 
     if auto:
-        micro, line = pick_micro_batch(plan.per_rank, estimate_for, free_memory(env.device))
+        micro, line = auto_pick(plan.per_rank, estimate_for, env.device, resume)
         print0(line)
         plan = BatchPlan.make(args.batch_size, env.world_size, micro)
         loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
@@ -203,8 +204,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         for group in optimizer.param_groups:
             group["lr"] = lr
         done = step + 1
-        with doing(f"a training micro-batch of {plan.device_batch_size} pairs", plan.device_batch_size):
+        with doing(f"a training micro-batch of {plan.device_batch_size} pairs",
+                   (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
+                    FEWER_RANKS_STATE)):
             stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
+        with doing("the optimizer step", (FEWER_RANKS_STATE,)):
             grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
         tracker.advance()
@@ -221,7 +225,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             t_log = time.time()
         if done == args.max_steps or due(done, args.eval_every):
             if val_pairs:
-                with doing(f"validation, {plan.device_batch_size} pairs at a time", plan.device_batch_size):
+                with doing(f"validation, {plan.device_batch_size} pairs at a time",
+                           smaller_micro(plan.device_batch_size, plan.per_rank)):
                     val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
                 tracker.log(done, val)
                 metrics.update(val)

@@ -1,6 +1,7 @@
 """Reward-model trainer behaviour: it learns, resumes exactly, reloads for scoring, and refuses bad input."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 
@@ -256,6 +257,11 @@ def test_auto_micro_batch_picks_what_fits_and_trains_as_that_size_given_by_hand(
     assert kat_train_rm.main([*args, "--out", str(tmp_path / "by_hand"), "--device_batch_size", "2"]) == 0
     auto, by_hand = (torch.load(find_checkpoint(tmp_path / d)[0], weights_only=True) for d in ("auto", "by_hand"))
     assert auto.keys() == by_hand.keys() and all(torch.equal(auto[k], by_hand[k]) for k in auto)
+    # A resumed run keeps the size its checkpoint was trained with, whatever is free now (here: no limit known).
+    capsys.readouterr()
+    assert kat_train_rm.main([*args, "--out", str(tmp_path / "auto"), "--device_batch_size", "auto", "--resume",
+                              "latest", "--resume_extend", "--max_steps", "4"]) == 0
+    assert "micro-batch: auto: 2, as picked by the run this one resumes" in capsys.readouterr().out
 
 
 def test_pick_micro_batch_takes_the_largest_divisor_that_fits():
@@ -264,5 +270,30 @@ def test_pick_micro_batch_takes_the_largest_divisor_that_fits():
 
     assert memory.pick_micro_batch(12, estimate, None)[0] == 12  # no limit known
     assert memory.pick_micro_batch(12, estimate, int(5.5 * 2**30), margin=0)[0] == 4  # 4 fits (5 GiB), 6 does not
-    assert memory.pick_micro_batch(12, estimate, int(1.5 * 2**30), margin=0)[0] == 1  # nothing fits: the smallest
+    assert memory.pick_micro_batch(12, estimate, int(7.5 * 2**30), margin=0)[0] == 6
+    assert memory.pick_micro_batch(12, estimate, int(7.5 * 2**30), margin=0, prefer=4)[0] == 4  # whole groups first
+    assert memory.pick_micro_batch(12, estimate, int(4.5 * 2**30), margin=0, prefer=6)[0] == 3  # no group fits
     assert memory.pick_micro_batch(12, estimate, 4 * 2**30, margin=0.25)[0] == 2  # 3 GiB to spend
+    size, line = memory.pick_micro_batch(12, estimate, int(1.5 * 2**30), margin=0)
+    assert size == 1 and "1 of 12, though none fits by the estimate" in line
+
+
+def test_out_of_memory_is_told_apart_and_its_line_names_the_phase_and_the_remedies():
+    cpu = RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you "
+                       "tried to allocate 1073741824 bytes.")
+    wrapped = ValueError("while compiling")
+    wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
+    assert memory.is_out_of_memory(cpu) and memory.is_out_of_memory(wrapped) and memory.is_out_of_memory(MemoryError())
+    assert not memory.is_out_of_memory(RuntimeError("the tokenizer can't allocate memory for a 0-length string"))
+    try:
+        with memory.doing("a training micro-batch of 8 pairs", ("--device_batch_size 4", "--activation_checkpointing",
+                                                                  memory.FEWER_RANKS_STATE)):
+            with memory.doing("the LM head", ("--device_batch_size 4",)):  # the innermost phase names it
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
+    except torch.OutOfMemoryError as e:
+        line = memory.out_of_memory_line(e, argparse.Namespace(activation_checkpointing=True, parallel="ddp"))
+    assert line == ("out of memory in the LM head (Tried to allocate 2.00 GiB); to take less: --device_batch_size 4; "
+                    "nothing was saved for this step: resume from the last checkpoint with --resume latest")
+    flags = argparse.Namespace(activation_checkpointing=True, parallel="fsdp")  # both already on: not suggested
+    assert memory.out_of_memory_line(cpu, flags) == ("out of memory (RuntimeError); to take less: a smaller "
+                                                     "--device_batch_size")

@@ -122,7 +122,8 @@ def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointin
     """Bytes a training micro-batch keeps for its backward (see the module docstring)."""
     blocks = tokens * s.layers * s.width * ACT_BYTES[checkpointing]
     head = 2 * 4 * s.vocab * min(completion_tokens, HEAD_CHUNK)
-    weight_casts = (2 * s.layers * s.block_params if not checkpointing else 0) + 2 * s.lm_head if casts else 0
+    head_cast = 2 * (s.lm_head or s.vocab * s.width) if completion_tokens else 0  # a tied head casts the embedding
+    weight_casts = (2 * s.layers * s.block_params if not checkpointing else 0) + head_cast if casts else 0
     return blocks + head + weight_casts
 
 

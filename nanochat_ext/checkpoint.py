@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat_ext.ddp_common import (barrier, broadcast_object, check_params_in_sync, gather_objects, get_world_size,
+from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, gather_objects, get_world_size,
                                      is_main, print0, raise_if_any)
 from nanochat_ext.errors import InputError, first_line
 
@@ -71,10 +71,11 @@ def find_checkpoint(path: str | os.PathLike) -> tuple[Path, Path] | None:
     return found[0] if found else None
 
 
-def first_loadable(path: str | os.PathLike, load: Callable[[Path, Path], Any]) -> Any:
-    """load(model, meta) of the newest complete checkpoint at path that loads; a corrupt one (an
-    InputError from load) is skipped with a warning when an older one is there to fall back on."""
-    found = complete_checkpoints(path)
+def first_loadable(path: str | os.PathLike, load: Callable[[Path, Path], Any],
+                   found: list[tuple[Path, Path]] | None = None) -> Any:
+    """load(model, meta) of the newest complete checkpoint at path (or of `found`, newest first) that loads; a
+    corrupt one (an InputError from load) is skipped with a warning when an older one is there to fall back on."""
+    found = complete_checkpoints(path) if found is None else found
     for k, (model, meta) in enumerate(found):
         try:
             return load(model, meta)
@@ -181,7 +182,7 @@ def new_stamp(out_dir: str | os.PathLike) -> int:
         stamp = int(time.time())
         existing = resumable_checkpoints(out_dir)  # whole and sharded ones
         if existing:
-            stamp = max(stamp, int(existing[0][1].name.removeprefix("meta_").removesuffix(".json")) + 1)
+            stamp = max(stamp, int(_META_RE.match(existing[0][1].name).group(1)) + 1)
     return broadcast_object(stamp)
 
 
@@ -301,7 +302,6 @@ def _write_shards(d: Path, stamp: int, shards: Callable[[Path], None]) -> None:
         free = shutil.disk_usage(d).free / 2**20
         raise_if_any(f"{d}: could not write sharded checkpoint {stamp} ({error}); {free:.0f} MiB free there; "
                      f"its partial files were removed, the previous checkpoint is intact")
-    barrier()
 
 
 def missing_shards(path: Path) -> str | None:
@@ -363,11 +363,28 @@ RESUME_HELP = ("'latest': the newest complete checkpoint in --out, or a fresh st
 
 
 def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
-    """--resume -> (model file, meta file, loaded train state), or None to start from scratch. A
-    complete checkpoint whose state does not load is skipped for an older one, with a warning."""
+    """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
+    scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
+    resume different steps); a checkpoint that does not load whole is skipped for an older one, with a warning."""
     if resume is None:
         return None
     target = out_dir if resume in ("latest", "must") else resume
+    choice, error = None, None
+    if is_main():
+        try:
+            choice = _choose_resume(resume, target)
+        except InputError as e:
+            error = str(e)
+    raise_if_any(error)
+    paths = broadcast_object(choice[:3] if choice else None)  # the paths only: rank 0 keeps the state it loaded
+    if paths is None:
+        return None
+    model_path, meta_path, state_path = paths
+    return model_path, meta_path, choice[3] if is_main() else torch_load(state_path, "resume state")
+
+
+def _choose_resume(resume: str, target: str | os.PathLike) -> tuple[Path, Path, Path, dict] | None:
+    """Rank 0's part of resolve_resume: the newest resumable checkpoint that loads whole, with its state."""
     found = resumable_checkpoints(target)
     if not found:
         if resume == "latest":
@@ -375,28 +392,25 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
             return None
         raise InputError("no complete checkpoint to resume from", path=str(target))
 
-    for k, (model_path, meta_path) in enumerate(found):
-        digits = meta_path.name.removeprefix("meta_").removesuffix(".json")
+    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict]:
+        digits = _META_RE.match(meta_path.name).group(1)
         state_path = model_path.parent / f"state_{digits}.pt"
         shards = model_path.parent / f"shards_{digits}"
         if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer
             model_path = shards
-        try:
-            if not state_path.is_file():
-                raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
-            if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
-                check_zip(model_path)
-            if is_shards(model_path) and (why := missing_shards(model_path)):
-                raise InputError(f"sharded checkpoint is not whole: {why}", path=str(model_path))
-            state = torch_load(state_path, "resume state")
-            if not is_shards(model_path) and "optimizer" not in state:
-                raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
-                                 f"(which did) is gone", path=str(model_path))
-            return model_path, meta_path, state
-        except InputError as e:
-            if k == len(found) - 1:
-                raise
-            print0(f"warning: skipping a checkpoint that does not load ({e}); trying {found[k + 1][0].name}")
+        if not state_path.is_file():
+            raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+        if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
+            check_zip(model_path)
+        if is_shards(model_path) and (why := missing_shards(model_path)):
+            raise InputError(f"sharded checkpoint is not whole: {why}", path=str(model_path))
+        state = torch_load(state_path, "resume state")
+        if not is_shards(model_path) and "optimizer" not in state:
+            raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
+                             f"(which did) is gone", path=str(model_path))
+        return model_path, meta_path, state_path, state
+
+    return first_loadable(target, load, found)
 
 
 def remove_orphans(out_dir: Path) -> list[str]:

@@ -199,6 +199,10 @@ def all_reduce_max(x: float) -> float:
     return t.item()
 
 
+def all_reduce_min(x: float) -> float:
+    return -all_reduce_max(-x)
+
+
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """Collective on CUDA: the largest torch.cuda.max_memory_allocated over ranks, in GiB; {} on CPU."""
     if device.type != "cuda":

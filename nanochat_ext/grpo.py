@@ -177,6 +177,9 @@ def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.
     return out
 
 
+CHUNK_TOKENS = 4096  # LM-head rows computed at once (token_logprobs_chunked)
+
+
 class CompletionLogprobs(nn.Module):
     """Log-probabilities (and entropies) of completion tokens under a backbone. This is the module
     DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
@@ -185,7 +188,7 @@ class CompletionLogprobs(nn.Module):
     temperature: the distribution the completions were sampled from, softmax(logits / T). The ratio,
     the KL and the entropy must use that one (as TRL does), or the policy gradient is biased at T != 1."""
 
-    def __init__(self, backbone: Backbone, chunk_tokens: int = 4096, temperature: float = 1.0):
+    def __init__(self, backbone: Backbone, chunk_tokens: int = CHUNK_TOKENS, temperature: float = 1.0):
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
@@ -211,7 +214,7 @@ class CompletionLogprobs(nn.Module):
 
 
 def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: float = 1.0,
-                    chunk_tokens: int = 4096, matmuls_only: bool = True) -> CompletionLogprobs:
+                    chunk_tokens: int = CHUNK_TOKENS, matmuls_only: bool = True) -> CompletionLogprobs:
     """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
     linear weights held in `dtype`, see hold_frozen_in), so that at equal weights its log-probs are the
     policy's bitwise and the KL term is exactly 0. temperature and chunk_tokens: the policy's

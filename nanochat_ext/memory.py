@@ -30,9 +30,11 @@ from typing import Callable, Iterator
 
 import torch
 
+from nanochat_ext.grpo import CHUNK_TOKENS
+
 GiB = 2**30
 ACT_BYTES = {False: 55, True: 11}  # per token, block and unit of width (see the docstring)
-HEAD_CHUNK = 4096  # completion tokens whose logits exist at once (grpo.CompletionLogprobs.chunk_tokens)
+UNSHARDED_ACCUM_BYTES = 6  # per trained parameter, accumulating unsharded under fsdp: bf16 weight + fp32 gradient
 
 
 @dataclass(frozen=True)
@@ -114,14 +116,14 @@ def trained_state(s: ModelShape, trained: int, parallel: str, ranks: int, accum:
     if parallel == "fsdp":
         training["gathered"] = 2 * (s.root_params + 2 * s.block_params)
         if accum > 1:  # weights stay gathered and gradients unsharded between micro-batches
-            training["gathered"] = 6 * trained
+            training["gathered"] = UNSHARDED_ACCUM_BYTES * trained
     return held, training
 
 
 def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointing: bool, casts: bool) -> float:
     """Bytes a training micro-batch keeps for its backward (see the module docstring)."""
     blocks = tokens * s.layers * s.width * ACT_BYTES[checkpointing]
-    head = 2 * 4 * s.vocab * min(completion_tokens, HEAD_CHUNK)
+    head = 2 * 4 * s.vocab * min(completion_tokens, CHUNK_TOKENS)
     head_cast = 2 * (s.lm_head or s.vocab * s.width) if completion_tokens else 0  # a tied head casts the embedding
     weight_casts = (2 * s.layers * s.block_params if not checkpointing else 0) + head_cast if casts else 0
     return blocks + head + weight_casts
@@ -179,7 +181,7 @@ def free_memory(device) -> int | None:
     """Collective: the bytes a rank may hold in all, the least over ranks: on CUDA what is free plus what this process
     holds already (the weights the estimate counts are loaded by now), on CPU $NANOCHAT_EXT_FREE_BYTES where set;
     None where no limit is known (CPU)."""
-    from nanochat_ext.ddp_common import all_reduce_max
+    from nanochat_ext.ddp_common import all_reduce_min
 
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
@@ -188,7 +190,7 @@ def free_memory(device) -> int | None:
         free = int(value) if value else None
     if free is None:
         return None
-    return int(-all_reduce_max(-float(free)))
+    return int(all_reduce_min(float(free)))
 
 
 def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free: int | None,
@@ -198,7 +200,7 @@ def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free:
     the memory a rank may hold: all of the share where no limit is known; 1, said so, where none fits. Multiples of
     `prefer` first (GRPO's group size: whole groups share their prompt). The same on every rank (free is the least
     over ranks). Returns (size, the log line with the figures it used)."""
-    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    sizes = divisors(per_rank)
     if free is None:
         return per_rank, f"micro-batch: auto: {per_rank} (no memory limit known on this device)"
     budget = (1 - margin) * free
@@ -223,8 +225,13 @@ def auto_pick(per_rank: int, estimate: Callable[[int], StepMemory], device, resu
 
 def smaller_micro(micro: int, share: int) -> tuple[str, ...]:
     """The --device_batch_size hint for a phase of `micro` rows: the next size that divides the rank's share."""
-    below = [m for m in range(micro - 1, 0, -1) if share % m == 0]
+    below = [m for m in divisors(share) if m < micro]
     return (f"--device_batch_size {below[0]}",) if below else ()
+
+
+def divisors(n: int) -> list[int]:
+    """The micro-batch sizes that split a share of n rows evenly, largest first."""
+    return [m for m in range(n, 0, -1) if n % m == 0]
 
 
 # ---- when it does not fit ---------------------------------------------------------------------------------------

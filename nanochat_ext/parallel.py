@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.ddp_common import DistEnv, all_reduce_max, is_main, wrap_ddp
+from nanochat_ext.ddp_common import DistEnv, all_reduce_min, is_main, wrap_ddp
 from nanochat_ext.errors import InputError
 
 PARALLEL_MODES = ("ddp", "fsdp")
@@ -97,8 +97,10 @@ class Parallel:
         the memory free once the model is placed, else each micro-batch's gradients are reduce-scattered at once."""
         if self.env.device.type != "cuda":
             return True
-        extra = 6 * sum(p.numel() for p in model.parameters() if p.requires_grad)
-        free = -all_reduce_max(-torch.cuda.mem_get_info(self.env.device)[0])  # the least free: every rank decides alike
+        from nanochat_ext.memory import UNSHARDED_ACCUM_BYTES
+
+        extra = UNSHARDED_ACCUM_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
+        free = all_reduce_min(torch.cuda.mem_get_info(self.env.device)[0])  # the least free: every rank decides alike
         return extra <= free / 2
 
     def describe(self, model: nn.Module) -> str:

@@ -265,14 +265,16 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     # ---- train ------------------------------------------------------------------------------------
     rm_model = getattr(rm, "model", None)
+    policy_shape = backbone_shape(policy)
+    rm_shape = backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None
 
     def estimate_for(micro: int) -> StepMemory:  # at the longest prompt and every completion at --max_new_tokens
-        return grpo_memory(backbone_shape(policy), parallel=args.parallel, ranks=env.world_size,
+        return grpo_memory(policy_shape, parallel=args.parallel, ranks=env.world_size,
                            checkpointing=args.activation_checkpointing, micro=micro,
                            prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
                            accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
                            reference=reference is not None,
-                           rm=backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None)
+                           rm=rm_shape)
 
     if auto:
         micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)

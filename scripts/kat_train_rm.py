@@ -176,8 +176,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                     lambda d, metrics: save(start_step, metrics, d, consolidate=True))
 
     # ---- train ----------------------------------------------------------------------------------
+    shape = backbone_shape(backbone)
+
     def estimate_for(micro: int) -> StepMemory:  # at --max_len, every pair's longest
-        return rm_memory(backbone_shape(backbone), parallel=args.parallel, ranks=env.world_size,
+        return rm_memory(shape, parallel=args.parallel, ranks=env.world_size,
                          checkpointing=args.activation_checkpointing, pairs=micro, seq_len=args.max_len,
                          accum=plan.per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
                          unfreeze=args.unfreeze_last)

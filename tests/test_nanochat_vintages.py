@@ -345,6 +345,9 @@ def test_grpo_two_ranks_match_one_rank_on_ragged_prompts(ragged_prompts, tmp_pat
     for run in ("ddp", "fsdp"):
         assert [r["completion_ids"] for r in rollouts["one"]] == [r["completion_ids"] for r in rollouts[run]]
     trained = {run: load_backbone(tmp_path / run).model.state_dict() for run in runs}
+    init = load_backbone(fixture_dir("current")).model.state_dict()
+    # Every tensor trained (backout_lambda's true gradient is 0: it moves by rounding noise alone, if at all).
+    assert all((trained["fsdp"][k] - init[k]).abs().max() > 0 for k in init if k != "backout_lambda")
     for a, b in (("one", "ddp"), ("one", "fsdp"), ("ddp", "fsdp")):
         for k, p in trained[a].items():
             q = trained[b][k]

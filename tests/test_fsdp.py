@@ -67,7 +67,7 @@ def rm_args(assets, out, *extra) -> list[str]:
 
 
 def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path):
-    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank (with a
+    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = 1 rank (with a
     validation set the ranks split unevenly: each forward is collective under FSDP); a run killed in its second
     sharded save resumes from the first to the uninterrupted weights, bitwise; the final shards, loaded by one
     process (another number of ranks, no process group) and written whole by --consolidate, are the final
@@ -75,14 +75,11 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     two = ("--device_batch_size", "2")  # the same global batch of 8: 2 ranks x 2 micro-batches x 2 pairs
     one = tmp_path / "one"
     assert kat_train_rm.main(rm_args(assets, one)) == 0
-    ddp = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "ddp", *two), nproc=2)
     straight, crashed = tmp_path / "fsdp", tmp_path / "crashed"
     fsdp_args = (*two, "--parallel", "fsdp", "--save_every", "2")
     fsdp = run_script("scripts.kat_train_rm", rm_args(assets, straight, *fsdp_args), nproc=2)
-    assert ddp.returncode == 0, ddp.stderr
     assert fsdp.returncode == 0, fsdp.stderr
     assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout
-    assert "ddp: trainable parameters identical on 2 ranks" in ddp.stdout
     assert "parallel: fsdp over 2 ranks: " in fsdp.stdout and "ddp: trainable" not in fsdp.stdout
     # The memory model before step 1: the sharded state, what FSDP gathers, the activations (nanochat_ext.memory).
     model_line = next(line for line in fsdp.stdout.splitlines() if line.startswith("memory: per rank"))
@@ -94,16 +91,10 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{stamps[2]}.pt"]
     assert fsdp.stdout.count("checkpoint: ") == 3
     assert fsdp.stdout.strip().splitlines()[-1] == f"checkpoint: {straight / f'model_{stamps[2]}.pt'}"
-    # Weights: FSDP reduce-scatters what DDP all-reduces (the same sums); one rank sums in another order.
-    w_one, w_ddp, w_fsdp = weights(one), weights(tmp_path / "ddp"), weights(straight)
-    assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_ddp.items()}
-    lr_steps = 5e-4 * 6
-    assert_close(w_fsdp, w_ddp, atol=1e-6, noise=NOISE, lr_steps=lr_steps)
-    assert_close(w_fsdp, w_one, atol=2e-5, noise=NOISE, lr_steps=lr_steps)
-    assert_close(w_ddp, w_one, atol=2e-5, noise=NOISE, lr_steps=lr_steps)
-    ddp_dir = tmp_path / "ddp"  # ddp: one whole checkpoint, its state holding the optimizer, nothing sharded
-    assert len(list(ddp_dir.glob("model_*.pt"))) == 1 and not list(ddp_dir.glob("shards_*"))
-    assert not list(ddp_dir.glob("*.tmp")) and ddp.stdout.strip().splitlines()[-1].startswith("checkpoint: ")
+    # Weights: two ranks sum gradients in another order than one (DDP against FSDP on GRPO: the vintage test).
+    w_one, w_fsdp = weights(one), weights(straight)
+    assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_one.items()}
+    assert_close(w_fsdp, w_one, atol=2e-5, noise=NOISE, lr_steps=5e-4 * 6)
     init = load_backbone(NANOCHAT).model.state_dict()
     assert (w_fsdp["backbone.model.transformer.h.1.mlp.c_fc.weight"] - init["transformer.h.1.mlp.c_fc.weight"]
             ).abs().max() > 1e-4

@@ -38,6 +38,7 @@ from nanochat_ext.ddp_common import init_dist  # noqa: E402
 from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
                                policy_backward, reference_model, token_logprobs)
+from nanochat_ext.lora import LoraSpec, WithoutAdapters, apply_lora  # noqa: E402
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.parallel import Parallel, checkpoint_activations  # noqa: E402
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
@@ -179,17 +180,22 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     cfg = shape_config(shape, b.vintage)
     G, n, P, L = b.group_size, b.grpo_prompts, b.prompt_len, b.new_tokens
     policy = make_backbone(cfg, device, 0)
-    reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16,
-                                matmuls_only=b.par is None or b.par.gathers_in is None)
+    model = CompletionLogprobs(policy)
+    if b.lora_r:  # as the trainer: adapters train, the base held as the reference would be and is the reference
+        apply_lora(policy, LoraSpec(b.lora_r, 2.0 * b.lora_r))
+        hold_frozen_in(policy, torch.bfloat16, matmuls_only=True)
+        reference = WithoutAdapters(model, policy)
+    else:
+        reference = reference_model(make_backbone(cfg, device, 0), torch.bfloat16,
+                                    matmuls_only=b.par is None or b.par.gathers_in is None)
     rm_model = RewardModel(make_backbone(cfg, device, 1)).to(device).requires_grad_(False)
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
-    compiled = compile_models(b.compile, device, policy, reference.backbone, rm_model.backbone)
+    compiled = compile_models(b.compile, device, policy, None if b.lora_r else reference.backbone, rm_model.backbone)
     engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0],
                     whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
-    model = CompletionLogprobs(policy)
     shard(model, policy, b)
-    trainable = list(model.parameters())
+    trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, 1e-6, 0.0, device)
     stop = cfg.vocab_size - 1
     sampling = SamplingConfig(max_new_tokens=L, temperature=1.0, min_new_tokens=L)  # every completion runs L tokens
@@ -255,7 +261,8 @@ def shard(model: torch.nn.Module, backbone: Backbone, b: argparse.Namespace) -> 
 
 
 def memory_setting(b: argparse.Namespace) -> dict:
-    return {"parallel": "fsdp" if b.par else "none", "activation_checkpointing": b.activation_checkpointing}
+    return {"parallel": "fsdp" if b.par else "none", "activation_checkpointing": b.activation_checkpointing,
+            "lora_r": b.lora_r}
 
 
 def decode_figures(runs: list, device: torch.device) -> dict:
@@ -369,6 +376,9 @@ def main() -> None:
                    help="fsdp: the RM (full fine-tune only) and GRPO benches under FSDP2 on a one-rank group, as "
                         "`torchrun --nproc_per_node 1 ... --parallel fsdp` trains (none: the plain module)")
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--lora_r", type=int, default=0,
+                   help="GRPO with LoRA adapters of this rank on every linear layer of the blocks (peft), as "
+                        "kat_train_grpo --lora_r trains (0: the full fine-tune)")
     p.add_argument("--nanochat_src", default=None,
                    help="a nanochat checkout's root: its Engine decodes beside ours in the decode bench")
     b = p.parse_args()

@@ -32,10 +32,11 @@ def decode_cell(r: dict | None) -> str:
 
 
 def label(r: dict) -> str:
-    """The table row a figure belongs to: its shape, and the memory setting it ran under (FSDP, activation
+    """The table row a figure belongs to: its shape, and the memory setting it ran under (FSDP, LoRA, activation
     checkpointing) where it is not the plain one."""
     fsdp = " fsdp" if r.get("parallel", "none") != "none" else ""
-    return r["shape"] + fsdp + (" +AC" if r.get("activation_checkpointing") else "")
+    lora = f" LoRA r{r['lora_r']}" if r.get("lora_r") else ""
+    return r["shape"] + fsdp + lora + (" +AC" if r.get("activation_checkpointing") else "")
 
 
 def table(rows: list[dict]) -> str:

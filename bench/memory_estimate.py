@@ -9,11 +9,13 @@ head's log-softmax over the whole batch at once); "after" is today's.
 
 Beside each fake-tensor GRPO run (today's code, with and without --activation_checkpointing) it prints the
 arithmetic of nanochat_ext/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
---model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing; with
---table the README's "which setting for which model and GPUs" table.
+--model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing, with
+--lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table the README's "which setting for
+which model and GPUs" table.
 
     python bench/memory_estimate.py            # one JSON line per configuration
     python bench/memory_estimate.py --model d32:32768 --parallel fsdp --ranks 8 --activation_checkpointing
+    python bench/memory_estimate.py --model d24:32768 --lora_r 16
     python bench/memory_estimate.py --table    # markdown
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ from bench_gpu import shape_config  # noqa: E402
 from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
 from nanochat_ext.gpt import GPT  # noqa: E402
 from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss, reference_model  # noqa: E402
+from nanochat_ext.lora import LoraSpec, adapter_params  # noqa: E402
 from nanochat_ext.memory import GiB, grpo_memory, model_shape, rm_memory  # noqa: E402
 from nanochat_ext.optim import make_adamw  # noqa: E402
 from nanochat_ext.reward import RewardModel  # noqa: E402
@@ -172,16 +175,26 @@ def shape_of(name: str):
         return model_shape(GPT(shape_config(name)))
 
 
-def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b) -> list[dict]:
+def lora_params(name: str, r: int) -> int:
+    """Adapter parameters of --lora_r r on every linear layer of the blocks of nanochat shape `name` (the default
+    targets), counted as nanochat_ext.lora counts them."""
+    with torch.device("meta"):
+        bb = Backbone("nanochat", GPT(shape_config(name)), "meta")
+    return adapter_params(bb.model, LoraSpec(r, 2.0 * r), bb)
+
+
+def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 0) -> list[dict]:
     """The memory model's GRPO and RM lines for one shape and setting: the global batch of the fake-tensor runs
     (prompts x group_size completions, rm_pairs pairs) split over the ranks."""
     s = shape_of(name)
     rows = b.prompts * b.group_size // ranks
+    lora = lora_params(name, lora_r) if lora_r else 0
     grpo = grpo_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, micro=min(b.micro, rows),
-                       prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s)
+                       prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s, lora=lora)
     rm = rm_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, pairs=max(1, b.rm_pairs // ranks),
-                   seq_len=b.rm_len)
-    common = {"shape": name, "params": s.params, "parallel": parallel, "ranks": ranks, "activation_checkpointing": ac}
+                   seq_len=b.rm_len, lora=lora)
+    common = {"shape": name, "params": s.params, "parallel": parallel, "ranks": ranks, "activation_checkpointing": ac,
+              "lora_r": lora_r, "lora_params": lora}
     return [{"bench": "memory_model_grpo", **common, "completions_per_rank": rows, "micro": min(b.micro, rows),
              **{f"gb_{k}": v for k, v in grpo.gib().items()}},
             {"bench": "memory_model_rm", **common, "pairs_per_rank": max(1, b.rm_pairs // ranks), "seq_len": b.rm_len,
@@ -191,19 +204,19 @@ def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b) -> list[dict]:
 # The README's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
 # (bench_gpu.nanochat_dims), and the settings that reach them.
 TABLE_SHAPES = ("d20:32768", "d24:32768", "d26:32768", "d32:32768")
-TABLE_SETTINGS = (("ddp", 1, False), ("fsdp", 1, True), ("fsdp", 2, False), ("fsdp", 2, True), ("fsdp", 8, False),
-                  ("fsdp", 8, True))
+TABLE_SETTINGS = (("ddp", 1, False, 0), ("ddp", 1, False, 16), ("ddp", 1, True, 16), ("fsdp", 1, True, 0),
+                  ("fsdp", 2, False, 0), ("fsdp", 2, True, 0), ("fsdp", 8, False, 0), ("fsdp", 8, True, 0))
 
 
 def table(b) -> str:
-    head = ("| model | params | " + " | ".join(f"{p} x{n}{' +AC' if ac else ''}" for p, n, ac in TABLE_SETTINGS)
-            + " |")
+    head = ("| model | params | " + " | ".join(f"{p} x{n}{' LoRA r' + str(r) if r else ''}{' +AC' if ac else ''}"
+                                              for p, n, ac, r in TABLE_SETTINGS) + " |")
     lines = [head, "|" + "---|" * (len(TABLE_SETTINGS) + 2)]
     for name in TABLE_SHAPES:
         for bench in ("grpo", "rm"):
-            cells = [next(line for line in arithmetic(name, p, n, ac, b) if line["bench"] == f"memory_model_{bench}")
-                     for p, n, ac in TABLE_SETTINGS]
-            label = f"{name.split(':')[0]} {'GRPO' if bench == 'grpo' else 'RM full'}"
+            cells = [next(line for line in arithmetic(name, p, n, ac, b, r) if line["bench"] == f"memory_model_{bench}")
+                     for p, n, ac, r in TABLE_SETTINGS]
+            label = f"{name.split(':')[0]} {'GRPO' if bench == 'grpo' else 'RM'}"
             lines.append(f"| {label} | {cells[0]['params'] / 1e9:.2f}B | "
                          + " | ".join(f"{c['gb_peak']:.0f}" for c in cells) + " |")
     return "\n".join(lines)
@@ -217,6 +230,7 @@ def main() -> None:
     p.add_argument("--parallel", choices=("ddp", "fsdp"), default="ddp")
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--activation_checkpointing", action="store_true")
+    p.add_argument("--lora_r", type=int, default=0, help="with --model: LoRA of this rank (0: a full fine-tune)")
     p.add_argument("--table", action="store_true", help="the README's table (markdown), from the arithmetic")
     p.add_argument("--vintage", default="current", help="dec2025: the 561M-parameter d20 (no value embeddings)")
     p.add_argument("--rm_pairs", type=int, default=32)
@@ -232,7 +246,7 @@ def main() -> None:
         return
     if b.model:
         for name in b.model.split(","):
-            for line in arithmetic(name, b.parallel, b.ranks, b.activation_checkpointing, b):
+            for line in arithmetic(name, b.parallel, b.ranks, b.activation_checkpointing, b, b.lora_r):
                 print(json.dumps(line), flush=True)
         return
     cfg = shape_config(b.shape, b.vintage)

@@ -6,14 +6,14 @@
 # What the machine lacks (our pins of transformers, tokenizers and rustbpe; TRL and its dependencies) comes as
 # wheels in $WHEELS (default .whl, ignored by git): `bash bench/fetch_gpu_wheels.sh` makes them on a machine
 # with pip access; carry .whl with the checkout. Results: $RESULTS (default bench/results/gpu_<UTC time>.jsonl,
-# or in $OUT where the device tool sets it). Knobs: SHAPES, FSDP_SHAPES (d20), DEVICE (cuda), BENCH_ARGS and TRL_ARGS (extra flags
+# or in $OUT where the device tool sets it). Knobs: SHAPES, FSDP_SHAPES (d20), LORA_SHAPES (d20 d24:32768), DEVICE (cuda), BENCH_ARGS and TRL_ARGS (extra flags
 # for bench_gpu.py and trl_gpu.py), CUDA_TESTS (1; 0 skips the tests), NANOCHAT_SRC (default .nanochat, ignored by
 # git: a nanochat checkout's root, whose Engine then decodes beside ours; make it where a nanochat clone is, e.g.
 # `mkdir .nanochat && git -C ~/nanochat archive HEAD nanochat | tar -x -C .nanochat`, and carry it like .whl).
 # The test suite runs it on CPU: DEVICE=cpu
 # SHAPES=tiny BENCH_ARGS="...". Where one call is limited to 10 minutes (the lent H100s), split it:
-# `SHAPES=d12 FSDP_SHAPES= bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES="d20 d24:32768" FSDP_SHAPES=
-# bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20).
+# `SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES="d20 d24:32768" FSDP_SHAPES=
+# LORA_SHAPES= bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
@@ -58,6 +58,13 @@ for shape in ${FSDP_SHAPES-d20}; do
     python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" --only both --parallel fsdp $ac ${BENCH_ARGS:-} |
       tee -a "$RESULTS" || status=1
   done
+done
+# LoRA (lora.py) against the full fine-tunes above: the GRPO step with adapters of rank 16 on every linear layer of
+# the blocks, the reference being the base itself. LORA_SHAPES="" skips it.
+for shape in ${LORA_SHAPES-d20 d24:32768}; do
+  # shellcheck disable=SC2086
+  python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" --only grpo --lora_r 16 ${BENCH_ARGS:-} |
+    tee -a "$RESULTS" || status=1
 done
 python3 bench/gpu_table.py "$RESULTS" || status=1
 echo "run_gpu: figures in $RESULTS$([ $status = 0 ] || echo '; a step failed, see above')" >&2

@@ -18,6 +18,7 @@ from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete
 from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.gpt import GPT, PrefixTree, gpt_from_checkpoint
 from nanochat_ext.llama import Llama, config_from_hf
+from nanochat_ext.lora import is_adapter_dir, load_adapted
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 
@@ -27,6 +28,7 @@ class Backbone(nn.Module):
     kind is the source format ("nanochat" or "hf"), which is also the format it saves in; native
     says whether the model is one of ours (GPT, Llama) or a transformers module.
     """
+    adapters = None  # peft's PeftModel around self.model under --lora_r (lora.apply_lora), else None
 
     def __init__(self, kind: str, model: nn.Module, source: str, hf_config=None,
                  source_meta: dict | None = None, source_dtypes: dict[str, torch.dtype] | None = None):
@@ -277,6 +279,8 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
     if not p.exists():
         raise InputError("backbone path does not exist", path=str(p))
     found = find_checkpoint(p)
+    if found is not None and is_adapter_dir(found[0]):  # a LoRA checkpoint: its base, the adapters merged in
+        return load_adapted(found[0], read_json(found[1]), found[1], device, vintage)
     if found is not None and found[0].is_dir():  # a policy saved by GRPO as an HF dir
         p = found[0]
     elif found is not None:  # the newest that loads: a corrupt one is skipped with a warning

@@ -69,6 +69,27 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
                         "less memory for about one more forward pass, the same gradients")
 
 
+def add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """--lora_r, --lora_alpha, --lora_dropout, --lora_targets and --merge_lora (lora.py), for the RM and GRPO."""
+    g = parser.add_argument_group("LoRA (peft)")
+    g.add_argument("--lora_r", type=int, default=0,
+                   help="train LoRA adapters of this rank (peft) instead of the weights: no gradients or optimizer "
+                        "state for the base, and GRPO's reference is the base with the adapters off, no second copy "
+                        "(default 0: no LoRA)")
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA's alpha: updates scaled by alpha / r "
+                                                                  "(default: 2 x --lora_r)")
+    g.add_argument("--lora_dropout", type=float, default=None, help="dropout on the adapters' input while training "
+                                                                    "(default: 0)")
+    g.add_argument("--lora_targets", default=None,
+                   help="comma-separated module names to adapt (default: every linear layer of the transformer blocks: "
+                        "nanochat's c_q,c_k,c_v,c_proj,c_fc; our Llama's fused qkv,o,gate_up,down; peft's 'all-linear' "
+                        "for other transformers models)")
+    g.add_argument("--merge_lora", action="store_true",
+                   help="write the final checkpoint with the adapters merged into the base, in the input's own layout "
+                        "(nanochat model_<N>.pt, an HF dir, an RM checkpoint), which nanochat and every stage load; "
+                        "without it checkpoints hold the adapters (peft's adapter dir)")
+
+
 MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "
               "steps or our stamps), a model_<N>.pt file, a checkpoints root such as chatsft_checkpoints/ (its "
               "largest d<N> tag), or base|sft|rl[:tag] under $NANOCHAT_BASE_DIR (e.g. sft:d20); or a local "

@@ -22,6 +22,7 @@ import torch
 from nanochat_ext.backbone import Backbone, load_tokenizer_for, quiet_transformers
 from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.llama import Llama, config_from_hf
+from nanochat_ext.lora import merged_weights
 from nanochat_ext.reward import RewardModel, RewardScorer, load_reward_model
 
 def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cpu") -> RewardScorer:
@@ -83,7 +84,8 @@ def export_hf_classifier(path: str | os.PathLike, out_dir: str | os.PathLike,
     with from_outside(f"a sequence classifier of {type(config).__name__}", path):  # one the architecture may lack
         classifier = AutoModelForSequenceClassification.from_config(config)
     config.architectures = [type(classifier).__name__]
-    body = bb.model.to_hf_state_dict() if bb.native else bb.model.state_dict()
+    own = merged_weights(bb) if bb.adapters is not None else None  # a LoRA RM: its adapters merged in (peft's delta)
+    body = bb.model.to_hf_state_dict(own) if bb.native else (own or bb.model.state_dict())
     base = classifier.base_model_prefix + "."  # the base model's weights, whatever its LM head is called
     state = {k: v.float() for k, v in body.items() if k.startswith(base)}
     state["score.weight"] = scorer.model.head.weight.detach().float()

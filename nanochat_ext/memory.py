@@ -129,30 +129,42 @@ def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointin
     return blocks + head + weight_casts
 
 
+def matmuls_in_bf16(s: ModelShape) -> float:
+    """Bytes of a model held as GRPO's reference is: matmul weights (blocks, LM head) in bf16, the rest fp32."""
+    return 2 * (s.params - s.root_params + s.lm_head) + 4 * (s.root_params - s.lm_head)
+
+
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
-                new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None
-                ) -> StepMemory:
-    """GRPO's full fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of
-    `micro` sequences, `accum` of them per step."""
-    held, training = trained_state(s, s.params, parallel, ranks, accum)
+                new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None,
+                lora: int = 0) -> StepMemory:
+    """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
+    sequences, `accum` of them per step. lora: the adapters' parameter count under --lora_r (lora.adapter_params):
+    they alone train; the base is held as the reference would be, and the reference is the base itself."""
+    held, training = trained_state(s, lora or s.params, parallel, ranks, accum)
     m = StepMemory(held, training)
-    if reference:  # matmul weights in bf16; under fsdp (gathered in bf16) every weight, to compute as the policy
-        m.parts["reference"] = 2 * s.params if parallel == "fsdp" else 2 * (s.params - s.root_params + s.lm_head) + 4 * (s.root_params - s.lm_head)
+    if lora:
+        m.parts["frozen_base"] = matmuls_in_bf16(s)
+    elif reference:  # matmul weights in bf16; under fsdp (gathered in bf16) every weight, to compute as the policy
+        m.parts["reference"] = 2 * s.params if parallel == "fsdp" else matmuls_in_bf16(s)
     if rm is not None:
         m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
-    m.parts["engine_weights"] = 2 * (s.params if parallel == "fsdp" else s.layers * s.block_params + s.lm_head)
+    # the engine decodes from bf16 copies of the fp32 weights: under LoRA the adapters' only
+    m.parts["engine_weights"] = 2 * (lora if lora else s.params if parallel == "fsdp"
+                                     else s.layers * s.block_params + s.lm_head)
     T = prompt_len + new_tokens
-    m.training["activations"] = activations(s, micro * T, micro * new_tokens, checkpointing, parallel == "ddp")
+    m.training["activations"] = activations(s, micro * T, micro * new_tokens, checkpointing,
+                                            parallel == "ddp" and not lora)  # a bf16 base needs no casts
     m.rollout["kv_cache"] = rows * T * s.layers * 2 * s.kv_heads * s.head_dim * 2
     m.rollout["logits"] = rows * s.vocab * 4 * 3  # the step's logits, probabilities and their running sums
     return m
 
 
 def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, pairs: int, seq_len: int,
-              accum: int = 1, unfreeze: str = "all") -> StepMemory:
-    """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all), `pairs` pairs a micro-batch."""
-    n = s.layers if unfreeze == "all" else int(unfreeze)
-    trained = (s.params - s.lm_head) if unfreeze == "all" else n * s.block_params
+              accum: int = 1, unfreeze: str = "all", lora: int = 0) -> StepMemory:
+    """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all; or adapters of `lora`
+    parameters in every block), `pairs` pairs a micro-batch."""
+    n = s.layers if unfreeze == "all" or lora else int(unfreeze)
+    trained = lora or ((s.params - s.lm_head) if unfreeze == "all" else n * s.block_params)
     held, training = trained_state(s, trained, parallel, ranks, accum)
     m = StepMemory(held, training)
     m.parts["frozen"] = 2 * (s.params - trained)
@@ -237,6 +249,7 @@ def divisors(n: int) -> list[int]:
 # ---- when it does not fit ---------------------------------------------------------------------------------------
 EXIT_OUT_OF_MEMORY = 4
 FEWER_RANKS_STATE = "--parallel fsdp (weights, gradients and optimizer state sharded over the GPUs)"
+LORA_STATE = "--lora_r 16 (LoRA: gradients and optimizer state for the adapters only)"
 
 
 @contextlib.contextmanager
@@ -275,8 +288,10 @@ def out_of_memory_line(e: BaseException, args) -> str:
         device = torch.cuda.current_device()
         total = torch.cuda.get_device_properties(device).total_memory / GiB
         peak = f"; peak {torch.cuda.max_memory_allocated(device) / GiB:.1f} of {total:.1f} GiB on this GPU"
+    lora = bool(getattr(args, "lora_r", 0))  # fsdp is not offered beside LoRA (lora.check_lora_args)
     given = {"--activation_checkpointing": getattr(args, "activation_checkpointing", True),
-             "--parallel fsdp": getattr(args, "parallel", "fsdp") == "fsdp"}
+             "--parallel fsdp": getattr(args, "parallel", "fsdp") == "fsdp" or lora,
+             "--lora_r": lora or not hasattr(args, "lora_r")}
     flags = [h for h in hints if not any(h.startswith(flag) and on for flag, on in given.items())]
     resume = "; nothing was saved for this step: resume from the last checkpoint with --resume latest" if what else ""
     return (f"out of memory{' in ' + what if what else ''} ({asked.group(0) if asked else type(e).__name__}{peak}); "

@@ -17,6 +17,7 @@ from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_lo
                                      save_checkpoint, stamp_digits, torch_load)
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision, print0
+from nanochat_ext.lora import LoraSpec, apply_lora
 from nanochat_ext.parallel import no_sync
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -202,6 +203,8 @@ def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str
         raise InputError(f"the backbone {backbone.source} is not the one this RM was trained on ({ref['path']}): "
                          f"their weights differ (fingerprint)", path=str(meta_path))
     model = RewardModel(backbone).to(device)
+    if (spec := LoraSpec.from_meta(meta.get("lora"))) is not None:  # trained with --lora_r: its adapters, by peft
+        apply_lora(backbone, spec)
     tok_ref = meta.get("tokenizer_ref")
     tok_path = (locate(tok_ref, rm_dir) if tok_ref else None) or (None if override is not None else meta["tokenizer"])
     tokenizer = load_tokenizer_for(backbone, tok_path)

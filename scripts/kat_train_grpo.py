@@ -19,11 +19,12 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, fingerprint, resolve_resume
+from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
+                                     save_checkpoint)
 from nanochat_ext.compiled import compile_models, compile_stats
-from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args,
-                              add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
+from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
+                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix)
@@ -35,7 +36,10 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import (FEWER_RANKS_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, LoraSpec, WithoutAdapters, adapter_state, apply_lora,
+                               check_lora_args, dropout_active, load_adapter_state, merged_weights, save_adapters)
+from nanochat_ext.lora import describe as describe_lora
+from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
@@ -151,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "in global prompt order whatever the world size")
     add_output_args(p, "chatrl_checkpoints")
     add_parallel_args(p)
+    add_lora_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
@@ -169,6 +174,11 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, GRPO_RANGES)
     check_consolidate(args)
+    check_lora_args(args)
+    lora = LoraSpec.from_args(args)
+    if lora and args.optimizer == "muon":
+        raise InputError("--optimizer muon orthogonalises whole weight matrices; LoRA's adapters train with "
+                         "--optimizer adamw")
     if args.parallel == "fsdp" and args.optimizer == "muon":
         raise InputError("--optimizer muon orthogonalises whole matrices, which --parallel fsdp splits over ranks: "
                          "train with --optimizer adamw under fsdp")
@@ -190,6 +200,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     resume = resolve_resume(args.resume, out_dir)
     policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(policy, args.tokenizer)
+    if lora:  # before anything is written: peft refuses targets it cannot find
+        apply_lora(policy, lora)
     rm = None
     if args.rm:
         rm = load_reward_model(args.rm, env.device, backbone=args.rm_backbone)
@@ -210,18 +222,24 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
 
     # ---- models, optimizer, resume ----------------------------------------------------------------
-    policy.set_trainable("all")
     dtype = compute_dtype(args.dtype, env.device)
+    if lora:  # the adapters train; the frozen base's matmul weights are held as the reference's would be
+        hold_frozen_in(policy, dtype, matmuls_only=True)
+        print0(describe_lora(policy))
+    else:
+        policy.set_trainable("all")
     parallel = Parallel(args.parallel, env, dtype)
     reference = None
-    if args.beta > 0:  # computes as the policy does: under fsdp on CUDA every weight is gathered in bf16
+    if args.beta > 0 and not lora:  # computes as the policy does: under fsdp on CUDA every weight is gathered in bf16
         reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
                                     temperature=args.temperature, matmuls_only=parallel.gathers_in is None)
-    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference else None,
+    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference and not lora else None,
                           rm.model.backbone if rm else None))
     if args.activation_checkpointing:
         checkpoint_activations(policy.blocks)
     model = CompletionLogprobs(policy, temperature=args.temperature)
+    if args.beta > 0 and lora:  # the policy itself with its adapters off: no second copy
+        reference = WithoutAdapters(model, policy)
     # The engine copies the policy before it is sharded (under fsdp it decodes from a whole copy)
     engine = Engine(policy, compile=compile_decode,
                     whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None)
@@ -240,7 +258,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         print0(f"resume: from {resume[0]} at step {start_step} (draw {draw})")
     autocast = precision(dtype, env.device)
     print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
-           f"reference {'loaded' if reference else 'off (beta 0)'}"
+           f"reference {'off (beta 0)' if not reference else 'the base, adapters off' if lora else 'loaded'}"
            + (" (the reference and the reward model are held whole on every rank)" if parallel.sharded else ""))
     peak_bw = peak_bandwidth(env.device)
     copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
@@ -249,15 +267,26 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
            f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
 
     def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+        merge = consolidate or (args.merge_lora and step == args.max_steps)
+        base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print}
         meta = lambda stamp: {"kind": "grpo_policy", "stamp": stamp, "step": step,  # noqa: E731
                               "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
+                              "lora": lora and {**lora.to_meta(), "base": base, "merged": merge},
                               "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
+
+        def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
+            if not lora:
+                return policy.save(d, stamp, meta, tok, state, weights)
+            state = state and {**state, "adapters": adapter_state(policy)}
+            if merge:  # the base with the adapters merged, in its own layout
+                return policy.save(d, stamp, meta, tok, state, merged_weights(policy))
+            return save_checkpoint(d, stamp, lambda tmp: save_adapters(policy, tmp, tok, base), meta, state)
+
         return parallel.save(into, model, optimizer, module=policy.model, final=step == args.max_steps,
                              consolidate=consolidate, meta=meta,
                              state={"step": step, "draw": draw, "args": vars(args), "source_fingerprint": source_print,
                                     "device_batch_size": micro},
-                             write_whole=lambda d, stamp, meta, state, weights: policy.save(d, stamp, meta, tok, state,
-                                                                                            weights))
+                             write_whole=write_whole)
 
     if args.consolidate:
         return parallel.consolidate(args.consolidate, resume, out_dir,
@@ -273,8 +302,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                            checkpointing=args.activation_checkpointing, micro=micro,
                            prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
                            accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
-                           reference=reference is not None,
-                           rm=rm_shape)
+                           reference=reference is not None, rm=rm_shape,
+                           lora=sum(p.numel() for p in trainable) if lora else 0)
 
     if auto:
         micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)
@@ -367,9 +396,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         done = step + 1
         for _ in range(args.num_iterations):
             with doing(f"a training micro-batch of {micro} sequences",
-                       (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE)):
+                       (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE,
+                        LORA_STATE)), dropout_active(policy):
                 it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
-            with doing("the optimizer step", (FEWER_RANKS_STATE,)):
+            with doing("the optimizer step", (FEWER_RANKS_STATE, LORA_STATE)):
                 grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
             stats += it
         window.add(**dict(zip(LOSS_STATS, (stats / args.num_iterations).tolist())), ref_s=t1 - t0,
@@ -490,10 +520,13 @@ def load_resume_state(policy: Backbone, model: CompletionLogprobs, optimizer: to
     """Restores the policy and optimizer; returns (step, draw)."""
     model_path, _, state = resume
     keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-            "filter_zero_std", "optimizer") + (("max_draws",) if args.filter_zero_std else ())
-    check_resume_args(state["args"], args, keys, model_path, absent=PRE_DAPO_DEFAULTS)
+            "filter_zero_std", "optimizer", *RESUME_KEYS) + (("max_draws",) if args.filter_zero_std else ())
+    check_resume_args(state["args"], args, keys, model_path, absent={**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
     bases = [group["initial_lr"] for group in optimizer.param_groups]  # this run's --lr (--resume_extend may change it)
-    if not parallel.resume(model_path, model, optimizer):  # the shards hold weights and optimizer state
+    if policy.adapters is not None:  # LoRA: the base is the input's; the resume state holds the adapters
+        load_adapter_state(policy, state["adapters"], model_path)
+        optimizer.load_state_dict(state["optimizer"])
+    elif not parallel.resume(model_path, model, optimizer):  # the shards hold weights and optimizer state
         policy.restore(state, saved=load_backbone(model_path, device))
         optimizer.load_state_dict(state["optimizer"])  # takes the saved groups' hyperparameters, initial_lr included
     for group, base in zip(optimizer.param_groups, bases):

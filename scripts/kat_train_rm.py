@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args,
-                              add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
+from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
+                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
                               output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
@@ -29,7 +29,10 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.memory import (FEWER_RANKS_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, LoraSpec, apply_lora, check_lora_args, dropout_active,
+                               merged_weights)
+from nanochat_ext.lora import describe as describe_lora
+from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
@@ -81,6 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log_every", type=int, default=10, help="print/log train metrics every N steps")
     add_output_args(p, "rm_checkpoints")
     add_parallel_args(p)
+    add_lora_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
@@ -96,6 +100,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, {"weight_cap": (lambda v: v > 0, "> 0 (a pair's weight is clipped to it)")})
     check_consolidate(args)
+    check_lora_args(args)
+    lora = LoraSpec.from_args(args)
+    if lora and args.unfreeze_last != "0":
+        raise InputError("--unfreeze_last trains whole blocks and --lora_r adapters on every block: give one of them")
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
     if skipped:
         print0(f"data: skipped {skipped} bad rows of {args.pairs}")
@@ -111,11 +119,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         args.max_len = min(1024, backbone.max_seq_len)
     if args.max_len > backbone.max_seq_len:
         raise InputError(f"--max_len {args.max_len} exceeds the backbone's context of {backbone.max_seq_len}")
-    claim_out_dir(out_dir, log_dir)
-
     backbone.set_trainable(args.unfreeze_last)
     for p in backbone.output_head_params():  # the RM reads hidden states; the LM head gets no gradient
         p.requires_grad_(False)
+    if lora:  # before anything is written: peft refuses targets it cannot find
+        apply_lora(backbone, lora)
+    claim_out_dir(out_dir, log_dir)
+
     dtype = compute_dtype(args.dtype, env.device)
     hold_frozen_in(backbone, dtype)
     train_pairs, long_train = tokenize_pairs(train_rows, tokenizer, args.max_len, args.long_pairs)
@@ -137,6 +147,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     print0(compile_models(args.compile, env.device, backbone))
     if args.activation_checkpointing:
         checkpoint_activations(backbone.blocks)
+    if lora:
+        print0(describe_lora(backbone))
     n_trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print0(f"model: {backbone.kind} backbone {backbone.source}, tokenizer {tokenizer.kind}; "
            f"{n_trainable:,} trainable of {sum(p.numel() for p in model.parameters()):,}")
@@ -154,6 +166,15 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     backbone_print = fingerprint(backbone.source) if env.is_main else None  # recorded so a moved RM finds it
 
     def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+        merge = lora is not None and (consolidate or (args.merge_lora and step == args.max_steps))
+
+        def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
+            trained = trainable_state(model, weights)
+            if merge:  # the head and the adapted weights merged (the adapters themselves stay in the resume state)
+                merged = {f"backbone.model.{k}": v for k, v in merged_weights(backbone, adapted_only=True).items()}
+                trained, state = {"head.weight": trained["head.weight"], **merged}, state and {**state, "trained": trained}
+            return save_checkpoint(d, stamp, trained, meta, state)
+
         def meta(stamp: int) -> dict:
             return {"kind": "reward_model", "stamp": stamp, "step": step,
                     "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
@@ -164,12 +185,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
                     "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
                     "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
+                    "lora": None if merge else lora and lora.to_meta(), "merged_lora": lora.to_meta() if merge else None,
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
 
         return parallel.save(into, model, optimizer, module=model, final=step == args.max_steps,
                              consolidate=consolidate, meta=meta, state={"step": step, "args": vars(args), "device_batch_size": plan.device_batch_size},
-                             write_whole=lambda d, stamp, meta, state, weights: save_checkpoint(
-                                 d, stamp, trainable_state(model, weights), meta, state))
+                             write_whole=write_whole)
 
     if args.consolidate:
         return parallel.consolidate(args.consolidate, resume, out_dir,
@@ -182,7 +203,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         return rm_memory(shape, parallel=args.parallel, ranks=env.world_size,
                          checkpointing=args.activation_checkpointing, pairs=micro, seq_len=args.max_len,
                          accum=plan.per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
-                         unfreeze=args.unfreeze_last)
+                         unfreeze=args.unfreeze_last,
+                         lora=sum(p.numel() for p in backbone.parameters() if p.requires_grad) if lora else 0)
 
     if auto:
         micro, line = auto_pick(plan.per_rank, estimate_for, env.device, resume)
@@ -208,9 +230,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         done = step + 1
         with doing(f"a training micro-batch of {plan.device_batch_size} pairs",
                    (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
-                    FEWER_RANKS_STATE)):
+                    FEWER_RANKS_STATE, LORA_STATE)), dropout_active(backbone):
             stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
-        with doing("the optimizer step", (FEWER_RANKS_STATE,)):
+        with doing("the optimizer step", (FEWER_RANKS_STATE, LORA_STATE)):
             grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
         tracker.advance()
@@ -270,13 +292,15 @@ def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resu
                       parallel: Parallel) -> int:
     model_path, _, state = resume
     check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
-                                            "max_len", "long_pairs"), model_path)
+                                            "max_len", "long_pairs", *RESUME_KEYS), model_path, absent=BEFORE_LORA)
     if parallel.resume(model_path, model, optimizer):
         return int(state["step"])
-    weights = torch_load(model_path, "reward-model checkpoint")
+    # what trained: the model file's, or, where it holds merged weights (--merge_lora), the state's adapters
+    weights = state.get("trained") or torch_load(model_path, "reward-model checkpoint")
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:
-        raise InputError("checkpoint's trainable tensors do not match this run's --unfreeze_last", path=str(model_path))
+        raise InputError("checkpoint's trainable tensors do not match this run's --unfreeze_last and --lora_*",
+                         path=str(model_path))
     with torch.no_grad():
         for name, tensor in weights.items():
             params[name].copy_(tensor)

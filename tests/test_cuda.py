@@ -126,3 +126,20 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
         runs[flag] = bench_gpu.bench_rm(shape, "all", b, device), bench_gpu.bench_grpo(shape, b, device)
     assert runs["1"][0]["compile"].startswith("compile: blocks compiled") and runs["1"][0]["compiled_graphs"] > 0
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_path):
+    """GRPO with LoRA on CUDA (bf16 autocast, the frozen base's matmul weights in bf16, compiled blocks, the engine's
+    bf16 copy of the adapters): the reference is the base with the adapters off, so step 1's KL is exactly 0; the
+    merged final checkpoint loads as a model."""
+    from nanochat_ext.backbone import load_backbone
+    from scripts import kat_train_grpo
+
+    out = tmp_path / "lora"
+    assert kat_train_grpo.main(["--policy", str(assets["gpt_modern"]), "--prompts", str(assets["pairs"]), "--reward_fn",
+                                "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4",
+                                "--max_new_tokens", "16", "--max_steps", "2", "--device", "cuda", "--out", str(out),
+                                "--lora_r", "8", "--merge_lora"]) == 0
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/kl"] for r in rows if "train/kl" in r][0] == 0.0
+    assert load_backbone(out).model.transformer.h[0].attn.c_q.weight.dtype == torch.float32

@@ -285,8 +285,9 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # one line from each rank
     assert lines[0] == ("error: out of memory in a training micro-batch of 2 pairs (Tried to allocate 2.50 GiB); to "
                         "take less: --device_batch_size 1, --activation_checkpointing, --parallel fsdp (weights, "
-                        "gradients and optimizer state sharded over the GPUs); nothing was saved for this step: resume "
-                        "from the last checkpoint with --resume latest")
+                        "gradients and optimizer state sharded over the GPUs), --lora_r 16 (LoRA: gradients and "
+                        "optimizer state for the adapters only); nothing was saved for this step: resume from the last "
+                        "checkpoint with --resume latest")
     assert "OutOfMemoryError" not in proc.stderr  # no worker printed a traceback (torchrun prints its own)
     assert "exitcode  : 4 " in proc.stderr  # torchrun's report of the first rank to exit: EXIT_OUT_OF_MEMORY
     assert [m["step"] for m in metas(out)] == [1, 2] and not list(out.glob("*.tmp"))
@@ -305,6 +306,11 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     (["--save_every", "-1"], "--save_every must be >= 0"),
     (["--log_every", "-1"], "--log_every must be >= 0"),
     (["--weight_cap", "0"], "--weight_cap must be > 0"),
+    (["--lora_r", "-1"], "--lora_r must be >= 0 (0: no LoRA, a full fine-tune), got -1"),
+    (["--lora_r", "4", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
+    (["--merge_lora"], "--merge_lora is for LoRA: give --lora_r too"),
+    (["--lora_r", "4", "--unfreeze_last", "1"], "--unfreeze_last trains whole blocks and --lora_r adapters"),
+    (["--lora_r", "4", "--unfreeze_last", "0", "--lora_targets", "c_q,nope"], "--lora_targets: no module named 'nope' in this GPT (its linear layers: c_fc,c_k,c_proj,c_q,c_v,lm_head)"),
 ])
 def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "out", *extra)) == 2
@@ -320,6 +326,8 @@ def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     (["--reward_clip", "0"], "--reward_clip must be a finite number > 0"),
     (["--parallel", "fsdp", "--optimizer", "muon"], "--optimizer muon orthogonalises whole matrices"),
     (["--consolidate", "somewhere"], "--consolidate DIR writes a checkpoint whole: give the one to write with --resume"),
+    (["--lora_r", "8", "--parallel", "fsdp"], "train LoRA with --parallel ddp"),
+    (["--lora_r", "8", "--optimizer", "muon"], "LoRA's adapters train with --optimizer adamw"),
 ])
 def test_grpo_flags_out_of_range(assets, tmp_path, capsys, monkeypatch, extra, expected):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # --parallel fsdp makes a one-rank group in this process

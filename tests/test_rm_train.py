@@ -297,3 +297,12 @@ def test_out_of_memory_is_told_apart_and_its_line_names_the_phase_and_the_remedi
     flags = argparse.Namespace(activation_checkpointing=True, parallel="fsdp")  # both already on: not suggested
     assert memory.out_of_memory_line(cpu, flags) == ("out of memory (RuntimeError); to take less: a smaller "
                                                      "--device_batch_size")
+    try:  # LoRA's remedy where LoRA is off; under LoRA neither it nor fsdp (refused beside it) is offered
+        with memory.doing("the optimizer step", (memory.FEWER_RANKS_STATE, memory.LORA_STATE)):
+            raise torch.OutOfMemoryError("CUDA out of memory.")
+    except torch.OutOfMemoryError as e:
+        off, on = (memory.out_of_memory_line(e, argparse.Namespace(activation_checkpointing=False, parallel="ddp",
+                                                                   lora_r=r)) for r in (0, 8))
+    assert "--parallel fsdp (" in off and "--lora_r 16 (LoRA: " in off
+    assert on.startswith("out of memory in the optimizer step (OutOfMemoryError); to take less: a smaller model or a "
+                         "larger GPU;")

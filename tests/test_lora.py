@@ -1,0 +1,191 @@
+"""--lora_r: LoRA through peft for the RM and GRPO, checked against peft itself (its switched-off adapters, its own
+merge, its own adapter files) and against the unmodified model, on nanochat's own checkpoint of its current vintage
+(tests/fixtures/nanochat-golden) and the native Llama; 2 ranks = 1 rank over real gloo groups; the merged final
+checkpoint in the input's own layout."""
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, run_script, ulps
+from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone, load_tokenizer_for
+from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
+from nanochat_ext.data import right_pad
+from nanochat_ext.gpt import GPT
+from nanochat_ext.lora import LoraSpec, adapter_params, apply_lora, merged_weights, save_adapters
+from nanochat_ext.memory import grpo_memory, model_shape
+from nanochat_ext.reward import load_reward_model
+from scripts import kat_train_grpo, kat_train_rm
+
+GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current"
+NANOCHAT = GOLDEN / "chatsft_checkpoints" / "d2"  # written by nanochat's own code (its README)
+TOKENIZER = GOLDEN / "tokenizer"
+
+
+def ragged_ids(vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return right_pad([torch.randint(1, vocab, (n,), generator=g).tolist() for n in (11, 4, 7)], 0)
+
+
+@pytest.mark.parametrize("which", ["nanochat", "llama"])
+def test_peft_adapters_switch_off_to_the_base_merge_as_peft_does_and_round_trip_through_peft(assets, tmp_path, which):
+    """The adapters switched off compute the unmodified model's logits bitwise; only adapters train, as many as the
+    memory model counts; our merge (each layer's delta, onto the base as loaded) is peft's own merge_and_unload and
+    computes the adapter model's logits; peft's adapter files load back onto a fresh base with peft's own loader."""
+    from peft import PeftModel
+
+    path = NANOCHAT if which == "nanochat" else assets["hf"]
+    base = load_backbone(path)
+    ids = ragged_ids(base.vocab_size)
+    with torch.no_grad():
+        want = base(ids)
+    adapted = load_backbone(path)
+    spec = LoraSpec(r=4, alpha=8.0)
+    apply_lora(adapted, spec)
+    trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
+    assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == adapter_params(base.model, spec, base)
+    with torch.no_grad():
+        assert torch.equal(adapted(ids), want)  # B starts at 0: the base's logits exactly
+        for n, p in adapted.named_parameters():  # adapters that change the model
+            if ".lora_B." in n:
+                p.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(n)))
+        got = adapted(ids)
+        assert (got - want).abs().max() > 1e-2
+        with adapted.adapters.disable_adapter():
+            assert torch.equal(adapted(ids), want)
+
+    merged = merged_weights(adapted)
+    by_peft = copy.deepcopy(adapted).adapters.merge_and_unload().state_dict()  # peft's own merge
+    assert merged.keys() == by_peft.keys() == base.model.state_dict().keys()
+    for k in merged:
+        torch.testing.assert_close(merged[k], by_peft[k], atol=ulps(by_peft[k]), rtol=0, msg=k)
+    fresh = load_backbone(path)
+    fresh.model.load_state_dict(merged)
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(ids), got, atol=1e-4, rtol=1e-5)
+
+    save_adapters(adapted, tmp_path / "adapters", load_tokenizer_for(base, TOKENIZER if which == "nanochat" else None),
+                  {"path": str(path)})
+    loaded = PeftModel.from_pretrained(load_backbone(path).model, str(tmp_path / "adapters"))
+    reloaded = load_backbone(path)
+    reloaded.model = loaded.base_model.model
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids), got)
+
+
+def test_the_memory_model_counts_adapters_and_no_reference_copy_under_lora():
+    """Under LoRA only the adapters hold gradients and AdamW's moments, and the reference is the base itself."""
+    from nanochat_ext.gpt import GPTConfig
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(sequence_len=2048, vocab_size=32768, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
+    s = model_shape(model)
+    kw = dict(parallel="ddp", ranks=1, checkpointing=False, micro=16, prompt_len=256, new_tokens=256, rows=64)
+    full = grpo_memory(s, **kw)
+    n = adapter_params(model, LoraSpec(16, 32.0, targets=("c_q", "c_k", "c_v", "c_proj", "c_fc")))
+    lora = grpo_memory(s, **kw, lora=n)
+    assert n == 16 * 20 * (2 * 1280 + 3 * 2 * 1280 + 5 * 1280 + 5 * 1280)
+    assert lora.parts["optimizer"] == 8 * n and lora.training["gradients"] == 4 * n and "reference" not in lora.parts
+    assert lora.parts["frozen_base"] == full.parts["reference"]
+    assert full.peak() - lora.peak() > 14 * (s.params - n)  # 16 bytes a parameter, less its bf16 copy
+
+
+def rm_args(assets, out, *extra) -> list[str]:
+    return ["--backbone", str(NANOCHAT), "--tokenizer", str(TOKENIZER), "--pairs", str(assets["pairs"]),
+            "--batch_size", "8", "--max_steps", "4", "--lr", "5e-3", "--eval_every", "0", "--log_every", "2",
+            "--seed", "3", "--device", "cpu", "--max_len", "64", "--out", str(out), "--lora_r", "4", *extra]
+
+
+def test_rm_lora_on_two_ranks_trains_as_one_merges_and_resumes_exactly(assets, tmp_path):
+    """The RM with LoRA on nanochat's current vintage: its checkpoints hold the head and the adapters only; 2 ranks
+    end where 1 does; --merge_lora writes the head and the merged weights, which load as an RM with no LoRA and score
+    as the adapters do; a run resumed from its step-2 checkpoint ends bitwise where the straight run does."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert kat_train_rm.main(rm_args(assets, one, "--save_every", "2")) == 0
+    ran = run_script("scripts.kat_train_rm", rm_args(assets, two, "--device_batch_size", "2", "--merge_lora"), nproc=2)
+    assert ran.returncode == 0, ran.stderr
+    assert "lora: r 4, alpha 8, dropout 0 on c_fc,c_k,c_proj,c_q,c_v (peft): 8,704 adapter parameters" in ran.stdout
+    w_one = torch.load(find_checkpoint(one)[0], weights_only=True)
+    assert set(w_one) - {"head.weight"} and all(".lora_" in k for k in set(w_one) - {"head.weight"})
+    model_path, meta_path = find_checkpoint(two)
+    state = torch.load(model_path.with_name(model_path.name.replace("model_", "state_")), weights_only=True)
+    assert state["trained"].keys() == w_one.keys()
+    for k in w_one:
+        torch.testing.assert_close(state["trained"][k], w_one[k], atol=2e-5, rtol=0, msg=k)
+    assert json.loads(meta_path.read_text())["lora"] is None
+    merged = torch.load(model_path, weights_only=True)
+    assert not any(".lora_" in k for k in merged) and "backbone.model.transformer.h.1.mlp.c_fc.weight" in merged
+    prompts, responses = ["How do I boil an egg?", "Name a colour."], ["Put it in boiling water.", "Blue, mostly."]
+    assert load_reward_model(two).score(prompts, responses) == pytest.approx(
+        load_reward_model(one).score(prompts, responses), abs=1e-4)
+
+    first = complete_checkpoints(one)[-1][0]  # step 2
+    resumed = tmp_path / "resumed"
+    assert kat_train_rm.main(rm_args(assets, resumed, "--resume", str(first))) == 0
+    w_resumed = torch.load(find_checkpoint(resumed)[0], weights_only=True)
+    assert all(torch.equal(w_resumed[k], w_one[k]) for k in w_one)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    rows = synthetic.make_pairs(40, seed=5)  # prompts of ragged lengths
+    return synthetic.write_jsonl(tmp_path_factory.mktemp("lora") / "prompts.jsonl",
+                                 [{"prompt": r["prompt"], "answer": "Sure"} for r in rows])
+
+
+def grpo_args(prompts, out, *extra) -> list[str]:
+    return ["--policy", str(NANOCHAT), "--tokenizer", str(TOKENIZER), "--prompts", str(prompts),
+            "--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4",
+            "--max_new_tokens", "8", "--max_steps", "2", "--beta", "0.04", "--lr", "1e-2", "--log_every", "1",
+            "--device", "cpu", "--out", str(out), "--lora_r", "4", "--log_rollouts", *extra]
+
+
+def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nanochats_layout(prompts, tmp_path):
+    """GRPO with LoRA on nanochat's current vintage, ragged prompts: the reference is the policy with its adapters
+    off (a KL of exactly 0 at step 1, no second model); 2 ranks sample and train what 1 rank does; the adapter
+    checkpoint loads as a model (peft's loader and merge) and resumes bitwise; --merge_lora's final checkpoint has the
+    golden fixture's keys, shapes and dtypes, changes only the adapted weights and computes as the adapters do."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
+    assert kat_train_grpo.main(grpo_args(prompts, one, "--save_every", "1")) == 0
+    ran = run_script("scripts.kat_train_grpo", grpo_args(prompts, two, "--device_batch_size", "4", "--merge_lora"),
+                     nproc=2, env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert ran.returncode == 0, ran.stderr
+    assert "reference the base, adapters off" in ran.stdout
+    logs = [[json.loads(line) for line in (d / "logs" / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [m["train/kl"] for m in logs[0] if "train/kl" in m][0] == 0.0
+    rollouts = [[(r["prompt_index"], r["completion_ids"]) for r in map(json.loads, (
+        d / "logs" / "rollouts.jsonl").read_text().splitlines())] for d in (one, two)]
+    assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]
+
+    final_one = find_checkpoint(one)[0]
+    assert final_one.is_dir() and (final_one / "adapter_config.json").is_file()
+    adapters = load_file(final_one / "adapter_model.safetensors")
+    model_path = find_checkpoint(two)[0]
+    state = torch.load(model_path.with_name(model_path.name.replace("model_", "state_")), weights_only=True)
+    assert state["adapters"].keys() == adapters.keys()
+    for k in adapters:
+        torch.testing.assert_close(state["adapters"][k], adapters[k], atol=1e-5, rtol=0, msg=k)
+
+    golden = torch.load(next(NANOCHAT.glob("model_*.pt")), weights_only=True)
+    merged = torch.load(model_path, weights_only=True)
+    assert {k: (v.shape, v.dtype) for k, v in merged.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}
+    adapted = {k for k in golden if k.endswith(("c_q.weight", "c_k.weight", "c_v.weight", "c_proj.weight", "c_fc.weight"))}
+    assert all(torch.equal(merged[k], golden[k]) for k in golden if k not in adapted)
+    assert all(not torch.equal(merged[k], golden[k]) for k in adapted)
+    ids = ragged_ids(golden["transformer.wte.weight"].shape[0] - 8)
+    with torch.no_grad():  # the merged final (2 ranks) and the adapters loaded by peft and merged (1 rank)
+        torch.testing.assert_close(load_backbone(two)(ids), load_backbone(one)(ids), atol=1e-4, rtol=1e-5)
+
+    resumed = tmp_path / "resumed"
+    first = complete_checkpoints(one)[-1][0]  # step 1
+    assert kat_train_grpo.main(grpo_args(prompts, resumed, "--resume", str(first))) == 0
+    again = load_file(find_checkpoint(resumed)[0] / "adapter_model.safetensors")
+    assert all(torch.equal(again[k], adapters[k]) for k in adapters)

@@ -18,7 +18,9 @@ from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
 from nanochat_ext.data import right_pad
 from nanochat_ext.gpt import GPT
-from nanochat_ext.lora import LoraSpec, adapter_params, apply_lora, merged_weights, save_adapters
+from nanochat_ext.compiled import compile_blocks
+from nanochat_ext.grpo import CompletionLogprobs, make_sequences
+from nanochat_ext.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, merged_weights, save_adapters
 from nanochat_ext.memory import grpo_memory, model_shape
 from nanochat_ext.reward import load_reward_model
 from scripts import kat_train_grpo, kat_train_rm
@@ -78,6 +80,44 @@ def test_peft_adapters_switch_off_to_the_base_merge_as_peft_does_and_round_trip_
     reloaded.model = loaded.base_model.model
     with torch.no_grad():
         assert torch.equal(reloaded(ids), got)
+
+
+def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
+    """--compile with LoRA: blocks holding peft's layers compile without a graph break (torch's own counters), the
+    adapters switched off (GRPO's reference) as well, and on ragged prefix-tree batches give eager's log-probs, the
+    reference's and the policy's, and eager's gradients, bitwise (aot_eager: dynamo's and AOT autograd's graphs)."""
+    from torch._dynamo.utils import counters
+
+    runs = []
+    for compiled in (False, True):
+        bb = load_backbone(NANOCHAT)
+        apply_lora(bb, LoraSpec(4, 8.0))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for n, p in bb.named_parameters():
+                if ".lora_" in n:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        if compiled:
+            assert compile_blocks(bb, backend="aot_eager")
+            counters.clear()
+        model = CompletionLogprobs(bb)
+        reference, out = WithoutAdapters(model, bb), []
+        for prompts, completions in (([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]]),
+                                     ([[1, 2, 3, 4, 5, 6]], [[7] * 5, [8]])):
+            batch = make_sequences(prompts, completions, 2, 0, share_prompt=True)
+            args = (batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
+            with torch.no_grad():
+                out.append(reference(*args)[0])
+            logp = model(*args)[0]
+            (logp * batch["mask"]).sum().backward()
+            out.append(logp.detach())
+        runs.append((out, {n: p.grad for n, p in bb.named_parameters() if p.grad is not None}))
+        if compiled:
+            assert not counters["graph_break"] and counters["stats"]["unique_graphs"] > 0, dict(counters["graph_break"])
+    (eager, eager_grads), (comp, comp_grads) = runs
+    assert all(torch.equal(a, b) for a, b in zip(eager, comp)) and len(eager) == 4
+    assert eager_grads.keys() == comp_grads.keys() and all(torch.equal(eager_grads[k], comp_grads[k]) for k in eager_grads)
+    assert not torch.equal(eager[0], eager[1])  # the reference is not the policy
 
 
 def test_the_memory_model_counts_adapters_and_no_reference_copy_under_lora():

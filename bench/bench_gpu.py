@@ -386,6 +386,8 @@ def main() -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     b.par = None
+    if b.lora_r and b.parallel == "fsdp":
+        p.error("--lora_r trains under ddp (kat_train_grpo refuses it with --parallel fsdp)")
     if b.parallel == "fsdp":
         b.par = Parallel("fsdp", init_dist(device.type, group=True), torch.bfloat16)
     for shape in b.shapes:

@@ -180,7 +180,7 @@ def lora_params(name: str, r: int) -> int:
     targets), counted as nanochat_ext.lora counts them."""
     with torch.device("meta"):
         bb = Backbone("nanochat", GPT(shape_config(name)), "meta")
-    return adapter_params(bb.model, LoraSpec(r, 2.0 * r), bb)
+    return adapter_params(bb, LoraSpec(r, 2.0 * r))
 
 
 def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 0) -> list[dict]:

@@ -22,15 +22,20 @@ import argparse
 import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.nn as nn
 
 from nanochat_ext.errors import InputError, first_line
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
+    from nanochat_ext.backbone import Backbone
+
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: marks a directory of adapters
-SMALL_OUTPUTS = 8  # a linear layer with fewer outputs is a gate (nanochat's ve_gate), left out of the defaults
+GATES = ("ve_gate",)  # nanochat's value-embedding gate (32 inputs, a few outputs): left out of the default targets
 
 
 @dataclass(frozen=True)
@@ -52,7 +57,9 @@ class LoraSpec:
 
     @classmethod
     def from_meta(cls, meta: dict | None) -> "LoraSpec | None":
-        if not meta:
+        """The adapters a checkpoint's meta says to put on its model: None for none, or for adapters merged into its
+        weights (--merge_lora)."""
+        if not meta or meta.get("merged"):
             return None
         return cls(int(meta["r"]), float(meta["alpha"]), float(meta.get("dropout", 0.0)),
                    tuple(meta["targets"]) if meta.get("targets") else None)
@@ -61,8 +68,9 @@ class LoraSpec:
         return asdict(self)
 
 
-def check_lora_args(args: argparse.Namespace) -> None:
-    """One line for a --lora_* value out of range, or a flag that needs --lora_r."""
+def check_lora_args(args: argparse.Namespace) -> "LoraSpec | None":
+    """One line for a --lora_* value out of range, or a flag that needs --lora_r; else the run's LoraSpec (None: no
+    LoRA), its defaults written into args (so a resume compares what the run trains with, given or not)."""
     if args.lora_r < 0:
         raise InputError(f"--lora_r must be >= 0 (0: no LoRA, a full fine-tune), got {args.lora_r}")
     if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
@@ -74,24 +82,27 @@ def check_lora_args(args: argparse.Namespace) -> None:
         given += ["merge_lora"] if args.merge_lora else []
         if given:
             raise InputError(f"--{given[0]} is for LoRA: give --lora_r too")
-        return
+        return None
     if getattr(args, "parallel", "ddp") == "fsdp":
         raise InputError("--lora_r trains adapters of ~1% of the weights, which --parallel fsdp would shard while "
                          "every rank still holds the whole base: train LoRA with --parallel ddp")
+    spec = LoraSpec.from_args(args)
+    args.lora_alpha, args.lora_dropout = spec.alpha, spec.dropout
+    return spec
 
 
-def default_targets(backbone) -> tuple[str, ...] | str:
+def default_targets(backbone: "Backbone") -> tuple[str, ...] | str:
     """Every linear layer of the transformer blocks (as OpenRLHF's and peft's 'all-linear'), by module name: nanochat
-    GPT's c_q, c_k, c_v, c_proj, c_fc; our Llama's fused qkv, o, gate_up, down; gates of a few outputs left out. A
-    transformers module: peft's 'all-linear' (every linear layer but the output head)."""
+    GPT's c_q, c_k, c_v, c_proj, c_fc (not its ve_gate); our Llama's fused qkv, o, gate_up, down. A transformers
+    module: peft's 'all-linear' (every linear layer but the output head)."""
     if not backbone.native:
         return "all-linear"
     names = {name.rsplit(".", 1)[-1] for block in backbone.blocks for name, m in block.named_modules()
-             if isinstance(m, nn.Linear) and m.out_features >= SMALL_OUTPUTS}
-    return tuple(sorted(names))
+             if isinstance(m, nn.Linear)}
+    return tuple(sorted(names - set(GATES)))
 
 
-def apply_lora(backbone, spec: LoraSpec):
+def apply_lora(backbone: "Backbone", spec: LoraSpec) -> "PeftModel":
     """Inject peft's LoRA layers into backbone.model in place and freeze every base weight; returns the PeftModel,
     also kept as backbone.adapters (not a submodule: its parameters are backbone.model's)."""
     from peft import LoraConfig, get_peft_model
@@ -112,10 +123,11 @@ def apply_lora(backbone, spec: LoraSpec):
         raise InputError(f"--lora_targets {','.join(targets) if not isinstance(targets, str) else targets}: "
                          f"{first_line(e, 200)}") from None
     object.__setattr__(backbone, "adapters", adapters)
+    backbone.eval()  # peft's new dropout layers start in train mode; they drop only in training (dropout_active)
     return adapters
 
 
-def describe(backbone) -> str:
+def describe(backbone: "Backbone") -> str:
     """The log line of a run's LoRA: its settings, where peft put adapters, and their size."""
     config = backbone.adapters.peft_config["default"]
     targets = config.target_modules if isinstance(config.target_modules, str) else ",".join(sorted(config.target_modules))
@@ -125,19 +137,20 @@ def describe(backbone) -> str:
             f"{n:,} adapter parameters train, {total - n:,} base parameters frozen")
 
 
-def adapter_params(model: nn.Module, spec: LoraSpec, backbone=None) -> int:
-    """Parameters LoRA would train on model's linear layers named in spec's targets (default_targets of backbone
-    where none are given): r x (in + out) each. The memory model's count, computed without injecting anything."""
-    targets = spec.targets or (default_targets(backbone) if backbone is not None else ())
+def adapter_params(backbone: "Backbone", spec: LoraSpec) -> int:
+    """Parameters LoRA would train on backbone's linear layers named in spec's targets (default_targets where none
+    are given): r x (in + out) each. The memory model's count, computed without injecting anything."""
+    model, targets = backbone.model, spec.targets or default_targets(backbone)
     linear = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and (
         name.rsplit(".", 1)[-1] in targets if not isinstance(targets, str) else "lm_head" not in name)]
     return sum(spec.r * (m.in_features + m.out_features) for m in linear)
 
 
 @contextlib.contextmanager
-def dropout_active(backbone) -> Iterator[None]:
+def dropout_active(backbone: "Backbone") -> Iterator[None]:
     """--lora_dropout during a training micro-batch: the adapters' dropout in train mode, every other module as it
-    is (our models run in eval mode throughout: nothing else of theirs depends on the mode)."""
+    is (our models run in eval mode throughout: nothing else of theirs depends on the mode). Its masks come from
+    torch's global generator, which checkpoints do not keep: a resumed run with dropout draws other masks."""
     drops = [m for name, m in backbone.model.named_modules() if ".lora_dropout." in f".{name}."
              and isinstance(m, nn.Dropout)] if getattr(backbone, "adapters", None) is not None else []
     for m in drops:
@@ -153,24 +166,24 @@ class WithoutAdapters(nn.Module):
     """GRPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's disable_adapter),
     that is the base model's, from the policy's own weights and code."""
 
-    def __init__(self, logprobs: nn.Module, backbone):
+    def __init__(self, logprobs: nn.Module, backbone: "Backbone"):
         super().__init__()
         self.logprobs = logprobs
         object.__setattr__(self, "adapters", backbone.adapters)
 
-    def forward(self, *args):
+    def forward(self, *args: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         with self.adapters.disable_adapter():
             return self.logprobs(*args)
 
 
-def adapter_state(backbone) -> dict[str, torch.Tensor]:
+def adapter_state(backbone: "Backbone") -> dict[str, torch.Tensor]:
     """The adapters' tensors as peft saves them (get_peft_model_state_dict), on CPU: for the resume state."""
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(backbone.adapters, save_embedding_layers=False).items()}
 
 
-def load_adapter_state(backbone, state: dict[str, torch.Tensor], path: Path) -> None:
+def load_adapter_state(backbone: "Backbone", state: dict[str, torch.Tensor], path: Path) -> None:
     """Put adapter_state's tensors back (peft's set_peft_model_state_dict); one line when they do not fit."""
     from peft import set_peft_model_state_dict
 
@@ -181,7 +194,7 @@ def load_adapter_state(backbone, state: dict[str, torch.Tensor], path: Path) -> 
                          f"unexpected {list(result.unexpected_keys)[:2]})", path=str(path))
 
 
-def save_adapters(backbone, directory: Path, tokenizer, base: dict) -> None:
+def save_adapters(backbone: "Backbone", directory: Path, tokenizer, base: dict) -> None:
     """peft's own adapter directory (save_pretrained: adapter_config.json + adapter_model.safetensors), the tokenizer
     beside them; `base` (portable paths of the base model) goes into the config's base_model_name_or_path."""
     adapters = backbone.adapters
@@ -190,7 +203,7 @@ def save_adapters(backbone, directory: Path, tokenizer, base: dict) -> None:
     tokenizer.save(directory)
 
 
-def merged_weights(backbone, adapted_only: bool = False) -> dict[str, torch.Tensor]:
+def merged_weights(backbone: "Backbone", adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """backbone.model's state dict in its own names (no peft layers) with every adapter merged into its base weight,
     fp32 on CPU: the base as loaded from its source again (not the copy held in bf16 while training) plus each LoRA
     layer's delta as peft computes it (get_delta_weight). adapted_only: the merged weights alone. backbone itself is
@@ -199,7 +212,7 @@ def merged_weights(backbone, adapted_only: bool = False) -> dict[str, torch.Tens
 
     from nanochat_ext.backbone import load_backbone
 
-    base = load_backbone(backbone.source, "cpu").model.state_dict()
+    base = load_backbone(backbone.source, "cpu", vintage=backbone.vintage).model.state_dict()
     deltas = {f"{name}.weight": m.get_delta_weight("default").detach().float().cpu()
               for name, m in backbone.model.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
     keep = deltas if adapted_only else base
@@ -211,13 +224,15 @@ RESUME_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 BEFORE_LORA = {"lora_r": 0, "lora_alpha": None, "lora_dropout": None, "lora_targets": None}
 
 
-def is_adapter_dir(path: Path) -> bool:
+def is_adapter_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device, vintage: str | None):
-    """A LoRA checkpoint as a model: its base (found by the meta's portable paths, refused if its fingerprint changed)
-    with the adapters loaded by peft (PeftModel.from_pretrained) and merged into it (merge_and_unload)."""
+def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device: torch.device | str,
+                 vintage: str | None) -> "Backbone":
+    """A LoRA checkpoint as a model: its base (found by the meta's portable paths, refused if its fingerprint changed;
+    in the nanochat vintage it was trained as) with the adapters loaded by peft (PeftModel.from_pretrained) and
+    merged into it (merge_and_unload)."""
     from peft import PeftModel
 
     from nanochat_ext.backbone import load_backbone
@@ -228,15 +243,16 @@ def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device, vintage
         raise InputError("an adapter directory whose meta names no base model ('lora.base')", path=str(meta_path))
     where = locate(ref, adapter_dir.parent)
     if where is None:
-        raise InputError(f"the base model of these adapters is not at {ref['path']} (nor relative to them)",
-                         path=str(meta_path))
-    backbone = load_backbone(where, device, vintage=vintage)
+        raise InputError(f"the base model of these adapters is not at {adapter_dir.parent / ref['relative_to_checkpoint']}"
+                         f", nor under $NANOCHAT_BASE_DIR/{ref['relative_to_base_dir']}, nor at {ref['path']}: put it "
+                         f"back, or merge the adapters where it is (--merge_lora, --consolidate)", path=str(meta_path))
+    backbone = load_backbone(where, device, vintage=vintage or ref.get("vintage"))
     if fingerprint(backbone.source) != ref["fingerprint"]:
         raise InputError(f"the base model {backbone.source} is not the one these adapters were trained on: its "
                          f"weights differ (fingerprint)", path=str(meta_path))
     try:
         merged = PeftModel.from_pretrained(backbone.model, str(adapter_dir)).merge_and_unload()
-    except (ValueError, RuntimeError, OSError) as e:
+    except (ValueError, RuntimeError, OSError, KeyError, TypeError) as e:  # a garbled adapter config or file
         raise InputError(f"cannot load the adapters ({first_line(e, 200)})", path=str(adapter_dir)) from None
     backbone.model = merged
     backbone.source = str(adapter_dir)

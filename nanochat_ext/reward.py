@@ -17,7 +17,7 @@ from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_lo
                                      save_checkpoint, stamp_digits, torch_load)
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision, print0
-from nanochat_ext.lora import LoraSpec, apply_lora
+from nanochat_ext.lora import LoraSpec, apply_lora, is_adapter_dir
 from nanochat_ext.parallel import no_sync
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -232,6 +232,9 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
                          path=str(path))
     model_path, meta = scorer.path, dict(scorer.meta)
     source, tok_source = Path(scorer.model.backbone.source), Path(scorer.tokenizer.source)
+    if is_adapter_dir(source):
+        raise InputError(f"the RM's backbone {source} is a LoRA checkpoint, which needs its base beside it: export an "
+                         f"RM on its merged model (the run's --merge_lora, or --consolidate DIR)", path=str(path))
     staging = out.with_name(out.name + ".tmp")
     shutil.rmtree(staging, ignore_errors=True)
     if source.is_dir():  # a Hugging Face dir

@@ -36,7 +36,7 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, LoraSpec, WithoutAdapters, adapter_state, apply_lora,
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora,
                                check_lora_args, dropout_active, load_adapter_state, merged_weights, save_adapters)
 from nanochat_ext.lora import describe as describe_lora
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
@@ -174,8 +174,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, GRPO_RANGES)
     check_consolidate(args)
-    check_lora_args(args)
-    lora = LoraSpec.from_args(args)
+    lora = check_lora_args(args)
     if lora and args.optimizer == "muon":
         raise InputError("--optimizer muon orthogonalises whole weight matrices; LoRA's adapters train with "
                          "--optimizer adamw")
@@ -233,7 +232,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.beta > 0 and not lora:  # computes as the policy does: under fsdp on CUDA every weight is gathered in bf16
         reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
                                     temperature=args.temperature, matmuls_only=parallel.gathers_in is None)
-    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference and not lora else None,
+    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference else None,
                           rm.model.backbone if rm else None))
     if args.activation_checkpointing:
         checkpoint_activations(policy.blocks)
@@ -268,7 +267,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
         merge = consolidate or (args.merge_lora and step == args.max_steps)
-        base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print}
+        base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print, "vintage": policy.vintage}
         meta = lambda stamp: {"kind": "grpo_policy", "stamp": stamp, "step": step,  # noqa: E731
                               "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
                               "lora": lora and {**lora.to_meta(), "base": base, "merged": merge},

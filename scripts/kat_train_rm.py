@@ -29,8 +29,7 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, LoraSpec, apply_lora, check_lora_args, dropout_active,
-                               merged_weights)
+from nanochat_ext.lora import BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, dropout_active, merged_weights
 from nanochat_ext.lora import describe as describe_lora
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
@@ -100,8 +99,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, {"weight_cap": (lambda v: v > 0, "> 0 (a pair's weight is clipped to it)")})
     check_consolidate(args)
-    check_lora_args(args)
-    lora = LoraSpec.from_args(args)
+    lora = check_lora_args(args)
     if lora and args.unfreeze_last != "0":
         raise InputError("--unfreeze_last trains whole blocks and --lora_r adapters on every block: give one of them")
     rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
@@ -124,6 +122,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         p.requires_grad_(False)
     if lora:  # before anything is written: peft refuses targets it cannot find
         apply_lora(backbone, lora)
+        if any("lm_head" in n for n, p in backbone.named_parameters() if p.requires_grad):
+            raise InputError("--lora_targets: an RM reads hidden states and never the LM head (lm_head): leave it out")
     claim_out_dir(out_dir, log_dir)
 
     dtype = compute_dtype(args.dtype, env.device)
@@ -185,7 +185,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                     "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
                     "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
                     "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
-                    "lora": None if merge else lora and lora.to_meta(), "merged_lora": lora.to_meta() if merge else None,
+                    "lora": lora and {**lora.to_meta(), "merged": merge},
                     "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
 
         return parallel.save(into, model, optimizer, module=model, final=step == args.max_steps,
@@ -218,6 +218,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
                       args.wandb_project)
     guard = StepGuard(args.skip_nonfinite)
+    # LoRA takes less than unfrozen blocks, not than a frozen backbone (its backward runs through every block)
+    lora_hint = (LORA_STATE.replace("--lora_r 16", "--lora_r 16 --unfreeze_last 0"),) if args.unfreeze_last != "0" else ()
     window = WindowSums([*RM_STATS, "steps"])  # this rank's sums since the last log
     t_log = time.time()
     metrics: dict = {}
@@ -230,9 +232,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         done = step + 1
         with doing(f"a training micro-batch of {plan.device_batch_size} pairs",
                    (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
-                    FEWER_RANKS_STATE, LORA_STATE)), dropout_active(backbone):
+                    FEWER_RANKS_STATE, *lora_hint)), dropout_active(backbone):
             stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
-        with doing("the optimizer step", (FEWER_RANKS_STATE, LORA_STATE)):
+        with doing("the optimizer step", (FEWER_RANKS_STATE, *lora_hint)):
             grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
         window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
         tracker.advance()

@@ -133,6 +133,7 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     bf16 copy of the adapters): the reference is the base with the adapters off, so step 1's KL is exactly 0; the
     merged final checkpoint loads as a model."""
     from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.checkpoint import find_checkpoint
     from scripts import kat_train_grpo
 
     out = tmp_path / "lora"
@@ -142,4 +143,10 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
                                 "--lora_r", "8", "--merge_lora"]) == 0
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["train/kl"] for r in rows if "train/kl" in r][0] == 0.0
-    assert load_backbone(out).model.transformer.h[0].attn.c_q.weight.dtype == torch.float32
+    # merged onto the fp32 base as loaded, not the bf16 copy training held: untargeted tensors are the source's bitwise
+    source = torch.load(next(assets["gpt_modern"].glob("model_*.pt")), weights_only=True)
+    merged = torch.load(find_checkpoint(out)[0], weights_only=True)
+    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in source.items()}
+    assert torch.equal(merged["transformer.wte.weight"], source["transformer.wte.weight"])
+    assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source["transformer.h.0.attn.c_q.weight"])
+    load_backbone(out)

@@ -52,7 +52,7 @@ def test_peft_adapters_switch_off_to_the_base_merge_as_peft_does_and_round_trip_
     apply_lora(adapted, spec)
     trained = [n for n, p in adapted.named_parameters() if p.requires_grad]
     assert trained and all(".lora_A." in n or ".lora_B." in n for n in trained)
-    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == adapter_params(base.model, spec, base)
+    assert sum(p.numel() for p in adapted.parameters() if p.requires_grad) == adapter_params(base, spec)
     with torch.no_grad():
         assert torch.equal(adapted(ids), want)  # B starts at 0: the base's logits exactly
         for n, p in adapted.named_parameters():  # adapters that change the model
@@ -82,9 +82,26 @@ def test_peft_adapters_switch_off_to_the_base_merge_as_peft_does_and_round_trip_
         assert torch.equal(reloaded(ids), got)
 
 
+def test_lora_dropout_drops_in_training_micro_batches_only(assets):
+    """--lora_dropout: the rollout, the reference and scoring are deterministic; a training micro-batch drops."""
+    from nanochat_ext.lora import dropout_active
+
+    bb = load_backbone(assets["hf"])
+    apply_lora(bb, LoraSpec(4, 8.0, dropout=0.5))
+    with torch.no_grad():
+        for n, p in bb.named_parameters():
+            if ".lora_B." in n:
+                p.fill_(0.5)
+        ids = ragged_ids(bb.vocab_size)
+        assert torch.equal(bb(ids), bb(ids))
+        with dropout_active(bb):
+            assert not torch.equal(bb(ids), bb(ids))
+        assert torch.equal(bb(ids), bb(ids))
+
+
 def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
     """--compile with LoRA: blocks holding peft's layers compile without a graph break (torch's own counters), the
-    adapters switched off (GRPO's reference) as well, and on ragged prefix-tree batches give eager's log-probs, the
+    adapters switched off (GRPO's reference) as well, and on a ragged prefix-tree batch give eager's log-probs, the
     reference's and the policy's, and eager's gradients, bitwise (aot_eager: dynamo's and AOT autograd's graphs)."""
     from torch._dynamo.utils import counters
 
@@ -102,8 +119,7 @@ def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
             counters.clear()
         model = CompletionLogprobs(bb)
         reference, out = WithoutAdapters(model, bb), []
-        for prompts, completions in (([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]]),
-                                     ([[1, 2, 3, 4, 5, 6]], [[7] * 5, [8]])):
+        for prompts, completions in (([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]]),):  # ragged rows
             batch = make_sequences(prompts, completions, 2, 0, share_prompt=True)
             args = (batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
             with torch.no_grad():
@@ -115,25 +131,26 @@ def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
         if compiled:
             assert not counters["graph_break"] and counters["stats"]["unique_graphs"] > 0, dict(counters["graph_break"])
     (eager, eager_grads), (comp, comp_grads) = runs
-    assert all(torch.equal(a, b) for a, b in zip(eager, comp)) and len(eager) == 4
+    assert all(torch.equal(a, b) for a, b in zip(eager, comp)) and len(eager) == 2
     assert eager_grads.keys() == comp_grads.keys() and all(torch.equal(eager_grads[k], comp_grads[k]) for k in eager_grads)
     assert not torch.equal(eager[0], eager[1])  # the reference is not the policy
 
 
 def test_the_memory_model_counts_adapters_and_no_reference_copy_under_lora():
     """Under LoRA only the adapters hold gradients and AdamW's moments, and the reference is the base itself."""
+    from nanochat_ext.backbone import Backbone
     from nanochat_ext.gpt import GPTConfig
 
-    with torch.device("meta"):
+    with torch.device("meta"):  # nanochat's d20 of today: its value-embedding gates have n_kv_head = 10 outputs
         model = GPT(GPTConfig(sequence_len=2048, vocab_size=32768, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
+    assert any("ve_gate" in n for n, _ in model.named_modules())
     s = model_shape(model)
     kw = dict(parallel="ddp", ranks=1, checkpointing=False, micro=16, prompt_len=256, new_tokens=256, rows=64)
     full = grpo_memory(s, **kw)
-    n = adapter_params(model, LoraSpec(16, 32.0, targets=("c_q", "c_k", "c_v", "c_proj", "c_fc")))
+    n = adapter_params(Backbone("nanochat", model, "meta"), LoraSpec(16, 32.0))  # the default targets: no gates
     lora = grpo_memory(s, **kw, lora=n)
-    assert n == 16 * 20 * (2 * 1280 + 3 * 2 * 1280 + 5 * 1280 + 5 * 1280)
+    assert n == 16 * 20 * (2 * 1280 + 3 * 2 * 1280 + 5 * 1280 + 5 * 1280)  # c_q c_k c_v c_proj, c_fc c_proj
     assert lora.parts["optimizer"] == 8 * n and lora.training["gradients"] == 4 * n and "reference" not in lora.parts
-    assert lora.parts["frozen_base"] == full.parts["reference"]
     assert full.peak() - lora.peak() > 14 * (s.params - n)  # 16 bytes a parameter, less its bf16 copy
 
 
@@ -159,7 +176,8 @@ def test_rm_lora_on_two_ranks_trains_as_one_merges_and_resumes_exactly(assets, t
     assert state["trained"].keys() == w_one.keys()
     for k in w_one:
         torch.testing.assert_close(state["trained"][k], w_one[k], atol=2e-5, rtol=0, msg=k)
-    assert json.loads(meta_path.read_text())["lora"] is None
+    assert json.loads(meta_path.read_text())["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": None,
+                                                         "merged": True}
     merged = torch.load(model_path, weights_only=True)
     assert not any(".lora_" in k for k in merged) and "backbone.model.transformer.h.1.mlp.c_fc.weight" in merged
     prompts, responses = ["How do I boil an egg?", "Name a colour."], ["Put it in boiling water.", "Blue, mostly."]

@@ -285,9 +285,9 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     assert len(lines) == 2 and lines[0] == lines[1], proc.stderr[-3000:]  # one line from each rank
     assert lines[0] == ("error: out of memory in a training micro-batch of 2 pairs (Tried to allocate 2.50 GiB); to "
                         "take less: --device_batch_size 1, --activation_checkpointing, --parallel fsdp (weights, "
-                        "gradients and optimizer state sharded over the GPUs), --lora_r 16 (LoRA: gradients and "
-                        "optimizer state for the adapters only); nothing was saved for this step: resume from the last "
-                        "checkpoint with --resume latest")
+                        "gradients and optimizer state sharded over the GPUs), --lora_r 16 --unfreeze_last 0 (LoRA: "
+                        "gradients and optimizer state for the adapters only); nothing was saved for this step: resume "
+                        "from the last checkpoint with --resume latest")
     assert "OutOfMemoryError" not in proc.stderr  # no worker printed a traceback (torchrun prints its own)
     assert "exitcode  : 4 " in proc.stderr  # torchrun's report of the first rank to exit: EXIT_OUT_OF_MEMORY
     assert [m["step"] for m in metas(out)] == [1, 2] and not list(out.glob("*.tmp"))

@@ -175,17 +175,20 @@ class Backbone(nn.Module):
 
     # ---- saving -------------------------------------------------------------------------------------
     def save(self, out_dir: str | os.PathLike, stamp: int, meta: dict, tokenizer: TokenizerWrapper,
-             train_state: dict | None = None, weights: dict[str, torch.Tensor] | None = None) -> Path:
+             train_state: dict | None = None, weights: dict[str, torch.Tensor] | None = None,
+             masters: bool = True) -> Path:
         """Rank 0: write the model so that load_backbone() takes it back: a nanochat checkpoint
         (model_<stamp>.pt + meta with model_config, tokenizer beside it) or an HF dir model_<stamp>/.
-        weights: self.model's state dict gathered whole beforehand (a sharded model's), else its own."""
+        weights: self.model's state dict gathered whole beforehand (a sharded model's, a LoRA model's merged), else
+        its own. masters: keep in train_state the fp32 values the layout rounds (a full fine-tune resumes from them;
+        a LoRA run resumes from its adapters instead)."""
         if self.kind == "nanochat":
             tokenizer.save(out_dir)
             config = self.source_meta.get("model_config") or self.model.config.nanochat_dict()
             meta = {**meta, "model_config": config, "nanochat_vintage": self.vintage}
             full = weights if weights is not None else {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
             state = {k: v.to(self.source_dtypes.get(k, v.dtype)) for k, v in full.items()}
-            if train_state is not None:  # a resumed run continues from the fp32 masters, not the bf16 copy
+            if train_state is not None and masters:  # a resumed run continues from the fp32 masters, not the bf16 copy
                 train_state = {**train_state, "fp32_masters": {k: v for k, v in full.items()
                                                                 if state[k].dtype != v.dtype}}
             return save_checkpoint(out_dir, stamp, state, meta, train_state)

@@ -278,7 +278,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                 return policy.save(d, stamp, meta, tok, state, weights)
             state = state and {**state, "adapters": adapter_state(policy)}
             if merge:  # the base with the adapters merged, in its own layout
-                return policy.save(d, stamp, meta, tok, state, merged_weights(policy))
+                return policy.save(d, stamp, meta, tok, state, merged_weights(policy), masters=False)
             return save_checkpoint(d, stamp, lambda tmp: save_adapters(policy, tmp, tok, base), meta, state)
 
         return parallel.save(into, model, optimizer, module=policy.model, final=step == args.max_steps,

@@ -22,6 +22,25 @@ _cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
 _capability = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
 if os.path.basename(_cache) != _capability:  # a nested run inherits the parent's: no second suffix
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, _capability)
+# The longest tests start first (seconds of one worker, 2026-11-23): pytest-xdist hands tests out in collection order,
+# so one that starts late keeps its worker busy long after the other has finished (the pipeline test alone is over a
+# quarter of a worker's time). Longest first is the classic remedy.
+LONGEST_FIRST = (
+    "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 169
+    "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 48
+    "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 42
+    "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 41
+    "tests/test_compiled.py::test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients[grpo_grad_worker]",  # 40
+    "tests/test_compiled.py::test_ragged_steps_add_no_graphs_after_warm_up",  # 34
+    "tests/test_nanochat_vintages.py::test_grpo_two_ranks_match_one_rank_on_ragged_prompts",  # 33
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {nodeid: k for k, nodeid in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+
+
 # The suite runs on 2 cores: keep in-process work from fighting subprocesses. One thread also makes the
 # in-process arithmetic the same whatever OMP_NUM_THREADS the caller set (subprocesses get 1 too).
 torch.set_num_threads(1)

@@ -30,13 +30,15 @@ def transformers_scores(model_dir, seqs: list[list[int]], pad_id: int) -> list[f
         return model(input_ids=ids, attention_mask=mask).logits[:, 0].tolist()
 
 
-@pytest.fixture(scope="module")
-def hf_rm(assets, tmp_path_factory):
-    """An RM trained here on the tiny Hugging Face Llama (last block and head trained)."""
+@pytest.fixture(scope="module", params=["last_block", "lora"])
+def hf_rm(assets, tmp_path_factory, request):
+    """An RM trained here on the tiny Hugging Face Llama: its last block and head, or LoRA adapters (peft, on our
+    Llama's fused projections: the export merges them) and the head."""
     out = tmp_path_factory.mktemp("hf_rm") / "rm"
+    trains = ["--unfreeze_last", "1"] if request.param == "last_block" else ["--lora_r", "4", "--lr", "2e-2"]
     assert kat_train_rm.main(["--backbone", str(assets["hf"]), "--pairs", str(assets["pairs"]), "--max_steps", "3",
-                              "--batch_size", "8", "--max_len", "64", "--unfreeze_last", "1", "--device", "cpu",
-                              "--out", str(out)]) == 0
+                              "--batch_size", "8", "--max_len", "64", "--device", "cpu", "--out", str(out),
+                              *trains]) == 0
     return out
 
 

@@ -190,6 +190,15 @@ def test_rm_lora_on_two_ranks_trains_as_one_merges_and_resumes_exactly(assets, t
     w_resumed = torch.load(find_checkpoint(resumed)[0], weights_only=True)
     assert all(torch.equal(w_resumed[k], w_one[k]) for k in w_one)
 
+    # --consolidate writes an adapter checkpoint merged; a merged final resumes from the adapters its state keeps.
+    merged_one = tmp_path / "merged_one"
+    assert kat_train_rm.main(rm_args(assets, one, "--resume", str(find_checkpoint(one)[0]), "--consolidate",
+                                     str(merged_one))) == 0
+    assert load_reward_model(merged_one).score(prompts, responses) == pytest.approx(
+        load_reward_model(one).score(prompts, responses), abs=1e-5)
+    assert kat_train_rm.main(rm_args(assets, tmp_path / "extended", "--resume", str(model_path), "--resume_extend",
+                                     "--max_steps", "5", "--device_batch_size", "2")) == 0
+
 
 @pytest.fixture(scope="module")
 def prompts(tmp_path_factory):
@@ -247,3 +256,6 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     assert kat_train_grpo.main(grpo_args(prompts, resumed, "--resume", str(first))) == 0
     again = load_file(find_checkpoint(resumed)[0] / "adapter_model.safetensors")
     assert all(torch.equal(again[k], adapters[k]) for k in adapters)
+    # a merged final resumes from the adapters its state keeps (--resume_extend: one more step)
+    assert kat_train_grpo.main(grpo_args(prompts, tmp_path / "extended", "--resume", str(model_path), "--resume_extend",
+                                         "--max_steps", "3", "--device_batch_size", "4")) == 0

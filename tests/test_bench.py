@@ -24,14 +24,14 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
              "--rm_len 32 --micro 4")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
-           "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "tiny", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
+           "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
            "CUDA_VISIBLE_DEVICES": ""}  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode"] + \
-        ["gpu_rm", "gpu_grpo"] * 2 + ["gpu_grpo"]  # then FSDP on one rank, without and with AC; then LoRA
-    fsdp, lora = rows[6:10], rows[10]
+        ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and with AC (LoRA's rows: the next test)
+    fsdp = rows[6:10]
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
@@ -45,8 +45,19 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
-    assert lora["lora_r"] == 16 and 0 < lora["params"] < grpo["params"] and lora["train_tokens_per_s"] > 0
-    assert f"| tiny LoRA r16 | - | - | - | {lora['completions_per_s']} / - |" in proc.stdout
+
+
+def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():
+    """bench_gpu.py --lora_r (run_gpu.sh's LORA_SHAPES rows), in this process at a tiny shape: only the adapters
+    train, and the table gives the row its own label."""
+    from bench_gpu import bench_grpo
+    from gpu_table import label
+
+    b = argparse.Namespace(vintage="current", group_size=4, grpo_prompts=2, prompt_len=8, new_tokens=8, micro=4,
+                           compile="0", warmup=0, steps=1, peak_tflops=None, par=None, activation_checkpointing=False)
+    full, lora = (bench_grpo("tiny", argparse.Namespace(**vars(b), lora_r=r), torch.device("cpu")) for r in (0, 16))
+    assert lora["lora_r"] == 16 and 0 < lora["params"] < full["params"] and lora["train_tokens_per_s"] > 0
+    assert label(lora) == "tiny LoRA r16" and label(full) == "tiny"
 
 
 def test_gpu_table_puts_ours_beside_trl():

@@ -160,22 +160,25 @@ def rm_args(assets, out, *extra) -> list[str]:
             "--seed", "3", "--device", "cpu", "--max_len", "64", "--out", str(out), "--lora_r", "4", *extra]
 
 
-def test_rm_lora_on_two_ranks_trains_as_one_merges_and_resumes_exactly(assets, tmp_path):
-    """The RM with LoRA on nanochat's current vintage: its checkpoints hold the head and the adapters only; 2 ranks
-    end where 1 does; --merge_lora writes the head and the merged weights, which load as an RM with no LoRA and score
-    as the adapters do; a run resumed from its step-2 checkpoint ends bitwise where the straight run does."""
+def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly(assets, tmp_path, capsys):
+    """The RM with LoRA on nanochat's current vintage: its checkpoints hold the head and the adapters only; 4
+    micro-batches end where one batch does (LoRA under DDP, 2 ranks = 1: the GRPO test below); --merge_lora writes the
+    head and the merged weights, which load as an RM with no LoRA to apply and score as the adapters do; a run resumed
+    from its step-2 checkpoint ends bitwise where the straight run does; --consolidate merges an adapter checkpoint;
+    a merged final resumes from the adapters its state keeps."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_rm.main(rm_args(assets, one, "--save_every", "2")) == 0
-    ran = run_script("scripts.kat_train_rm", rm_args(assets, two, "--device_batch_size", "2", "--merge_lora"), nproc=2)
-    assert ran.returncode == 0, ran.stderr
-    assert "lora: r 4, alpha 8, dropout 0 on c_fc,c_k,c_proj,c_q,c_v (peft): 8,704 adapter parameters" in ran.stdout
+    assert kat_train_rm.main(rm_args(assets, two, "--device_batch_size", "2", "--merge_lora")) == 0
+    assert "lora: r 4, alpha 8, dropout 0 on c_fc,c_k,c_proj,c_q,c_v (peft): 8,704 adapter parameters" in \
+        capsys.readouterr().out
     w_one = torch.load(find_checkpoint(one)[0], weights_only=True)
     assert set(w_one) - {"head.weight"} and all(".lora_" in k for k in set(w_one) - {"head.weight"})
     model_path, meta_path = find_checkpoint(two)
     state = torch.load(model_path.with_name(model_path.name.replace("model_", "state_")), weights_only=True)
     assert state["trained"].keys() == w_one.keys()
     for k in w_one:
-        torch.testing.assert_close(state["trained"][k], w_one[k], atol=2e-5, rtol=0, msg=k)
+        # Adam's first steps move near-zero gradients by ~lr whatever their size: accumulation order shows, < 1e-4
+        torch.testing.assert_close(state["trained"][k], w_one[k], atol=1e-4, rtol=0, msg=k)
     assert json.loads(meta_path.read_text())["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": None,
                                                          "merged": True}
     merged = torch.load(model_path, weights_only=True)
@@ -190,7 +193,7 @@ def test_rm_lora_on_two_ranks_trains_as_one_merges_and_resumes_exactly(assets, t
     w_resumed = torch.load(find_checkpoint(resumed)[0], weights_only=True)
     assert all(torch.equal(w_resumed[k], w_one[k]) for k in w_one)
 
-    # --consolidate writes an adapter checkpoint merged; a merged final resumes from the adapters its state keeps.
+    # --consolidate merges an adapter checkpoint; a merged final resumes from the adapters its state keeps
     merged_one = tmp_path / "merged_one"
     assert kat_train_rm.main(rm_args(assets, one, "--resume", str(find_checkpoint(one)[0]), "--consolidate",
                                      str(merged_one))) == 0

@@ -17,6 +17,9 @@
 # BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
 # cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
 # NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
+# SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS: more flags for that stage's script (split on spaces), after the stage's
+# own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"); each stage's meta records its args,
+# the report the four strings. --out and --resume stay the pipeline's.
 # ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM
 # with the fork's 1/kNN-distance weighting, which favours dense prompts); default: uniform, or density
 # with DENSITY=1.
@@ -41,6 +44,10 @@ RM_STEPS="${RM_STEPS:-150}"
 GRPO_STEPS="${GRPO_STEPS:-200}"
 EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
+read -r -a EXTRA_SFT <<< "${SFT_ARGS:-}"
+read -r -a EXTRA_RM <<< "${RM_ARGS:-}"
+read -r -a EXTRA_GRPO <<< "${GRPO_ARGS:-}"
+read -r -a EXTRA_EVAL <<< "${EVAL_ARGS:-}"
 RUNTIME=()  # flags every stage that runs models takes
 [ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
 [ -n "${NANOCHAT_VINTAGE:-}" ] && RUNTIME+=(--nanochat_vintage "$NANOCHAT_VINTAGE")
@@ -65,6 +72,8 @@ if [ "${EXPERIMENT:-}" = density ]; then
     exit 0
 fi
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
+python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
+    "$B/stage_args.json" SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # this run's, for the report
 
 record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
     { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
@@ -114,7 +123,7 @@ if [ -z "${BACKBONE:-}" ] || [ -z "${PAIRS:-}" ]; then
     PROMPTS="$B/demo/prompts.jsonl"
     train sft "the base model and demo/sft.jsonl, made by demo_data" "$B/chatsft_checkpoints/default" scripts.kat_sft --backbone "$B/base_checkpoints/demo" \
         --tokenizer "$TOKENIZER" --conversations "$B/demo/sft.jsonl" --max_steps "$SFT_STEPS" --batch_size 32 \
-        --lr 3e-3 --save_every 100 --seed "$SEED"
+        --lr 3e-3 --save_every 100 --seed "$SEED" "${EXTRA_SFT[@]}"
     BACKBONE="$B/chatsft_checkpoints/default"
 fi
 PROMPTS="${PROMPTS:-$PAIRS}"
@@ -142,14 +151,14 @@ case " $ARMS " in *" fork "*)
         record_time density_fork $((SECONDS - s))
     fi ;;
 esac
-RM_ARGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
-         --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
+RM_FLAGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
+          --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
 NEEDS_RM="a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) with its tokenizer, and pairs ($PAIRS)"
-train rm_uniform "$NEEDS_RM" "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_ARGS[@]}"
-train rm_density "$NEEDS_RM and density weights (made by the density stage)" "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$WEIGHTS"
+train rm_uniform "$NEEDS_RM" "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_FLAGS[@]}" "${EXTRA_RM[@]}"
+train rm_density "$NEEDS_RM and density weights (made by the density stage)" "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_FLAGS[@]}" --density "$WEIGHTS" "${EXTRA_RM[@]}"
 if [[ " $ARMS " == *" fork "* ]]; then train rm_fork "$NEEDS_RM and fork weights (made by the density_fork stage)" \
-    "$B/rm_checkpoints/fork" scripts.kat_train_rm "${RM_ARGS[@]}" --density "$FORK_WEIGHTS"; fi
-GRPO_ARGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS"
+    "$B/rm_checkpoints/fork" scripts.kat_train_rm "${RM_FLAGS[@]}" --density "$FORK_WEIGHTS" "${EXTRA_RM[@]}"; fi
+GRPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS"
            --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
            --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
 EVAL_POLICIES=()
@@ -158,7 +167,7 @@ EVAL_POLICIES=()
 for arm in $ARMS; do
     case $arm in uniform|density|fork) ;; *) echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork)" >&2; exit 2 ;; esac
     train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$arm (made by the rm_$arm stage)" \
-        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_ARGS[@]}" --rm "$B/rm_checkpoints/$arm"
+        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_FLAGS[@]}" --rm "$B/rm_checkpoints/$arm" "${EXTRA_GRPO[@]}"
     EVAL_POLICIES+=(--policy "GRPO $arm=$B/chatrl_checkpoints/$arm")
 done
 
@@ -178,7 +187,7 @@ else
     EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" "${EVAL_POLICIES[@]}"
           --score_rm "$B/rm_checkpoints/uniform" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
-    launch eval "the reward models, the GRPO policy and held-out data" scripts.kat_eval "${EVAL[@]}"
+    launch eval "the reward models, the GRPO policy and held-out data" scripts.kat_eval "${EVAL[@]}" "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
 fi
 

@@ -213,8 +213,12 @@ def fmt(x) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
-def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float]], plots) -> str:
+def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float]], plots,
+                 stage_args: dict[str, str] | None = None) -> str:
     lines = ["# nanochat_ext report", "", f"Artifacts: `{args.base_dir}`", ""]
+    passed = {k: v for k, v in (stage_args or {}).items() if v}
+    if passed:  # flags speedrun.sh passed through to the stages
+        lines += ["Flags passed to the stages: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()), ""]
     if timings:
         lines += ["## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {sec:.0f} |" for name, sec in timings] + [f"| total | {sum(s for _, s in timings):.0f} |", ""]
@@ -279,9 +283,11 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
         timings = [(n, float(s)) for n, s in (line.split("\t") for line in timings_file.read_text().splitlines()
                                              if line.strip())] if timings_file.is_file() else []
         plots = plot_curves(base, out.parent)
+        passed = base / "stage_args.json"  # speedrun.sh's SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS of this run
+        stage_args = json.loads(passed.read_text()) if passed.is_file() else {}
         out.with_suffix(".json").write_text(json.dumps({"reward_models": rms, "policies": policies,
-                                                        "timings_s": dict(timings)}, indent=1))
-        out.write_text(write_report(args, rms, policies, timings, plots))
+                                                        "timings_s": dict(timings), "stage_args": stage_args}, indent=1))
+        out.write_text(write_report(args, rms, policies, timings, plots, stage_args))
     return out
 
 

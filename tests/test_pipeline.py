@@ -23,7 +23,8 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     """EXPERIMENT=density, shortened: one seed, the three arms (the fork's weighting too), each seed's report
-    and the experiment's; a re-run skips every finished stage; an interrupted GRPO stage resumes."""
+    and the experiment's; a re-run skips every finished stage; an interrupted GRPO stage resumes, with flags passed
+    through to it (GRPO_ARGS); a bad flag passed to a stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
@@ -60,11 +61,23 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     stamps = sorted(int(p.stem.split("_")[1]) for p in grpo.glob("model_*.pt"))
     for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
         (grpo / name).unlink()
-    resumed = speedrun(base, **env)
+    # GRPO_ARGS reach the stage after its own flags (the last copy wins), and the report records them.
+    passed = "--top_k 0 --top_k 5"
+    resumed = speedrun(base, **env, GRPO_ARGS=passed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "== grpo_uniform (2 ranks), resuming" in resumed.stdout and "resume: from" in resumed.stdout
     assert "== sft: skipped" in resumed.stdout and "== grpo_density: skipped" in resumed.stdout
     assert "== eval (2 ranks)" in resumed.stdout
+    final = max(grpo.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    assert json.loads(final.read_text())["args"]["top_k"] == 5
+    assert json.loads((seed / "report.json").read_text())["stage_args"]["GRPO_ARGS"] == passed
+    assert f"GRPO_ARGS=`{passed}`" in (seed / "report.md").read_text()
+
+    # A bad flag in RM_ARGS fails its stage with the stage's own line.
+    (seed / "rm_checkpoints" / "fork" / ".complete").unlink()
+    bad = speedrun(base, **env, RM_ARGS="--weight_cap 0")
+    assert bad.returncode != 0
+    assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
 
 
 def test_missing_data_stops_the_pipeline(tmp_path):

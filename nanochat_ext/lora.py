@@ -102,6 +102,17 @@ def default_targets(backbone: "Backbone") -> tuple[str, ...] | str:
     return tuple(sorted(names - set(GATES)))
 
 
+def targeted(name: str, targets: tuple[str, ...] | str) -> bool:
+    """Whether a module of this name is a LoRA target, by peft's rule for a list of names (the name, or its last
+    dotted part); 'all-linear' here: any but an output head."""
+    return "lm_head" not in name if isinstance(targets, str) else name.rsplit(".", 1)[-1] in targets
+
+
+def merge_now(args: argparse.Namespace, step: int, consolidate: bool) -> bool:
+    """Whether a LoRA run's save writes the adapters merged: --consolidate, or --merge_lora's final checkpoint."""
+    return consolidate or (args.merge_lora and step == args.max_steps)
+
+
 def apply_lora(backbone: "Backbone", spec: LoraSpec) -> "PeftModel":
     """Inject peft's LoRA layers into backbone.model in place and freeze every base weight; returns the PeftModel,
     also kept as backbone.adapters (not a submodule: its parameters are backbone.model's)."""
@@ -110,7 +121,7 @@ def apply_lora(backbone: "Backbone", spec: LoraSpec) -> "PeftModel":
     targets = spec.targets or default_targets(backbone)
     if not isinstance(targets, str):  # peft adapts what matches and says nothing of a name that matches nothing
         names = [n for n, _ in backbone.model.named_modules()]
-        unknown = [t for t in targets if not any(n == t or n.endswith(f".{t}") for n in names)]
+        unknown = [t for t in targets if not any(targeted(n, (t,)) for n in names)]
         if unknown:
             linear = sorted({n.rsplit(".", 1)[-1] for n, m in backbone.model.named_modules() if isinstance(m, nn.Linear)})
             raise InputError(f"--lora_targets: no module named {unknown[0]!r} in this {type(backbone.model).__name__} "
@@ -141,8 +152,7 @@ def adapter_params(backbone: "Backbone", spec: LoraSpec) -> int:
     """Parameters LoRA would train on backbone's linear layers named in spec's targets (default_targets where none
     are given): r x (in + out) each. The memory model's count, computed without injecting anything."""
     model, targets = backbone.model, spec.targets or default_targets(backbone)
-    linear = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and (
-        name.rsplit(".", 1)[-1] in targets if not isinstance(targets, str) else "lm_head" not in name)]
+    linear = [m for name, m in model.named_modules() if isinstance(m, nn.Linear) and targeted(name, targets)]
     return sum(spec.r * (m.in_features + m.out_features) for m in linear)
 
 

@@ -37,7 +37,8 @@ from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_R
                                in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora,
-                               check_lora_args, dropout_active, load_adapter_state, merged_weights, save_adapters)
+                               check_lora_args, dropout_active, load_adapter_state, merge_now, merged_weights,
+                               save_adapters)
 from nanochat_ext.lora import describe as describe_lora
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
@@ -266,7 +267,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
            f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
 
     def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
-        merge = consolidate or (args.merge_lora and step == args.max_steps)
+        merge = merge_now(args, step, consolidate)
         base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print, "vintage": policy.vintage}
         meta = lambda stamp: {"kind": "grpo_policy", "stamp": stamp, "step": step,  # noqa: E731
                               "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,

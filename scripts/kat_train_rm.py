@@ -29,7 +29,8 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, pea
                                       seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.lora import BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, dropout_active, merged_weights
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, dropout_active, merge_now,
+                               merged_weights)
 from nanochat_ext.lora import describe as describe_lora
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
@@ -166,7 +167,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     backbone_print = fingerprint(backbone.source) if env.is_main else None  # recorded so a moved RM finds it
 
     def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
-        merge = lora is not None and (consolidate or (args.merge_lora and step == args.max_steps))
+        merge = lora is not None and merge_now(args, step, consolidate)
 
         def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
             trained = trainable_state(model, weights)

@@ -11,6 +11,7 @@
 #   ARMS="uniform density" bash speedrun.sh                # GRPO against each RM, both policies evaluated
 #   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment: every seed, both arms,
 #                                                          # paired differences with 95% intervals (experiment.md)
+#   EXPERIMENT=density REGIME=collapse SEEDS="$(seq -s ' ' 0 9)" bash speedrun.sh  # the same where GRPO collapses
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
 # EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
 # DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training),
@@ -21,11 +22,15 @@
 # own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"); each stage's meta records its args,
 # the report the four strings. --out and --resume stay the pipeline's.
 # ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM
-# with the fork's 1/kNN-distance weighting, which favours dense prompts); default: uniform, or density
-# with DENSITY=1.
+# with the fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform
+# RM with --beta <beta>, a control that fights collapse with the KL term instead of the RM; default: uniform, or
+# density with DENSITY=1.
+# REGIME: default, or collapse: GRPO_STEPS 400 and GRPO_ARGS="--lr 1e-3 --beta 0" before your own, where the demo's
+# GRPO hacks its RM (one template answer for every prompt); recorded in the report.
 # EXPERIMENT=density: SEEDS (default 0..4) each run the whole pipeline in $NANOCHAT_BASE_DIR/experiment/seed_<s>
-# with ARMS (default "uniform density") and EXPERIMENT_RM_STEPS (default 60), then
-# scripts.kat_experiment_report writes experiment.md/json there.
+# (experiment_collapse/ for REGIME=collapse) with ARMS (default "uniform density", "uniform density kl_0.05" for
+# REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then scripts.kat_experiment_report writes
+# experiment.md/json there, comparing each arm of ARMS with uniform.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -39,6 +44,14 @@ if [ -z "${NPROC_PER_NODE:-}" ]; then  # one rank per GPU, else 2 on CPU (asking
 fi
 export NPROC_PER_NODE  # the experiment's per-seed runs take it as given
 FORCE="${FORCE:-0}"
+REGIME="${REGIME:-default}"
+case $REGIME in
+    default) REGIME_GRPO="" ;;
+    # The demo's GRPO collapses when its step is large and nothing holds it near the SFT policy: it finds one
+    # template of dense-topic words the RM likes and answers every prompt with it (reward hacking).
+    collapse) REGIME_GRPO="--lr 1e-3 --beta 0"; GRPO_STEPS="${GRPO_STEPS:-400}" ;;
+    *) echo "speedrun: unknown REGIME '$REGIME' (default, collapse)" >&2; exit 2 ;;
+esac
 SFT_STEPS="${SFT_STEPS:-400}"
 RM_STEPS="${RM_STEPS:-150}"
 GRPO_STEPS="${GRPO_STEPS:-200}"
@@ -46,7 +59,7 @@ EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
 read -r -a EXTRA_SFT <<< "${SFT_ARGS:-}"
 read -r -a EXTRA_RM <<< "${RM_ARGS:-}"
-read -r -a EXTRA_GRPO <<< "${GRPO_ARGS:-}"
+read -r -a EXTRA_GRPO <<< "$REGIME_GRPO ${GRPO_ARGS:-}"  # the regime's first: yours win
 read -r -a EXTRA_EVAL <<< "${EVAL_ARGS:-}"
 RUNTIME=()  # flags every stage that runs models takes
 [ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
@@ -54,9 +67,9 @@ RUNTIME=()  # flags every stage that runs models takes
 mkdir -p "$B"
 t_start=$SECONDS
 
-if [ "${EXPERIMENT:-}" = density ]; then
-    ROOT="$B/experiment"
-    ARMS="${ARMS:-uniform density}"
+if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
+    if [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
+    else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.05}"; fi
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
@@ -67,13 +80,14 @@ if [ "${EXPERIMENT:-}" = density ]; then
             bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
     done
     # shellcheck disable=SC2086
-    python -m scripts.kat_experiment_report --root "$ROOT" --seeds $SEEDS
+    python -m scripts.kat_experiment_report --root "$ROOT" --seeds $SEEDS --arms $ARMS
     echo "== experiment finished in $((SECONDS - t_start)) s; report: $ROOT/experiment.md"
     exit 0
 fi
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
+export REGIME
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
-    "$B/stage_args.json" SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # this run's, for the report
+    "$B/stage_args.json" REGIME SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # this run's, for the report
 
 record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
     { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
@@ -165,9 +179,14 @@ EVAL_POLICIES=()
 # Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
 # so a difference between the policies is the RM's doing.
 for arm in $ARMS; do
-    case $arm in uniform|density|fork) ;; *) echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork)" >&2; exit 2 ;; esac
-    train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$arm (made by the rm_$arm stage)" \
-        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_FLAGS[@]}" --rm "$B/rm_checkpoints/$arm" "${EXTRA_GRPO[@]}"
+    case $arm in
+        uniform|density|fork) rm=$arm; ARM_FLAGS=() ;;
+        kl_*) rm=uniform; ARM_FLAGS=(--beta "${arm#kl_}") ;;  # after GRPO_ARGS: the arm is its beta
+        *) echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork, kl_<beta>)" >&2; exit 2 ;;
+    esac
+    train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$rm (made by the rm_$rm stage)" \
+        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_FLAGS[@]}" --rm "$B/rm_checkpoints/$rm" \
+        "${EXTRA_GRPO[@]}" "${ARM_FLAGS[@]}"
     EVAL_POLICIES+=(--policy "GRPO $arm=$B/chatrl_checkpoints/$arm")
 done
 

@@ -3,9 +3,11 @@
 - Each reward model: held-out pair accuracy and mean margin, overall, per topic, and for dense vs
   rare topics (when pairs carry a "topic" field; dense = at least an equal share of the pairs).
 - The policy before and after GRPO on held-out prompts: mean RM score, task accuracy by ground truth
-  (demo prompts carry a "topic", judged by nanochat_ext.synthetic.judge), diversity (distinct-1/2
-  within each prompt's samples, bigram entropy over all samples), completion length; one greedy
-  completion and --samples sampled ones per prompt.
+  (demo prompts carry a "topic", judged by nanochat_ext.synthetic.judge; dense minus rare topics),
+  diversity (distinct-1/2 within each prompt's samples, bigram entropy over all samples), reward
+  hacking (the share of a prompt's samples equal to its most common one, the share of all samples
+  equal to the most common completion), completion length; one greedy completion and --samples
+  sampled ones per prompt.
 - Wall time per stage (from timings.tsv, written by speedrun.sh) and training curves.
 
     python -m scripts.kat_eval
@@ -35,6 +37,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import sample_seed
 from nanochat_ext.reward import RewardScorer, load_reward_model
 from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.stats import sample_diversity
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
 PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]), "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
@@ -117,10 +120,6 @@ def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv, args: argp
             for g, v in groups.items() if v}
 
 
-def ngrams(tokens: list[str], n: int) -> list[tuple]:
-    return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-
-
 def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, dtype: torch.dtype) -> dict:
     policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=dtype)
     autocast = precision(dtype, env.device)
@@ -155,29 +154,21 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     per_topic = [judged(sampled, lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
     per_topic = [a for a in per_topic if a is not None]
 
-    by_prompt, texts_by_prompt = defaultdict(list), defaultdict(list)
+    texts_by_prompt = defaultdict(list)
     for i, text, _, _ in sampled:
-        by_prompt[i].append(text.lower().split())
         texts_by_prompt[i].append(text)
-    # share of a prompt's samples that repeat another sample of the same prompt exactly
-    duplicates = sum((len(t) - len(set(t))) / len(t) for t in texts_by_prompt.values()) / len(texts_by_prompt)
-    distinct = {n: sum(len(set(g)) / max(len(g), 1) for g in ([x for t in s for x in ngrams(t, n)]
-                                                             for s in by_prompt.values())) / len(by_prompt)
-                for n in (1, 2)}
-    bigrams = Counter(x for s in by_prompt.values() for t in s for x in ngrams(t, 2))
-    total = sum(bigrams.values())
-    entropy = -sum(c / total * math.log2(c / total) for c in bigrams.values()) if total else 0.0
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    accuracy = {f"task_accuracy_{mode}{suffix}": judged(items, keep)
+                for mode, items in (("greedy", greedy), ("sampled", sampled))
+                for suffix, keep in (("", lambda t: True), ("_dense", lambda t: t in dense),
+                                     ("_rare", lambda t: t not in dense))}
+    dense_acc, rare_acc = accuracy["task_accuracy_sampled_dense"], accuracy["task_accuracy_sampled_rare"]
     return {"checkpoint": policy.source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
-            "rm_score_sampled": mean([s for _, _, s, _ in sampled]),
-            **{f"task_accuracy_{mode}{suffix}": judged(items, keep)
-               for mode, items in (("greedy", greedy), ("sampled", sampled))
-               for suffix, keep in (("", lambda t: True), ("_dense", lambda t: t in dense),
-                                    ("_rare", lambda t: t not in dense))},
+            "rm_score_sampled": mean([s for _, _, s, _ in sampled]), **accuracy,
+            "task_accuracy_gap_dense_rare": None if dense_acc is None or rare_acc is None else dense_acc - rare_acc,
             "topic_accuracy_spread": (sum((a - mean(per_topic)) ** 2 for a in per_topic) / len(per_topic)) ** 0.5
             if per_topic else None,
-            "distinct_1": distinct[1], "distinct_2": distinct[2], "duplicate_share": duplicates,
-            "bigram_entropy_bits": entropy, "completion_len": mean([n for *_, n in sampled]),
+            **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
             "examples": [text for _, text, _, _ in sampled[:4]]}
 
 
@@ -217,8 +208,8 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
                  stage_args: dict[str, str] | None = None) -> str:
     lines = ["# nanochat_ext report", "", f"Artifacts: `{args.base_dir}`", ""]
     passed = {k: v for k, v in (stage_args or {}).items() if v}
-    if passed:  # flags speedrun.sh passed through to the stages
-        lines += ["Flags passed to the stages: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()), ""]
+    if passed:  # speedrun.sh's regime and the flags it passed through to the stages
+        lines += ["Settings of this run: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()), ""]
     if timings:
         lines += ["## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
         lines += [f"| {name} | {sec:.0f} |" for name, sec in timings] + [f"| total | {sum(s for _, s in timings):.0f} |", ""]
@@ -233,8 +224,9 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
         lines.append("")
     if policies:
         keys = ["rm_score_greedy", "rm_score_sampled", "task_accuracy_greedy", "task_accuracy_sampled",
-                "task_accuracy_sampled_dense", "task_accuracy_sampled_rare", "topic_accuracy_spread",
-                "distinct_1", "distinct_2", "duplicate_share", "bigram_entropy_bits", "completion_len"]
+                "task_accuracy_sampled_dense", "task_accuracy_sampled_rare", "task_accuracy_gap_dense_rare",
+                "topic_accuracy_spread", "distinct_1", "distinct_2", "duplicate_share", "mode_share",
+                "top_completion_share", "bigram_entropy_bits", "completion_len"]
         lines += ["## Policy before and after GRPO on held-out prompts", "",
                   f"greedy: one completion per prompt; sampled: {args.samples} per prompt at temperature "
                   f"{args.temperature}; RM score from `{Path(args.score_rm).name}`", "",
@@ -283,7 +275,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
         timings = [(n, float(s)) for n, s in (line.split("\t") for line in timings_file.read_text().splitlines()
                                              if line.strip())] if timings_file.is_file() else []
         plots = plot_curves(base, out.parent)
-        passed = base / "stage_args.json"  # speedrun.sh's SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS of this run
+        passed = base / "stage_args.json"  # speedrun.sh's REGIME, SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS
         stage_args = json.loads(passed.read_text()) if passed.is_file() else {}
         out.with_suffix(".json").write_text(json.dumps({"reward_models": rms, "policies": policies,
                                                         "timings_s": dict(timings), "stage_args": stage_args}, indent=1))

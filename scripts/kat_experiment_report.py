@@ -7,6 +7,10 @@ For each metric and each arm against the uniform one: the per-seed differences, 
 Student-t interval over seeds (paired by seed: the arms share the seed's data, SFT model and prompts),
 and the smallest true difference 5% / 80%-power testing could detect with this many seeds.
 
+The regime (speedrun.sh's REGIME, recorded in each seed's report) heads the report, and a table shows
+whether GRPO collapsed: each arm's diversity and mode shares beside the SFT policy's. An arm without an
+RM of its own (kl_<beta>: the uniform RM with the KL term on) is compared on the policy metrics only.
+
     EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh        # runs this at the end
     python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4
 """
@@ -25,19 +29,29 @@ from nanochat_ext.stats import paired_difference
 # (metric name, where it comes from, better when higher?)
 RM_GROUPS = ("overall", "dense topics", "rare topics")
 RM_METRICS = [(f"rm_{m}_{g.split()[0]}", ("rm", g, m), True) for m in ("accuracy", "margin") for g in RM_GROUPS]
+LOWER_IS_BETTER = ("task_accuracy_gap_dense_rare", "topic_accuracy_spread", "duplicate_share", "mode_share",
+                   "top_completion_share")
 POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), True)] + [
-    (m, ("policy", m), m not in ("duplicate_share", "topic_accuracy_spread"))  # those two: lower is better
+    (m, ("policy", m), m not in LOWER_IS_BETTER)
     for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
-              "distinct_1", "distinct_2", "bigram_entropy_bits", "duplicate_share", "topic_accuracy_spread")]
-HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share"]
+              "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2", "bigram_entropy_bits",
+              "duplicate_share", "mode_share", "top_completion_share")]
+HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share", "mode_share",
+            "top_completion_share"]
+# what each regime of speedrun.sh changes (REGIME=...), for the report's reader
+REGIMES = {"default": "the demo's GRPO settings (lr 1e-4, beta 0.02, 200 steps), where GRPO does not collapse",
+           "collapse": "GRPO at lr 1e-3 with no KL term (beta 0) for 400 steps, where the demo's GRPO collapses onto "
+                       "one answer its RM likes"}
+COLLAPSE = ["distinct_2", "bigram_entropy_bits", "mode_share", "top_completion_share", "task_accuracy_sampled_rare"]
 
 
 def metric_value(report: dict, arm: str, source: tuple) -> float | None:
+    """arm's metric in one seed's report; the arm "SFT" is the policy before GRPO."""
     if source[0] == "rm":
         rms = {Path(d).name: r for d, r in report["reward_models"].items()}
         group = rms.get(arm, {}).get(source[1])
         return None if group is None else group[source[2]]
-    value = report["policies"].get(f"GRPO {arm}", {}).get(source[1])
+    value = report["policies"].get("before (SFT)" if arm == "SFT" else f"GRPO {arm}", {}).get(source[1])
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
@@ -49,6 +63,14 @@ def load_reports(root: Path, seeds: list[int]) -> dict[int, dict]:
             raise InputError(f"no report for seed {s} (run EXPERIMENT=density SEEDS=... bash speedrun.sh)", path=str(path))
         reports[s] = json.loads(path.read_text())
     return reports
+
+
+def regime_of(reports: dict[int, dict]) -> str:
+    """The REGIME every seed ran in (speedrun.sh records it in each seed's report)."""
+    regimes = {s: r.get("stage_args", {}).get("REGIME") or "default" for s, r in reports.items()}
+    if len(set(regimes.values())) > 1:
+        raise InputError("the seeds ran in different regimes: " + ", ".join(f"seed {s} {g}" for s, g in regimes.items()))
+    return next(iter(regimes.values()))
 
 
 def analyse(reports: dict[int, dict], arms: list[str]) -> dict:
@@ -97,6 +119,11 @@ def verdict(arm: str, rows: dict) -> str:
     return text
 
 
+def mean_of(reports: dict[int, dict], arm: str, source: tuple) -> float | None:
+    values = [metric_value(r, arm, source) for r in reports.values()]
+    return None if any(v is None for v in values) else sum(values) / len(values)
+
+
 def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
     import matplotlib
 
@@ -130,7 +157,14 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
 
 
 def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]) -> Path:
-    lines = ["# The density experiment", "",
+    regime = regime_of(reports)
+    passed = {k: v for k, v in reports[seeds[0]].get("stage_args", {}).items() if v and k != "REGIME"}
+    lines = [f"# The density experiment, regime {regime}", "",
+             f"Regime `{regime}`: {REGIMES.get(regime, 'not a regime speedrun.sh knows')}."
+             + (" Settings: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()) + "." if passed else "")
+             + (" A kl_<beta> arm is GRPO against the uniform RM with the KL term on (`--beta <beta>`): a control that "
+                "fights collapse by holding the policy near the SFT model instead of changing the RM."
+                if any(a.startswith("kl_") for a in analysis) else ""), "",
              f"Seeds {', '.join(map(str, seeds))}; every seed runs the whole pipeline (its own demo data, SFT model and "
              "density weights), then each arm trains its RM and its GRPO policy on the same prompts with the same "
              "budget and seed, and both policies are evaluated on the same held-out prompts. Differences are arm "
@@ -156,11 +190,19 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
               "A uniform RM has to be measurably worse on rare topics than on dense ones, or weighting has nothing "
               f"to fix. Uniform RM accuracy, dense minus rare topics, per seed: "
               f"{', '.join(f'{g:+.3f}' for g in uniform_gaps)}.", ""]
+    means = {arm: {name: mean_of(reports, arm, ("policy", name)) for name in COLLAPSE}
+             for arm in ["SFT", "uniform", *analysis]}
+    lines += ["## Does GRPO collapse here?", "",
+              "Mean over seeds of each policy's collapse measures on held-out prompts (SFT: the policy before GRPO).",
+              "", "| metric | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
+    lines += [f"| {name} | " + " | ".join("-" if m[name] is None else f"{m[name]:.3f}" for m in means.values()) + " |"
+              for name in COLLAPSE] + [""]
     plots = plot(root, analysis, seeds)
     lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md = root / "experiment.md"
     md.write_text("\n".join(lines))
-    (root / "experiment.json").write_text(json.dumps({"seeds": seeds, "arms": analysis,
+    (root / "experiment.json").write_text(json.dumps({"seeds": seeds, "regime": regime, "arms": analysis,
+                                                      "policy_means": means,
                                                       "uniform_rm_dense_minus_rare": uniform_gaps}, indent=1))
     return md
 
@@ -170,15 +212,22 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", required=True, help="the experiment dir holding seed_<s>/report.json")
     p.add_argument("--seeds", type=int, nargs="+", required=True)
+    p.add_argument("--arms", nargs="+", default=None,
+                   help="the GRPO arms to compare with uniform (default: every arm in every seed's report)")
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
-    return run_plain(lambda: report(Path(args.root), args.seeds), "experiment")
+    return run_plain(lambda: report(Path(args.root), args.seeds, args.arms), "experiment")
 
 
-def report(root: Path, seeds: list[int]) -> Path:
+def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     reports = load_reports(root, seeds)
-    arms = sorted({name.split(" ", 1)[1] for r in reports.values() for name in r["policies"]
-                   if name.startswith("GRPO ")} - {"uniform"})
+    present = [{name.split(" ", 1)[1] for name in r["policies"] if name.startswith("GRPO ")} for r in reports.values()]
+    for arm in arms or []:
+        missing = [s for s, names in zip(reports, present) if arm not in names]
+        if missing:
+            raise InputError(f"seed {missing[0]}'s report has no policy 'GRPO {arm}'",
+                             path=str(root / f"seed_{missing[0]}" / "report.json"))
+    arms = [a for a in arms if a != "uniform"] if arms else sorted(set.intersection(*present) - {"uniform"})
     if not arms:
         raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
     return write(root, seeds, analyse(reports, arms), reports)

@@ -31,3 +31,44 @@ def test_report_pairs_seeds_and_says_what_is_resolved(tmp_path):
     assert [round(g, 2) for g in out["uniform_rm_dense_minus_rare"]] == [0.4, 0.35, 0.5, 0.45, 0.4]
     assert (tmp_path / "experiment_rm_accuracy_rare.png").is_file()
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "9"]) == 2  # seed 9 has no report
+
+
+def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path):
+    """The collapse regime's report: the regime from the seeds' reports, the reward-hacking measures with
+    intervals, an arm with no RM of its own (kl) compared on policy metrics, the collapse table beside SFT."""
+    def seed_report(seed: int, regime: str = "collapse") -> dict:
+        r = fake_report(seed, 0.5, 0.6)
+        hacked = {"mode_share": 0.9 - 0.01 * seed, "top_completion_share": 0.6, "distinct_2": 0.2,
+                  "task_accuracy_gap_dense_rare": 0.5, "rm_score_sampled": 3.0}
+        r["policies"] = {"before (SFT)": {"mode_share": 0.25, "top_completion_share": 0.01, "distinct_2": 0.95},
+                         "GRPO uniform": hacked, "GRPO density": {**hacked, "mode_share": 0.8},
+                         "GRPO kl_0.1": {**hacked, "mode_share": 0.3 + 0.02 * seed, "distinct_2": 0.9}}
+        r["stage_args"] = {"REGIME": regime, "SFT_ARGS": "", "GRPO_ARGS": "--top_k 5"}
+        return r
+
+    for s in (0, 1):
+        (tmp_path / f"seed_{s}").mkdir()
+        (tmp_path / f"seed_{s}" / "report.json").write_text(json.dumps(seed_report(s)))
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "density",
+                                       "kl_0.1"]) == 0
+    out = json.loads((tmp_path / "experiment.json").read_text())
+    assert out["regime"] == "collapse" and set(out["arms"]) == {"density", "kl_0.1"}
+    kl = out["arms"]["kl_0.1"]
+    assert not any(name.startswith("rm_") for name in kl)  # no RM of its own
+    assert [round(x, 3) for x in kl["mode_share"]["diff"]["diffs"]] == [-0.6, -0.57]
+    assert kl["mode_share"]["higher_is_better"] is False and kl["distinct_2"]["higher_is_better"] is True
+    assert [round(x, 3) for x in out["arms"]["density"]["mode_share"]["diff"]["diffs"]] == [-0.1, -0.09]
+    assert out["policy_means"]["SFT"]["mode_share"] == 0.25 and out["policy_means"]["uniform"]["distinct_2"] == 0.2
+    md = (tmp_path / "experiment.md").read_text()
+    assert md.startswith("# The density experiment, regime collapse") and "GRPO_ARGS=`--top_k 5`" in md
+    assert "## Does GRPO collapse here?" in md and "| mode_share | 0.250 | 0.895 | 0.800 | 0.310 |" in md
+    assert "mode_share (lower is better)" in md and "top_completion_share (lower is better)" in md
+    assert (tmp_path / "experiment_mode_share.png").is_file()
+
+    # only the arms asked for, and each must be in every seed's report
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.1"]) == 0
+    assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"kl_0.1"}
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.2"]) == 2
+    # seeds run in different regimes do not make one report
+    (tmp_path / "seed_1" / "report.json").write_text(json.dumps(seed_report(1, regime="default")))
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1"]) == 2

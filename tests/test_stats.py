@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from nanochat_ext.stats import paired_difference, t_cdf, t_quantile
+from nanochat_ext.stats import paired_difference, sample_diversity, t_cdf, t_quantile
 
 
 @pytest.mark.parametrize("df,q975,q80", [(1, 12.7062, 1.3764), (4, 2.7764, 0.9410), (9, 2.2622, 0.8834),
@@ -26,3 +26,17 @@ def test_paired_t_interval():
     assert one.mean == 0.75 and math.isnan(one.low) and not one.excludes_zero
     with pytest.raises(ValueError, match="need paired values"):
         paired_difference([1.0, 2.0], [0.0])
+
+
+def test_sample_diversity_by_hand():
+    # prompt 0: three different texts ("A b" is not "a b"), alike as lower-cased words; prompt 1: one answer
+    d = sample_diversity([["a b", "A b", "c d"], ["a b", "a b", "a b"]])
+    assert d["duplicate_share"] == pytest.approx((0 + 2 / 3) / 2)
+    assert d["mode_share"] == pytest.approx((1 / 3 + 1) / 2)
+    assert d["top_completion_share"] == pytest.approx(4 / 6)
+    assert d["distinct_1"] == pytest.approx((4 / 6 + 2 / 6) / 2)  # words are lower-cased: a b a b c d
+    assert d["distinct_2"] == pytest.approx((2 / 3 + 1 / 3) / 2)
+    assert d["bigram_entropy_bits"] == pytest.approx(-(5 / 6 * math.log2(5 / 6) + 1 / 6 * math.log2(1 / 6)))
+    # every sample different: no duplicates, a prompt's mode is one sample of its n
+    d = sample_diversity([["x y", "y z", "z x", "x x"]])
+    assert d["duplicate_share"] == 0 and d["mode_share"] == d["top_completion_share"] == 0.25

@@ -1,8 +1,9 @@
 """speedrun.sh end to end with tiny settings: every stage runs, a re-run skips them all, an interrupted
 stage resumes, and a missing artifact stops the pipeline with a message. One pipeline run serves all of it:
 EXPERIMENT=density runs the plain pipeline (the same speedrun.sh, EXPERIMENT unset) once per seed, so a
-one-seed experiment with every arm covers every stage and the experiment's own report; each stage is a
-torchrun of 2 ranks, about 8 s at these sizes, most of it starting the processes."""
+one-seed experiment with every arm covers every stage and the experiment's own report, and adding a second
+seed skips the first's stages; each stage is a torchrun of 2 ranks (1 for the second seed), about 8 s at
+these sizes, most of it starting the processes."""
 from __future__ import annotations
 
 import json
@@ -22,38 +23,63 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
-    """EXPERIMENT=density, shortened: one seed, the three arms (the fork's weighting too), each seed's report
-    and the experiment's; a re-run skips every finished stage; an interrupted GRPO stage resumes, with flags passed
-    through to it (GRPO_ARGS); a bad flag passed to a stage (RM_ARGS) fails it in one line."""
+    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with four arms (the fork's weighting and a
+    KL control too), each seed's report and the experiment's; a second seed (on 1 rank) while every finished stage of
+    the first is skipped, and the two seeds' intervals; an interrupted GRPO stage resumes, with flags passed through
+    to it (GRPO_ARGS); a bad flag passed to a stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    env = dict(EXPERIMENT="density", SEEDS="0", ARMS="uniform density fork", EXPERIMENT_RM_STEPS="4",
-               BACKEND="cuda:gloo")
+    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density fork kl_0.1",
+               EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    seed = base / "experiment" / "seed_0"
+    root = base / "experiment_collapse"
+    seed = root / "seed_0"
     for stage in ("demo_data", "sft", "density", "density_fork", "rm_uniform", "rm_density", "rm_fork",
-                  "grpo_uniform", "grpo_density", "grpo_fork", "eval"):
+                  "grpo_uniform", "grpo_density", "grpo_fork", "grpo_kl_0.1", "eval"):
         assert f"== {stage}" in first.stdout
     report = json.loads((seed / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork"}
-    assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread"} <= set(report["policies"]["GRPO fork"])
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork", "GRPO kl_0.1"}
+    assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread", "mode_share",
+            "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO fork"])
     assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density", "fork"}
     assert "rare topics" in report["reward_models"][str(seed / "rm_checkpoints" / "uniform")]
+    assert report["stage_args"]["REGIME"] == "collapse"
+
+    def grpo_args(arm: str) -> dict:
+        ckpts = seed / "chatrl_checkpoints" / arm
+        return json.loads(max(ckpts.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1])).read_text())["args"]
+
+    # the regime's flags reach every arm; the kl arm's beta comes after them; it is judged by the uniform RM
+    assert (grpo_args("uniform")["lr"], grpo_args("uniform")["beta"]) == (1e-3, 0)
+    assert (grpo_args("kl_0.1")["lr"], grpo_args("kl_0.1")["beta"]) == (1e-3, 0.1)
+    assert grpo_args("kl_0.1")["rm"] == str(seed / "rm_checkpoints" / "uniform")
     md = (seed / "report.md").read_text()
     assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
-    experiment = json.loads((base / "experiment" / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "fork"}
+    assert "REGIME=`collapse`" in md
+    experiment = json.loads((root / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"density", "fork", "kl_0.1"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
-    assert "One seed: differences only" in (base / "experiment" / "experiment.md").read_text()
+    assert "One seed: differences only" in (root / "experiment.md").read_text()
     weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
     assert abs(sum(weights) / len(weights) - 1) < 1e-3
 
-    # Everything present: every stage is skipped.
-    again = speedrun(base, **env)
-    assert again.returncode == 0 and again.stdout.count(": skipped") == 11, again.stdout  # 10 stages + eval
+    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's) and without the fork: every stage of seed 0 is
+    # skipped, seed 1 runs them all, and the report has intervals over the two.
+    two = speedrun(base, **{**env, "SEEDS": "0 1", "ARMS": "uniform density kl_0.1", "NPROC_PER_NODE": "1"})
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert two.stdout.count(": skipped") == 9, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, eval
+    assert "== grpo_kl_0.1 (1 ranks)" in two.stdout
+    experiment = json.loads((root / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["seeds"] == [0, 1]
+    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share")):
+        d = experiment["arms"][arm][metric]["diff"]
+        assert len(d["diffs"]) == 2 and d["low"] <= d["mean"] <= d["high"], (arm, metric, d)
+    assert "rm_accuracy_rare" not in experiment["arms"]["kl_0.1"]  # the kl arm has no RM of its own
+    md = (root / "experiment.md").read_text()
+    assert md.startswith("# The density experiment, regime collapse") and "## Does GRPO collapse here?" in md
 
     # GRPO "killed" after its step-2 checkpoint: the re-run resumes it and finishes the pipeline.
     grpo = seed / "chatrl_checkpoints" / "uniform"
@@ -73,9 +99,9 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert json.loads((seed / "report.json").read_text())["stage_args"]["GRPO_ARGS"] == passed
     assert f"GRPO_ARGS=`{passed}`" in (seed / "report.md").read_text()
 
-    # A bad flag in RM_ARGS fails its stage with the stage's own line.
+    # A bad flag in RM_ARGS fails its stage with the stage's own line (1 rank: it fails before any collective).
     (seed / "rm_checkpoints" / "fork" / ".complete").unlink()
-    bad = speedrun(base, **env, RM_ARGS="--weight_cap 0")
+    bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1"}, RM_ARGS="--weight_cap 0")
     assert bad.returncode != 0
     assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
 

@@ -25,10 +25,10 @@
 # with the fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform
 # RM with --beta <beta>, a control that fights collapse with the KL term instead of the RM; default: uniform, or
 # density with DENSITY=1.
-# REGIME: default, or collapse: GRPO_STEPS 400 and GRPO_ARGS="--lr 1e-3 --beta 0" before your own, where the demo's
-# GRPO hacks its RM (one template answer for every prompt); recorded in the report.
+# REGIME: default, or collapse: GRPO_ARGS="--lr 1e-3 --beta 0" before your own, where the demo's GRPO hacks its RM
+# (one template answer for every prompt); recorded in the report.
 # EXPERIMENT=density: SEEDS (default 0..4) each run the whole pipeline in $NANOCHAT_BASE_DIR/experiment/seed_<s>
-# (experiment_collapse/ for REGIME=collapse) with ARMS (default "uniform density", "uniform density kl_0.05" for
+# (experiment_collapse/ for REGIME=collapse) with ARMS (default "uniform density", "uniform density kl_0.2" for
 # REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then scripts.kat_experiment_report writes
 # experiment.md/json there, comparing each arm of ARMS with uniform.
 set -euo pipefail
@@ -49,7 +49,7 @@ case $REGIME in
     default) REGIME_GRPO="" ;;
     # The demo's GRPO collapses when its step is large and nothing holds it near the SFT policy: it finds one
     # template of dense-topic words the RM likes and answers every prompt with it (reward hacking).
-    collapse) REGIME_GRPO="--lr 1e-3 --beta 0"; GRPO_STEPS="${GRPO_STEPS:-400}" ;;
+    collapse) REGIME_GRPO="--lr 1e-3 --beta 0" ;;
     *) echo "speedrun: unknown REGIME '$REGIME' (default, collapse)" >&2; exit 2 ;;
 esac
 SFT_STEPS="${SFT_STEPS:-400}"
@@ -69,7 +69,7 @@ t_start=$SECONDS
 
 if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
     if [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
-    else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.05}"; fi
+    else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"

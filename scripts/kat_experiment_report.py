@@ -40,9 +40,11 @@ HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "dup
             "top_completion_share"]
 # what each regime of speedrun.sh changes (REGIME=...), for the report's reader
 REGIMES = {"default": "the demo's GRPO settings (lr 1e-4, beta 0.02, 200 steps), where GRPO does not collapse",
-           "collapse": "GRPO at lr 1e-3 with no KL term (beta 0) for 400 steps, where the demo's GRPO collapses onto "
+           "collapse": "GRPO at lr 1e-3 with no KL term (beta 0) for 200 steps, where the demo's GRPO collapses onto "
                        "one answer its RM likes"}
-COLLAPSE = ["distinct_2", "bigram_entropy_bits", "mode_share", "top_completion_share", "task_accuracy_sampled_rare"]
+# reward hacking: the RM's score rises while ground-truth accuracy and diversity fall
+COLLAPSE = ["rm_score_sampled", "task_accuracy_sampled", "task_accuracy_sampled_rare", "distinct_2", "bigram_entropy_bits",
+            "mode_share", "top_completion_share"]
 
 
 def metric_value(report: dict, arm: str, source: tuple) -> float | None:
@@ -193,7 +195,8 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
     means = {arm: {name: mean_of(reports, arm, ("policy", name)) for name in COLLAPSE}
              for arm in ["SFT", "uniform", *analysis]}
     lines += ["## Does GRPO collapse here?", "",
-              "Mean over seeds of each policy's collapse measures on held-out prompts (SFT: the policy before GRPO).",
+              "Mean over seeds of each policy's measures on held-out prompts (SFT: the policy before GRPO; RM score "
+              "from the uniform RM). Reward hacking: the RM's score rises while task accuracy and diversity fall.",
               "", "| metric | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
     lines += [f"| {name} | " + " | ".join("-" if m[name] is None else f"{m[name]:.3f}" for m in means.values()) + " |"
               for name in COLLAPSE] + [""]

@@ -19,18 +19,20 @@
 # cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
 # NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
 # SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS: more flags for that stage's script (split on spaces), after the stage's
-# own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"); each stage's meta records its args,
-# the report the four strings. --out and --resume stay the pipeline's.
+# own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"; a kl_<beta> arm's --beta comes after
+# them); each stage's meta records its args, the report these strings, REGIME and the step counts. --out and
+# --resume stay the pipeline's. A finished stage is skipped whatever these say: change them in a new
+# NANOCHAT_BASE_DIR, or re-run with FORCE=1.
 # ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM
 # with the fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform
 # RM with --beta <beta>, a control that fights collapse with the KL term instead of the RM; default: uniform, or
 # density with DENSITY=1.
-# REGIME: default, or collapse: GRPO_ARGS="--lr 1e-3 --beta 0" before your own, where the demo's GRPO hacks its RM
-# (one template answer for every prompt); recorded in the report.
+# REGIME: default, or collapse: "--lr 1e-3 --beta 0" before GRPO_ARGS, where the demo's GRPO hacks its RM (one
+# template answer for every prompt); recorded in the report.
 # EXPERIMENT=density: SEEDS (default 0..4) each run the whole pipeline in $NANOCHAT_BASE_DIR/experiment/seed_<s>
-# (experiment_collapse/ for REGIME=collapse) with ARMS (default "uniform density", "uniform density kl_0.2" for
-# REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then scripts.kat_experiment_report writes
-# experiment.md/json there, comparing each arm of ARMS with uniform.
+# (experiment_collapse/ for REGIME=collapse) with ARMS (uniform and the arms it is compared with; default
+# "uniform density", "uniform density kl_0.2" for REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then
+# scripts.kat_experiment_report writes experiment.md/json there, comparing each arm of ARMS with uniform.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -57,6 +59,12 @@ RM_STEPS="${RM_STEPS:-150}"
 GRPO_STEPS="${GRPO_STEPS:-200}"
 EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
+check_arms() {  # before any stage runs: a bad arm would otherwise stop the pipeline after SFT and the RMs
+    for arm in $1; do
+        [[ $arm =~ ^(uniform|density|fork|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
+            { echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork, kl_<beta> such as kl_0.2)" >&2; exit 2; }
+    done
+}
 read -r -a EXTRA_SFT <<< "${SFT_ARGS:-}"
 read -r -a EXTRA_RM <<< "${RM_ARGS:-}"
 read -r -a EXTRA_GRPO <<< "$REGIME_GRPO ${GRPO_ARGS:-}"  # the regime's first: yours win
@@ -70,12 +78,14 @@ t_start=$SECONDS
 if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
     if [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
     else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
+    check_arms "$ARMS"
+    [[ " $ARMS " == *" uniform "* ]] || { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
         # RM_STEPS 60 (the demo's is 150): a budget at which a uniform RM is still measurably worse on rare
         # topics, so weighting has something to fix; the report checks that gap per seed.
-        EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" \
+        EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" REGIME="$REGIME" \
             RM_STEPS="${EXPERIMENT_RM_STEPS:-60}" \
             bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
     done
@@ -85,9 +95,10 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
     exit 0
 fi
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
-export REGIME
+check_arms "$ARMS"
+export REGIME SFT_STEPS RM_STEPS GRPO_STEPS EVAL_SAMPLES
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
-    "$B/stage_args.json" REGIME SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # this run's, for the report
+    "$B/stage_args.json" REGIME SFT_STEPS RM_STEPS GRPO_STEPS EVAL_SAMPLES SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # for the report
 
 record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
     { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
@@ -179,13 +190,12 @@ EVAL_POLICIES=()
 # Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
 # so a difference between the policies is the RM's doing.
 for arm in $ARMS; do
-    case $arm in
-        uniform|density|fork) rm=$arm; ARM_FLAGS=() ;;
-        kl_*) rm=uniform; ARM_FLAGS=(--beta "${arm#kl_}") ;;  # after GRPO_ARGS: the arm is its beta
-        *) echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork, kl_<beta>)" >&2; exit 2 ;;
+    case $arm in  # (checked by check_arms)
+        kl_*) rm_name=uniform; ARM_FLAGS=(--beta "${arm#kl_}") ;;  # after GRPO_ARGS: the arm is its beta
+        *) rm_name=$arm; ARM_FLAGS=() ;;
     esac
-    train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$rm (made by the rm_$rm stage)" \
-        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_FLAGS[@]}" --rm "$B/rm_checkpoints/$rm" \
+    train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$rm_name (made by the rm_$rm_name stage)" \
+        "$B/chatrl_checkpoints/$arm" scripts.kat_train_grpo "${GRPO_FLAGS[@]}" --rm "$B/rm_checkpoints/$rm_name" \
         "${EXTRA_GRPO[@]}" "${ARM_FLAGS[@]}"
     EVAL_POLICIES+=(--policy "GRPO $arm=$B/chatrl_checkpoints/$arm")
 done

@@ -17,15 +17,19 @@ def ngrams(tokens: list[str], n: int) -> list[tuple]:
     return [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
 
 
-def sample_diversity(samples: list[list[str]]) -> dict[str, float]:
+def sample_diversity(samples: list[list[str]]) -> dict[str, float | None]:
     """Diversity and collapse measures of sampled completions, one list of texts per prompt.
 
     distinct_n: unique n-grams / n-grams within each prompt's samples (lower-cased words), averaged over
     prompts; bigram_entropy_bits: entropy of the bigram counts over all samples; duplicate_share: the
     share of a prompt's samples that repeat another of its samples exactly; mode_share: the share of a
-    prompt's samples equal to its most common one (1/n when all differ, 1 when all are one answer);
-    top_completion_share: the share of all samples equal to the single most common completion (one
-    answer for every prompt: the reward-hacking signature)."""
+    prompt's samples equal to its most common one (1/n when all differ, 1 when all are one answer; None
+    with one sample a prompt, where it is 1 by definition); top_completion_share: the share of all samples
+    equal to the single most common completion (one answer for every prompt: the reward-hacking signature).
+    Texts are compared with their whitespace normalised."""
+    if not samples or not all(samples):
+        raise ValueError("sample_diversity needs at least one sample for every prompt")
+    samples = [[" ".join(t.split()) for t in texts] for texts in samples]
     words = [[t.lower().split() for t in texts] for texts in samples]
     distinct = {n: sum(len(set(g)) / max(len(g), 1) for g in ([x for t in w for x in ngrams(t, n)] for w in words))
                 / len(words) for n in (1, 2)}
@@ -35,7 +39,8 @@ def sample_diversity(samples: list[list[str]]) -> dict[str, float]:
     return {"distinct_1": distinct[1], "distinct_2": distinct[2],
             "bigram_entropy_bits": -sum(c / total * math.log2(c / total) for c in bigrams.values()) if total else 0.0,
             "duplicate_share": sum((len(t) - len(set(t))) / len(t) for t in samples) / len(samples),
-            "mode_share": sum(Counter(t).most_common(1)[0][1] / len(t) for t in samples) / len(samples),
+            "mode_share": None if min(map(len, samples)) < 2 else
+            sum(Counter(t).most_common(1)[0][1] / len(t) for t in samples) / len(samples),
             "top_completion_share": Counter(every).most_common(1)[0][1] / len(every)}
 
 

@@ -12,7 +12,8 @@ whether GRPO collapsed: each arm's diversity and mode shares beside the SFT poli
 RM of its own (kl_<beta>: the uniform RM with the KL term on) is compared on the policy metrics only.
 
     EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh        # runs this at the end
-    python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4
+    EXPERIMENT=density REGIME=collapse SEEDS="0 1 2 3 4 5 6 7 8 9" bash speedrun.sh
+    python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4 [--arms uniform density]
 """
 from __future__ import annotations
 
@@ -26,22 +27,25 @@ from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
 from nanochat_ext.errors import InputError
 from nanochat_ext.stats import paired_difference
 
-# (metric name, where it comes from, better when higher?)
+# (metric name, where it comes from, better when higher? None: neither way is better)
 RM_GROUPS = ("overall", "dense topics", "rare topics")
 RM_METRICS = [(f"rm_{m}_{g.split()[0]}", ("rm", g, m), True) for m in ("accuracy", "margin") for g in RM_GROUPS]
 LOWER_IS_BETTER = ("task_accuracy_gap_dense_rare", "topic_accuracy_spread", "duplicate_share", "mode_share",
                    "top_completion_share")
-POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), True)] + [
-    (m, ("policy", m), m not in LOWER_IS_BETTER)
+# A hacked policy scores highest on the RM it hacked, and a gap below zero (rare topics ahead) is no better than one
+# above: these two are reported as higher or lower, not better or worse.
+NEUTRAL = ("policy_rm_score", "task_accuracy_gap_dense_rare")
+POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), None)] + [
+    (m, ("policy", m), None if m in NEUTRAL else m not in LOWER_IS_BETTER)
     for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
               "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2", "bigram_entropy_bits",
               "duplicate_share", "mode_share", "top_completion_share")]
 HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share", "mode_share",
             "top_completion_share"]
-# what each regime of speedrun.sh changes (REGIME=...), for the report's reader
-REGIMES = {"default": "the demo's GRPO settings (lr 1e-4, beta 0.02, 200 steps), where GRPO does not collapse",
-           "collapse": "GRPO at lr 1e-3 with no KL term (beta 0) for 200 steps, where the demo's GRPO collapses onto "
-                       "one answer its RM likes"}
+# why each regime of speedrun.sh (REGIME=...) exists, for the report's reader; the settings line says what ran
+REGIMES = {"default": "the demo's GRPO settings, where GRPO does not collapse",
+           "collapse": "GRPO with a 10x larger step and no KL term (`--lr 1e-3 --beta 0` before GRPO_ARGS), where the "
+                       "demo's GRPO collapses onto one answer its RM likes"}
 # reward hacking: the RM's score rises while ground-truth accuracy and diversity fall
 COLLAPSE = ["rm_score_sampled", "task_accuracy_sampled", "task_accuracy_sampled_rare", "distinct_2", "bigram_entropy_bits",
             "mode_share", "top_completion_share"]
@@ -67,12 +71,17 @@ def load_reports(root: Path, seeds: list[int]) -> dict[int, dict]:
     return reports
 
 
-def regime_of(reports: dict[int, dict]) -> str:
-    """The REGIME every seed ran in (speedrun.sh records it in each seed's report)."""
-    regimes = {s: r.get("stage_args", {}).get("REGIME") or "default" for s, r in reports.items()}
-    if len(set(regimes.values())) > 1:
-        raise InputError("the seeds ran in different regimes: " + ", ".join(f"seed {s} {g}" for s, g in regimes.items()))
-    return next(iter(regimes.values()))
+def settings_of(reports: dict[int, dict]) -> dict[str, str]:
+    """What speedrun.sh recorded in every seed's report (REGIME, step counts, flags passed through), the same for
+    every seed or the seeds are not one experiment. Reports from before speedrun recorded it: {}."""
+    settings = {s: {k: v for k, v in r.get("stage_args", {}).items() if v} for s, r in reports.items()}
+    first_seed, first = next(iter(settings.items()))
+    for s, other in settings.items():
+        for key in sorted(set(first) | set(other)):
+            if first.get(key) != other.get(key):
+                raise InputError(f"the seeds ran with different settings: {key} is {first.get(key)!r} in seed "
+                                 f"{first_seed} and {other.get(key)!r} in seed {s}")
+    return first
 
 
 def analyse(reports: dict[int, dict], arms: list[str]) -> dict:
@@ -104,14 +113,16 @@ def verdict(arm: str, rows: dict) -> str:
                 unresolved.append(f"{name} (the same difference, {d['mean']:+.3f}, in every seed)")
             continue
         if d["low"] > 0 or d["high"] < 0:
-            better = (d["mean"] > 0) == higher
-            supported.append(f"{name} {'better' if better else 'worse'} by {abs(d['mean']):.3f} "
-                             f"[{d['low']:+.3f}, {d['high']:+.3f}]")
+            word = ("higher" if d["mean"] > 0 else "lower") if higher is None else \
+                "better" if (d["mean"] > 0) == higher else "worse"
+            supported.append(f"{name} {word} by {abs(d['mean']):.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
         elif name in HEADLINE and not math.isnan(d["low"]):
             unresolved.append(f"{name} ({d['mean']:+.3f}, interval [{d['low']:+.3f}, {d['high']:+.3f}], "
                               f"detectable with 80% power: about +-{d['detectable']:.3f})")
     text = f"**{arm} vs uniform.** "
-    if math.isnan(next(iter(rows.values()))["diff"]["low"]) if rows else True:
+    if not rows:
+        return text + "No metric that both arms have in every seed."
+    if math.isnan(next(iter(rows.values()))["diff"]["low"]):
         return text + "One seed: differences only, no interval (run at least 2 seeds, 5 for the report)."
     text += ("The intervals exclude zero for: " + "; ".join(supported) + ". ") if supported else \
         "No metric's interval excludes zero. "
@@ -159,8 +170,9 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
 
 
 def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]) -> Path:
-    regime = regime_of(reports)
-    passed = {k: v for k, v in reports[seeds[0]].get("stage_args", {}).items() if v and k != "REGIME"}
+    settings = settings_of(reports)
+    regime = settings.get("REGIME", "default")
+    passed = {k: v for k, v in settings.items() if k != "REGIME"}
     lines = [f"# The density experiment, regime {regime}", "",
              f"Regime `{regime}`: {REGIMES.get(regime, 'not a regime speedrun.sh knows')}."
              + (" Settings: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()) + "." if passed else "")
@@ -168,8 +180,9 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
                 "fights collapse by holding the policy near the SFT model instead of changing the RM."
                 if any(a.startswith("kl_") for a in analysis) else ""), "",
              f"Seeds {', '.join(map(str, seeds))}; every seed runs the whole pipeline (its own demo data, SFT model and "
-             "density weights), then each arm trains its RM and its GRPO policy on the same prompts with the same "
-             "budget and seed, and both policies are evaluated on the same held-out prompts. Differences are arm "
+             "density weights), then each arm trains its GRPO policy against its RM (a kl_<beta> arm: the uniform "
+             "RM) on the same prompts with the same budget and seed, and every policy is evaluated on the same "
+             "held-out prompts. Differences are arm "
              "minus uniform per seed; the interval is the 95% Student-t interval of the mean difference over seeds "
              "(paired by seed, n - 1 degrees of freedom). 'detectable' is the smallest true difference a 5%-level "
              "test would find with 80% power at this spread and number of seeds. Policy RM scores come from the "
@@ -180,7 +193,8 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
         for name, r in rows.items():
             d = r["diff"]
             mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-            lines.append(f"| {name}{'' if r['higher_is_better'] else ' (lower is better)'} | {mean(r['uniform']):.3f} | "
+            label = {True: "", False: " (lower is better)", None: " (neither way is better)"}[r["higher_is_better"]]
+            lines.append(f"| {name}{label} | {mean(r['uniform']):.3f} | "
                          f"{mean(r[arm]):.3f} | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | "
                          f"{d['detectable']:.3f} | {', '.join(f'{x:+.3f}' for x in d['diffs'])} |")
         lines += ["", verdict(arm, rows), ""]
@@ -224,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     reports = load_reports(root, seeds)
+    settings_of(reports)  # one experiment, or stop before any arithmetic
     present = [{name.split(" ", 1)[1] for name in r["policies"] if name.startswith("GRPO ")} for r in reports.values()]
-    for arm in arms or []:
+    for arm in ["uniform", *(arms or [])]:  # every arm is compared with uniform
         missing = [s for s, names in zip(reports, present) if arm not in names]
         if missing:
             raise InputError(f"seed {missing[0]}'s report has no policy 'GRPO {arm}'",

@@ -30,10 +30,11 @@ def test_report_pairs_seeds_and_says_what_is_resolved(tmp_path):
     assert "task_accuracy_sampled_rare (the same difference, +0.000, in every seed)" in md
     assert [round(g, 2) for g in out["uniform_rm_dense_minus_rare"]] == [0.4, 0.35, 0.5, 0.45, 0.4]
     assert (tmp_path / "experiment_rm_accuracy_rare.png").is_file()
+    assert out["regime"] == "default" and md.startswith("# The density experiment, regime default")  # no stage_args
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "9"]) == 2  # seed 9 has no report
 
 
-def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path):
+def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path, capsys):
     """The collapse regime's report: the regime from the seeds' reports, the reward-hacking measures with
     intervals, an arm with no RM of its own (kl) compared on policy metrics, the collapse table beside SFT."""
     def seed_report(seed: int, regime: str = "collapse") -> dict:
@@ -57,6 +58,7 @@ def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path):
     assert not any(name.startswith("rm_") for name in kl)  # no RM of its own
     assert [round(x, 3) for x in kl["mode_share"]["diff"]["diffs"]] == [-0.6, -0.57]
     assert kl["mode_share"]["higher_is_better"] is False and kl["distinct_2"]["higher_is_better"] is True
+    assert kl["policy_rm_score"]["higher_is_better"] is None  # a hacked policy scores highest on the RM it hacked
     assert [round(x, 3) for x in out["arms"]["density"]["mode_share"]["diff"]["diffs"]] == [-0.1, -0.09]
     assert out["policy_means"]["SFT"]["mode_share"] == 0.25 and out["policy_means"]["uniform"]["distinct_2"] == 0.2
     md = (tmp_path / "experiment.md").read_text()
@@ -69,6 +71,15 @@ def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path):
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.1"]) == 0
     assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"kl_0.1"}
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.2"]) == 2
-    # seeds run in different regimes do not make one report
+    assert "policy_rm_score (neither way is better)" in (tmp_path / "experiment.md").read_text()
+    # every seed needs the uniform arm, which every arm is compared with
+    no_uniform = seed_report(1)
+    del no_uniform["policies"]["GRPO uniform"]
+    (tmp_path / "seed_1" / "report.json").write_text(json.dumps(no_uniform))
+    capsys.readouterr()
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "kl_0.1"]) == 2
+    assert "seed 1's report has no policy 'GRPO uniform'" in capsys.readouterr().err
+    # seeds run in different regimes, or with other settings, do not make one report
     (tmp_path / "seed_1" / "report.json").write_text(json.dumps(seed_report(1, regime="default")))
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1"]) == 2
+    assert "different settings: REGIME is 'collapse' in seed 0 and 'default' in seed 1" in capsys.readouterr().err

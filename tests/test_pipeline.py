@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 
+import pytest
 from conftest import REPO
 
 # OMP_NUM_THREADS=1 whatever the caller's: 2 ranks of 2 threads each would oversubscribe 2 cores.
@@ -32,7 +33,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
     env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density fork kl_0.1",
-               EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo")
+               EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = base / "experiment_collapse"
@@ -52,13 +53,14 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
         ckpts = seed / "chatrl_checkpoints" / arm
         return json.loads(max(ckpts.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1])).read_text())["args"]
 
-    # the regime's flags reach every arm; the kl arm's beta comes after them; it is judged by the uniform RM
-    assert (grpo_args("uniform")["lr"], grpo_args("uniform")["beta"]) == (1e-3, 0)
-    assert (grpo_args("kl_0.1")["lr"], grpo_args("kl_0.1")["beta"]) == (1e-3, 0.1)
+    # the regime's flags reach every arm, GRPO_ARGS after them (your --lr wins), the kl arm's beta after both;
+    # the kl arm trains against the uniform RM
+    assert (grpo_args("uniform")["lr"], grpo_args("uniform")["beta"]) == (5e-4, 0)
+    assert (grpo_args("kl_0.1")["lr"], grpo_args("kl_0.1")["beta"]) == (5e-4, 0.1)
     assert grpo_args("kl_0.1")["rm"] == str(seed / "rm_checkpoints" / "uniform")
     md = (seed / "report.md").read_text()
     assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
-    assert "REGIME=`collapse`" in md
+    assert "REGIME=`collapse`" in md and "GRPO_STEPS=`4`" in md
     experiment = json.loads((root / "experiment.json").read_text())
     assert set(experiment["arms"]) == {"density", "fork", "kl_0.1"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
@@ -88,7 +90,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
         (grpo / name).unlink()
     # GRPO_ARGS reach the stage after its own flags (the last copy wins), and the report records them.
-    passed = "--top_k 0 --top_k 5"
+    passed = "--lr 5e-4 --top_k 0 --top_k 5"
     resumed = speedrun(base, **env, GRPO_ARGS=passed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "== grpo_uniform (2 ranks), resuming" in resumed.stdout and "resume: from" in resumed.stdout
@@ -104,6 +106,15 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1"}, RM_ARGS="--weight_cap 0")
     assert bad.returncode != 0
     assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("env,line", [
+    ({"ARMS": "uniform kl_abc"}, "speedrun: unknown arm 'kl_abc' in ARMS"),
+    ({"REGIME": "wild"}, "speedrun: unknown REGIME 'wild' (default, collapse)"),
+    ({"EXPERIMENT": "density", "ARMS": "density kl_0.2"}, "compares each arm with uniform: add it to ARMS")])
+def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
+    proc = speedrun(tmp_path / "base", **env)
+    assert proc.returncode == 2 and line in proc.stderr and "==" not in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_missing_data_stops_the_pipeline(tmp_path):

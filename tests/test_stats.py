@@ -40,3 +40,9 @@ def test_sample_diversity_by_hand():
     # every sample different: no duplicates, a prompt's mode is one sample of its n
     d = sample_diversity([["x y", "y z", "z x", "x x"]])
     assert d["duplicate_share"] == 0 and d["mode_share"] == d["top_completion_share"] == 0.25
+    # whitespace does not make two answers; one sample a prompt has no mode share; no samples is an error
+    assert sample_diversity([["x  y", "x y "]])["mode_share"] == 1
+    d = sample_diversity([["x y"], ["x y"]])
+    assert d["mode_share"] is None and d["top_completion_share"] == 1 and d["duplicate_share"] == 0
+    with pytest.raises(ValueError, match="at least one sample for every prompt"):
+        sample_diversity([["x"], []])

@@ -91,7 +91,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
         (grpo / name).unlink()
     # GRPO_ARGS reach the stage after its own flags (the last copy wins), and the report records them.
     passed = "--lr 5e-4 --top_k 0 --top_k 5"
-    resumed = speedrun(base, **env, GRPO_ARGS=passed)
+    resumed = speedrun(base, **{**env, "GRPO_ARGS": passed})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "== grpo_uniform (2 ranks), resuming" in resumed.stdout and "resume: from" in resumed.stdout
     assert "== sft: skipped" in resumed.stdout and "== grpo_density: skipped" in resumed.stdout

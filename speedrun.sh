@@ -105,14 +105,16 @@ record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest 
     mv "$B/timings.tsv.tmp" "$B/timings.tsv"
 }
 skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
-# launch NAME NEEDS SCRIPT ARGS...: one torchrun stage. On failure it repeats the stage's last `error:`
-# line after torchrun's summary, then says what the stage needed and which stage makes it.
+# launch NAME NEEDS SCRIPT ARGS...: one torchrun stage (one rank: the script itself, which needs no launcher and
+# starts ~3 s sooner without torchrun's agent). On failure it repeats the stage's last `error:` line after
+# torchrun's summary, then says what the stage needed and which stage makes it.
 launch() {
-    local name=$1 needs=$2 script=$3 errlog err; shift 3
+    local name=$1 needs=$2 script=$3 errlog err cmd; shift 3
+    if [ "$NPROC_PER_NODE" = 1 ]; then cmd=(python -m "$script")
+    else cmd=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" --); fi
     errlog=$(mktemp)
     # stderr goes to the terminal and, through tee, to errlog; stdout is untouched
-    if ! { torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" -m "$script" -- "$@" "${RUNTIME[@]}" \
-            2>&1 1>&3 | tee "$errlog" >&2; } 3>&1; then
+    if ! { "${cmd[@]}" "$@" "${RUNTIME[@]}" 2>&1 1>&3 | tee "$errlog" >&2; } 3>&1; then
         err=$(grep -a '^error: ' "$errlog" | tail -n 1 || true)
         rm -f "$errlog"
         echo "speedrun: stage $name failed${err:+: ${err#error: }}" >&2

@@ -1,9 +1,9 @@
 """speedrun.sh end to end with tiny settings: every stage runs, a re-run skips them all, an interrupted
 stage resumes, and a missing artifact stops the pipeline with a message. One pipeline run serves all of it:
 EXPERIMENT=density runs the plain pipeline (the same speedrun.sh, EXPERIMENT unset) once per seed, so a
-one-seed experiment with every arm covers every stage and the experiment's own report, and adding a second
-seed skips the first's stages; each stage is a torchrun of 2 ranks (1 for the second seed), about 8 s at
-these sizes, most of it starting the processes."""
+one-seed experiment covers every stage (the fork's arm in a last run) and the experiment's own report, and adding
+a second seed skips the first's stages; each stage is a torchrun of 2 ranks (the script alone on 1 rank, for the
+second seed), about 8 s at these sizes, most of it starting the processes."""
 from __future__ import annotations
 
 import json
@@ -24,28 +24,28 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
-    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with four arms (the fork's weighting and a
-    KL control too), each seed's report and the experiment's; a second seed (on 1 rank) while every finished stage of
-    the first is skipped, and the two seeds' intervals; an interrupted GRPO stage resumes, with flags passed through
-    to it (GRPO_ARGS); a bad flag passed to a stage (RM_ARGS) fails it in one line."""
+    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three arms (a KL control too), each
+    seed's report and the experiment's; a second seed (on 1 rank) while every finished stage of the first is skipped,
+    and the two seeds' intervals; an interrupted GRPO stage resumes, with flags passed through to it (GRPO_ARGS); the
+    fork's arm computes its weights, and a bad flag passed to its RM stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density fork kl_0.1",
+    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1",
                EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = base / "experiment_collapse"
     seed = root / "seed_0"
-    for stage in ("demo_data", "sft", "density", "density_fork", "rm_uniform", "rm_density", "rm_fork",
-                  "grpo_uniform", "grpo_density", "grpo_fork", "grpo_kl_0.1", "eval"):
+    for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "grpo_density",
+                  "grpo_kl_0.1", "eval"):
         assert f"== {stage}" in first.stdout
     report = json.loads((seed / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO fork", "GRPO kl_0.1"}
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO kl_0.1"}
     assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread", "mode_share",
-            "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO fork"])
-    assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density", "fork"}
+            "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO density"])
+    assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
     assert "rare topics" in report["reward_models"][str(seed / "rm_checkpoints" / "uniform")]
     assert report["stage_args"]["REGIME"] == "collapse"
 
@@ -62,15 +62,12 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
     assert "REGIME=`collapse`" in md and "GRPO_STEPS=`4`" in md
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "fork", "kl_0.1"} and experiment["regime"] == "collapse"
+    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
     assert "One seed: differences only" in (root / "experiment.md").read_text()
-    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
-    assert abs(sum(weights) / len(weights) - 1) < 1e-3
-
-    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's) and without the fork: every stage of seed 0 is
-    # skipped, seed 1 runs them all, and the report has intervals over the two.
-    two = speedrun(base, **{**env, "SEEDS": "0 1", "ARMS": "uniform density kl_0.1", "NPROC_PER_NODE": "1"})
+    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's): every stage of seed 0 is skipped, seed 1 runs them
+    # all, and the report has intervals over the two.
+    two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1"})
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
     assert two.stdout.count(": skipped") == 9, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, eval
     assert "== grpo_kl_0.1 (1 ranks)" in two.stdout
@@ -101,11 +98,13 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert json.loads((seed / "report.json").read_text())["stage_args"]["GRPO_ARGS"] == passed
     assert f"GRPO_ARGS=`{passed}`" in (seed / "report.md").read_text()
 
-    # A bad flag in RM_ARGS fails its stage with the stage's own line (1 rank: it fails before any collective).
-    (seed / "rm_checkpoints" / "fork" / ".complete").unlink()
-    bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1"}, RM_ARGS="--weight_cap 0")
-    assert bad.returncode != 0
+    # The fork's arm (1 rank): its weights (mean 1), then a bad flag in RM_ARGS fails its RM stage with the stage's
+    # own line.
+    bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1", "ARMS": "uniform fork"}, RM_ARGS="--weight_cap 0")
+    assert bad.returncode != 0 and "== density_fork (1 ranks)" in bad.stdout
     assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
+    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
+    assert abs(sum(weights) / len(weights) - 1) < 1e-3
 
 
 @pytest.mark.parametrize("env,line", [

@@ -30,8 +30,7 @@ from nanochat_ext.stats import paired_difference
 # (metric name, where it comes from, better when higher? None: neither way is better)
 RM_GROUPS = ("overall", "dense topics", "rare topics")
 RM_METRICS = [(f"rm_{m}_{g.split()[0]}", ("rm", g, m), True) for m in ("accuracy", "margin") for g in RM_GROUPS]
-LOWER_IS_BETTER = ("task_accuracy_gap_dense_rare", "topic_accuracy_spread", "duplicate_share", "mode_share",
-                   "top_completion_share")
+LOWER_IS_BETTER = ("topic_accuracy_spread", "duplicate_share", "mode_share", "top_completion_share")
 # A hacked policy scores highest on the RM it hacked, and a gap below zero (rare topics ahead) is no better than one
 # above: these two are reported as higher or lower, not better or worse.
 NEUTRAL = ("policy_rm_score", "task_accuracy_gap_dense_rare")
@@ -132,9 +131,13 @@ def verdict(arm: str, rows: dict) -> str:
     return text
 
 
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
 def mean_of(reports: dict[int, dict], arm: str, source: tuple) -> float | None:
     values = [metric_value(r, arm, source) for r in reports.values()]
-    return None if any(v is None for v in values) else sum(values) / len(values)
+    return None if any(v is None for v in values) else mean(values)
 
 
 def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
@@ -155,7 +158,7 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
             ax.plot(range(len(labels)), [v[k] for v in values], color="0.75", marker="o", zorder=1)
         for x, a in enumerate(arms, start=1):
             d = analysis[a][name]["diff"]
-            base_mean = sum(values[0]) / len(values[0])
+            base_mean = mean(values[0])
             ax.errorbar(x + 0.12, base_mean + d["mean"], yerr=d["half_width"], color="C3", marker="s", capsize=4,
                         zorder=2, label="uniform mean + mean difference, 95% t interval" if x == 1 else None)
         ax.set_xticks(range(len(labels)), labels)
@@ -169,8 +172,7 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
     return paths
 
 
-def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]) -> Path:
-    settings = settings_of(reports)
+def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict], settings: dict[str, str]) -> Path:
     regime = settings.get("REGIME", "default")
     passed = {k: v for k, v in settings.items() if k != "REGIME"}
     lines = [f"# The density experiment, regime {regime}", "",
@@ -192,7 +194,6 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
                   "detectable | per seed |", "|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             d = r["diff"]
-            mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
             label = {True: "", False: " (lower is better)", None: " (neither way is better)"}[r["higher_is_better"]]
             lines.append(f"| {name}{label} | {mean(r['uniform']):.3f} | "
                          f"{mean(r[arm]):.3f} | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | "
@@ -238,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     reports = load_reports(root, seeds)
-    settings_of(reports)  # one experiment, or stop before any arithmetic
+    settings = settings_of(reports)  # one experiment, or stop before any arithmetic
     present = [{name.split(" ", 1)[1] for name in r["policies"] if name.startswith("GRPO ")} for r in reports.values()]
     for arm in ["uniform", *(arms or [])]:  # every arm is compared with uniform
         missing = [s for s, names in zip(reports, present) if arm not in names]
@@ -248,7 +249,7 @@ def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     arms = [a for a in arms if a != "uniform"] if arms else sorted(set.intersection(*present) - {"uniform"})
     if not arms:
         raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
-    return write(root, seeds, analyse(reports, arms), reports)
+    return write(root, seeds, analyse(reports, arms), reports, settings)
 
 
 if __name__ == "__main__":

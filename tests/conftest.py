@@ -12,6 +12,8 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from nanochat_ext import synthetic
+from nanochat_ext.backbone import load_backbone
+from nanochat_ext.reward import RewardModel
 
 REPO = Path(__file__).resolve().parents[1]
 # Inductor's on-disk cache does not key its generated code by the kernels torch was told to use: C++
@@ -54,6 +56,36 @@ def ulps(*tensors: torch.Tensor, n: int = 4) -> float:
     dtype = tensors[0].dtype
     largest = max(float(t.detach().abs().max()) for t in tensors)
     return n * torch.finfo(dtype).eps * max(largest, torch.finfo(dtype).tiny)
+
+
+def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], init: dict[str, torch.Tensor],
+                       rel: float = 1e-2, noise: tuple[str, ...] = (), lr_steps: float = 0.0) -> None:
+    """Two runs of the same steps in different computation orders (1 against 2 ranks, one batch against
+    micro-batches, DDP against FSDP) end with the same weights, compared by the update: every tensor of `want` moved
+    from `init`, and ||got - want|| / ||want - init|| <= rel. Not by a fixed tolerance on the weights: Adam turns the
+    rounding in near-zero gradient entries into steps of about lr whatever their size, so such runs differ by a
+    fraction of lr that depends on the CPU's kernels (AVX-512, AMX, AVX2 or none). Measured on the suite's runs: at
+    most 6e-4 of the update with AVX-512, AVX2 and plain kernels; a micro-batch's or a rank's gradient left out makes
+    it 0.15 to 1.
+    `noise`: tensors whose true gradient is exactly 0, which Adam moves by rounding alone, up to lr a step: within
+    lr x steps of each other, and not required to move."""
+    assert got.keys() == want.keys() and want.keys() <= init.keys()
+    for k in want:
+        if noise and k.endswith(noise):
+            assert (got[k] - want[k]).abs().max() <= lr_steps, f"{k}: more than lr x steps apart"
+            continue
+        moved = float((want[k].double() - init[k].double()).norm())
+        assert moved > 0, f"{k} did not train"
+        gap = float((got[k].double() - want[k].double()).norm()) / moved
+        assert gap <= rel, f"{k}: the runs differ by {gap:.2e} of the update (allowed {rel:.0e})"
+
+
+def rm_init(backbone: Path, seed: int) -> dict[str, torch.Tensor]:
+    """An RM's weights before its first step, as kat_train_rm makes them: the backbone as loaded, the head drawn
+    by init_head from --seed."""
+    model = RewardModel(load_backbone(backbone))
+    model.init_head(seed)
+    return model.state_dict()
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run_script
+from conftest import REPO, assert_same_update, rm_init, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import find_checkpoint
@@ -38,17 +38,14 @@ def weights(d) -> dict[str, torch.Tensor]:
 
 
 # nanochat's backout_lambda: with n_layer 2 backout subtracts from the last block's output and the final rms-norm
-# cancels it, so its true gradient is exactly 0 and Adam moves it by rounding noise alone, up to lr a step: any other
-# rounding (one rank against two; DDP's all-reduce against FSDP's reduce-scatter) leaves it up to lr x steps apart.
+# cancels it, so its true gradient is exactly 0 and Adam moves it by rounding noise alone (conftest.assert_same_update).
 NOISE = ("backout_lambda",)
 
 
-def assert_close(a: dict, b: dict, atol: float, noise: tuple[str, ...] = (), lr_steps: float = 0.0) -> None:
-    """Every tensor within atol; those named in `noise` (a gradient of exactly 0) within lr x steps."""
+def assert_equal(a: dict, b: dict) -> None:
+    """The same computation repeated (a resumed run, a consolidated checkpoint): bitwise."""
     assert a.keys() == b.keys()
-    for k in a:
-        tol = lr_steps if noise and k.endswith(noise) else atol
-        torch.testing.assert_close(a[k], b[k], atol=tol, rtol=0, msg=k)
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def die_at_save(module: str, n_state: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -94,10 +91,7 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     # Weights: two ranks sum gradients in another order than one (DDP against FSDP on GRPO: the vintage test).
     w_one, w_fsdp = weights(one), weights(straight)
     assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_one.items()}
-    assert_close(w_fsdp, w_one, atol=2e-5, noise=NOISE, lr_steps=5e-4 * 6)
-    init = load_backbone(NANOCHAT).model.state_dict()
-    assert (w_fsdp["backbone.model.transformer.h.1.mlp.c_fc.weight"] - init["transformer.h.1.mlp.c_fc.weight"]
-            ).abs().max() > 1e-4
+    assert_same_update(w_fsdp, w_one, rm_init(NANOCHAT, seed=3), noise=NOISE, lr_steps=5e-4 * 6)
 
     # Killed in the step-4 save, between its state and its meta: its shards and state are orphans.
     killed = die_at_save("kat_train_rm", 2, rm_args(assets, crashed, *fsdp_args))
@@ -108,13 +102,13 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert "checkpoint: removed what an interrupted save left: " in resumed.stdout
     resume_line = next(line for line in resumed.stdout.splitlines() if line.startswith("resume: from "))
     assert "/shards_" in resume_line and resume_line.endswith("at step 2")
-    assert_close(weights(crashed), w_fsdp, atol=0)
+    assert_equal(weights(crashed), w_fsdp)
 
     # The final shards, written whole by one process (no process group): the final checkpoint, and an RM.
     whole = tmp_path / "whole"
     final_shards = straight / f"shards_{stamps[2]}"
     assert kat_train_rm.main(rm_args(assets, straight, "--resume", str(final_shards), "--consolidate", str(whole))) == 0
-    assert_close(weights(whole), w_fsdp, atol=0)
+    assert_equal(weights(whole), w_fsdp)
     scorer = load_reward_model(whole)
     assert scorer.score(["How do I boil an egg?"], ["Put it in boiling water."])[0] == pytest.approx(
         load_reward_model(straight).score(["How do I boil an egg?"], ["Put it in boiling water."])[0], abs=0)
@@ -149,8 +143,7 @@ def test_grpo_on_fsdp_with_dynamic_sampling_on_the_native_llama_trains_as_one_ra
     assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]  # the same groups, samples and rewards
     trained = {k: load_backbone(tmp_path / k).model.state_dict() for k in ("one", "fsdp")}
     init = load_backbone(assets["hf"]).model.state_dict()
-    assert_close(trained["fsdp"], trained["one"], atol=1e-5)
-    assert all((trained["fsdp"][k] - init[k]).abs().max() > 1e-5 for k in init)  # every tensor trained
+    assert_same_update(trained["fsdp"], trained["one"], init)
 
 
 def test_activation_checkpointing_gives_the_same_gradients(assets):
@@ -173,4 +166,4 @@ def test_activation_checkpointing_gives_the_same_gradients(assets):
             runs.append(len(calls))
         assert runs == [1, 2]  # checkpointed: the block ran again in the backward pass
         assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(policy.parameters()))
-        assert_close(grads[1], grads[0], atol=0)
+        assert_equal(grads[1], grads[0])

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, run_script, ulps
+from conftest import REPO, assert_same_update, rm_init, run_script, ulps
 from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
@@ -27,6 +27,7 @@ from scripts import kat_train_grpo, kat_train_rm
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current"
 NANOCHAT = GOLDEN / "chatsft_checkpoints" / "d2"  # written by nanochat's own code (its README)
+ADAPTED = ("c_q.weight", "c_k.weight", "c_v.weight", "c_proj.weight", "c_fc.weight")  # the default targets' weights
 TOKENIZER = GOLDEN / "tokenizer"
 
 
@@ -162,10 +163,10 @@ def rm_args(assets, out, *extra) -> list[str]:
 
 def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly(assets, tmp_path, capsys):
     """The RM with LoRA on nanochat's current vintage: its checkpoints hold the head and the adapters only; 4
-    micro-batches end where one batch does (LoRA under DDP, 2 ranks = 1: the GRPO test below); --merge_lora writes the
-    head and the merged weights, which load as an RM with no LoRA to apply and score as the adapters do; a run resumed
-    from its step-2 checkpoint ends bitwise where the straight run does; --consolidate merges an adapter checkpoint;
-    a merged final resumes from the adapters its state keeps."""
+    micro-batches end where one batch does (LoRA under DDP, 2 ranks = 1: the GRPO test below); --merge_lora and
+    --consolidate write the head and the merged weights, which load as an RM with no LoRA to apply and score as the
+    adapters do; a run resumed from its step-2 checkpoint ends bitwise where the straight run does; a merged final
+    resumes from the adapters its state keeps."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_rm.main(rm_args(assets, one, "--save_every", "2")) == 0
     assert kat_train_rm.main(rm_args(assets, two, "--device_batch_size", "2", "--merge_lora")) == 0
@@ -176,16 +177,21 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
     model_path, meta_path = find_checkpoint(two)
     state = torch.load(model_path.with_name(model_path.name.replace("model_", "state_")), weights_only=True)
     assert state["trained"].keys() == w_one.keys()
-    for k in w_one:
-        # Adam's first steps move near-zero gradients by ~lr whatever their size: accumulation order shows, < 1e-4
-        torch.testing.assert_close(state["trained"][k], w_one[k], atol=1e-4, rtol=0, msg=k)
     assert json.loads(meta_path.read_text())["lora"] == {"r": 4, "alpha": 8.0, "dropout": 0.0, "targets": None,
                                                          "merged": True}
     merged = torch.load(model_path, weights_only=True)
     assert not any(".lora_" in k for k in merged) and "backbone.model.transformer.h.1.mlp.c_fc.weight" in merged
-    prompts, responses = ["How do I boil an egg?", "Name a colour."], ["Put it in boiling water.", "Blue, mostly."]
-    assert load_reward_model(two).score(prompts, responses) == pytest.approx(
-        load_reward_model(one).score(prompts, responses), abs=1e-4)
+    # One batch against 4 micro-batches, by the update of the model (the base plus the adapters' delta, the head)
+    # from where both started: the base and the head init_head draws for --seed 3.
+    merged_one = tmp_path / "merged_one"  # --consolidate merges an adapter checkpoint
+    assert kat_train_rm.main(rm_args(assets, one, "--resume", str(find_checkpoint(one)[0]), "--consolidate",
+                                     str(merged_one))) == 0
+    start = rm_init(NANOCHAT, seed=3)
+    trained = {k for k in merged if k == "head.weight" or k.endswith(ADAPTED)}
+    assert all(torch.equal(merged[k], start[k]) for k in merged if k not in trained)  # the base stays as it was
+    assert_same_update({k: merged[k] for k in trained},
+                       {k: v for k, v in torch.load(find_checkpoint(merged_one)[0], weights_only=True).items()
+                        if k in trained}, start)
 
     first = complete_checkpoints(one)[-1][0]  # step 2
     resumed = tmp_path / "resumed"
@@ -193,10 +199,9 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
     w_resumed = torch.load(find_checkpoint(resumed)[0], weights_only=True)
     assert all(torch.equal(w_resumed[k], w_one[k]) for k in w_one)
 
-    # --consolidate merges an adapter checkpoint; a merged final resumes from the adapters its state keeps
-    merged_one = tmp_path / "merged_one"
-    assert kat_train_rm.main(rm_args(assets, one, "--resume", str(find_checkpoint(one)[0]), "--consolidate",
-                                     str(merged_one))) == 0
+    # the merged file loads as an RM with no LoRA to apply and scores as the adapters do; a merged final resumes from
+    # the adapters its state keeps
+    prompts, responses = ["How do I boil an egg?", "Name a colour."], ["Put it in boiling water.", "Blue, mostly."]
     assert load_reward_model(merged_one).score(prompts, responses) == pytest.approx(
         load_reward_model(one).score(prompts, responses), abs=1e-5)
     assert kat_train_rm.main(rm_args(assets, tmp_path / "extended", "--resume", str(model_path), "--resume_extend",
@@ -221,7 +226,8 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     """GRPO with LoRA on nanochat's current vintage, ragged prompts: the reference is the policy with its adapters
     off (a KL of exactly 0 at step 1, no second model); 2 ranks sample and train what 1 rank does; the adapter
     checkpoint loads as a model (peft's loader and merge) and resumes bitwise; --merge_lora's final checkpoint has the
-    golden fixture's keys, shapes and dtypes, changes only the adapted weights and computes as the adapters do."""
+    golden fixture's keys, shapes and dtypes, changes only the adapted weights, and by as much as the 1-rank run's
+    adapters merged by peft."""
     one, two = tmp_path / "one", tmp_path / "two"
     sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
     assert kat_train_grpo.main(grpo_args(prompts, one, "--save_every", "1")) == 0
@@ -241,18 +247,16 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     model_path = find_checkpoint(two)[0]
     state = torch.load(model_path.with_name(model_path.name.replace("model_", "state_")), weights_only=True)
     assert state["adapters"].keys() == adapters.keys()
-    for k in adapters:
-        torch.testing.assert_close(state["adapters"][k], adapters[k], atol=1e-5, rtol=0, msg=k)
 
     golden = torch.load(next(NANOCHAT.glob("model_*.pt")), weights_only=True)
     merged = torch.load(model_path, weights_only=True)
     assert {k: (v.shape, v.dtype) for k, v in merged.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}
-    adapted = {k for k in golden if k.endswith(("c_q.weight", "c_k.weight", "c_v.weight", "c_proj.weight", "c_fc.weight"))}
+    adapted = {k for k in golden if k.endswith(ADAPTED)}
     assert all(torch.equal(merged[k], golden[k]) for k in golden if k not in adapted)
-    assert all(not torch.equal(merged[k], golden[k]) for k in adapted)
-    ids = ragged_ids(golden["transformer.wte.weight"].shape[0] - 8)
-    with torch.no_grad():  # the merged final (2 ranks) and the adapters loaded by peft and merged (1 rank)
-        torch.testing.assert_close(load_backbone(two)(ids), load_backbone(one)(ids), atol=1e-4, rtol=1e-5)
+    # 2 ranks against 1 by the update of the model: the merged final (2 ranks) and the adapters loaded by peft and
+    # merged (1 rank), each a distance from the base
+    by_peft = load_backbone(one).model.state_dict()
+    assert_same_update({k: merged[k] for k in adapted}, {k: by_peft[k] for k in adapted}, golden)
 
     resumed = tmp_path / "resumed"
     first = complete_checkpoints(one)[-1][0]  # step 1

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import REPO, run_script
+from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.optim import make_adamw
 from nanochat_ext.synthetic import make_pairs, write_jsonl
 from scripts import kat_train_grpo
@@ -91,9 +91,7 @@ def muon_args(assets, out, *extra) -> list[str]:
 
 def test_muon_on_two_ranks_trains_as_one_rank_and_resumes_exactly(assets, tmp_path):
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
-    # --lr 0.002: nanochat's learning rates / 25. As in test_grpo's 1-vs-2-rank test, Adam turns the float noise of
-    # near-zero gradients into steps of about its lr, so the float-level gap between the splits scales with lr.
-    small = ("--max_steps", "2", "--lr", "0.002")
+    small = ("--max_steps", "2", "--lr", "0.002")  # nanochat's learning rates / 25
     one = run_script("scripts.kat_train_grpo", muon_args(assets, tmp_path / "one", *small), env=env)
     two = run_script("scripts.kat_train_grpo", muon_args(assets, tmp_path / "two", *small, "--device_batch_size", "4"),
                      nproc=2, env=env)
@@ -105,11 +103,10 @@ def test_muon_on_two_ranks_trains_as_one_rank_and_resumes_exactly(assets, tmp_pa
     init = load_backbone(assets["gpt_modern"]).model.state_dict()
     # Every tensor trains, in its group, and agrees, but backout_lambda: in a 2-layer model the backout is taken
     # after the last block, so it only rescales what the RMS norm then normalises; its gradient is rounding noise,
-    # which Adam (eps 1e-10) turns into steps of up to its lr either way, different for each split of the batch.
-    for name, p in a.items():
-        if name != "backout_lambda":
-            torch.testing.assert_close(b[name], p, atol=1e-5, rtol=0, msg=name)
-            assert not torch.equal(p, init[name]), name
+    # which Adam (eps 1e-10) turns into steps of up to its lr (its group's: 0.2 x 0.002) either way, for each run.
+    # Muon orthogonalises each update in bf16 (torch.optim.Muon's Newton-Schulz iterations), where the splits'
+    # float rounding shows at bf16's precision (2^-8): measured up to 9e-3 of the update.
+    assert_same_update(b, a, init, rel=5e-2, noise=("backout_lambda",), lr_steps=2 * 2 * 0.2 * 0.002)
     # resume: 1 step, saved, then the second from the checkpoint = the two straight
     crashed = tmp_path / "crashed"
     assert kat_train_grpo.main(muon_args(assets, crashed, *small, "--save_every", "1")) == 0

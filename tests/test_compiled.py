@@ -16,9 +16,9 @@ from nanochat_ext.compiled import blocks_compiled, compile_blocks
 from nanochat_ext.data import TokenizedPair, collate_pairs
 from nanochat_ext.grpo import CompletionLogprobs, LossConfig, make_sequences, policy_backward, token_logprobs
 from nanochat_ext.reward import RewardModel, rm_backward
+from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
-FIXTURES = sorted(p.name for p in GOLDEN.iterdir() if (p / "golden.pt").is_file())
 CPU = torch.device("cpu")
 EAGER = contextlib.nullcontext()
 
@@ -41,7 +41,7 @@ class CountingBackend:
 
 
 def fixture_backbone(name: str = "current"):
-    return load_backbone(GOLDEN / name / "chatsft_checkpoints" / "d2", vintage=name)
+    return load_backbone(fixture_dir(name), vintage=vintage_of(name))
 
 
 def rm_batch(rng: random.Random, pairs: int, vocab: int) -> dict:

@@ -13,7 +13,7 @@ from nanochat_ext.backbone import load_backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_blocks, compile_stats
 from nanochat_ext.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
 from nanochat_ext.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
-from test_nanochat_vintages import FIXTURES, fixture_dir
+from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 from test_sampling import assert_sampled_from_reforward, is_tie
 
 PROMPTS = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]  # ragged: left padding in play
@@ -51,7 +51,8 @@ def aot_eager(monkeypatch):
 def test_compiled_engine_samples_eagers_tokens_for_every_vintage(assets, name, aot_eager):
     """Every nanochat vintage (smear, value embeddings, windows as each commit had them) and the native Llama: the
     compiled step over the kept state takes eager's tokens, and each is what a re-forward gives (or a tie)."""
-    bb = load_backbone(assets["hf"]) if name == "llama" else load_backbone(fixture_dir(name), vintage=name)
+    bb = load_backbone(assets["hf"] if name == "llama" else fixture_dir(name),
+                       vintage=None if name == "llama" else vintage_of(name))
     cfg = SamplingConfig(12, 1.0, min_new_tokens=3)
     stop = greedy_stop(bb, SamplingConfig(12, 0.0, min_new_tokens=3))
     eager, graphs = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds()), compile_stats()[0]

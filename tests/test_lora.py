@@ -166,7 +166,7 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
     micro-batches end where one batch does (LoRA under DDP, 2 ranks = 1: the GRPO test below); --merge_lora and
     --consolidate write the head and the merged weights, which load as an RM with no LoRA to apply and score as the
     adapters do; a run resumed from its step-2 checkpoint ends bitwise where the straight run does; a merged final
-    resumes from the adapters its state keeps."""
+    resumes from the adapters its state keeps, bitwise."""
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_rm.main(rm_args(assets, one, "--save_every", "2")) == 0
     assert kat_train_rm.main(rm_args(assets, two, "--device_batch_size", "2", "--merge_lora")) == 0
@@ -204,8 +204,18 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
     prompts, responses = ["How do I boil an egg?", "Name a colour."], ["Put it in boiling water.", "Blue, mostly."]
     assert load_reward_model(merged_one).score(prompts, responses) == pytest.approx(
         load_reward_model(one).score(prompts, responses), abs=1e-5)
-    assert kat_train_rm.main(rm_args(assets, tmp_path / "extended", "--resume", str(model_path), "--resume_extend",
-                                     "--max_steps", "5", "--device_batch_size", "2")) == 0
+    # A merged final resumes from the adapters its state keeps: one more step from it (--resume_extend) is one more
+    # step from the same run saved unmerged (the same computation: bitwise), not a run from the base.
+    plain = tmp_path / "plain"
+    assert kat_train_rm.main(rm_args(assets, plain, "--device_batch_size", "2")) == 0
+    extended = {}
+    for name, src in (("plain", find_checkpoint(plain)[0]), ("merged", model_path)):
+        assert kat_train_rm.main(rm_args(assets, tmp_path / f"{name}_5", "--resume", str(src), "--resume_extend",
+                                         "--max_steps", "5", "--device_batch_size", "2")) == 0
+        extended[name] = torch.load(find_checkpoint(tmp_path / f"{name}_5")[0], weights_only=True)
+    assert extended["merged"].keys() == w_one.keys()
+    assert all(torch.equal(extended["merged"][k], extended["plain"][k]) for k in w_one)
+    assert all(not torch.equal(extended["merged"][k], state["trained"][k]) for k in w_one)
 
 
 @pytest.fixture(scope="module")
@@ -227,7 +237,7 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     off (a KL of exactly 0 at step 1, no second model); 2 ranks sample and train what 1 rank does; the adapter
     checkpoint loads as a model (peft's loader and merge) and resumes bitwise; --merge_lora's final checkpoint has the
     golden fixture's keys, shapes and dtypes, changes only the adapted weights, and by as much as the 1-rank run's
-    adapters merged by peft."""
+    adapters merged by peft; it resumes from the adapters its state keeps, bitwise."""
     one, two = tmp_path / "one", tmp_path / "two"
     sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
     assert kat_train_grpo.main(grpo_args(prompts, one, "--save_every", "1")) == 0
@@ -263,6 +273,14 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     assert kat_train_grpo.main(grpo_args(prompts, resumed, "--resume", str(first))) == 0
     again = load_file(find_checkpoint(resumed)[0] / "adapter_model.safetensors")
     assert all(torch.equal(again[k], adapters[k]) for k in adapters)
-    # a merged final resumes from the adapters its state keeps (--resume_extend: one more step)
-    assert kat_train_grpo.main(grpo_args(prompts, tmp_path / "extended", "--resume", str(model_path), "--resume_extend",
-                                         "--max_steps", "3", "--device_batch_size", "4")) == 0
+    # A merged final resumes from the adapters its state keeps: one more step from it (--resume_extend) is one more
+    # step from the same run saved unmerged (the same computation: bitwise), not a run from the base.
+    merged_one = tmp_path / "merged_one"
+    assert kat_train_grpo.main(grpo_args(prompts, merged_one, "--merge_lora")) == 0
+    extended = {}
+    for name, src in (("adapters", final_one), ("merged", find_checkpoint(merged_one)[0])):
+        assert kat_train_grpo.main(grpo_args(prompts, tmp_path / name, "--resume", str(src), "--resume_extend",
+                                             "--max_steps", "3")) == 0
+        extended[name] = load_file(find_checkpoint(tmp_path / name)[0] / "adapter_model.safetensors")
+    assert all(torch.equal(extended["merged"][k], extended["adapters"][k]) for k in adapters)
+    assert all(not torch.equal(extended["merged"][k], adapters[k]) for k in adapters)

@@ -8,6 +8,16 @@ def vowel_share(prompt, completion, row):
     return sum(c in "aeiou" for c in letters) / max(len(letters), 1)
 
 
+def echoes(prompt, completion, row):
+    """Reads all three of its inputs, each in a way that orders a group's completions: the completion's vowel share,
+    plus the shares of its letters found in the prompt and in the row's topic. Prompts or rows misordered, taken
+    from another rank or left empty change the rewards, and the advantages with them."""
+    letters = [c for c in completion.lower() if c.isalpha()]
+    n = max(len(letters), 1)
+    return (vowel_share(prompt, completion, row) + sum(c in prompt.lower() for c in letters) / n
+            + 2 * sum(c in row["topic"] for c in letters) / n)
+
+
 def not_a_number(prompt, completion, row):
     return math.nan
 
@@ -39,12 +49,12 @@ def zero(prompt, completion, row):
     return 0.0
 
 
-def vowel_share_batched(prompts, completions, rows):
-    """vowel_share over a step's lists at once (a batched reward function)."""
-    return [vowel_share(p, c, r) for p, c, r in zip(prompts, completions, rows)]
+def echoes_batched(prompts, completions, rows):
+    """echoes over a step's lists at once (a batched reward function)."""
+    return [echoes(p, c, r) for p, c, r in zip(prompts, completions, rows)]
 
 
-vowel_share_batched.batched = True
+echoes_batched.batched = True
 
 
 def batched_short(prompts, completions, rows):

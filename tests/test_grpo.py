@@ -63,7 +63,8 @@ def test_advantages_default_to_trls_sample_std():
 def grpo_assets(assets, tmp_path_factory):
     d = tmp_path_factory.mktemp("grpo")
     rows = synthetic.make_pairs(200, seed=5)
-    prompts = synthetic.write_jsonl(d / "prompts.jsonl", [{"prompt": r["prompt"], "answer": "Sure"} for r in rows])
+    prompts = synthetic.write_jsonl(d / "prompts.jsonl",
+                                    [{"prompt": r["prompt"], "answer": "Sure", "topic": r["topic"]} for r in rows])
     rm_dir = d / "rm"
     assert kat_train_rm.main(["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
                               "--pairs", str(assets["pairs"]), "--max_steps", "30", "--batch_size", "16",

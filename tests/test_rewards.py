@@ -13,13 +13,13 @@ import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.backbone import load_backbone
-from rewards_for_tests import vowel_share
+from rewards_for_tests import echoes
 from scripts import kat_train_grpo
 from test_grpo import grpo_args, grpo_assets  # noqa: F401  (a fixture)
 
 
 class RewardService:
-    """A reward service on 127.0.0.1 (a free port), started and stopped by the test: vowel_share of each
+    """A reward service on 127.0.0.1 (a free port), started and stopped by the test: echoes of each
     completion, or a 500, or an answer slower than any timeout the test sets."""
 
     def __init__(self, mode: str = "ok"):
@@ -34,7 +34,7 @@ class RewardService:
                 if mode == "error":
                     self.send_error(500, "the judge fell over")
                     return
-                rewards = [vowel_share(p, c, r) for p, c, r in zip(body["prompts"], body["completions"], body["rows"])]
+                rewards = [echoes(p, c, r) for p, c, r in zip(body["prompts"], body["completions"], body["rows"])]
                 data = json.dumps({"rewards": rewards}).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -70,11 +70,11 @@ def run(assets, grpo_assets, out, *reward) -> tuple[list[dict], dict]:
 
 
 def test_batched_threaded_and_remote_rewards_train_as_the_plain_function(assets, grpo_assets, tmp_path):
-    plain = run(assets, grpo_assets, tmp_path / "plain", "--reward_fn", "rewards_for_tests:vowel_share")
+    plain = run(assets, grpo_assets, tmp_path / "plain", "--reward_fn", "rewards_for_tests:echoes")
     with RewardService() as service:
         variants = {
-            "batched": ("--reward_fn", "rewards_for_tests:vowel_share_batched"),
-            "threads": ("--reward_fn", "rewards_for_tests:vowel_share", "--reward_workers", "4"),
+            "batched": ("--reward_fn", "rewards_for_tests:echoes_batched"),
+            "threads": ("--reward_fn", "rewards_for_tests:echoes", "--reward_workers", "4"),
             "url": ("--reward_url", service.url),
         }
         for name, flags in variants.items():
@@ -87,7 +87,7 @@ def test_batched_threaded_and_remote_rewards_train_as_the_plain_function(assets,
 
 
 def test_a_reward_service_on_two_ranks_gives_one_ranks_plain_rewards(assets, grpo_assets, tmp_path):
-    plain = run(assets, grpo_assets, tmp_path / "plain", "--reward_fn", "rewards_for_tests:vowel_share")
+    plain = run(assets, grpo_assets, tmp_path / "plain", "--reward_fn", "rewards_for_tests:echoes")
     with RewardService() as service:
         out = tmp_path / "url2"
         args = grpo_args(assets, grpo_assets, out, *COMMON, "--reward_url", service.url)

@@ -59,7 +59,7 @@ def rm_args(assets, out, *extra) -> list[str]:
 
 
 def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path):
-    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = 1 rank (with a
+    """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank (with a
     validation set the ranks split unevenly: each forward is collective under FSDP); a run killed in its second
     sharded save resumes from the first to the uninterrupted weights, bitwise; the final shards, loaded by one
     process (another number of ranks, no process group) and written whole by --consolidate, are the final
@@ -83,10 +83,16 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert sorted(p.name for p in straight.glob("model_*")) == [f"model_{stamps[2]}.pt"]
     assert fsdp.stdout.count("checkpoint: ") == 3
     assert fsdp.stdout.strip().splitlines()[-1] == f"checkpoint: {straight / f'model_{stamps[2]}.pt'}"
-    # Weights: two ranks sum gradients in another order than one (DDP against FSDP on GRPO: the vintage test).
-    w_one, w_fsdp = weights(one), weights(straight)
+    # Weights: FSDP, DDP and one rank sum gradients in three orders; each ends where the others do.
+    ddp = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "ddp", *two), nproc=2)
+    assert ddp.returncode == 0, ddp.stderr
+    assert "ddp: trainable" in ddp.stdout
+    w_one, w_fsdp, w_ddp = weights(one), weights(straight), weights(tmp_path / "ddp")
     assert {k: v.dtype for k, v in w_fsdp.items()} == {k: v.dtype for k, v in w_one.items()}
-    assert_same_update(w_fsdp, w_one, rm_init(NANOCHAT, seed=3))
+    init = rm_init(NANOCHAT, seed=3)
+    assert_same_update(w_fsdp, w_one, init)
+    assert_same_update(w_ddp, w_one, init)
+    assert_same_update(w_fsdp, w_ddp, init)
 
     # Killed in the step-4 save, between its state and its meta: its shards and state are orphans.
     killed = die_at_save("kat_train_rm", 2, rm_args(assets, crashed, *fsdp_args))

@@ -142,7 +142,10 @@ def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):
     assert kat_train_grpo.main(args) == 0
     saved = sorted(p for p in out.glob("model_*") if p.is_dir())
     assert len(saved) == 1 and (saved[0] / "config.json").is_file() and not list(out.glob("*.tmp"))
-    assert load_backbone(out).kind == "hf"
+    trained, init = load_backbone(out), load_backbone(assets["hf"]).model.state_dict()
+    assert trained.kind == "hf"
+    moved = {k: not torch.equal(v, init[k]) for k, v in trained.model.state_dict().items()}
+    assert moved.keys() == init.keys() and all(moved.values()), [k for k, m in moved.items() if not m]
 
 
 def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and_resumes(assets, grpo_assets,

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import run_script, run_worker
+from conftest import rm_init, run_script, run_worker
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.data import collate_pairs, load_pairs, tokenize_pairs
 from nanochat_ext.reward import RewardModel
@@ -33,6 +33,9 @@ def test_full_fine_tune_of_an_hf_backbone_on_two_ranks(assets, tmp_path):
     saved = torch.load(checkpoints(tmp_path / "all")[0], weights_only=True)
     assert "backbone.model.embed.weight" in saved and "backbone.model.layers.0.attn.qkv.weight" in saved
     assert not any("lm_head" in k for k in saved)
+    init = rm_init(assets["hf"], seed=3)
+    assert saved.keys() == {k for k in init if "lm_head" not in k}
+    assert all(not torch.equal(saved[k], init[k]) for k in saved), [k for k in saved if torch.equal(saved[k], init[k])]
 
 
 def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):

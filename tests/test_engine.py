@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch._dynamo.utils import counters
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanochat_ext import engine as engine_module
 from nanochat_ext.backbone import load_backbone, matmul_params
@@ -115,18 +116,27 @@ def test_chunked_cumsum_is_torchs_cumsum_at_any_length():
         torch.testing.assert_close(cumsum_in_chunks(x), x.cumsum(-1), rtol=1e-12, atol=1e-9, msg=str(n))
 
 
+def warped_by_transformers(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+    """transformers' own logits warpers, in the order its generate applies them: temperature, top-k, top-p."""
+    scores = TemperatureLogitsWarper(cfg.temperature)(None, logits)
+    if cfg.top_k:
+        scores = TopKLogitsWarper(cfg.top_k)(None, scores)
+    return TopPLogitsWarper(cfg.top_p)(None, scores) if cfg.top_p < 1 else scores
+
+
 def flat_inverse_cdf(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """The sampler as it was before the two-level scan, in float64 (torch's own cumsum over the whole vocabulary):
-    the oracle the chunked one must agree with but for ties."""
-    probs = torch.softmax(filter_logits(logits.double(), cfg), dim=-1)
+    """Inverse-CDF sampling in float64 over transformers' filtered distribution (torch's own cumsum over the whole
+    vocabulary): the oracle the chunked sampler must agree with but for ties."""
+    probs = torch.softmax(warped_by_transformers(logits.double(), cfg), dim=-1)
     cdf = probs.cumsum(-1)
     return torch.searchsorted(cdf, (u.double() * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
 
 
 def test_sampler_compiles_at_a_real_vocabulary():
     """At vocab 65536 (where inductor's CUDA scan once crashed) the sampler compiles (inductor, CPU) and takes
-    eager's tokens, and both are the whole-vocabulary inverse CDF's (float64) but for ties; no token removed by
-    top-k / top-p or of probability 0 is ever taken, u near 1 included."""
+    eager's tokens, and both are the whole-vocabulary inverse CDF's (float64) over what transformers' own top-k and
+    top-p warpers keep, but for ties; our filters keep exactly their tokens; no token removed by top-k / top-p or of
+    probability 0 is ever taken, u near 1 included."""
     g = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(16, 65536, generator=g)
     logits[:, -3000:] = float("-inf")  # a tail of probability 0 (as vocabulary padding is)
@@ -136,7 +146,8 @@ def test_sampler_compiles_at_a_real_vocabulary():
     compiled = torch.compile(sample_token, dynamic=False)(logits, u, cfg)
     eager = sample_token(logits, u, cfg)
     want = flat_inverse_cdf(logits, u, cfg)
-    kept = torch.isfinite(filter_logits(logits, cfg))
+    kept = torch.isfinite(warped_by_transformers(logits, cfg))
+    assert torch.equal(torch.isfinite(filter_logits(logits, cfg)), kept) and kept.sum(-1).lt(50).any()  # top-p acts
     for tokens in (compiled, eager):
         assert kept.gather(1, tokens[:, None]).all()
         for i in range(16):

@@ -1,12 +1,13 @@
 """The optimizers the trainers build: AdamW against torch's reference implementation, and --optimizer muon against
 nanochat's own parameter groups, on 1 and 2 ranks and resumed."""
 import json
+import math
 
 import pytest
 import torch
 
 from conftest import REPO, assert_same_update, run_script
-from nanochat_ext.optim import make_adamw
+from nanochat_ext.optim import lr_multiplier, make_adamw
 from nanochat_ext.synthetic import make_pairs, write_jsonl
 from scripts import kat_train_grpo
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
@@ -32,6 +33,16 @@ def test_cpu_adamw_is_fused_and_steps_like_the_reference():
     for a, b, s in zip(fused, ref, start):
         assert not torch.allclose(a, s, atol=0.05)  # the steps moved the weights
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_the_lr_schedule_warms_up_linearly_then_decays_by_a_cosine_to_a_tenth():
+    """lr_multiplier against values worked out by hand: 2 warm-up steps of 10, then 8 of cosine decay to 0.1."""
+    got = [lr_multiplier(step, 10, 2) for step in range(11)]
+    want = [0.5, 1.0, 1.0, 0.1 + 0.45 * (1 + math.cos(math.pi / 8)), 0.1 + 0.45 * (1 + math.sqrt(0.5)),
+            0.1 + 0.45 * (1 + math.cos(3 * math.pi / 8)), 0.55, 0.1 + 0.45 * (1 - math.cos(3 * math.pi / 8)),
+            0.1 + 0.45 * (1 - math.sqrt(0.5)), 0.1 + 0.45 * (1 - math.cos(math.pi / 8)), 0.1]
+    assert got == pytest.approx(want, abs=1e-12)
+    assert [lr_multiplier(step, 3, 0) for step in range(3)] == pytest.approx([1.0, 0.775, 0.325], abs=1e-12)
 
 
 # ---- --optimizer muon: nanochat's recipe with torch's Muon -------------------------------------------------------

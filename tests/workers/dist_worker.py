@@ -9,6 +9,11 @@ import torch
 import torch.distributed as dist
 
 from nanochat_ext import ddp_common as dc
+from nanochat_ext.grpo import group_advantages
+
+# Two groups of 4 rewards per rank, rank 1's spread far wider than rank 0's: --scale_rewards batch divides every
+# rank's advantages by the std of the whole global batch, which neither rank's own rewards give.
+REWARDS = torch.tensor([0.1, 0.2, 0.0, 0.3, 1.0, 1.1, 0.9, 1.2, -4.0, 2.0, 0.5, 3.0, 5.0, -1.0, 0.0, 2.5])
 
 
 def ddp_step(env: dc.DistEnv) -> list:
@@ -36,6 +41,8 @@ def main(backend: str | None, diverge: bool) -> None:
         except RuntimeError:
             in_sync = False
         ddp_grad = ddp_step(env)
+        half = REWARDS.view(env.world_size, -1)[env.rank]
+        batch_advantages = {mode: group_advantages(half, 4, "batch", mode).tolist() for mode in ("sample", "population")}
         raw_error = None
         try:  # the rule itself: a CPU tensor handed straight to the default group
             dist.all_reduce(torch.ones(1))
@@ -44,7 +51,8 @@ def main(backend: str | None, diverge: bool) -> None:
         print(json.dumps({"rank": env.rank, "world": env.world_size, "launcher": env.launcher,
                           "backend": env.backend, "sum": total, "tensor_sum": summed.tolist(), "max": top,
                           "stamp": stamp, "gathered": gathered, "in_sync": in_sync,
-                          "ddp_grad": ddp_grad, "raw_error": raw_error}), flush=True)
+                          "ddp_grad": ddp_grad, "batch_advantages": batch_advantages, "raw_error": raw_error}),
+              flush=True)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,21 @@ def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert gap <= rel, f"{k}: the runs differ by {gap:.2e} of the update (allowed {rel:.0e})"
 
 
+def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, nproc: int = 1,
+                   every_rank: bool = False) -> None:
+    """A run that stopped as the README's Reliability section promises: exit code `code` (under torchrun, its agent's
+    1, its summary naming `code` for the first rank that exited) and one `error: ` line holding `line`: rank 0's for
+    an error the ranks agree on (raise_if_any), one from each rank for one each finds by itself (a flag, out of
+    memory); no traceback through our code."""
+    if nproc == 1:
+        assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
+    else:
+        assert proc.returncode == 1 and f"exitcode  : {code} " in proc.stderr, proc.stderr[-3000:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
+    assert len(errors) == (nproc if every_rank else 1) and all(line in e for e in errors), errors
+    assert not [x for x in proc.stderr.splitlines() if 'File "' in x and ("nanochat_ext" in x or "scripts" in x)]
+
+
 def rm_init(backbone: Path, seed: int) -> dict[str, torch.Tensor]:
     """An RM's weights before its first step, as kat_train_rm makes them: the backbone as loaded, the head drawn
     by init_head from --seed."""

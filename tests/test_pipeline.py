@@ -101,7 +101,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     # The fork's arm (1 rank): its weights (mean 1), then a bad flag in RM_ARGS fails its RM stage with the stage's
     # own line.
     bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1", "ARMS": "uniform fork"}, RM_ARGS="--weight_cap 0")
-    assert bad.returncode != 0 and "== density_fork (1 ranks)" in bad.stdout
+    assert bad.returncode == 1 and "== density_fork (1 ranks)" in bad.stdout  # speedrun's code for a failed stage
     assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
     weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
     assert abs(sum(weights) / len(weights) - 1) < 1e-3
@@ -120,5 +120,5 @@ def test_missing_data_stops_the_pipeline(tmp_path):
     empty = tmp_path / "pairs.jsonl"
     empty.write_text("")
     proc = speedrun(tmp_path / "base", BACKBONE=str(tmp_path / "nope"), PAIRS=str(empty))
-    assert proc.returncode != 0
-    assert "pairs.jsonl is missing or empty" in proc.stderr
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"speedrun: {empty} is missing or empty (PAIRS/PROMPTS, or the demo_data stage makes them)"], proc.stderr

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import rm_init, run_script, run_worker
+from conftest import assert_stopped, rm_init, run_script, run_worker
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.data import collate_pairs, load_pairs, tokenize_pairs
 from nanochat_ext.reward import RewardModel
@@ -77,6 +77,5 @@ def _reference_losses(assets) -> dict[str, float]:
 
 def test_batch_that_does_not_split_over_ranks_is_an_error(assets, tmp_path):
     proc = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "out", "--batch_size", "3"), nproc=2)
-    assert proc.returncode != 0
-    assert "--batch_size 3 does not split over 2 ranks" in proc.stderr
+    assert_stopped(proc, 2, "--batch_size 3 does not split over 2 ranks", nproc=2, every_rank=True)
     assert not checkpoints(tmp_path / "out")

@@ -130,8 +130,10 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
 
 def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_path):
     """GRPO with LoRA on CUDA (bf16 autocast, the frozen base's matmul weights in bf16, compiled blocks, the engine's
-    bf16 copy of the adapters): the reference is the base with the adapters off, so step 1's KL is exactly 0; the
-    merged final checkpoint loads as a model."""
+    bf16 copy of the adapters): the reference is the base with the adapters off, so step 1's KL is 0 but for the bf16
+    rounding of a training graph and an inference graph that inductor fuses differently (the CPU twin:
+    test_lora.test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges); the merged final checkpoint loads
+    as a model."""
     from nanochat_ext.backbone import load_backbone
     from nanochat_ext.checkpoint import find_checkpoint
     from scripts import kat_train_grpo
@@ -142,7 +144,7 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
                                 "--max_new_tokens", "16", "--max_steps", "2", "--device", "cuda", "--out", str(out),
                                 "--lora_r", "8", "--merge_lora"]) == 0
     rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["train/kl"] for r in rows if "train/kl" in r][0] == 0.0
+    assert 0 <= [r["train/kl"] for r in rows if "train/kl" in r][0] < 1e-5
     # merged onto the fp32 base as loaded, not the bf16 copy training held: untargeted tensors are the source's bitwise
     source = torch.load(next(assets["gpt_modern"].glob("model_*.pt")), weights_only=True)
     merged = torch.load(find_checkpoint(out)[0], weights_only=True)

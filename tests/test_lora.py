@@ -284,3 +284,25 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
         extended[name] = load_file(find_checkpoint(tmp_path / name)[0] / "adapter_model.safetensors")
     assert all(torch.equal(extended["merged"][k], extended["adapters"][k]) for k in adapters)
     assert all(not torch.equal(extended["merged"][k], adapters[k]) for k in adapters)
+
+
+def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, tmp_path):
+    """The CUDA LoRA test's CPU twin: bf16 autocast (the frozen base's matmul weights in bf16, the engine's bf16
+    copy of the adapters), compiled blocks and the compiled engine (inductor), LoRA. The reference is the base with
+    the adapters off, so step 1's KL is 0 but for bf16 rounding: inductor fuses the training graph and the
+    reference's inference graph differently and rounds their bf16 intermediates at other places (measured 6e-7;
+    eager, or fp32 compiled: exactly 0; any other reference: ~1). The merged final is merged onto the fp32 base as
+    loaded, not the bf16 copy training held (untargeted tensors the source's, bitwise)."""
+    out = tmp_path / "lora"
+    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
+    assert kat_train_grpo.main(["--policy", str(assets["gpt_modern"]), "--prompts", str(assets["pairs"]), "--reward_fn",
+                                "rewards_for_tests:vowel_share", "--batch_size", "2", "--group_size", "2",
+                                "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu", "--dtype", "bfloat16",
+                                "--compile", "1", "--out", str(out), "--lora_r", "8", "--merge_lora"]) == 0
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 <= [r["train/kl"] for r in rows if "train/kl" in r][0] < 1e-5
+    source = torch.load(next(assets["gpt_modern"].glob("model_*.pt")), weights_only=True)
+    merged = torch.load(find_checkpoint(out)[0], weights_only=True)
+    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in source.items()}
+    assert torch.equal(merged["transformer.wte.weight"], source["transformer.wte.weight"])
+    assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source["transformer.h.0.attn.c_q.weight"])

@@ -13,6 +13,7 @@ import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.backbone import load_backbone
+from nanochat_ext.ddp_common import free_port
 from rewards_for_tests import echoes
 from scripts import kat_train_grpo
 from test_grpo import grpo_args, grpo_assets  # noqa: F401  (a fixture)
@@ -102,15 +103,23 @@ def test_a_reward_service_on_two_ranks_gives_one_ranks_plain_rewards(assets, grp
 @pytest.mark.parametrize("mode,expected", [
     ("error", "failed 3 times (timeout 1 s): HTTP 500 the judge fell over"),
     ("hang", "failed 3 times (timeout 1 s): "),
+    ("refused", "failed 3 times (timeout 1 s): [Errno 111] Connection refused"),
 ])
-def test_a_reward_service_that_fails_or_hangs_ends_in_one_line(assets, grpo_assets, tmp_path, capsys, mode, expected):
+def test_a_reward_service_that_fails_hangs_or_refuses_ends_in_one_line(assets, grpo_assets, tmp_path, capsys, mode,
+                                                                       expected):
+    """Three tries, 1 s then 2 s apart (each of a hung service after its 1 s timeout), then one line naming the URL
+    and the last failure."""
     with RewardService(mode) as service:
+        url = service.url if mode != "refused" else f"http://127.0.0.1:{free_port()}/score"  # nothing listens there
         t0 = time.time()
         assert kat_train_grpo.main(grpo_args(assets, grpo_assets, tmp_path / "out", "--max_steps", "1", "--beta", "0",
-                                             "--reward_url", service.url, "--reward_timeout", "1")) == 2
-        assert time.time() - t0 < 30 and service.calls == 3
+                                             "--reward_url", url, "--reward_timeout", "1")) == 2
+        waited = time.time() - t0
+        assert service.calls == (0 if mode == "refused" else 3)
+    backoff = 1 + 2 + (3 * 1 if mode == "hang" else 0)  # the sleeps between tries, and a hung service's timeouts
+    assert backoff <= waited < backoff + 20, waited
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and f"--reward_url {service.url} {expected}" in err, err
+    assert len(err.splitlines()) == 1 and f"--reward_url {url} {expected}" in err, err
 
 
 @pytest.mark.parametrize("spec,expected", [

@@ -17,6 +17,7 @@ import json
 import math
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -119,6 +120,9 @@ class Rewards:
     def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
                  overlong: tuple[int, int, float] | None = None, clip: float | None = None, workers: int = 1,
                  url: str | None = None, url_timeout: float = 60.0):
+        parts = urllib.parse.urlsplit(url or "")
+        if url is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
+            raise InputError(f"--reward_url must be an http:// or https:// URL, got {url!r}")
         self.rm, self.clip, self.url, self.url_timeout = rm, clip, url, url_timeout
         self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else [])
@@ -178,7 +182,7 @@ class Rewards:
         """One function's values for every completion: once with the lists (batched), else per completion, in the
         pool where there is one (the same values in the same order)."""
         if getattr(fn, "batched", False):
-            where = f"reward function {name} (batched) on prompts {indices[0]}..{indices[-1]}"
+            where = f"reward function {name} (batched) on prompts {min(indices)}..{max(indices)}"
             try:
                 values = fn(prompts, texts, rows)
             except Exception as e:  # the user's code

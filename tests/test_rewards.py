@@ -122,8 +122,16 @@ def test_a_reward_service_that_fails_hangs_or_refuses_ends_in_one_line(assets, g
     assert len(err.splitlines()) == 1 and f"--reward_url {url} {expected}" in err, err
 
 
+@pytest.mark.parametrize("url", ["localhost:8000/score", "ftp://127.0.0.1/score", "http:///score"])
+def test_a_reward_url_that_is_not_http_is_refused_before_anything_runs(assets, grpo_assets, tmp_path, capsys, url):
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, tmp_path / "out", "--reward_url", url)) == 2
+    assert capsys.readouterr().err.strip() == f"error: --reward_url must be an http:// or https:// URL, got {url!r}"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("spec,expected", [
-    ("rewards_for_tests:batched_short", "reward function batched_short (batched) on prompts"),
+    ("rewards_for_tests:batched_short", "reward function batched_short (batched) on prompts 19..100 returned list of "
+                                        "63 values for 64 completions"),  # the lowest and the highest of the step's
     ("broken_reward_module:anything", "cannot import 'broken_reward_module' (SyntaxError"),
 ])
 def test_a_batched_function_that_loses_a_value_or_a_module_that_does_not_parse(assets, grpo_assets, tmp_path,

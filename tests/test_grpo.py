@@ -133,6 +133,27 @@ def test_resume_continues_exactly_and_policy_reloads(assets, grpo_assets, tmp_pa
                               "--out", str(tmp_path / "rm_on_policy"), "--device", "cpu", "--max_len", "64"]) == 0
 
 
+def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(assets, grpo_assets, tmp_path):
+    """--num_iterations 2: two optimizer steps per rollout batch, both against the log-probs a separate pass took
+    before the first (PPO's pi_old): the second step's ratios are off 1 and a tight --clip_eps bites, which a ratio
+    taken against the weights of the moment never does; 2 ranks take the steps 1 rank takes."""
+    common = ["--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "4",
+              "--group_size", "4", "--num_iterations", "2", "--clip_eps", "0.02", "--beta", "0.04", "--log_rollouts",
+              "--log_every", "1", "--device_batch_size", "4"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
+    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common), nproc=2,
+                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    clipped = [m["train/clip_frac"] for m in read_metrics(one) if "train/clip_frac" in m]
+    assert len(clipped) == 2 and all(c > 0 for c in clipped), clipped
+    rollouts = [[(r["prompt_index"], r["completion_ids"]) for r in map(json.loads, (
+        d / "logs" / "rollouts.jsonl").read_text().splitlines())] for d in (one, two)]
+    assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]
+    assert_same_update(load_backbone(two).model.state_dict(), load_backbone(one).model.state_dict(),
+                       load_backbone(assets["gpt"]).model.state_dict())
+
+
 def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):
     out = tmp_path / "hf"
     args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2",

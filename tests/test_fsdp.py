@@ -58,12 +58,12 @@ def rm_args(assets, out, *extra) -> list[str]:
             "--val_ratio", "0.08", *extra]  # 45 validation pairs: 12 batches of 2 on rank 0, 11 on rank 1
 
 
-def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path):
+def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(assets, tmp_path, capsys):
     """The RM's full fine-tune of nanochat's current vintage: FSDP on 2 ranks = DDP on 2 ranks = 1 rank (with a
     validation set the ranks split unevenly: each forward is collective under FSDP); a run killed in its second
     sharded save resumes from the first to the uninterrupted weights, bitwise; the final shards, loaded by one
     process (another number of ranks, no process group) and written whole by --consolidate, are the final
-    checkpoint, and load as an RM."""
+    checkpoint, and load as an RM; the step-2 shards train on to the same weights on one rank, under FSDP and DDP."""
     two = ("--device_batch_size", "2")  # the same global batch of 8: 2 ranks x 2 micro-batches x 2 pairs
     one = tmp_path / "one"
     assert kat_train_rm.main(rm_args(assets, one)) == 0
@@ -113,6 +113,16 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     scorer = load_reward_model(whole)
     assert scorer.score(["How do I boil an egg?"], ["Put it in boiling water."])[0] == pytest.approx(
         load_reward_model(straight).score(["How do I boil an egg?"], ["Put it in boiling water."])[0], abs=0)
+
+    # The step-2 shards of the 2-rank run go on training on one rank, under FSDP (a one-rank group) and under DDP,
+    # to where the 2-rank run ended.
+    for mode in ("fsdp", "ddp"):
+        on_one = tmp_path / f"one_{mode}"
+        capsys.readouterr()
+        assert kat_train_rm.main(rm_args(assets, on_one, "--parallel", mode, "--resume",
+                                         str(straight / f"shards_{stamps[0]}"))) == 0
+        assert f"resume: from {straight / f'shards_{stamps[0]}'} at step 2" in capsys.readouterr().out
+        assert_same_update(weights(on_one), w_fsdp, init)
 
 
 def grpo_args(policy, prompts, out, *extra) -> list[str]:

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext import engine, memory, synthetic
@@ -171,7 +172,8 @@ def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):
 def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and_resumes(assets, grpo_assets,
                                                                                           tmp_path, capsys):
     """--filter_zero_std (DAPO): about half the prompts get a constant reward; every trained group has a
-    spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws."""
+    spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws; its logs follow
+    the checkpoint."""
     # One group per micro-batch on 1 and 2 ranks alike: the split over ranks is what is compared here (the
     # split into micro-batches is test_loss_and_grads_invariant_to_ranks_and_micro_batches').
     common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
@@ -206,6 +208,13 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     a, b = load_backbone(one), load_backbone(two)
     init = load_backbone(assets["gpt"]).model.state_dict()
     assert_same_update(b.model.state_dict(), a.model.state_dict(), init)
+    # The logs follow the checkpoint: what the first run logged of step 3 is gone, the resumed run's step 3 is there,
+    # in metrics.jsonl, rollouts.jsonl and TensorBoard alike.
+    assert [m["step"] for m in read_metrics(two) if "train/loss" in m] == [1, 2, 3]
+    assert [r["step"] for r in rollouts(two)] == [1] * 16 + [2] * 16 + [3] * 16
+    events = EventAccumulator(str(two / "logs"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == [1, 2, 3]
     common.remove("--filter_zero_std")
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
     assert "--filter_zero_std is False but the checkpoint was trained with True" in capsys.readouterr().err

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 import sys
 
 import pytest
@@ -17,6 +18,7 @@ from nanochat_ext import synthetic
 from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
 from nanochat_ext.data import right_pad
+from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
 from nanochat_ext.compiled import compile_blocks
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences
@@ -284,6 +286,26 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
         extended[name] = load_file(find_checkpoint(tmp_path / name)[0] / "adapter_model.safetensors")
     assert all(torch.equal(extended["merged"][k], extended["adapters"][k]) for k in adapters)
     assert all(not torch.equal(extended["merged"][k], adapters[k]) for k in adapters)
+
+
+def test_an_adapter_checkpoint_is_refused_once_its_base_changed(prompts, tmp_path):
+    """An adapter checkpoint names its base by path and fingerprint: it loads as a model while the base is the one it
+    trained on, and is refused in one line once the base's weights changed (retrained in place, say)."""
+    base = tmp_path / "base"
+    shutil.copytree(NANOCHAT, base)
+    out = tmp_path / "lora"
+    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
+    args = grpo_args(prompts, out, "--max_steps", "1")
+    args[args.index("--policy") + 1] = str(base)
+    assert kat_train_grpo.main(args) == 0
+    load_backbone(out)
+    weights_file = next(base.glob("model_*.pt"))
+    weights = torch.load(weights_file, weights_only=True)
+    weights["transformer.h.0.attn.c_q.weight"] += 1e-3
+    torch.save(weights, weights_file)
+    with pytest.raises(InputError, match=r"the base model .* is not the one these adapters were trained on: its "
+                                         r"weights differ \(fingerprint\)"):
+        load_backbone(out)
 
 
 def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, tmp_path):

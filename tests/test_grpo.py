@@ -11,7 +11,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
-from nanochat_ext import engine, memory, synthetic
+from nanochat_ext import engine, grpo, memory, synthetic
 from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import check_resume_args
 from nanochat_ext.errors import InputError
@@ -153,6 +153,39 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]
     assert_same_update(load_backbone(two).model.state_dict(), load_backbone(one).model.state_dict(),
                        load_backbone(assets["gpt"]).model.state_dict())
+
+
+@pytest.mark.parametrize("phase", ["rollout", "training"])
+def test_out_of_memory_in_grpo_is_one_line_saying_what_to_change(assets, grpo_assets, tmp_path, capsys, monkeypatch,
+                                                                  phase):
+    """Out of memory in step 2's rollout or its training micro-batch (CUDA's error, raised where torch would): exit 4
+    and one line naming the phase, what was allocating and what takes less memory there; step 1's checkpoint stays
+    the newest."""
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB. GPU 0 has a total capacity of "
+                                     "79.19 GiB of which 1.06 GiB is free.")
+
+    calls = [0]
+    real = engine.Engine.generate if phase == "rollout" else grpo.grpo_loss
+
+    def second_step(*args, **kwargs):
+        calls[0] += 1
+        return (out_of_memory if calls[0] > (1 if phase == "rollout" else 2) else real)(*args, **kwargs)
+
+    monkeypatch.setattr(*((engine.Engine, "generate") if phase == "rollout" else (grpo, "grpo_loss")), second_step)
+    out = tmp_path / "oom"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "3",
+                     "--batch_size", "4", "--group_size", "4", "--device_batch_size", "8", "--save_every", "1")
+    assert kat_train_grpo.main(args) == 4
+    remedies = {"rollout": "the rollout (16 completions of up to 8 tokens) (Tried to allocate 3.00 GiB); to take "
+                           "less: fewer completions per rank (--batch_size, --group_size, or more ranks), a smaller "
+                           "--max_new_tokens",
+                "training": "a training micro-batch of 8 sequences (Tried to allocate 3.00 GiB); to take less: "
+                            "--device_batch_size 4, --activation_checkpointing, --parallel fsdp"}[phase]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: out of memory in {remedies}"), err
+    assert "nothing was saved for this step: resume from the last checkpoint with --resume latest" in err[0]
+    assert [json.loads(m.read_text())["step"] for m in out.glob("meta_*.json")] == [1]
 
 
 def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):

@@ -129,3 +129,34 @@ def test_grpo_takes_a_transformers_classifier_as_its_rm(assets, tmp_path):
             for r in rollouts]
     want = transformers_scores(d, seqs, tok.pad_id)
     torch.testing.assert_close(torch.tensor([r["reward"] for r in rollouts]), torch.tensor(want), atol=1e-5, rtol=0)
+
+
+def ask_to_run_own_code(d, ran) -> None:
+    """Python files in model dir `d` that append their name to `ran` when imported, named by config.json's and
+    tokenizer_config.json's auto_map (what transformers imports only with trust_remote_code)."""
+    for name, cls in (("configuration_evil", "Config"), ("modeling_evil", "Model"), ("tokenization_evil", "Tok")):
+        (d / f"{name}.py").write_text(f"open({str(ran)!r}, 'a').write({name!r})\nclass Evil{cls}: pass\n")
+    for file, auto_map in (("config.json", {"AutoConfig": "configuration_evil.EvilConfig",
+                                            "AutoModel": "modeling_evil.EvilModel",
+                                            "AutoModelForSequenceClassification": "modeling_evil.EvilModel",
+                                            "AutoModelForCausalLM": "modeling_evil.EvilModel"}),
+                           ("tokenizer_config.json", {"AutoTokenizer": ["tokenization_evil.EvilTok", None]})):
+        config = json.loads((d / file).read_text())
+        (d / file).write_text(json.dumps({**config, "auto_map": auto_map}))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_python_files_in_a_model_dir_never_run(assets, tmp_path, arch):
+    """Model dirs that ask transformers to run their own code: as an RM (the Llama natively, GPT-2 through
+    transformers), as a backbone (native and through transformers) and for its tokenizer, each loads as the
+    architecture it names, and none of their Python files is imported (trust_remote_code is never on)."""
+    ran = tmp_path / "ran"
+    classifier, _ = classifier_dir(assets, tmp_path, arch, False)
+    causal = shutil.copytree(assets["hf"], tmp_path / "causal")
+    for d in (classifier, causal):
+        ask_to_run_own_code(d, ran)
+    scores = load_reward_model(classifier).score_ids(SEQS)
+    backbones = [load_backbone(causal, native=native) for native in (True, False)]
+    tokenizer = load_tokenizer_for(backbones[1], None)
+    assert not ran.exists(), ran.read_text()
+    assert len(scores) == len(SEQS) and [b.native for b in backbones] == [True, False] and tokenizer.vocab_size > 0

@@ -150,8 +150,9 @@ def test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_resul
             break
     os.killpg(proc.pid, signal.SIGTERM)  # what SLURM does: the whole job gets it
     out, err = proc.communicate(timeout=120)
-    # The ranks exit 75 (one process: the test below); torchrun's agent, signalled too, ends with its own 1.
-    assert proc.returncode == 1 and not [x for x in err.splitlines() if x.startswith("error: ")], err[-2000:]
+    # The ranks exit 75 (one process: the test below); torchrun's agent, signalled too, ends as it does: 1 after its
+    # SignalException's traceback, or an abort while it shuts down (seen: -6).
+    assert proc.returncode != 0 and not [x for x in err.splitlines() if x.startswith("error: ")], err[-2000:]
     (line,) = [x for x in err.splitlines() if x.startswith("interrupted at step ")]  # rank 0's, once
     step = int(line.split()[3].rstrip(";"))
     assert 3 <= step < 20 and "resume with --resume latest" in line

@@ -29,7 +29,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(b.threads)
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.grpo import CompletionLogprobs, make_sequences
 
     backbone = load_backbone(b.backbone)

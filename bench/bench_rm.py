@@ -67,7 +67,7 @@ def main() -> None:
         tokens, computed = (sum(r[key] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
                             for key in ("perf/tokens_per_s", "perf/computed_tokens_per_s"))
         pairs = pairs_per_window * len(windows)
-        from nanochat_ext.backbone import load_backbone
+        from nanochat_ext.loader import load_backbone
 
         blocks = load_backbone(b.backbone).blocks
         matmul_params = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))

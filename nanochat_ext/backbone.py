@@ -1,9 +1,6 @@
-"""Load a backbone from a nanochat checkpoint (dir or model_<N>.pt file) or a local Hugging Face
-causal-LM dir, behind one interface: hidden states, logits, blocks, freezing, KV-cache decoding, save.
-
-Nanochat checkpoints run on our GPT (gpt.py). HF dirs of the Llama family run on our native Llama
-(llama.py), which is much cheaper per call; any other HF architecture runs on transformers' own
-module. Nothing is downloaded: Hugging Face loads use local_files_only.
+"""One interface over every model we train or score (loader.py builds them): nanochat checkpoints on our GPT
+(gpt.py), Hugging Face dirs of the Llama family on our native Llama (llama.py), which is much cheaper per call, any
+other HF architecture on transformers' own module. Hidden states, logits, blocks, freezing, KV-cache decoding, save.
 """
 from __future__ import annotations
 
@@ -13,12 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from nanochat_ext.checkpoint import (find_checkpoint, first_loadable, incomplete_reason, read_json, resolve_model_path,
-                                     save_checkpoint, torch_load)
-from nanochat_ext.errors import InputError, from_outside
-from nanochat_ext.gpt import GPT, PrefixTree, gpt_from_checkpoint
-from nanochat_ext.llama import Llama, config_from_hf
-from nanochat_ext.lora import is_adapter_dir, load_adapted
+from nanochat_ext.checkpoint import save_checkpoint
+from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import GPT, PrefixTree
+from nanochat_ext.llama import Llama
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 
@@ -257,102 +252,3 @@ def matmul_params(module: nn.Module) -> list[nn.Parameter]:
     return [p for p in owned(linear=True) if id(p) not in elsewhere]
 
 
-def is_hf_classifier(path: str | os.PathLike) -> bool:
-    """Whether path is a transformers directory whose config names a sequence-classification architecture (a
-    reward model in Hugging Face form, see hf_reward)."""
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return False
-    meta = read_json(config, "config")
-    return isinstance(meta, dict) and any(str(a).endswith("ForSequenceClassification")
-                                          for a in meta.get("architectures") or [])
-
-
-def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", native: bool = True,
-                  vintage: str | None = None, frozen: torch.dtype | None = None) -> Backbone:
-    """A nanochat checkpoint (a dir: its largest model_<N>.pt with the meta of the same N; a
-    model_<N>.pt file; a checkpoints root such as chatsft_checkpoints/, taking its largest d<N> tag;
-    or the short form base|sft|rl[:tag] under $NANOCHAT_BASE_DIR), or a local HF dir.
-    vintage picks the nanochat vintage where the checkpoint cannot tell (see gpt.VINTAGES).
-    native=False keeps transformers' own module even for the Llama family (used to cross-check).
-    frozen: load for inference only (no gradients), weights held in that compute dtype."""
-    if frozen is not None:
-        return hold_frozen_in(load_backbone(path, device, native, vintage).requires_grad_(False), frozen)
-    p = resolve_model_path(path)
-    if not p.exists():
-        raise InputError("backbone path does not exist", path=str(p))
-    found = find_checkpoint(p)
-    if found is not None and is_adapter_dir(found[0]):  # a LoRA checkpoint: its base, the adapters merged in
-        return load_adapted(found[0], read_json(found[1]), found[1], device, vintage)
-    if found is not None and found[0].is_dir():  # a policy saved by GRPO as an HF dir
-        p = found[0]
-    elif found is not None:  # the newest that loads: a corrupt one is skipped with a warning
-        return first_loadable(p, lambda model, meta: _load_nanochat(model, meta, device, vintage))
-    if p.is_dir() and (p / "config.json").is_file():
-        from transformers import AutoModelForCausalLM
-
-        quiet_transformers()
-        if is_hf_classifier(p):
-            raise InputError("a reward model (a sequence classifier), not a causal LM: give it as --rm", path=str(p))
-        with from_outside("Hugging Face model", p):
-            hf = AutoModelForCausalLM.from_pretrained(str(p), local_files_only=True, dtype=torch.float32)
-        cfg = config_from_hf(hf.config) if native else None
-        if cfg is not None:
-            model = Llama.from_hf_state_dict(cfg, hf.state_dict())
-            return Backbone("hf", model.to(device), str(p), hf_config=hf.config).eval()
-        return Backbone("hf", hf.to(device), str(p)).eval()
-    reason = incomplete_reason(p)
-    raise InputError(f"incomplete checkpoint: {reason}" if reason else
-                     "not a checkpoint: expected model_<N>.pt + meta_<N>.json (nanochat), a checkpoints root "
-                     "with d<N> tags, or config.json (Hugging Face causal LM)", path=str(p))
-
-
-def _load_nanochat(model_file: Path, meta_file: Path, device: torch.device | str, vintage: str | None) -> Backbone:
-    meta = read_json(meta_file)
-    if isinstance(meta, dict) and meta.get("kind") == "reward_model":
-        raise InputError("a reward-model checkpoint, not a model: give it as --rm", path=str(meta_file))
-    if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
-        raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")
-    state = torch_load(model_file, "checkpoint")
-    state = {k.removeprefix("_orig_mod."): v for k, v in state.items()}  # saved from a torch.compile'd model
-    dtypes = {k: v.dtype for k, v in state.items()}
-    model = gpt_from_checkpoint({k: v.float() for k, v in state.items()}, meta, vintage, str(model_file))
-    return Backbone("nanochat", model.to(device), str(model_file), source_meta=meta, source_dtypes=dtypes).eval()
-
-
-def quiet_transformers() -> None:
-    """No per-load progress bars or info chatter from transformers: our logs stay one line per event."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-
-
-def default_tokenizer_path(backbone_path: str | os.PathLike) -> Path:
-    """Where a backbone's tokenizer lives: beside it, in nanochat's base-dir layout, or in
-    $NANOCHAT_BASE_DIR/tokenizer."""
-    p = Path(backbone_path)
-    d = p if p.is_dir() else p.parent
-    candidates = [d, d / "tokenizer", d.parent / "tokenizer", d.parent.parent / "tokenizer"]
-    base = os.environ.get("NANOCHAT_BASE_DIR")
-    if base:
-        candidates.append(Path(base) / "tokenizer")
-    for c in candidates:
-        if (c / "tokenizer.pkl").is_file() or (c / "tokenizer.json").is_file():
-            return c
-    raise InputError("no tokenizer found beside the backbone or in $NANOCHAT_BASE_DIR/tokenizer; "
-                     "pass --tokenizer", path=str(p))
-
-
-def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | None) -> TokenizerWrapper:
-    """Load the tokenizer and check that its ids fit the backbone's embedding table."""
-    path = tokenizer_path or default_tokenizer_path(backbone.source)
-    tok = TokenizerWrapper.load(path)
-    # nanochat asserts equality (its padded embedding rows beyond vocab_size are never produced);
-    # HF models often embed more rows than their tokenizer uses.
-    fits = tok.vocab_size == backbone.vocab_size if backbone.kind == "nanochat" else tok.vocab_size <= backbone.vocab_size
-    if not fits:
-        rows = backbone.model.transformer.wte.weight.shape[0] if isinstance(backbone.model, GPT) else backbone.vocab_size
-        raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone's vocab_size is {backbone.vocab_size} "
-                         f"({rows} embedding rows): they do not belong together", path=tok.source)
-    return tok

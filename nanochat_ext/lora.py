@@ -8,7 +8,7 @@ unchanged, and freezes every base weight. What trains is the adapters (and the R
   the model. LoRA's B starts at zero, so at step 1 the policy computes exactly as its reference.
 - A LoRA checkpoint's model is peft's adapter directory (`model_<stamp>/`: adapter_config.json and
   adapter_model.safetensors, the tokenizer beside them), with the base referred to by path and fingerprint in the
-  meta; `load_backbone` takes it as a model (the base with the adapters merged by peft), and peft's
+  meta; `loader.load_backbone` takes it as a model (the base with the adapters merged by peft), and peft's
   `PeftModel.from_pretrained` onto the same base module takes it too. The RM's checkpoint holds its head and adapters.
 - `--merge_lora`: the final checkpoint is the base with the adapters merged into it, written in the input's own layout
   (a nanochat model_<N>.pt, an HF dir, the RM's own file), which nanochat and every later stage load as any model.
@@ -213,22 +213,6 @@ def save_adapters(backbone: "Backbone", directory: Path, tokenizer, base: dict) 
     tokenizer.save(directory)
 
 
-def merged_weights(backbone: "Backbone", adapted_only: bool = False) -> dict[str, torch.Tensor]:
-    """backbone.model's state dict in its own names (no peft layers) with every adapter merged into its base weight,
-    fp32 on CPU: the base as loaded from its source again (not the copy held in bf16 while training) plus each LoRA
-    layer's delta as peft computes it (get_delta_weight). adapted_only: the merged weights alone. backbone itself is
-    left as it is."""
-    from peft.tuners.lora import LoraLayer
-
-    from nanochat_ext.backbone import load_backbone
-
-    base = load_backbone(backbone.source, "cpu", vintage=backbone.vintage).model.state_dict()
-    deltas = {f"{name}.weight": m.get_delta_weight("default").detach().float().cpu()
-              for name, m in backbone.model.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
-    keep = deltas if adapted_only else base
-    return {k: base[k].float() + deltas[k] if k in deltas else base[k] for k in keep}
-
-
 # What a resumed run must keep, and what checkpoints from before LoRA were trained with.
 RESUME_KEYS = ("lora_r", "lora_alpha", "lora_dropout", "lora_targets")
 BEFORE_LORA = {"lora_r": 0, "lora_alpha": None, "lora_dropout": None, "lora_targets": None}
@@ -238,32 +222,3 @@ def is_adapter_dir(path: str | Path) -> bool:
     return Path(path).is_dir() and (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device: torch.device | str,
-                 vintage: str | None) -> "Backbone":
-    """A LoRA checkpoint as a model: its base (found by the meta's portable paths, refused if its fingerprint changed;
-    in the nanochat vintage it was trained as) with the adapters loaded by peft (PeftModel.from_pretrained) and
-    merged into it (merge_and_unload)."""
-    from peft import PeftModel
-
-    from nanochat_ext.backbone import load_backbone
-    from nanochat_ext.checkpoint import fingerprint, locate
-
-    ref = (meta.get("lora") or {}).get("base")
-    if not ref:
-        raise InputError("an adapter directory whose meta names no base model ('lora.base')", path=str(meta_path))
-    where = locate(ref, adapter_dir.parent)
-    if where is None:
-        raise InputError(f"the base model of these adapters is not at {adapter_dir.parent / ref['relative_to_checkpoint']}"
-                         f", nor under $NANOCHAT_BASE_DIR/{ref['relative_to_base_dir']}, nor at {ref['path']}: put it "
-                         f"back, or merge the adapters where it is (--merge_lora, --consolidate)", path=str(meta_path))
-    backbone = load_backbone(where, device, vintage=vintage or ref.get("vintage"))
-    if fingerprint(backbone.source) != ref["fingerprint"]:
-        raise InputError(f"the base model {backbone.source} is not the one these adapters were trained on: its "
-                         f"weights differ (fingerprint)", path=str(meta_path))
-    try:
-        merged = PeftModel.from_pretrained(backbone.model, str(adapter_dir)).merge_and_unload()
-    except (ValueError, RuntimeError, OSError, KeyError, TypeError) as e:  # a garbled adapter config or file
-        raise InputError(f"cannot load the adapters ({first_line(e, 200)})", path=str(adapter_dir)) from None
-    backbone.model = merged
-    backbone.source = str(adapter_dir)
-    return backbone

@@ -1,25 +1,19 @@
 """Reward model (backbone + linear head on the last real token), the weighted Bradley–Terry loss
-normalised over the global batch, and loading a trained RM back for scoring.
+normalised over the global batch, and the scorer a trained RM scores through (loader.load_reward_model makes it).
 """
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in, is_hf_classifier, load_backbone, load_tokenizer_for
-from nanochat_ext.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
-                                     save_checkpoint, stamp_digits, torch_load)
+from nanochat_ext.backbone import Backbone
 from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
-from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision, print0
-from nanochat_ext.lora import LoraSpec, apply_lora, is_adapter_dir
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision
 from nanochat_ext.parallel import no_sync
-from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 WEIGHT_MODES = ("mean", "sum", "none")
@@ -148,123 +142,6 @@ def trim_trailing(seq: list[int], token: int) -> list[int]:
     while end > 1 and seq[end - 1] == token:
         end -= 1
     return seq[:end]
-
-
-def load_reward_model(path: str | os.PathLike, device: torch.device | str = "cpu",
-                      backbone: str | os.PathLike | None = None) -> RewardScorer:
-    """An RM checkpoint file (model_<stamp>.pt) or a directory (its newest complete checkpoint), set to
-    score in the precision it was trained in (checkpoints without a recorded dtype: fp32).
-
-    The backbone: `backbone` if given, else found from the meta (relative to the RM's dir, then to
-    $NANOCHAT_BASE_DIR, then the absolute path), and refused when its fingerprint is not the one the
-    head was trained on. Checkpoints from before fingerprints load by their absolute path, with a
-    warning that they cannot be verified.
-    A transformers sequence classifier's directory loads as one too (hf_reward)."""
-    from nanochat_ext.hf_reward import load_hf_classifier  # it builds on this module
-
-    if is_hf_classifier(path):
-        return load_hf_classifier(path, device)
-    if not complete_checkpoints(path):
-        raise InputError("no reward-model checkpoint (model_<stamp>.pt + meta_<stamp>.json)", path=str(path))
-    model_path, model, tokenizer, meta, state, dtype = first_loadable(
-        path, lambda m, meta: (m, *_load_rm_files(m, meta, device, backbone)))
-    # As in training: what was frozen is held in the compute dtype, what trained keeps fp32 (the head too).
-    for name, p in model.backbone.named_parameters():
-        p.requires_grad_(f"backbone.{name}" in state)
-    hold_frozen_in(model.backbone, dtype)
-    model.requires_grad_(False)
-    return RewardScorer(model, tokenizer, int(meta["max_len"]), meta, dtype, model_path)
-
-
-def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str,
-                   override: str | os.PathLike | None) -> tuple:
-    """(RewardModel with its head loaded, tokenizer, meta, state dict, scoring dtype); one line for a bad file."""
-    meta = read_json(meta_path)
-    if not isinstance(meta, dict) or meta.get("kind") != "reward_model":
-        raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
-    dtype_name = meta.get("dtype", "float32")
-    if dtype_name not in ("float32", "bfloat16"):
-        raise InputError(f"unknown dtype {dtype_name!r} (float32 or bfloat16)", path=str(meta_path), field="dtype")
-    state = torch_load(model_path, "reward-model checkpoint", map_location=device)
-    ref, rm_dir = meta.get("backbone_ref"), model_path.parent
-    if override is not None:
-        where = Path(override)
-    elif ref is not None:
-        where = locate(ref, rm_dir)
-        if where is None:
-            raise InputError(f"the RM's backbone is not at {rm_dir / ref['relative_to_checkpoint']}, nor under "
-                             f"$NANOCHAT_BASE_DIR/{ref['relative_to_base_dir']}, nor at {ref['path']}; give its path "
-                             f"(--rm_backbone)", path=str(meta_path))
-    else:
-        where = Path(meta["backbone"])
-        print0(f"warning: {meta_path} predates backbone fingerprints: the backbone {where} cannot be verified")
-    backbone = load_backbone(where, device, vintage=meta.get("backbone_vintage"))
-    if ref is not None and fingerprint(backbone.source) != ref["fingerprint"]:
-        raise InputError(f"the backbone {backbone.source} is not the one this RM was trained on ({ref['path']}): "
-                         f"their weights differ (fingerprint)", path=str(meta_path))
-    model = RewardModel(backbone).to(device)
-    if (spec := LoraSpec.from_meta(meta.get("lora"))) is not None:  # trained with --lora_r: its adapters, by peft
-        apply_lora(backbone, spec)
-    tok_ref = meta.get("tokenizer_ref")
-    tok_path = (locate(tok_ref, rm_dir) if tok_ref else None) or (None if override is not None else meta["tokenizer"])
-    tokenizer = load_tokenizer_for(backbone, tok_path)
-    missing = [k for k in ("head.weight",) if k not in state]
-    unknown = [k for k in state if k not in dict(model.named_parameters())]
-    if missing or unknown:
-        raise InputError(f"checkpoint does not fit its backbone (missing {missing}, unknown {unknown[:3]})",
-                         path=str(model_path))
-    model.load_state_dict(state, strict=False)
-    return model, tokenizer, meta, state, getattr(torch, dtype_name)
-
-
-def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
-                        backbone: str | os.PathLike | None = None) -> Path:
-    """A self-contained copy of an RM checkpoint: out_dir holds the head (model_<stamp>.pt + meta), the
-    backbone in its own layout under backbone/ (nanochat model + meta, or the HF dir) and the tokenizer
-    under tokenizer/, and the meta points at them relative to out_dir. Loads with no other file, on any
-    machine. The backbone is checked against the RM's fingerprint first. Returns the model path."""
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise InputError("export dir is not empty", path=str(out))
-    scorer = load_reward_model(path, "cpu", backbone=backbone)  # finds and verifies the backbone
-    if scorer.meta.get("format") == "hf":
-        raise InputError("a transformers sequence classifier is self-contained already: copy its directory",
-                         path=str(path))
-    model_path, meta = scorer.path, dict(scorer.meta)
-    source, tok_source = Path(scorer.model.backbone.source), Path(scorer.tokenizer.source)
-    if is_adapter_dir(source):
-        raise InputError(f"the RM's backbone {source} is a LoRA checkpoint, which needs its base beside it: export an "
-                         f"RM on its merged model (the run's --merge_lora, or --consolidate DIR)", path=str(path))
-    staging = out.with_name(out.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    if source.is_dir():  # a Hugging Face dir
-        shutil.copytree(source, staging / "backbone")
-        bb = staging / "backbone"
-    else:  # a nanochat checkpoint: the model file and its meta
-        (staging / "backbone").mkdir(parents=True)
-        for f in (source, source.with_name(f"meta_{stamp_digits(source)}.json")):
-            shutil.copyfile(f, staging / "backbone" / f.name)
-        bb = staging / "backbone" / source.name
-    if tok_source.is_dir():
-        shutil.copytree(tok_source, staging / "tokenizer")
-    else:
-        (staging / "tokenizer").mkdir()
-        for f in (tok_source, tok_source.with_name("token_bytes.pt")):
-            if f.is_file():
-                shutil.copyfile(f, staging / "tokenizer" / f.name)
-    final_bb = out / bb.relative_to(staging)
-    stamp = int(stamp_digits(model_path))
-    meta.update({"backbone": str(final_bb.resolve()), "tokenizer": str((out / "tokenizer").resolve()),
-                 "backbone_ref": {"path": str(final_bb.resolve()), "relative_to_checkpoint": str(bb.relative_to(staging)),
-                                  "relative_to_base_dir": None, "fingerprint": fingerprint(bb)},
-                 "tokenizer_ref": {"path": str((out / "tokenizer").resolve()), "relative_to_checkpoint": "tokenizer",
-                                   "relative_to_base_dir": None},
-                 "exported_from": str(model_path.resolve())})
-    save_checkpoint(staging, stamp, torch_load(model_path, "reward-model checkpoint"), meta)
-    if out.exists():
-        out.rmdir()
-    os.replace(staging, out)
-    return out / model_path.name
 
 
 def rm_backward(model: torch.nn.Module, batches: list[dict], weight_mode: str, weight_cap: float | None,

@@ -26,16 +26,16 @@ from pathlib import Path
 import torch
 
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
-from nanochat_ext.compiled import compile_models
-from nanochat_ext.engine import Engine
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import load_pairs, load_prompts, read_rows, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
+from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import sample_seed
-from nanochat_ext.reward import RewardScorer, load_reward_model
+from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
+from nanochat_ext.reward import RewardScorer
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.stats import sample_diversity
 

@@ -19,32 +19,31 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in, load_backbone, load_tokenizer_for
+from nanochat_ext.backbone import Backbone, hold_frozen_in
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint)
-from nanochat_ext.compiled import compile_models, compile_stats
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
-                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
-                              output_dirs, run_script, script_argv)
+                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
+                              due, micro_batch, output_dirs, run_script, script_argv)
+from nanochat_ext.compiled import compile_models, compile_stats
 from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
                                split_by_prefix)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
-                                      print0, raise_if_any, seed_everything)
+                                     print0, raise_if_any, seed_everything)
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages,
-                               in_global_order, make_sequences, policy_backward, reference_model, sample_seed, token_logprobs, zero_std_groups)
+                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages, in_global_order,
+                               make_sequences, policy_backward, reference_model, sample_seed, token_logprobs,
+                               zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora,
-                               check_lora_args, dropout_active, load_adapter_state, merge_now, merged_weights,
-                               save_adapters)
-from nanochat_ext.lora import describe as describe_lora
+from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora, check_lora_args,
+                               describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.reward import load_reward_model
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper

@@ -16,22 +16,22 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import hold_frozen_in, load_backbone, load_tokenizer_for
-from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
-                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags, due, micro_batch,
-                              output_dirs, run_script, script_argv)
-from nanochat_ext.compiled import compile_models
+from nanochat_ext.backbone import hold_frozen_in
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint, torch_load)
+from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
+                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
+                              due, micro_batch, output_dirs, run_script, script_argv)
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, by_length, collate_pairs,
                                load_density, load_pairs, split_by_prefix, tokenize_pairs)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
-                                      seed_everything)
+                                     seed_everything)
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, dropout_active, merge_now,
-                               merged_weights)
-from nanochat_ext.lora import describe as describe_lora
+from nanochat_ext.loader import load_backbone, load_tokenizer_for, merged_weights
+from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, describe as describe_lora,
+                               dropout_active, merge_now)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw

@@ -12,7 +12,7 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone
+from nanochat_ext.loader import load_backbone
 from nanochat_ext.reward import RewardModel
 
 REPO = Path(__file__).resolve().parents[1]

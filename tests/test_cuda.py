@@ -25,7 +25,8 @@ def test_pipeline_on_one_gpu_with_nccl(tmp_path):
 
 def test_cuda_precision_rules(assets, tmp_path):
     """bf16 autocast, TF32, fused AdamW, and frozen weights held in bf16 on CUDA."""
-    from nanochat_ext.backbone import hold_frozen_in, load_backbone
+    from nanochat_ext.backbone import hold_frozen_in
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.ddp_common import compute_dtype, precision
     from nanochat_ext.optim import make_adamw
 
@@ -89,7 +90,7 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
 def test_reward_head_inits_on_the_gpu_as_on_cpu(assets):
     """A seed gives the same RM head on CUDA as on CPU (drawing into the CUDA tensor with the CPU generator
     crashed bench_gpu.py's RM bench)."""
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.reward import RewardModel
 
     heads = []
@@ -134,7 +135,7 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     rounding of a training graph and an inference graph that inductor fuses differently (the CPU twin:
     test_lora.test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges); the merged final checkpoint loads
     as a model."""
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.checkpoint import find_checkpoint
     from scripts import kat_train_grpo
 

@@ -14,11 +14,10 @@ import torch
 
 from conftest import REPO, assert_same_update, rm_init, run_script
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences
+from nanochat_ext.loader import load_backbone, load_reward_model
 from nanochat_ext.parallel import checkpoint_activations
-from nanochat_ext.reward import load_reward_model
 from scripts import kat_train_grpo, kat_train_rm
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current-d4"  # 4 layers: backout acts before the last block

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.backbone import load_backbone
 from nanochat_ext.gpt import PrefixTree
 from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
                                make_sequences, slice_batch, zero_std_groups)
+from nanochat_ext.loader import load_backbone
 from nanochat_ext.sampling import SamplingConfig, sample_token
 
 

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone, load_tokenizer_for
-from nanochat_ext.reward import load_reward_model
+from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 
 # Ragged: prompts of different lengths, one sequence ending in the tokenizer's EOS, one a single token.

@@ -15,16 +15,15 @@ from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_update, rm_init, run_script, ulps
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone, load_tokenizer_for
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
+from nanochat_ext.compiled import compile_blocks
 from nanochat_ext.data import right_pad
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
-from nanochat_ext.compiled import compile_blocks
 from nanochat_ext.grpo import CompletionLogprobs, make_sequences
-from nanochat_ext.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, merged_weights, save_adapters
+from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, save_adapters
 from nanochat_ext.memory import grpo_memory, model_shape
-from nanochat_ext.reward import load_reward_model
 from scripts import kat_train_grpo, kat_train_rm
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current"

@@ -56,7 +56,7 @@ def test_muon_groups_are_nanochats():
     and weight decay, that nanochat's own setup_optimizer and chat_rl.py give it (groups.json, made by nanochat's
     code: make_groups.py). nanochat splits its Muon parameters by shape for stacking; torch's Muon takes them in one
     group with the same hyperparameters."""
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.optim import nanochat_groups
 
     model = load_backbone(GOLDEN_CURRENT).model
@@ -81,7 +81,7 @@ def test_muon_groups_are_nanochats():
 def test_muon_groups_hold_every_parameter_of_every_vintage(name):
     """Older vintages lack the lambdas, value embeddings or smear: their groups are left out, and every parameter is
     in exactly one group (nanochat_groups refuses otherwise)."""
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
     from nanochat_ext.optim import nanochat_groups
 
     model = load_backbone(fixture_dir(name), vintage=vintage_of(name)).model
@@ -108,7 +108,7 @@ def test_muon_on_two_ranks_trains_as_one_rank_and_resumes_exactly(assets, tmp_pa
                      nproc=2, env=env)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    from nanochat_ext.backbone import load_backbone
+    from nanochat_ext.loader import load_backbone
 
     a, b = load_backbone(tmp_path / "one").model.state_dict(), load_backbone(tmp_path / "two").model.state_dict()
     init = load_backbone(GOLDEN_D4).model.state_dict()

@@ -10,7 +10,7 @@ import pytest
 from nanochat_ext import synthetic
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.reward import load_reward_model
+from nanochat_ext.loader import load_reward_model
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 
 

@@ -13,7 +13,7 @@ from conftest import run_script
 from nanochat_ext import memory, synthetic
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.data import load_pairs
-from nanochat_ext.reward import load_reward_model
+from nanochat_ext.loader import load_reward_model
 from scripts import kat_train_rm
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.backbone import load_backbone
 from nanochat_ext.engine import Engine
+from nanochat_ext.loader import load_backbone
 from nanochat_ext.sampling import SamplingConfig, filter_logits, sample_token
 
 

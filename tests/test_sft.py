@@ -8,8 +8,8 @@ import torch
 
 from conftest import assert_same_update, run_script
 from nanochat_ext import synthetic
-from nanochat_ext.backbone import load_backbone
 from nanochat_ext.checkpoint import find_checkpoint
+from nanochat_ext.loader import load_backbone
 from scripts import kat_sft
 from test_nanochat_vintages import fixture_dir
 

@@ -32,18 +32,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
-from nanochat_ext.compiled import compile_models, compile_stats  # noqa: E402
-from nanochat_ext.ddp_common import init_dist  # noqa: E402
-from nanochat_ext.gpt import GPT, GPTConfig, padded  # noqa: E402
-from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, group_advantages, make_sequences,  # noqa: E402
-                               policy_backward, reference_model, token_logprobs)
-from nanochat_ext.lora import LoraSpec, WithoutAdapters, apply_lora  # noqa: E402
-from nanochat_ext.optim import make_adamw  # noqa: E402
-from nanochat_ext.parallel import Parallel, checkpoint_activations  # noqa: E402
-from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward  # noqa: E402
-from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth  # noqa: E402
-from nanochat_ext.sampling import SamplingConfig  # noqa: E402
+from nanochat_ext.backbone import Backbone, hold_frozen_in
+from nanochat_ext.compiled import compile_models, compile_stats
+from nanochat_ext.ddp_common import init_dist
+from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
+from nanochat_ext.gpt import GPT, GPTConfig, padded
+from nanochat_ext.grpo import LossConfig, group_advantages, policy_backward, reference_model
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
+from nanochat_ext.lora import LoraSpec, WithoutAdapters, apply_lora
+from nanochat_ext.optim import make_adamw
+from nanochat_ext.parallel import Parallel, checkpoint_activations
+from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward
+from nanochat_ext.sampling import SamplingConfig
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 

@@ -30,7 +30,7 @@ def main() -> None:
 
     torch.set_num_threads(b.threads)
     from nanochat_ext.loader import load_backbone
-    from nanochat_ext.grpo import CompletionLogprobs, make_sequences
+    from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 
     backbone = load_backbone(b.backbone)
     backbone.set_trainable("all")

@@ -37,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import shape_config  # noqa: E402
-from nanochat_ext.backbone import Backbone, hold_frozen_in  # noqa: E402
-from nanochat_ext.gpt import GPT  # noqa: E402
-from nanochat_ext.grpo import CompletionLogprobs, LossConfig, grpo_loss, reference_model  # noqa: E402
-from nanochat_ext.lora import LoraSpec, adapter_params  # noqa: E402
-from nanochat_ext.memory import GiB, grpo_memory, model_shape, rm_memory  # noqa: E402
-from nanochat_ext.optim import make_adamw  # noqa: E402
-from nanochat_ext.reward import RewardModel  # noqa: E402
+from nanochat_ext.backbone import Backbone, hold_frozen_in
+from nanochat_ext.gpt import GPT
+from nanochat_ext.grpo import LossConfig, grpo_loss, reference_model
+from nanochat_ext.logprobs import CompletionLogprobs
+from nanochat_ext.lora import LoraSpec, adapter_params
+from nanochat_ext.memory import GiB, grpo_memory, model_shape, rm_memory
+from nanochat_ext.optim import make_adamw
+from nanochat_ext.reward import RewardModel
 
 
 class LiveBytes(TorchDispatchMode):

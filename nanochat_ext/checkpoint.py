@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import torch
 
-from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, gather_objects, get_world_size,
-                                     is_main, print0, raise_if_any)
+from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, gather_objects, get_world_size, is_main,
+                                     is_sharded, print0, raise_if_any)
 from nanochat_ext.errors import InputError, first_line
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
@@ -258,8 +258,6 @@ def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: C
     rank 0 pick the stamp, let every rank write its part of a sharded checkpoint into shards_<stamp>/ when
     `shards` is given (parallel.Parallel.save_shards), then rank 0 call write(stamp) -> path, which writes
     the meta last. Returns that path on every rank."""
-    from nanochat_ext.parallel import is_sharded
-
     whole = [p for p in params if not is_sharded(p)]
     check_params_in_sync(whole)
     if get_world_size() > 1 and len(whole) == len(params):

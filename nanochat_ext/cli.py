@@ -3,7 +3,6 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import sys
 import traceback
@@ -13,11 +12,11 @@ from typing import Callable
 from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError, first_line
-from nanochat_ext.gpt import VINTAGE_FLAG, VINTAGES
+from nanochat_ext.gpt import VINTAGES, VINTAGE_FLAG
+from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
-from nanochat_ext.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
-                                restore_signal_handlers)
+from nanochat_ext.tracking import report_targets
 
 EXIT_BAD_INPUT = 2
 
@@ -238,21 +237,6 @@ def check_consolidate(args: argparse.Namespace) -> None:
     """--consolidate writes the checkpoint --resume names: one line when there is none to write."""
     if getattr(args, "consolidate", None) and args.resume is None:
         raise InputError("--consolidate DIR writes a checkpoint whole: give the one to write with --resume")
-
-
-REPORT_TARGETS = ("tensorboard", "wandb", "none")
-
-
-def report_targets(value: str) -> list[str]:
-    """--report_to as a list of targets ('none': none), or one line for an unknown target or a wandb that is not
-    installed."""
-    targets = [t.strip() for t in value.split(",") if t.strip()]
-    unknown = [t for t in targets if t not in REPORT_TARGETS]
-    if unknown or not targets or ("none" in targets and len(targets) > 1):
-        raise InputError(f"--report_to must be tensorboard, wandb, both comma-separated, or none; got {value!r}")
-    if "wandb" in targets and importlib.util.find_spec("wandb") is None:
-        raise InputError("--report_to wandb: the wandb library is not installed here (pip install wandb==0.31.0)")
-    return [t for t in targets if t != "none"]
 
 
 def due(done: int, every: int) -> bool:

@@ -291,3 +291,15 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj, group=_CPU_GROUP)
     return out
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether t is a DTensor (a shard of an FSDP parameter or gradient)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """t itself, or, for a DTensor, the whole tensor all-gathered from its shards (collective)."""
+    return t.full_tensor() if is_sharded(t) else t

@@ -1,5 +1,5 @@
-"""GRPO pieces: group-relative advantages, token log-probs of completions, and the
-clipped-surrogate + KL loss with aggregation normalised by global counts.
+"""GRPO pieces: group-relative advantages, rollouts and DAPO's dynamic sampling, the reference, and the
+clipped-surrogate + KL loss with aggregation normalised by global counts (completion log-probs: logprobs.py).
 
 A rollout batch on one rank is `n` prompts x G samples, prompt-major (prompt i owns rows i*G..i*G+G-1);
 a group never spans ranks.
@@ -7,17 +7,14 @@ a group never spans ranks.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
-from nanochat_ext.data import prefix_tree_rows, right_pad
-from nanochat_ext.ddp_common import all_reduce_sum, get_world_size
-from nanochat_ext.parallel import no_sync
-from nanochat_ext.gpt import PrefixTree
+from nanochat_ext.backbone import Backbone, hold_frozen_in
+from nanochat_ext.ddp_common import all_reduce_sum
+from nanochat_ext.logprobs import CHUNK_TOKENS, CompletionLogprobs, accumulate_backward
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
 # TRL's --loss_type names for the same aggregations. bnpo divides each micro-batch by its own token count
@@ -26,12 +23,6 @@ TRL_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo
 IMPORTANCE_LEVELS = ("token", "sequence")
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4
-
-def sample_seed(seed: int, draw: int, prompt_index: int) -> int:
-    """Seed of one prompt's sampling generator: a function of (seed, draw, prompt) only, so the samples
-    do not depend on the rank or batch the prompt landed in. A draw is one prompt batch (one per step,
-    more under dynamic sampling; -1 for evaluation)."""
-    return int(hashlib.sha256(f"{seed}:{draw}:{prompt_index}".encode()).hexdigest()[:15], 16)
 
 
 # ---- advantages ---------------------------------------------------------------------------------
@@ -126,93 +117,6 @@ class SignalFilter:
         return chosen + filled, len(filled)
 
 
-# ---- batches ------------------------------------------------------------------------------------
-def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
-                   pad_id: int, share_prompt: bool = False) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows and, per completion token, the position in its own
-    prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
-    0 past each completion's end. share_prompt: one PrefixTree row per group instead (what its sequences
-    share, the prompt at least, once; then the rest of each), its lengths in `branches` (groups, 1 + G);
-    CompletionLogprobs then maps gather into the group's row."""
-    seqs = [prompt_ids[r // group_size] + comp for r, comp in enumerate(completions)]
-    n, L = len(completions), max(1, max(len(c) for c in completions))
-    gather = torch.zeros((n, L), dtype=torch.long)
-    target = torch.full((n, L), pad_id, dtype=torch.long)
-    mask = torch.zeros((n, L), dtype=torch.float32)
-    for r, (seq, comp) in enumerate(zip(seqs, completions)):
-        k = len(comp)
-        gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
-        target[r, :k] = torch.tensor(comp, dtype=torch.long)
-        mask[r, :k] = 1.0
-    batch = {"gather": gather, "target": target, "mask": mask}
-    if not share_prompt:
-        return {"input_ids": right_pad(seqs, pad_id), **batch}
-    rows, branches = prefix_tree_rows([seqs[j:j + group_size] for j in range(0, n, group_size)])
-    return {"input_ids": right_pad(rows, pad_id), "branches": torch.tensor(branches, dtype=torch.long), **batch}
-
-
-ROW_KEYS = ("input_ids", "branches")  # per sequence row: per group with share_prompt, else per completion
-
-
-def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """Completions `rows` of a sequence batch (whole groups when prompts are shared), cut to their own
-    longest sequence and completion."""
-    out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
-    n_tok = int(out["mask"].sum(1).max().item()) if out["mask"].numel() else 0
-    n_tok = max(n_tok, 1)
-    for k in ("gather", "target", "mask", "old_logp", "ref_logp"):  # per-token tensors
-        if k in out:
-            out[k] = out[k][:, :n_tok]
-    if "branches" in batch:
-        G = batch["branches"].size(1) - 1
-        if rows.start % G or (rows.stop < batch["mask"].size(0) and rows.stop % G):
-            raise ValueError(f"completions {rows.start}..{rows.stop} split a group of {G}")
-        groups = slice(rows.start // G, -(-rows.stop // G))
-        out["branches"] = batch["branches"][groups]
-        T = int(out["branches"].sum(-1).max())
-    else:
-        groups = rows
-        T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
-    out["input_ids"] = batch["input_ids"][groups][:, :T]
-    return out
-
-
-CHUNK_TOKENS = 4096  # LM-head rows computed at once (token_logprobs_chunked)
-
-
-class CompletionLogprobs(nn.Module):
-    """Log-probabilities (and entropies) of completion tokens under a backbone. This is the module
-    DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
-    completion positions, never over the prompt.
-
-    temperature: the distribution the completions were sampled from, softmax(logits / T). The ratio,
-    the KL and the entropy must use that one (as TRL does), or the policy gradient is biased at T != 1."""
-
-    def __init__(self, backbone: Backbone, chunk_tokens: int = CHUNK_TOKENS, temperature: float = 1.0):
-        super().__init__()
-        if not temperature > 0:
-            raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
-        self.backbone = backbone
-        self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
-        self.temperature = temperature
-
-    def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor,
-                branches: torch.Tensor | None = None):
-        """branches: the group rows' PrefixTree lengths (make_sequences with share_prompt): completion n
-        is branch n % G of row n // G. Where a tree does not pay (Backbone.shares_prefixes) each
-        prompt+completion runs as a row of its own."""
-        if branches is not None and self.backbone.shares_prefixes(branches):
-            hidden = self.backbone.hidden_states(input_ids, tree=PrefixTree.from_lengths(branches, input_ids.device))
-            group_row = torch.arange(gather.size(0), device=gather.device) // (branches.size(1) - 1)
-            h = hidden[group_row[:, None], tree_positions(gather, branches)]
-        else:
-            if branches is not None:
-                input_ids = unshare_branches(input_ids, branches)[0]
-            hidden = self.backbone.hidden_states(input_ids)
-            h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
-        return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature)
-
-
 def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: float = 1.0,
                     chunk_tokens: int = CHUNK_TOKENS, matmuls_only: bool = True) -> CompletionLogprobs:
     """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
@@ -222,39 +126,6 @@ def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: floa
     dtype, as an FSDP policy gathers them in bf16 (parallel.Parallel.gathers_in)."""
     frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=matmuls_only)
     return CompletionLogprobs(frozen, chunk_tokens, temperature)
-
-
-def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor,
-                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    logp = torch.log_softmax(logits_fn(h).float() / temperature, dim=-1)
-    token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(logp.exp() * logp).sum(-1)
-    return token_logp, entropy
-
-
-def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chunk_tokens: int,
-                           temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies of `target` (B, L) under logits_fn(h) with h (B, L, H), never holding more
-    than chunk_tokens rows of vocabulary-sized logits: 256 completions x 512 tokens x a 65k vocabulary
-    would be 34 GB in fp32. Under autograd each chunk is recomputed in the backward pass
-    (activation checkpointing), so its logits are not kept either. The values of one big chunk, up to
-    rounding: the LM-head matmul blocks its reductions by the chunk's row count."""
-    B, L, H = h.shape
-    flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
-    if B * L <= chunk_tokens:
-        token_logp, entropy = _chunk_logprobs(logits_fn, flat_h, flat_t, temperature)
-        return token_logp.view(B, L), entropy.view(B, L)
-    from torch.utils.checkpoint import checkpoint
-
-    parts = []
-    for a in range(0, B * L, chunk_tokens):
-        hc, tc = flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens]
-        if torch.is_grad_enabled() and hc.requires_grad:
-            parts.append(checkpoint(_chunk_logprobs, logits_fn, hc, tc, temperature, use_reentrant=False))
-        else:
-            parts.append(_chunk_logprobs(logits_fn, hc, tc, temperature))
-    return (torch.cat([p[0] for p in parts]).view(B, L), torch.cat([p[1] for p in parts]).view(B, L))
 
 
 # ---- loss ---------------------------------------------------------------------------------------
@@ -317,27 +188,6 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, stats
 
 
-def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
-                        autocast: contextlib.AbstractContextManager, loss_fn) -> torch.Tensor:
-    """Forward + backward over this rank's sequences in micro-batches of `micro` (DDP syncs on the
-    last one). loss_fn(b, logp, entropy) -> (loss already divided by a global normaliser, stats); the
-    loss is scaled by the world size because DDP averages gradients. Every rank runs the same number
-    of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
-    [loss, *stats]."""
-    world = get_world_size()
-    starts = list(range(0, batch["mask"].size(0), micro))  # completions (input_ids may hold group rows)
-    total = None
-    for k, a in enumerate(starts):
-        b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
-        with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
-            logp, entropy = model(b["input_ids"], b["gather"], b["target"], b.get("branches"))
-            loss, stats = loss_fn(b, logp, entropy)
-            (loss * world).backward()
-        row = torch.cat([loss.detach().double().cpu().view(1), stats])
-        total = row if total is None else total + row
-    return total
-
-
 LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "entropy")  # what policy_backward returns, in order
 
 
@@ -357,27 +207,3 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
     return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
 
 
-def sft_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
-                 autocast: contextlib.AbstractContextManager) -> torch.Tensor:
-    """Supervised fine-tuning step: mean negative log-likelihood of the reply tokens over the global
-    batch. Returns [loss, tokens]."""
-    normaliser = max(all_reduce_sum(batch["mask"].sum().double()).item(), 1.0)
-
-    def loss_fn(b, logp, entropy):
-        return -(logp * b["mask"]).sum() / normaliser, b["mask"].sum().double().cpu().view(1)
-
-    return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
-
-
-@torch.no_grad()
-def token_logprobs(model: CompletionLogprobs, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
-                   autocast: contextlib.AbstractContextManager) -> torch.Tensor:
-    """Log-probs of every completion token, without grad (reference model, or the old policy)."""
-    n, L = batch["target"].shape
-    out = torch.zeros(n, L)
-    for a in range(0, n, micro):
-        b = slice_batch(batch, slice(a, a + micro))
-        with autocast:
-            logp, _ = model(*(b[k].to(device) for k in ("input_ids", "gather", "target")), b.get("branches"))
-        out[a:a + micro, :logp.size(1)] = logp.float().cpu()
-    return out

@@ -15,7 +15,7 @@ Activations of a training micro-batch, calibrated on fake-tensor runs of our own
 (bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 55 bytes
 per unit of width without activation checkpointing (what a block saves for its backward), 11 with it (its input and
 the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
-most 4096 tokens at once (grpo.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves
+most 4096 tokens at once (logprobs.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves
 for the backward (the LM head's, and the blocks' without activation checkpointing; under fsdp they are the gathered
 weights). Checked against fake-tensor runs of a one-rank GRPO step (tests/test_bench.py); the fsdp terms are
 arithmetic only.
@@ -30,11 +30,13 @@ from typing import Callable, Iterator
 
 import torch
 
-from nanochat_ext.grpo import CHUNK_TOKENS
+from nanochat_ext.ddp_common import all_reduce_min, peak_memory_gb, print0
+from nanochat_ext.gpt import GPT
+from nanochat_ext.logprobs import CHUNK_TOKENS
+from nanochat_ext.parallel import UNSHARDED_ACCUM_BYTES
 
 GiB = 2**30
 ACT_BYTES = {False: 55, True: 11}  # per token, block and unit of width (see the docstring)
-UNSHARDED_ACCUM_BYTES = 6  # per trained parameter, accumulating unsharded under fsdp: bf16 weight + fp32 gradient
 
 
 @dataclass(frozen=True)
@@ -66,8 +68,6 @@ def model_shape(model) -> ModelShape:
 
 def backbone_shape(backbone) -> ModelShape:
     """The shape of any Backbone: nanochat GPT, our Llama, or a transformers module (by its config's usual names)."""
-    from nanochat_ext.gpt import GPT
-
     if isinstance(backbone.model, GPT):
         return model_shape(backbone.model)
     c, blocks = backbone.model.config, backbone.blocks
@@ -176,8 +176,6 @@ def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, 
 
 def report_peak(device, estimate: StepMemory) -> None:
     """Collective on CUDA: log the measured peak (the largest over ranks) beside the estimate; nothing on CPU."""
-    from nanochat_ext.ddp_common import peak_memory_gb, print0
-
     measured = peak_memory_gb(device)
     if measured:
         print0(f"memory: measured peak {measured['perf/max_mem_allocated_gb']:.2f} GiB per rank (the largest over "
@@ -193,8 +191,6 @@ def free_memory(device) -> int | None:
     """Collective: the bytes a rank may hold in all, the least over ranks: on CUDA what is free plus what this process
     holds already (the weights the estimate counts are loaded by now), on CPU $NANOCHAT_EXT_FREE_BYTES where set;
     None where no limit is known (CPU)."""
-    from nanochat_ext.ddp_common import all_reduce_min
-
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
     else:

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 
 from nanochat_ext.errors import InputError
+from nanochat_ext.gpt import GPT
 from nanochat_ext.guard import StepGuard
 
 OPTIMIZERS = ("adamw", "muon")
@@ -97,7 +98,6 @@ def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: 
         for g in optimizer.param_groups:
             g["initial_lr"] = lr
         return optimizer
-    from nanochat_ext.gpt import GPT
 
     if not isinstance(model, GPT):
         raise InputError(f"--optimizer muon is nanochat's recipe for nanochat GPT policies; a "

@@ -24,22 +24,12 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.ddp_common import DistEnv, all_reduce_min, is_main, wrap_ddp
+from nanochat_ext.checkpoint import claim_out_dir, is_shards, read_json, save_checkpoint, save_synced
+from nanochat_ext.ddp_common import DistEnv, all_reduce_min, is_main, is_sharded, whole, wrap_ddp
 from nanochat_ext.errors import InputError
 
+UNSHARDED_ACCUM_BYTES = 6  # per trained parameter, accumulating unsharded under fsdp: bf16 weight + fp32 gradient
 PARALLEL_MODES = ("ddp", "fsdp")
-
-
-def is_sharded(t: torch.Tensor) -> bool:
-    """Whether t is a DTensor (a shard of an FSDP parameter or gradient)."""
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
-
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """t itself, or, for a DTensor, the whole tensor all-gathered from its shards (collective)."""
-    return t.full_tensor() if is_sharded(t) else t
 
 
 class Parallel:
@@ -97,8 +87,6 @@ class Parallel:
         the memory free once the model is placed, else each micro-batch's gradients are reduce-scattered at once."""
         if self.env.device.type != "cuda":
             return True
-        from nanochat_ext.memory import UNSHARDED_ACCUM_BYTES
-
         extra = UNSHARDED_ACCUM_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
         free = all_reduce_min(torch.cuda.mem_get_info(self.env.device)[0])  # the least free: every rank decides alike
         return extra <= free / 2
@@ -128,8 +116,6 @@ class Parallel:
         or the RM). consolidate (--consolidate): the whole model and its meta only, nothing to resume from.
         meta(stamp): the meta json; state: the resume state but the optimizer's; write_whole(into, stamp, meta,
         train_state, weights): rank 0 writes the whole model in its layout (weights: gathered, or None: its own)."""
-        from nanochat_ext.checkpoint import save_checkpoint, save_synced
-
         whole_now = not self.sharded or final or consolidate
         weights = self.whole_state_dict(module) if self.sharded and whole_now else None
         shards = None if consolidate or not self.sharded else (lambda d: self.save_shards(d, model, optimizer))
@@ -145,8 +131,6 @@ class Parallel:
     def consolidate(self, into: str, resume: tuple | None, out_dir: Path, save: Callable[[Path, dict], Path]) -> Path:
         """--consolidate DIR: save(DIR, metrics) writes the checkpoint resumed from whole, into DIR (claimed as an
         output), with the metrics its meta recorded."""
-        from nanochat_ext.checkpoint import claim_out_dir, read_json
-
         if resume is None:
             raise InputError(f"--consolidate: no checkpoint in {out_dir} to write whole")
         if Path(into).resolve() == Path(out_dir).resolve():
@@ -158,8 +142,6 @@ class Parallel:
         """Collective: load a sharded checkpoint (shards_<stamp>/) into model and optimizer and return True,
         whichever --parallel wrote it; False for a whole checkpoint under ddp (the trainer loads it as ever). Under
         fsdp a whole checkpoint is refused: DDP's optimizer state is keyed by position, not by name."""
-        from nanochat_ext.checkpoint import is_shards
-
         if is_shards(path):
             self.load_shards(path, model, optimizer)
             return True

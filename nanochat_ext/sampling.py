@@ -7,6 +7,7 @@ what the uninterrupted run drew. The engine (engine.py) runs these rules, eagerl
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -81,3 +82,10 @@ def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: tor
     lengths.masked_fill_(stopped, t + 1)
     done.logical_or_(stopped)
     return token
+
+
+def sample_seed(seed: int, draw: int, prompt_index: int) -> int:
+    """Seed of one prompt's sampling generator: a function of (seed, draw, prompt) only, so the samples
+    do not depend on the rank or batch the prompt landed in. A draw is one prompt batch (one per step,
+    more under dynamic sampling; -1 for evaluation)."""
+    return int(hashlib.sha256(f"{seed}:{draw}:{prompt_index}".encode()).hexdigest()[:15], 16)

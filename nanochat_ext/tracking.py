@@ -6,6 +6,7 @@ A run that starts at step S (a resume, or 0) first drops every record past S tha
 run left in metrics.jsonl, rollouts.jsonl and TensorBoard, so no step is logged twice."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -15,12 +16,26 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.cli import report_targets
 from nanochat_ext.compiled import compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum, raise_if_any
-from nanochat_ext.errors import first_line
+from nanochat_ext.errors import InputError, first_line
 
 JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
+
+
+REPORT_TARGETS = ("tensorboard", "wandb", "none")
+
+
+def report_targets(value: str) -> list[str]:
+    """--report_to as a list of targets ('none': none), or one line for an unknown target or a wandb that is not
+    installed."""
+    targets = [t.strip() for t in value.split(",") if t.strip()]
+    unknown = [t for t in targets if t not in REPORT_TARGETS]
+    if unknown or not targets or ("none" in targets and len(targets) > 1):
+        raise InputError(f"--report_to must be tensorboard, wandb, both comma-separated, or none; got {value!r}")
+    if "wandb" in targets and importlib.util.find_spec("wandb") is None:
+        raise InputError("--report_to wandb: the wandb library is not installed here (pip install wandb==0.31.0)")
+    return [t for t in targets if t != "none"]
 
 
 class Tracker:

@@ -33,10 +33,9 @@ from nanochat_ext.data import load_pairs, load_prompts, read_rows, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import sample_seed
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
 from nanochat_ext.reward import RewardScorer
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.sampling import SamplingConfig, sample_seed
 from nanochat_ext.stats import sample_diversity
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/

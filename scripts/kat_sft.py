@@ -23,9 +23,9 @@ from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.grpo import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.memory import FEWER_RANKS_STATE, doing, smaller_micro
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations

@@ -33,11 +33,11 @@ from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gat
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               CompletionLogprobs, LossConfig, Rollout, SignalFilter, group_advantages, in_global_order,
-                               make_sequences, policy_backward, reference_model, sample_seed, token_logprobs,
-                               zero_std_groups)
+                               LossConfig, Rollout, SignalFilter, group_advantages, in_global_order, policy_backward,
+                               reference_model, zero_std_groups)
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora, check_lora_args,
                                describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
@@ -45,7 +45,7 @@ from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto
 from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.sampling import SamplingConfig, sample_seed
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tracking import Tracker, WindowSums
 

@@ -13,8 +13,9 @@ from torch._dynamo.utils import counters
 from conftest import REPO, run_worker
 from nanochat_ext.compiled import blocks_compiled, compile_blocks
 from nanochat_ext.data import TokenizedPair, collate_pairs
-from nanochat_ext.grpo import CompletionLogprobs, LossConfig, make_sequences, policy_backward, token_logprobs
+from nanochat_ext.grpo import LossConfig, policy_backward
 from nanochat_ext.loader import load_backbone
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 from nanochat_ext.reward import RewardModel, rm_backward
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 

@@ -15,8 +15,8 @@ import torch
 from conftest import REPO, assert_same_update, rm_init, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.checkpoint import find_checkpoint
-from nanochat_ext.grpo import CompletionLogprobs, make_sequences
 from nanochat_ext.loader import load_backbone, load_reward_model
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.parallel import checkpoint_activations
 from scripts import kat_train_grpo, kat_train_rm
 

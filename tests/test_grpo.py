@@ -349,7 +349,7 @@ def test_bad_prompt_files(assets, grpo_assets, tmp_path, capsys, content, expect
 
 def test_chunked_lm_head_logprobs_equal_one_chunk():
     """The LM head in chunks (with recompute in backward) gives the one-chunk values and gradients."""
-    from nanochat_ext.grpo import token_logprobs_chunked
+    from nanochat_ext.logprobs import token_logprobs_chunked
 
     torch.manual_seed(0)
     weight = torch.randn(300, 16, requires_grad=True)

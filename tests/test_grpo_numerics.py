@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from nanochat_ext.gpt import PrefixTree
-from nanochat_ext.grpo import (CompletionLogprobs, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
-                               make_sequences, slice_batch, zero_std_groups)
+from nanochat_ext.grpo import LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser, zero_std_groups
 from nanochat_ext.loader import load_backbone
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch
 from nanochat_ext.sampling import SamplingConfig, sample_token
 
 

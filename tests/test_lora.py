@@ -20,8 +20,8 @@ from nanochat_ext.compiled import compile_blocks
 from nanochat_ext.data import right_pad
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
-from nanochat_ext.grpo import CompletionLogprobs, make_sequences
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, save_adapters
 from nanochat_ext.memory import grpo_memory, model_shape
 from scripts import kat_train_grpo, kat_train_rm

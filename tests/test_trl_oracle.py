@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, group_advantages, grpo_loss,
-                               loss_normaliser, token_logprobs_chunked)
+                               loss_normaliser)
+from nanochat_ext.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)
 

@@ -136,20 +136,8 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     test_lora.test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges); the merged final checkpoint loads
     as a model."""
     from nanochat_ext.loader import load_backbone
-    from nanochat_ext.checkpoint import find_checkpoint
-    from scripts import kat_train_grpo
+    from test_lora import starts_at_its_reference_and_merges_onto_the_source
 
-    out = tmp_path / "lora"
-    assert kat_train_grpo.main(["--policy", str(assets["gpt_modern"]), "--prompts", str(assets["pairs"]), "--reward_fn",
-                                "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4",
-                                "--max_new_tokens", "16", "--max_steps", "2", "--device", "cuda", "--out", str(out),
-                                "--lora_r", "8", "--merge_lora"]) == 0
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert 0 <= [r["train/kl"] for r in rows if "train/kl" in r][0] < 1e-5
-    # merged onto the fp32 base as loaded, not the bf16 copy training held: untargeted tensors are the source's bitwise
-    source = torch.load(next(assets["gpt_modern"].glob("model_*.pt")), weights_only=True)
-    merged = torch.load(find_checkpoint(out)[0], weights_only=True)
-    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in source.items()}
-    assert torch.equal(merged["transformer.wte.weight"], source["transformer.wte.weight"])
-    assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source["transformer.h.0.attn.c_q.weight"])
-    load_backbone(out)
+    starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",
+                                                       "--device", "cuda")
+    load_backbone(tmp_path / "lora")

@@ -8,6 +8,7 @@ import copy
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -307,23 +308,29 @@ def test_an_adapter_checkpoint_is_refused_once_its_base_changed(prompts, tmp_pat
         load_backbone(out)
 
 
+def starts_at_its_reference_and_merges_onto_the_source(source: Path, prompts: Path, out: Path, *flags: str) -> None:
+    """GRPO with LoRA from nanochat checkpoint `source` under `flags` (a device, a dtype, --compile): step 1's KL is 0
+    but for rounding (the reference is the base with the adapters off), and the merged final is merged onto the fp32
+    base as loaded, not the bf16 copy training held (untargeted tensors the source's, bitwise)."""
+    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
+    assert kat_train_grpo.main(["--policy", str(source), "--prompts", str(prompts), "--reward_fn",
+                                "rewards_for_tests:vowel_share", "--batch_size", "2", "--group_size", "2",
+                                "--max_new_tokens", "4", "--max_steps", "1", "--out", str(out), "--lora_r", "8",
+                                "--merge_lora", *flags]) == 0
+    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert 0 <= [r["train/kl"] for r in rows if "train/kl" in r][0] < 1e-5
+    source_weights = torch.load(next(source.glob("model_*.pt")), weights_only=True)
+    merged = torch.load(find_checkpoint(out)[0], weights_only=True)
+    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in source_weights.items()}
+    assert torch.equal(merged["transformer.wte.weight"], source_weights["transformer.wte.weight"])
+    assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source_weights["transformer.h.0.attn.c_q.weight"])
+
+
 def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, tmp_path):
     """The CUDA LoRA test's CPU twin: bf16 autocast (the frozen base's matmul weights in bf16, the engine's bf16
     copy of the adapters), compiled blocks and the compiled engine (inductor), LoRA. The reference is the base with
     the adapters off, so step 1's KL is 0 but for bf16 rounding: inductor fuses the training graph and the
     reference's inference graph differently and rounds their bf16 intermediates at other places (measured 6e-7;
-    eager, or fp32 compiled: exactly 0; any other reference: ~1). The merged final is merged onto the fp32 base as
-    loaded, not the bf16 copy training held (untargeted tensors the source's, bitwise)."""
-    out = tmp_path / "lora"
-    sys.path.insert(0, str(REPO / "tests"))  # the reward functions, in-process
-    assert kat_train_grpo.main(["--policy", str(assets["gpt_modern"]), "--prompts", str(assets["pairs"]), "--reward_fn",
-                                "rewards_for_tests:vowel_share", "--batch_size", "2", "--group_size", "2",
-                                "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu", "--dtype", "bfloat16",
-                                "--compile", "1", "--out", str(out), "--lora_r", "8", "--merge_lora"]) == 0
-    rows = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
-    assert 0 <= [r["train/kl"] for r in rows if "train/kl" in r][0] < 1e-5
-    source = torch.load(next(assets["gpt_modern"].glob("model_*.pt")), weights_only=True)
-    merged = torch.load(find_checkpoint(out)[0], weights_only=True)
-    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in source.items()}
-    assert torch.equal(merged["transformer.wte.weight"], source["transformer.wte.weight"])
-    assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source["transformer.h.0.attn.c_q.weight"])
+    eager, or fp32 compiled: exactly 0; any other reference: ~1)."""
+    starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",
+                                                       "--device", "cpu", "--dtype", "bfloat16", "--compile", "1")

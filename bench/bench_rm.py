@@ -7,7 +7,7 @@ max_len 128, AdamW lr 1e-4, grad clip 1, fp32, 60 steps of which the first 5 are
     --unfreeze_last all  : full fine-tune (what TRL's RewardTrainer does);  0 (default): frozen backbone
 
 tokens_per_s counts each pair's tokens as two sequences (what TRL's batches hold); computed_tokens_per_s
-counts the tokens the model ran, each pair's shared prompt once (see data.collate_pairs).
+counts the tokens the model ran, each pair's shared prompt once (see batching.collate_pairs).
 gflops: the nominal model FLOPs per second of the full fine-tune, 6 x (matmul weights in the blocks) per
 computed token (forward 2, backward 4), as MFU is usually counted (attention scores, a few % at these
 lengths, and the savings of running the last block at the scored position only are not counted).

@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat_ext.backbone import Backbone
-from nanochat_ext.data import prefix_tree_rows, right_pad, truncate
+from nanochat_ext.batching import prefix_tree_rows, right_pad, truncate
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size, precision
 from nanochat_ext.parallel import no_sync
 from nanochat_ext.tokenizer import TokenizerWrapper

@@ -24,7 +24,8 @@ from typing import Callable
 
 import torch
 
-from nanochat_ext.data import PromptRow, truncate
+from nanochat_ext.batching import truncate
+from nanochat_ext.data import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.reward import RewardScorer

@@ -26,10 +26,11 @@ from pathlib import Path
 import torch
 
 from nanochat_ext import synthetic
+from nanochat_ext.batching import truncate
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import load_pairs, load_prompts, read_rows, truncate
+from nanochat_ext.data import load_pairs, load_prompts, read_rows
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError

@@ -16,11 +16,12 @@ import sys
 import time
 from pathlib import Path
 
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, truncate
 from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, is_shards, resolve_model_path, resolve_resume
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
                               check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import BatchPlan, GlobalBatchLoader, load_conversations, truncate
+from nanochat_ext.data import load_conversations
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything
 from nanochat_ext.errors import InputError
 from nanochat_ext.guard import Interrupted, StepGuard

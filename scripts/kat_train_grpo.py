@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint)
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               due, micro_batch, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models, compile_stats
-from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, PromptRow, attach_density, load_density, load_prompts,
-                               split_by_prefix)
+from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
                                      print0, raise_if_any, seed_everything)
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth

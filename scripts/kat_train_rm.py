@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in
+from nanochat_ext.batching import LONG_PAIRS, BatchPlan, GlobalBatchLoader, by_length, collate_pairs, tokenize_pairs
 from nanochat_ext.checkpoint import (check_resume_args, claim_out_dir, fingerprint, portable_paths, resolve_resume,
                                      save_checkpoint, torch_load)
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               due, micro_batch, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import (LONG_PAIRS, BatchPlan, GlobalBatchLoader, attach_density, by_length, collate_pairs,
-                               load_density, load_pairs, split_by_prefix, tokenize_pairs)
+from nanochat_ext.data import attach_density, load_density, load_pairs, split_by_prefix
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                      seed_everything)
 from nanochat_ext.errors import InputError

@@ -11,8 +11,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import REPO, run_worker
+from nanochat_ext.batching import TokenizedPair, collate_pairs
 from nanochat_ext.compiled import blocks_compiled, compile_blocks
-from nanochat_ext.data import TokenizedPair, collate_pairs
 from nanochat_ext.grpo import LossConfig, policy_backward
 from nanochat_ext.loader import load_backbone
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs

@@ -5,8 +5,8 @@ import hashlib
 
 import pytest
 
-from nanochat_ext.data import (BatchPlan, GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, load_pairs,
-                               parse_pair, prefix_id_of, split_by_prefix, truncate)
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, truncate
+from nanochat_ext.data import load_pairs, parse_pair, prefix_id_of, split_by_prefix
 from nanochat_ext.errors import InputError
 from nanochat_ext.synthetic import make_pairs, write_jsonl
 

@@ -50,7 +50,8 @@ def test_masked_completions_keep_their_place_in_the_denominator(agg):
 
 def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(assets, tmp_path):
     from nanochat_ext import synthetic
-    from nanochat_ext.data import load_pairs, tokenize_pairs
+    from nanochat_ext.data import load_pairs
+    from nanochat_ext.batching import tokenize_pairs
     from nanochat_ext.tokenizer import TokenizerWrapper
 
     tok = TokenizerWrapper.load(assets["tokenizer"])

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 
 from conftest import REPO, assert_same_update, rm_init, run_script, ulps
 from nanochat_ext import synthetic
+from nanochat_ext.batching import right_pad
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
 from nanochat_ext.compiled import compile_blocks
-from nanochat_ext.data import right_pad
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights

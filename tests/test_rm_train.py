@@ -220,7 +220,8 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     assert params["head.weight"].dtype == torch.float32
     # Score the validation pairs as the run did (same batches of 16 pairs: in bf16 the matmul shapes
     # change the rounding), through the reloaded RM and its own precision: the logged numbers come back.
-    from nanochat_ext.data import collate_pairs, split_by_prefix, tokenize_pairs
+    from nanochat_ext.data import split_by_prefix
+    from nanochat_ext.batching import collate_pairs, tokenize_pairs
     from nanochat_ext.ddp_common import precision
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
     val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)

@@ -27,12 +27,11 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.nn as nn
 
+from nanochat_ext.backbone import Backbone
 from nanochat_ext.errors import InputError, first_line
 
 if TYPE_CHECKING:
     from peft import PeftModel
-
-    from nanochat_ext.backbone import Backbone
 
 ADAPTER_CONFIG = "adapter_config.json"  # peft's: marks a directory of adapters
 GATES = ("ve_gate",)  # nanochat's value-embedding gate (32 inputs, a few outputs): left out of the default targets
@@ -91,7 +90,7 @@ def check_lora_args(args: argparse.Namespace) -> "LoraSpec | None":
     return spec
 
 
-def default_targets(backbone: "Backbone") -> tuple[str, ...] | str:
+def default_targets(backbone: Backbone) -> tuple[str, ...] | str:
     """Every linear layer of the transformer blocks (as OpenRLHF's and peft's 'all-linear'), by module name: nanochat
     GPT's c_q, c_k, c_v, c_proj, c_fc (not its ve_gate); our Llama's fused qkv, o, gate_up, down. A transformers
     module: peft's 'all-linear' (every linear layer but the output head)."""
@@ -113,7 +112,7 @@ def merge_now(args: argparse.Namespace, step: int, consolidate: bool) -> bool:
     return consolidate or (args.merge_lora and step == args.max_steps)
 
 
-def apply_lora(backbone: "Backbone", spec: LoraSpec) -> "PeftModel":
+def apply_lora(backbone: Backbone, spec: LoraSpec) -> "PeftModel":
     """Inject peft's LoRA layers into backbone.model in place and freeze every base weight; returns the PeftModel,
     also kept as backbone.adapters (not a submodule: its parameters are backbone.model's)."""
     from peft import LoraConfig, get_peft_model
@@ -138,7 +137,7 @@ def apply_lora(backbone: "Backbone", spec: LoraSpec) -> "PeftModel":
     return adapters
 
 
-def describe(backbone: "Backbone") -> str:
+def describe(backbone: Backbone) -> str:
     """The log line of a run's LoRA: its settings, where peft put adapters, and their size."""
     config = backbone.adapters.peft_config["default"]
     targets = config.target_modules if isinstance(config.target_modules, str) else ",".join(sorted(config.target_modules))
@@ -148,7 +147,7 @@ def describe(backbone: "Backbone") -> str:
             f"{n:,} adapter parameters train, {total - n:,} base parameters frozen")
 
 
-def adapter_params(backbone: "Backbone", spec: LoraSpec) -> int:
+def adapter_params(backbone: Backbone, spec: LoraSpec) -> int:
     """Parameters LoRA would train on backbone's linear layers named in spec's targets (default_targets where none
     are given): r x (in + out) each. The memory model's count, computed without injecting anything."""
     model, targets = backbone.model, spec.targets or default_targets(backbone)
@@ -157,7 +156,7 @@ def adapter_params(backbone: "Backbone", spec: LoraSpec) -> int:
 
 
 @contextlib.contextmanager
-def dropout_active(backbone: "Backbone") -> Iterator[None]:
+def dropout_active(backbone: Backbone) -> Iterator[None]:
     """--lora_dropout during a training micro-batch: the adapters' dropout in train mode, every other module as it
     is (our models run in eval mode throughout: nothing else of theirs depends on the mode). Its masks come from
     torch's global generator, which checkpoints do not keep: a resumed run with dropout draws other masks."""
@@ -176,7 +175,7 @@ class WithoutAdapters(nn.Module):
     """GRPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's disable_adapter),
     that is the base model's, from the policy's own weights and code."""
 
-    def __init__(self, logprobs: nn.Module, backbone: "Backbone"):
+    def __init__(self, logprobs: nn.Module, backbone: Backbone):
         super().__init__()
         self.logprobs = logprobs
         object.__setattr__(self, "adapters", backbone.adapters)
@@ -186,14 +185,14 @@ class WithoutAdapters(nn.Module):
             return self.logprobs(*args)
 
 
-def adapter_state(backbone: "Backbone") -> dict[str, torch.Tensor]:
+def adapter_state(backbone: Backbone) -> dict[str, torch.Tensor]:
     """The adapters' tensors as peft saves them (get_peft_model_state_dict), on CPU: for the resume state."""
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(backbone.adapters, save_embedding_layers=False).items()}
 
 
-def load_adapter_state(backbone: "Backbone", state: dict[str, torch.Tensor], path: Path) -> None:
+def load_adapter_state(backbone: Backbone, state: dict[str, torch.Tensor], path: Path) -> None:
     """Put adapter_state's tensors back (peft's set_peft_model_state_dict); one line when they do not fit."""
     from peft import set_peft_model_state_dict
 
@@ -204,7 +203,7 @@ def load_adapter_state(backbone: "Backbone", state: dict[str, torch.Tensor], pat
                          f"unexpected {list(result.unexpected_keys)[:2]})", path=str(path))
 
 
-def save_adapters(backbone: "Backbone", directory: Path, tokenizer, base: dict) -> None:
+def save_adapters(backbone: Backbone, directory: Path, tokenizer, base: dict) -> None:
     """peft's own adapter directory (save_pretrained: adapter_config.json + adapter_model.safetensors), the tokenizer
     beside them; `base` (portable paths of the base model) goes into the config's base_model_name_or_path."""
     adapters = backbone.adapters

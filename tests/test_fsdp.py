@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, assert_same_update, rm_init, run_script
+from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.loader import load_backbone, load_reward_model
@@ -34,12 +34,6 @@ def prompts(tmp_path_factory):
 
 def weights(d) -> dict[str, torch.Tensor]:
     return torch.load(find_checkpoint(d)[0], weights_only=True)
-
-
-def assert_equal(a: dict, b: dict) -> None:
-    """The same computation repeated (a resumed run, a consolidated checkpoint): bitwise."""
-    assert a.keys() == b.keys()
-    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])]
 
 
 def die_at_save(module: str, n_state: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -102,13 +96,13 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert "checkpoint: removed what an interrupted save left: " in resumed.stdout
     resume_line = next(line for line in resumed.stdout.splitlines() if line.startswith("resume: from "))
     assert "/shards_" in resume_line and resume_line.endswith("at step 2")
-    assert_equal(weights(crashed), w_fsdp)
+    assert_bitwise(weights(crashed), w_fsdp)
 
     # The final shards, written whole by one process (no process group): the final checkpoint, and an RM.
     whole = tmp_path / "whole"
     final_shards = straight / f"shards_{stamps[2]}"
     assert kat_train_rm.main(rm_args(assets, straight, "--resume", str(final_shards), "--consolidate", str(whole))) == 0
-    assert_equal(weights(whole), w_fsdp)
+    assert_bitwise(weights(whole), w_fsdp)
     scorer = load_reward_model(whole)
     assert scorer.score(["How do I boil an egg?"], ["Put it in boiling water."])[0] == pytest.approx(
         load_reward_model(straight).score(["How do I boil an egg?"], ["Put it in boiling water."])[0], abs=0)
@@ -176,4 +170,4 @@ def test_activation_checkpointing_gives_the_same_gradients(assets):
             runs.append(len(calls))
         assert runs == [1, 2]  # checkpointed: the block ran again in the backward pass
         assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(policy.parameters()))
-        assert_equal(grads[1], grads[0])
+        assert_bitwise(grads[1], grads[0])

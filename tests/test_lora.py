@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_same_update, rm_init, run_script, ulps
+from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script, ulps
 from nanochat_ext import synthetic
 from nanochat_ext.batching import right_pad
 from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
@@ -199,7 +199,7 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
     resumed = tmp_path / "resumed"
     assert kat_train_rm.main(rm_args(assets, resumed, "--resume", str(first))) == 0
     w_resumed = torch.load(find_checkpoint(resumed)[0], weights_only=True)
-    assert all(torch.equal(w_resumed[k], w_one[k]) for k in w_one)
+    assert_bitwise(w_resumed, w_one)
 
     # the merged file loads as an RM with no LoRA to apply and scores as the adapters do; a merged final resumes from
     # the adapters its state keeps
@@ -216,7 +216,7 @@ def test_rm_lora_trains_as_one_batch_in_micro_batches_merges_and_resumes_exactly
                                          "--max_steps", "5", "--device_batch_size", "2")) == 0
         extended[name] = torch.load(find_checkpoint(tmp_path / f"{name}_5")[0], weights_only=True)
     assert extended["merged"].keys() == w_one.keys()
-    assert all(torch.equal(extended["merged"][k], extended["plain"][k]) for k in w_one)
+    assert_bitwise(extended["merged"], extended["plain"])
     assert all(not torch.equal(extended["merged"][k], state["trained"][k]) for k in w_one)
 
 
@@ -274,7 +274,7 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
     first = complete_checkpoints(one)[-1][0]  # step 1
     assert kat_train_grpo.main(grpo_args(prompts, resumed, "--resume", str(first))) == 0
     again = load_file(find_checkpoint(resumed)[0] / "adapter_model.safetensors")
-    assert all(torch.equal(again[k], adapters[k]) for k in adapters)
+    assert_bitwise(again, adapters)
     # A merged final resumes from the adapters its state keeps: one more step from it (--resume_extend) is one more
     # step from the same run saved unmerged (the same computation: bitwise), not a run from the base.
     merged_one = tmp_path / "merged_one"
@@ -284,7 +284,7 @@ def test_grpo_lora_on_two_ranks_trains_as_one_from_its_base_and_merges_into_nano
         assert kat_train_grpo.main(grpo_args(prompts, tmp_path / name, "--resume", str(src), "--resume_extend",
                                              "--max_steps", "3")) == 0
         extended[name] = load_file(find_checkpoint(tmp_path / name)[0] / "adapter_model.safetensors")
-    assert all(torch.equal(extended["merged"][k], extended["adapters"][k]) for k in adapters)
+    assert_bitwise(extended["merged"], extended["adapters"])
     assert all(not torch.equal(extended["merged"][k], adapters[k]) for k in adapters)
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, assert_stopped, run_script
+from conftest import REPO, assert_bitwise, assert_stopped, run_script
 from nanochat_ext import checkpoint
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
@@ -35,10 +35,7 @@ def metas(out) -> list[dict]:
 
 def assert_same_weights(a, b):
     """Bitwise: a resumed run repeats the uninterrupted run's computation (same kernels, shapes, order)."""
-    wa, wb = (torch.load(checkpoint.find_checkpoint(d)[0], weights_only=True) for d in (a, b))
-    assert wa.keys() == wb.keys()
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], atol=0, rtol=0, msg=k)
+    assert_bitwise(*(torch.load(checkpoint.find_checkpoint(d)[0], weights_only=True) for d in (a, b)))
 
 
 # ---- finite or stop -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from conftest import assert_same_update, run_script
+from conftest import assert_bitwise, assert_same_update, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.loader import load_backbone
@@ -45,7 +45,7 @@ def test_sft_on_two_ranks_ddp_and_fsdp_trains_as_one_rank_and_resumes_exactly(tm
     assert kat_sft.main(sft_args(conversations, resumed, "--resume", str(step2))) == 0
     assert f"resume: from {step2} at step 2" in capsys.readouterr().out
     again = load_backbone(resumed).model.state_dict()
-    assert all(torch.equal(again[k], trained["one"][k]) for k in init)  # the same computation repeated: bitwise
+    assert_bitwise(again, trained["one"])
     saved = torch.load(find_checkpoint(resumed)[0], weights_only=True)
     golden = torch.load(find_checkpoint(NANOCHAT)[0], weights_only=True)
     assert {k: (v.shape, v.dtype) for k, v in saved.items()} == {k: (v.shape, v.dtype) for k, v in golden.items()}

@@ -357,7 +357,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
-    p.add_argument("--vintage", default="current", help="nanochat architecture (gpt.VINTAGES; default: today's)")
+    p.add_argument("--vintage", default="current", help="nanochat architecture (vintages.VINTAGES; default: today's)")
     p.add_argument("--only", choices=("rm", "grpo", "decode", "both", "all"), default="all",
                    help="which benches (both: rm and grpo, as before the decode bench)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")

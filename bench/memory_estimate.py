@@ -161,7 +161,7 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
 
 
 def _fp32_cache(model: GPT):
-    from nanochat_ext.gpt import KVCache
+    from nanochat_ext.attention import KVCache
 
     def new_kv_cache(batch: int, max_len: int) -> KVCache:
         c = model.config

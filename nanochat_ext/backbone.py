@@ -10,9 +10,10 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from nanochat_ext.attention import PrefixTree
 from nanochat_ext.checkpoint import save_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, PrefixTree
+from nanochat_ext.gpt import GPT
 from nanochat_ext.llama import Llama
 from nanochat_ext.tokenizer import TokenizerWrapper
 

@@ -12,11 +12,11 @@ from typing import Callable
 from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError, first_line
-from nanochat_ext.gpt import VINTAGES, VINTAGE_FLAG
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.tracking import report_targets
+from nanochat_ext.vintages import VINTAGES, VINTAGE_FLAG
 
 EXIT_BAD_INPUT = 2
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 
+from nanochat_ext.attention import KVCache
 from nanochat_ext.backbone import Backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_stats
 from nanochat_ext.ddp_common import whole
-from nanochat_ext.gpt import KVCache
 from nanochat_ext.sampling import SamplingConfig, take_tokens
 
 SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one

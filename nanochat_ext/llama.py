@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.gpt import (KVCache, PrefixTree, add_mlp, attend, layer_masks, rotary_slice, row_positions, rows_at,
-                              static_masks)
+from nanochat_ext.attention import (KVCache, PrefixTree, add_mlp, attend, layer_masks, rotary_slice, row_positions,
+                                    rows_at, static_masks)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 

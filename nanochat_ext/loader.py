@@ -58,7 +58,7 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
     """A nanochat checkpoint (a dir: its largest model_<N>.pt with the meta of the same N; a
     model_<N>.pt file; a checkpoints root such as chatsft_checkpoints/, taking its largest d<N> tag;
     or the short form base|sft|rl[:tag] under $NANOCHAT_BASE_DIR), or a local HF dir.
-    vintage picks the nanochat vintage where the checkpoint cannot tell (see gpt.VINTAGES).
+    vintage picks the nanochat vintage where the checkpoint cannot tell (see vintages.VINTAGES).
     native=False keeps transformers' own module even for the Llama family (used to cross-check).
     frozen: load for inference only (no gradients), weights held in that compute dtype."""
     if frozen is not None:

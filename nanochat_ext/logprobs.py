@@ -10,10 +10,10 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from nanochat_ext.attention import PrefixTree
 from nanochat_ext.backbone import Backbone, tree_positions, unshare_branches
 from nanochat_ext.batching import prefix_tree_rows, right_pad
 from nanochat_ext.ddp_common import all_reduce_sum, get_world_size
-from nanochat_ext.gpt import PrefixTree
 from nanochat_ext.parallel import no_sync
 
 

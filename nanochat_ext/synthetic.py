@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.checkpoint import save_checkpoint
-from nanochat_ext.gpt import GPT, VINTAGES, GPTConfig, padded
+from nanochat_ext.gpt import GPT, GPTConfig, padded
 from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.vintages import VINTAGES
 
 # (topic, share of prompts): three dense topics, five rare ones.
 TOPICS = [("weather", 0.34), ("cooking", 0.26), ("travel", 0.2), ("astronomy", 0.05), ("chess", 0.05),

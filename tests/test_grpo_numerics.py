@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.gpt import PrefixTree
+from nanochat_ext.attention import PrefixTree
 from nanochat_ext.grpo import LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser, zero_std_groups
 from nanochat_ext.loader import load_backbone
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch

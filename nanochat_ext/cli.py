@@ -9,12 +9,13 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from nanochat_ext.checkpoint import RESUME_HELP, base_dir, release_out_dirs
+from nanochat_ext.checkpoint import base_dir, release_out_dirs
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
+from nanochat_ext.resume import RESUME_HELP
 from nanochat_ext.tracking import report_targets
 from nanochat_ext.vintages import VINTAGES, VINTAGE_FLAG
 

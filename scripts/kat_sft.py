@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, truncate
-from nanochat_ext.checkpoint import check_resume_args, claim_out_dir, is_shards, resolve_model_path, resolve_resume
+from nanochat_ext.checkpoint import claim_out_dir, is_shards, resolve_model_path
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
                               check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
@@ -30,6 +30,7 @@ from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, sft_backwa
 from nanochat_ext.memory import FEWER_RANKS_STATE, doing, smaller_micro
 from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
+from nanochat_ext.resume import check_resume_args, resolve_resume
 from nanochat_ext.tracking import Tracker, WindowSums
 
 

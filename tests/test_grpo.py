@@ -12,10 +12,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext import engine, grpo, memory, synthetic
-from nanochat_ext.checkpoint import check_resume_args
 from nanochat_ext.errors import InputError
 from nanochat_ext.grpo import group_advantages
 from nanochat_ext.loader import load_backbone
+from nanochat_ext.resume import check_resume_args
 from scripts import kat_train_grpo, kat_train_rm
 
 

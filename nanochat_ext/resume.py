@@ -1,0 +1,84 @@
+"""Resuming a run: which checkpoint --resume names (the newest that loads whole, chosen by rank 0 for
+every rank), and whether this run's flags fit the one it resumes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from nanochat_ext.checkpoint import check_zip, first_loadable, is_shards, missing_shards, resumable_checkpoints, torch_load
+from nanochat_ext.ddp_common import broadcast_object, is_main, print0, raise_if_any
+from nanochat_ext.errors import InputError
+
+
+SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps")  # may change on resume with --resume_extend only
+
+
+def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...), and its
+    learning-rate schedule unless args.resume_extend. `absent`: the value a key had in checkpoints
+    written before it was recorded."""
+    extend = getattr(args, "resume_extend", False)
+    for key in keys + (() if extend else SCHEDULE_KEYS):
+        was = saved.get(key, (absent or {}).get(key))
+        if was != getattr(args, key):
+            hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
+            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+                             f"{was!r}; resume with the same setting{hint}", path=str(path))
+
+
+RESUME_HELP = ("'latest': the newest complete checkpoint in --out, or a fresh start (said in the log) when there is "
+               "none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A resumed run "
+               "continues exactly")
+
+
+def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
+    """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
+    scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
+    resume different steps); a checkpoint that does not load whole is skipped for an older one, with a warning."""
+    if resume is None:
+        return None
+    target = out_dir if resume in ("latest", "must") else resume
+    choice, error = None, None
+    if is_main():
+        try:
+            choice = _choose_resume(resume, target)
+        except InputError as e:
+            error = str(e)
+    raise_if_any(error)
+    paths = broadcast_object(choice[:3] if choice else None)  # the paths only: rank 0 keeps the state it loaded
+    if paths is None:
+        return None
+    model_path, meta_path, state_path = paths
+    return model_path, meta_path, choice[3] if is_main() else torch_load(state_path, "resume state")
+
+
+def _choose_resume(resume: str, target: str | os.PathLike) -> tuple[Path, Path, Path, dict] | None:
+    """Rank 0's part of resolve_resume: the newest resumable checkpoint that loads whole, with its state."""
+    found = resumable_checkpoints(target)
+    if not found:
+        if resume == "latest":
+            print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
+            return None
+        raise InputError("no complete checkpoint to resume from", path=str(target))
+
+    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict]:
+        digits = meta_path.stem.removeprefix("meta_")
+        state_path = model_path.parent / f"state_{digits}.pt"
+        shards = model_path.parent / f"shards_{digits}"
+        if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer
+            model_path = shards
+        if not state_path.is_file():
+            raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+        if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
+            check_zip(model_path)
+        if is_shards(model_path) and (why := missing_shards(model_path)):
+            raise InputError(f"sharded checkpoint is not whole: {why}", path=str(model_path))
+        state = torch_load(state_path, "resume state")
+        if not is_shards(model_path) and "optimizer" not in state:
+            raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
+                             f"(which did) is gone", path=str(model_path))
+        return model_path, meta_path, state_path, state
+
+    return first_loadable(target, load, found)

@@ -238,8 +238,3 @@ def check_consolidate(args: argparse.Namespace) -> None:
     """--consolidate writes the checkpoint --resume names: one line when there is none to write."""
     if getattr(args, "consolidate", None) and args.resume is None:
         raise InputError("--consolidate DIR writes a checkpoint whole: give the one to write with --resume")
-
-
-def due(done: int, every: int) -> bool:
-    """Whether a `--X_every N` action is due after `done` steps (N = 0: never, only the final one)."""
-    return every > 0 and done % every == 0

@@ -13,25 +13,24 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, truncate
 from nanochat_ext.checkpoint import claim_out_dir, is_shards, resolve_model_path
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
-                              check_consolidate, check_flags, due, output_dirs, run_script, script_argv)
+                              check_consolidate, check_flags, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import load_conversations
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, sft_backward
 from nanochat_ext.memory import FEWER_RANKS_STATE, doing, smaller_micro
-from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
+from nanochat_ext.optim import guarded_step, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.resume import check_resume_args, resolve_resume
-from nanochat_ext.tracking import Tracker, WindowSums
+from nanochat_ext.resume import resolve_resume
+from nanochat_ext.tracking import WindowSums
+from nanochat_ext.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,65 +94,43 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     ddp_model = parallel.wrap(model, model_bb.blocks)
     print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
-    start_step = 0
-    if resume is not None:
-        state = resume[2]
-        check_resume_args(state["args"], args, ("batch_size", "seed", "max_len"), resume[0])
-        if not parallel.resume(resume[0], model, optimizer):
-            model_bb.restore(state)  # fp32 masters where the layout saved bf16
-            optimizer.load_state_dict(state["optimizer"])
-        start_step = int(state["step"])
-        print0(f"resume: from {resume[0]} at step {start_step}")
+    optimizer = make_optimizer("adamw", model_bb.model, trainable, args.lr, args.weight_decay, env.device)
+    source = str(resolve_model_path(args.backbone).resolve())
+
+    def saving(step: int, into: Path, consolidate: bool) -> Saving:
+        return Saving({"source": source},
+                      lambda d, stamp, meta, state, weights: model_bb.save(d, stamp, meta, tok, state, weights))
+
+    trainer = Trainer(args, env, parallel, model, optimizer, module=model_bb.model, kind="sft", out_dir=out_dir,
+                      saving=saving)
+    start_step = trainer.resume(resume, ("batch_size", "seed", "max_len"),
+                                model_bb.restore)  # fp32 masters where the layout saved bf16
+    if args.consolidate:
+        return trainer.consolidate(resume)
     autocast = precision(dtype, env.device)
 
-    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
-        return parallel.save(into, model, optimizer, module=model_bb.model, final=step == args.max_steps,
-                             consolidate=consolidate, state={"step": step, "args": vars(args)},
-                             meta=lambda stamp: {"kind": "sft", "stamp": stamp, "step": step,
-                                                 "source": str(resolve_model_path(args.backbone).resolve()),
-                                                 "world_size": env.world_size, "metrics": metrics, "args": vars(args)},
-                             write_whole=lambda d, stamp, meta, state, weights: model_bb.save(d, stamp, meta, tok, state,
-                                                                                              weights))
-
-    if args.consolidate:
-        return parallel.consolidate(args.consolidate, resume, out_dir,
-                                    lambda d, metrics: save(start_step, metrics, d, consolidate=True))
-
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "sft", args.report_to, vars(args),
-                      args.wandb_project)
-    guard = StepGuard(args.skip_nonfinite)
+    trainer.start(log_dir, "sft")
     window = WindowSums(["loss", "tokens", "steps"])  # this rank's sums since the last log
-    t0, metrics = time.time(), {}
     for step in range(start_step, args.max_steps):
         mine = [i for mb in loader.micro_batches(step) for i in mb]
         batch = make_sequences([examples[i][0] for i in mine], [examples[i][1] for i in mine], 1, tok.pad_id)
-        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = trainer.set_lr(step)
         done = step + 1
         with doing(f"a training micro-batch of {plan.device_batch_size} conversations",
                    (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
                     FEWER_RANKS_STATE)):
             stats = sft_backward(ddp_model, batch, plan.device_batch_size, env.device, autocast)
         with doing("the optimizer step", (FEWER_RANKS_STATE,)):
-            guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+            guarded_step(optimizer, trainable, args.grad_clip, trainer.guard, done, stats[0].item())
         window.add(loss=stats[0].item(), tokens=stats[1].item(), steps=1)
-        tracker.advance()
-        if due(done, args.log_every) or done == args.max_steps:
+        trainer.tracker.advance()
+        if trainer.log_due(done):
             s = window.reduced()  # every rank's loss is its share of the global one; steps count once per rank
-            metrics = {"train/loss": s["loss"] / (s["steps"] / env.world_size), "train/lr": lr,
-                       "perf/tokens_per_s": s["tokens"] / (time.time() - t0)}
-            tracker.log(done, metrics)
+            trainer.log(done, {"train/loss": s["loss"] / (s["steps"] / env.world_size), "train/lr": lr,
+                               "perf/tokens_per_s": s["tokens"] / trainer.elapsed()})
             window.zero()
-            t0 = time.time()
-        if guard.stop and done < args.max_steps:
-            tracker.close()
-            raise Interrupted(done, save(done, metrics))
-        if due(done, args.save_every) and done < args.max_steps:
-            print0(f"checkpoint: {save(done, metrics)}")
-    tracker.close()
-    return save(args.max_steps, metrics)
+        trainer.end_step(done)
+    return trainer.finish()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,7 +12,6 @@ The last line printed on success names the checkpoint written.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -24,30 +23,30 @@ from nanochat_ext.batching import BatchPlan, GlobalBatchLoader
 from nanochat_ext.checkpoint import claim_out_dir, fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              due, micro_batch, output_dirs, run_script, script_argv)
-from nanochat_ext.compiled import compile_models, compile_stats
+                              micro_batch, output_dirs, run_script, script_argv)
+from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
-from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, gather_objects, peak_memory_gb, precision,
-                                     print0, raise_if_any, seed_everything)
+from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
+from nanochat_ext.evaluation import evaluate_rewards
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               LossConfig, Rollout, SignalFilter, group_advantages, in_global_order, policy_backward,
-                               reference_model, zero_std_groups)
-from nanochat_ext.guard import Interrupted, StepGuard
+                               LossConfig, group_advantages, policy_backward, reference_model)
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora, check_lora_args,
                                describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
-from nanochat_ext.optim import OPTIMIZERS, MuonAdamW, guarded_step, lr_multiplier, make_optimizer
+from nanochat_ext.optim import OPTIMIZERS, guarded_step, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.resume import check_resume_args, resolve_resume
+from nanochat_ext.resume import resolve_resume
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
-from nanochat_ext.sampling import SamplingConfig, sample_seed
+from nanochat_ext.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
+from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
-from nanochat_ext.tracking import Tracker, WindowSums
+from nanochat_ext.tracking import Tracker
+from nanochat_ext.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -246,32 +245,14 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_optimizer(args.optimizer, policy.model, trainable, args.lr, args.weight_decay, env.device)
-    start_step, draw = 0, 0  # draw: prompt batches drawn so far (one per step unless --filter_zero_std)
-    source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
-    if resume is not None:
-        if resume[2].get("source_fingerprint", source_print) != source_print:
-            raise InputError(f"--policy {policy.source} is not the policy this run started from: its weights changed "
-                             f"since (fingerprint); resume with the original policy or start a new --out",
-                             path=str(resume[0]))
-        start_step, draw = load_resume_state(policy, model, optimizer, resume, args, env.device, parallel)
-        print0(f"resume: from {resume[0]} at step {start_step} (draw {draw})")
     autocast = precision(dtype, env.device)
-    print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
-           f"reference {'off (beta 0)' if not reference else 'the base, adapters off' if lora else 'loaded'}"
-           + (" (the reference and the reward model are held whole on every rank)" if parallel.sharded else ""))
-    peak_bw = peak_bandwidth(env.device)
-    copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
-            "a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else "")
-    print0(f"decode: {'compiled' if engine.compiled else 'eager'} "
-           f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
+    source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
+    window = grpo_window(rewards.names)
+    rollouts = Rollouts(engine, rewards, loader, train_rows, prompt_ids, tok, sampling, args, env, autocast, window)
 
-    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+    def saving(step: int, into: Path, consolidate: bool) -> Saving:
         merge = merge_now(args, step, consolidate)
         base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print, "vintage": policy.vintage}
-        meta = lambda stamp: {"kind": "grpo_policy", "stamp": stamp, "step": step,  # noqa: E731
-                              "source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
-                              "lora": lora and {**lora.to_meta(), "base": base, "merged": merge},
-                              "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
 
         def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
             if not lora:
@@ -281,15 +262,36 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                 return policy.save(d, stamp, meta, tok, state, merged_weights(policy), masters=False)
             return save_checkpoint(d, stamp, lambda tmp: save_adapters(policy, tmp, tok, base), meta, state)
 
-        return parallel.save(into, model, optimizer, module=policy.model, final=step == args.max_steps,
-                             consolidate=consolidate, meta=meta,
-                             state={"step": step, "draw": draw, "args": vars(args), "source_fingerprint": source_print,
-                                    "device_batch_size": micro},
-                             write_whole=write_whole)
+        return Saving({"source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
+                       "lora": lora and {**lora.to_meta(), "base": base, "merged": merge}}, write_whole,
+                      {"draw": rollouts.drawn, "source_fingerprint": source_print, "device_batch_size": micro})
 
+    def load_whole(state: dict) -> None:
+        if lora:  # the base is the input's; the resume state holds the adapters
+            load_adapter_state(policy, state["adapters"], resume[0])
+        else:
+            policy.restore(state, saved=load_backbone(resume[0], env.device))
+
+    trainer = Trainer(args, env, parallel, model, optimizer, module=policy.model, kind="grpo_policy",
+                      out_dir=out_dir, saving=saving)
+    if resume is not None:
+        if resume[2].get("source_fingerprint", source_print) != source_print:
+            raise InputError(f"--policy {policy.source} is not the policy this run started from: its weights changed "
+                             f"since (fingerprint); resume with the original policy or start a new --out",
+                             path=str(resume[0]))
+        trainer.resume(resume, RESUME_FLAGS + (("max_draws",) if args.filter_zero_std else ()), load_whole,
+                       absent={**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
+        rollouts.drawn = int(resume[2].get("draw", resume[2]["step"]))  # before dynamic sampling: one draw a step
+    print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
+           f"reference {'off (beta 0)' if not reference else 'the base, adapters off' if lora else 'loaded'}"
+           + (" (the reference and the reward model are held whole on every rank)" if parallel.sharded else ""))
+    peak_bw = peak_bandwidth(env.device)
+    copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
+            "a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else "")
+    print0(f"decode: {'compiled' if engine.compiled else 'eager'} "
+           f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
     if args.consolidate:
-        return parallel.consolidate(args.consolidate, resume, out_dir,
-                                    lambda d, metrics: save(start_step, metrics, d, consolidate=True))
+        return trainer.consolidate(resume)
 
     # ---- train ------------------------------------------------------------------------------------
     rm_model = getattr(rm, "model", None)
@@ -314,70 +316,17 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
            f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
     estimate = estimate_for(micro)
     print0(describe(estimate, micro))
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "grpo", args.report_to, vars(args),
-                      args.wandb_project)
-    guard = StepGuard(args.skip_nonfinite)
-    n_rewards = len(rewards.names)
-    # sums over the steps of one logging window, on this rank (reduced over ranks at log time)
-    window = WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in rewards.names), "tokens",
-                         "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
-                         "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps", "decoded", "decode_s",
-                         "decode_bytes"])
-
-    def rollout(draw: int) -> Rollout:
-        """This rank's share of one draw of prompts, sampled and scored; its statistics go to the window."""
-        indices = [i for mb in loader.micro_batches(draw) for i in mb]
-        t0, compiled_before = time.time(), compile_stats()[1]
-        policy.eval()
-        with autocast, doing(f"the rollout ({len(indices) * G} completions of up to {args.max_new_tokens} tokens)",
-                             ("fewer completions per rank (--batch_size, --group_size, or more ranks)",
-                              "a smaller --max_new_tokens")):
-            samples = engine.generate([prompt_ids[i] for i in indices], G, sampling, tok.eos_id, tok.pad_id,
-                                      [torch.Generator().manual_seed(sample_seed(args.seed, draw, i)) for i in indices])
-        t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
-        decoded = engine.last
-        with doing("scoring the rollout", ("fewer completions per rank (--batch_size, --group_size, or more ranks)",)):
-            per_reward, rm_cut = rewards.score([train_rows[i] for i in indices], indices,
-                                               [prompt_ids[i] for i in indices], samples, tok, G)
-        total = rewards.total(per_reward)
-        window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
-                   tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
-                   zero_std=zero_std_groups(total, G).sum(), groups=len(indices), draws=1.0 / env.world_size,
-                   gen_s=t1 - t0 - compile_s, compile_s=compile_s, score_s=time.time() - t1,
-                   decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s, decode_bytes=decoded.bytes_read,
-                   **{f"reward_{n}": v for n, v in zip(rewards.names, per_reward.sum(0).tolist())})
-        return Rollout(indices, samples.completions, samples.truncated, per_reward)
-
-    def rollout_with_signal() -> tuple[Rollout, int]:
-        """--filter_zero_std: draw until the global batch holds batch_size groups with a reward spread (at
-        most --max_draws draws); every rank sees every group, then takes its share of the batch."""
-        nonlocal draw
-        kept = SignalFilter(args.batch_size)
-        for _ in range(args.max_draws):
-            groups = in_global_order(gather_objects(rollout(draw).groups()))
-            draw += 1
-            kept.add(groups, [bool(zero_std_groups(rewards.total(g.rewards), G)) for g in groups])
-            if kept.full:
-                break
-        batch, filled = kept.batch()
-        return Rollout.concat(batch[env.rank::env.world_size], n_rewards), filled
-
-    metrics: dict = {}
-    t_log = time.time()  # wall clock of the log window (evaluation left out), as TRL's bench times steps
-    for step in range(start_step, args.max_steps):
-        if args.filter_zero_std:
-            ro, filled = rollout_with_signal()
-            window.add(filled=filled / (args.batch_size * env.world_size))
-        else:
-            ro = rollout(draw)
-            draw += 1
-        rows = [train_rows[i] for i in ro.indices]
+    trainer.start(log_dir, "grpo")
+    for step in range(trainer.start_step, args.max_steps):
+        ro = rollouts.next()
+        done = step + 1
         total = rewards.total(ro.rewards)
         if args.log_rollouts:
-            log_rollouts(tracker, step + 1, ro, total, tok)
+            log_rollouts(trainer.tracker, done, ro, total, tok)
         batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id, share_prompt)
         batch["advantages"] = group_advantages(total, G, args.scale_rewards, args.std_mode)
-        batch["weights"] = torch.tensor([r.weight for r in rows], dtype=torch.float32).repeat_interleave(G)
+        batch["weights"] = torch.tensor([train_rows[i].weight for i in ro.indices],
+                                        dtype=torch.float32).repeat_interleave(G)
         if args.mask_truncated:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
         t0 = time.time()
@@ -387,120 +336,40 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             if args.num_iterations > 1:
                 batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
         t1 = time.time()
-        lr_mult = lr_multiplier(step, args.max_steps, args.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = group["initial_lr"] * lr_mult
-        lr = optimizer.param_groups[0]["lr"]  # adamw: the lr; muon: the LM head's (its first group)
+        lr = trainer.set_lr(step)  # adamw: the lr; muon: the LM head's (its first group)
         stats = torch.zeros(5, dtype=torch.float64)
-        done = step + 1
         for _ in range(args.num_iterations):
             with doing(f"a training micro-batch of {micro} sequences",
                        (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE,
                         LORA_STATE)), dropout_active(policy):
                 it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
             with doing("the optimizer step", (FEWER_RANKS_STATE, LORA_STATE)):
-                grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, it[0].item())
+                grad_norm = guarded_step(optimizer, trainable, args.grad_clip, trainer.guard, done, it[0].item())
             stats += it
         window.add(**dict(zip(LOSS_STATS, (stats / args.num_iterations).tolist())), ref_s=t1 - t0,
                    train_s=time.time() - t1, steps=1)
-        tracker.advance()
-        if due(done, args.log_every) or done == args.max_steps:
-            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm, time.time() - t_log,
-                                     peak_bw)
-            metrics.update(peak_memory_gb(env.device))
-            tracker.log(done, metrics)
+        trainer.tracker.advance()
+        if trainer.log_due(done):
+            metrics = window_metrics(window.reduced(), rewards.names, env.world_size, lr, grad_norm,
+                                     trainer.elapsed(), peak_bw)
+            trainer.log(done, {**metrics, **peak_memory_gb(env.device)})
             window.zero()
-            t_log = time.time()
-        if done == args.max_steps or due(done, args.eval_every):
-            if eval_rows:
-                ev = evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env, autocast, tracker, done)
-                tracker.log(done, ev)
-                metrics.update(ev)
-            t_log = time.time()
-        if guard.stop and done < args.max_steps:
-            tracker.close()
-            raise Interrupted(done, save(done, metrics))
-        if due(done, args.save_every) and done < args.max_steps:
-            print0(f"checkpoint: {save(done, metrics)}")
-    tracker.close()
+        if trainer.eval_due(done):
+            trainer.evaluated(done, evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env,
+                                             autocast, trainer.tracker, done) if eval_rows else {})
+        trainer.end_step(done)
     report_peak(env.device, estimate)
-    return save(args.max_steps, metrics)
+    return trainer.finish()
 
 
-def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, tok: TokenizerWrapper) -> None:
-    """Collective: rank 0 writes every rank's trained completions of this step, ordered by global prompt index."""
-    G = len(ro.completions) // len(ro.indices)
-    mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": ro.completions[j * G + g],
-             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g])}
-            for j, i in enumerate(ro.indices) for g in range(G)]
-    rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
-    tracker.records("rollouts.jsonl", rows)
-
-
-def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float,
-                   elapsed: float, peak_bw: float | None = None) -> dict:
-    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
-    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
-    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
-    n, steps = s["samples"], s["steps"] / world
-    mean = s["reward"] / n
-    tokens = max(s["loss_tokens"], 1)
-    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
-    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
-    m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
-              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["tokens"] / n,
-              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
-              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
-              "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,
-              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
-              "perf/completions_per_s": n / elapsed,
-              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
-              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
-              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
-              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
-              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
-              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
-              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
-              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
-    if peak_bw:
-        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
-    return m
-
-
-@torch.no_grad()
 def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
              tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv, autocast, tracker: Tracker,
              step: int) -> dict:
-    """Mean rewards (each one and the weighted total) on held-out prompts, one completion each, greedy and
-    at the training temperature. Each rank takes every W-th prompt; one reduction at the end."""
-    mine = list(range(env.rank, len(rows), env.world_size))
-    k = len(rewards.names)
-    sums = torch.zeros(2 * (k + 1) + 1, dtype=torch.float64)
-    engine.model.eval()
-    for j, temperature in enumerate((0.0, sampling.temperature)):
-        if not mine:  # fewer eval prompts than ranks: still take part in the collectives of the others' call
-            engine.refresh()  # (a sharded policy's weights are gathered from every rank)
-            raise_if_any(None)
-            continue
-        cfg = dataclasses.replace(sampling, temperature=temperature)
-        with autocast:
-            samples = engine.generate([prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
-                                      [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
-        per_reward, _ = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
-        sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1), per_reward.sum(0)])
-        if temperature == 0 and env.is_main:
-            for i in range(min(3, len(mine))):
-                tracker.text(step, f"eval/sample_{i}", f"**prompt:** {rows[mine[i]].messages[-1]['content']}\n\n"
-                             f"**completion:** {tok.decode(samples.completions[i])}")
-    sums[-1] = len(mine)
-    sums = all_reduce_sum(sums)
-    n = max(sums[-1].item(), 1.0)
-    out = {}
-    for j, mode in enumerate(("greedy", "sampled")):
-        out[f"eval/reward_{mode}"] = sums[j * (k + 1)].item() / n
-        for r, name in enumerate(rewards.names):
-            out[f"eval/{name}_{mode}"] = sums[j * (k + 1) + 1 + r].item() / n
-    return out
+    """Collective: the held-out rewards (evaluate_rewards); rank 0 shows its first greedy completions."""
+    metrics, shown = evaluate_rewards(engine, rows, prompt_ids, rewards, tok, sampling, seed, env, autocast)
+    for i, (prompt, completion) in enumerate(shown):
+        tracker.text(step, f"eval/sample_{i}", f"**prompt:** {prompt}\n\n**completion:** {completion}")
+    return metrics
 
 
 def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbone, args) -> list[list[int]]:
@@ -514,23 +383,9 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
     return out
 
 
-def load_resume_state(policy: Backbone, model: CompletionLogprobs, optimizer: torch.optim.Optimizer | MuonAdamW,
-                      resume: tuple, args, device, parallel: Parallel) -> tuple[int, int]:
-    """Restores the policy and optimizer; returns (step, draw)."""
-    model_path, _, state = resume
-    keys = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-            "filter_zero_std", "optimizer", *RESUME_KEYS) + (("max_draws",) if args.filter_zero_std else ())
-    check_resume_args(state["args"], args, keys, model_path, absent={**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
-    bases = [group["initial_lr"] for group in optimizer.param_groups]  # this run's --lr (--resume_extend may change it)
-    if policy.adapters is not None:  # LoRA: the base is the input's; the resume state holds the adapters
-        load_adapter_state(policy, state["adapters"], model_path)
-        optimizer.load_state_dict(state["optimizer"])
-    elif not parallel.resume(model_path, model, optimizer):  # the shards hold weights and optimizer state
-        policy.restore(state, saved=load_backbone(model_path, device))
-        optimizer.load_state_dict(state["optimizer"])  # takes the saved groups' hyperparameters, initial_lr included
-    for group, base in zip(optimizer.param_groups, bases):
-        group["initial_lr"] = base
-    return int(state["step"]), int(state.get("draw", state["step"]))  # before dynamic sampling: one draw a step
+# The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
+RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
+                "filter_zero_std", "optimizer", *RESUME_KEYS)
 
 
 GRPO_RANGES = {

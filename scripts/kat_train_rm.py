@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -21,23 +20,23 @@ from nanochat_ext.batching import LONG_PAIRS, BatchPlan, GlobalBatchLoader, by_l
 from nanochat_ext.checkpoint import claim_out_dir, fingerprint, portable_paths, save_checkpoint, torch_load
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              due, micro_batch, output_dirs, run_script, script_argv)
+                              micro_batch, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import attach_density, load_density, load_pairs, split_by_prefix
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                      seed_everything)
 from nanochat_ext.errors import InputError
-from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.loader import load_backbone, load_tokenizer_for, merged_weights
 from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, describe as describe_lora,
                                dropout_active, merge_now)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
-from nanochat_ext.optim import guarded_step, lr_multiplier, make_adamw
+from nanochat_ext.optim import guarded_step, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.resume import check_resume_args, resolve_resume
+from nanochat_ext.resume import resolve_resume
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
-from nanochat_ext.tracking import Tracker, WindowSums
+from nanochat_ext.tracking import WindowSums
+from nanochat_ext.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -157,16 +156,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     ddp_model = parallel.wrap(model, backbone.blocks)
     print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]  # after wrapping: FSDP's own parameters
-    optimizer = make_adamw(trainable, args.lr, args.weight_decay, env.device)
-    start_step = 0
-    if resume is not None:
-        start_step = load_resume_state(model, optimizer, resume, args, parallel)
-        print0(f"resume: from {resume[0]} at step {start_step}")
-    autocast = precision(dtype, env.device)
-
+    optimizer = make_optimizer("adamw", backbone.model, trainable, args.lr, args.weight_decay, env.device)
     backbone_print = fingerprint(backbone.source) if env.is_main else None  # recorded so a moved RM finds it
 
-    def save(step: int, metrics: dict, into: Path = out_dir, consolidate: bool = False) -> Path:
+    def saving(step: int, into: Path, consolidate: bool) -> Saving:
         merge = lora is not None and merge_now(args, step, consolidate)
 
         def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
@@ -176,26 +169,24 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                 trained, state = {"head.weight": trained["head.weight"], **merged}, state and {**state, "trained": trained}
             return save_checkpoint(d, stamp, trained, meta, state)
 
-        def meta(stamp: int) -> dict:
-            return {"kind": "reward_model", "stamp": stamp, "step": step,
-                    "backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
-                    "backbone_ref": {**portable_paths(backbone.source, into), "given": args.backbone,
-                                     "fingerprint": backbone_print},
-                    "tokenizer_ref": portable_paths(tokenizer.source, into),
-                    "backbone_vintage": backbone.vintage,
-                    "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
-                    "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
-                    "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
-                    "lora": lora and {**lora.to_meta(), "merged": merge},
-                    "world_size": env.world_size, "metrics": metrics, "args": vars(args)}
+        meta = {"backbone": str(Path(backbone.source).resolve()), "backbone_kind": backbone.kind,
+                "backbone_ref": {**portable_paths(backbone.source, into), "given": args.backbone,
+                                 "fingerprint": backbone_print},
+                "tokenizer_ref": portable_paths(tokenizer.source, into),
+                "backbone_vintage": backbone.vintage,
+                "tokenizer": str(Path(tokenizer.source).resolve()), "tokenizer_kind": tokenizer.kind,
+                "max_len": args.max_len, "dtype": str(dtype).removeprefix("torch."),
+                "unfreeze_last": args.unfreeze_last, "hidden_size": backbone.hidden_size,
+                "lora": lora and {**lora.to_meta(), "merged": merge}}
+        return Saving(meta, write_whole, {"device_batch_size": plan.device_batch_size})
 
-        return parallel.save(into, model, optimizer, module=model, final=step == args.max_steps,
-                             consolidate=consolidate, meta=meta, state={"step": step, "args": vars(args), "device_batch_size": plan.device_batch_size},
-                             write_whole=write_whole)
-
+    trainer = Trainer(args, env, parallel, model, optimizer, module=model, kind="reward_model", out_dir=out_dir,
+                      saving=saving)
+    start_step = trainer.resume(resume, RESUME_FLAGS, lambda state: load_trained(model, state, resume[0]),
+                                absent=BEFORE_LORA)
     if args.consolidate:
-        return parallel.consolidate(args.consolidate, resume, out_dir,
-                                    lambda d, metrics: save(start_step, metrics, d, consolidate=True))
+        return trainer.consolidate(resume)
+    autocast = precision(dtype, env.device)
 
     # ---- train ----------------------------------------------------------------------------------
     shape = backbone_shape(backbone)
@@ -216,56 +207,40 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
            f"{plan.device_batch_size} pairs")
     estimate = estimate_for(plan.device_batch_size)
     print0(describe(estimate, plan.device_batch_size))
-    tracker = Tracker(log_dir, env.is_main, args.max_steps, start_step, "rm", args.report_to, vars(args),
-                      args.wandb_project)
-    guard = StepGuard(args.skip_nonfinite)
+    trainer.start(log_dir, "rm")
     # LoRA takes less than unfrozen blocks, not than a frozen backbone (its backward runs through every block)
     lora_hint = (LORA_STATE.replace("--lora_r 16", "--lora_r 16 --unfreeze_last 0"),) if args.unfreeze_last != "0" else ()
     window = WindowSums([*RM_STATS, "steps"])  # this rank's sums since the last log
-    t_log = time.time()
-    metrics: dict = {}
     for step in range(start_step, args.max_steps):
         micro_batches = by_length(loader.micro_batches(step), lambda i: train_pairs[i].row_length)
         batches = [collate_pairs([train_pairs[i] for i in mb], tokenizer.pad_id) for mb in micro_batches]
-        lr = args.lr * lr_multiplier(step, args.max_steps, args.warmup_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        lr = trainer.set_lr(step)
         done = step + 1
         with doing(f"a training micro-batch of {plan.device_batch_size} pairs",
                    (*smaller_micro(plan.device_batch_size, plan.per_rank), "--activation_checkpointing",
                     FEWER_RANKS_STATE, *lora_hint)), dropout_active(backbone):
             stats = rm_backward(ddp_model, batches, args.weight_mode, args.weight_cap, env.device, autocast)
         with doing("the optimizer step", (FEWER_RANKS_STATE, *lora_hint)):
-            grad_norm = guarded_step(optimizer, trainable, args.grad_clip, guard, done, stats[0].item())
+            grad_norm = guarded_step(optimizer, trainable, args.grad_clip, trainer.guard, done, stats[0].item())
         window.add(**dict(zip(RM_STATS, stats.tolist())), steps=1)
-        tracker.advance()
-        if due(done, args.log_every) or done == args.max_steps:
+        trainer.tracker.advance()
+        if trainer.log_due(done):
             s = window.reduced()  # every rank's loss is its share of the global one; steps count once per rank
-            elapsed = time.time() - t_log
-            metrics = {"train/loss": s["loss"] / (s["steps"] / env.world_size),
-                       "train/accuracy": s["correct"] / s["pairs"], "train/margin": s["margin"] / s["pairs"],
-                       "train/lr": lr, "train/grad_norm": grad_norm,
-                       "perf/pairs_per_s": s["pairs"] / elapsed, "perf/tokens_per_s": s["tokens"] / elapsed,
-                       "perf/computed_tokens_per_s": s["computed"] / elapsed, **peak_memory_gb(env.device)}
-            tracker.log(done, metrics)
+            elapsed = trainer.elapsed()
+            trainer.log(done, {"train/loss": s["loss"] / (s["steps"] / env.world_size),
+                               "train/accuracy": s["correct"] / s["pairs"], "train/margin": s["margin"] / s["pairs"],
+                               "train/lr": lr, "train/grad_norm": grad_norm,
+                               "perf/pairs_per_s": s["pairs"] / elapsed, "perf/tokens_per_s": s["tokens"] / elapsed,
+                               "perf/computed_tokens_per_s": s["computed"] / elapsed, **peak_memory_gb(env.device)})
             window.zero()
-            t_log = time.time()
-        if done == args.max_steps or due(done, args.eval_every):
-            if val_pairs:
-                with doing(f"validation, {plan.device_batch_size} pairs at a time",
-                           smaller_micro(plan.device_batch_size, plan.per_rank)):
-                    val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast)
-                tracker.log(done, val)
-                metrics.update(val)
-            t_log = time.time()
-        if guard.stop and done < args.max_steps:
-            tracker.close()
-            raise Interrupted(done, save(done, metrics))
-        if due(done, args.save_every) and done < args.max_steps:
-            print0(f"checkpoint: {save(done, metrics)}")
-    tracker.close()
+        if trainer.eval_due(done):
+            with doing(f"validation, {plan.device_batch_size} pairs at a time",
+                       smaller_micro(plan.device_batch_size, plan.per_rank)):
+                val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast) if val_pairs else {}
+            trainer.evaluated(done, val)
+        trainer.end_step(done)
     report_peak(env.device, estimate)
-    return save(args.max_steps, metrics)
+    return trainer.finish()
 
 
 @torch.no_grad()
@@ -291,14 +266,13 @@ def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: 
     return {"val/accuracy": stats[0].item() / n, "val/margin": stats[1].item() / n, "val/loss": stats[2].item() / n}
 
 
-def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resume: tuple, args,
-                      parallel: Parallel) -> int:
-    model_path, _, state = resume
-    check_resume_args(state["args"], args, ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap",
-                                            "max_len", "long_pairs", *RESUME_KEYS), model_path, absent=BEFORE_LORA)
-    if parallel.resume(model_path, model, optimizer):
-        return int(state["step"])
-    # what trained: the model file's, or, where it holds merged weights (--merge_lora), the state's adapters
+# The flags a resumed RM must keep (its learning-rate schedule too, unless --resume_extend).
+RESUME_FLAGS = ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_cap", "max_len", "long_pairs", *RESUME_KEYS)
+
+
+def load_trained(model: RewardModel, state: dict, model_path: Path) -> None:
+    """A whole checkpoint's trained tensors into the model: the model file's, or, where it holds merged weights
+    (--merge_lora), the resume state's adapters."""
     weights = state.get("trained") or torch_load(model_path, "reward-model checkpoint")
     params = dict(model.named_parameters())
     if set(weights) != {n for n, p in params.items() if p.requires_grad}:
@@ -307,8 +281,6 @@ def load_resume_state(model: RewardModel, optimizer: torch.optim.Optimizer, resu
     with torch.no_grad():
         for name, tensor in weights.items():
             params[name].copy_(tensor)
-    optimizer.load_state_dict(state["optimizer"])
-    return int(state["step"])
 
 
 def main(argv: list[str] | None = None) -> int:

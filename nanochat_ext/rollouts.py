@@ -1,0 +1,135 @@
+"""GRPO's rollouts on each rank: a draw of prompts sampled and scored, DAPO's dynamic sampling over draws,
+the sums a log window keeps of them and the metrics those sums give, and the rollout log.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import ContextManager
+
+import torch
+
+from nanochat_ext.batching import GlobalBatchLoader
+from nanochat_ext.compiled import compile_stats
+from nanochat_ext.data import PromptRow
+from nanochat_ext.ddp_common import DistEnv, gather_objects
+from nanochat_ext.engine import Engine
+from nanochat_ext.grpo import LOSS_STATS, Rollout, SignalFilter, in_global_order, zero_std_groups
+from nanochat_ext.memory import doing
+from nanochat_ext.rewards import Rewards
+from nanochat_ext.sampling import SamplingConfig, sample_seed
+from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.tracking import Tracker, WindowSums
+
+FEWER_COMPLETIONS = "fewer completions per rank (--batch_size, --group_size, or more ranks)"
+
+
+def grpo_window(reward_names: list[str]) -> WindowSums:
+    """This rank's sums over the steps of one log window: rollouts, the loss, where the time went."""
+    return WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in reward_names), "tokens",
+                       "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
+                       "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps", "decoded", "decode_s",
+                       "decode_bytes"])
+
+
+class Rollouts:
+    """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with
+    --filter_zero_std), each sampled G times from prompt_ids with its own seeds and scored; statistics go to
+    `window`."""
+
+    def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
+                 prompt_ids: list[list[int]], tok: TokenizerWrapper, sampling: SamplingConfig,
+                 args: argparse.Namespace, env: DistEnv, autocast: ContextManager, window: WindowSums):
+        self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
+        self.tok, self.sampling, self.args, self.env, self.autocast, self.window = tok, sampling, args, env, autocast, window
+        self.G = args.group_size
+        self.drawn = 0
+
+    def next(self) -> Rollout:
+        """This step's rollout: the next draw, or with --filter_zero_std the groups with a reward spread."""
+        if not self.args.filter_zero_std:
+            self.drawn += 1
+            return self.draw(self.drawn - 1)
+        ro, filled = self.with_signal()
+        self.window.add(filled=filled / (self.args.batch_size * self.env.world_size))
+        return ro
+
+    def draw(self, draw: int) -> Rollout:
+        """This rank's share of draw number `draw`, sampled and scored."""
+        indices = [i for mb in self.loader.micro_batches(draw) for i in mb]
+        prompts, seed = [self.prompt_ids[i] for i in indices], self.args.seed
+        t0, compiled_before = time.time(), compile_stats()[1]
+        self.engine.model.eval()
+        with self.autocast, doing(f"the rollout ({len(indices) * self.G} completions of up to "
+                                  f"{self.sampling.max_new_tokens} tokens)",
+                                  (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
+            samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.eos_id, self.tok.pad_id,
+                                           [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices])
+        t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
+        decoded = self.engine.last
+        with doing("scoring the rollout", (FEWER_COMPLETIONS,)):
+            per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], indices, prompts, samples,
+                                                    self.tok, self.G)
+        total = self.rewards.total(per_reward)
+        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
+                        tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
+                        zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),
+                        draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
+                        score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s,
+                        decode_bytes=decoded.bytes_read,
+                        **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward.sum(0).tolist())})
+        return Rollout(indices, samples.completions, samples.truncated, per_reward)
+
+    def with_signal(self) -> tuple[Rollout, int]:
+        """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward
+        spread (at most --max_draws draws); every rank sees every group, then takes its share of the batch.
+        Returns it and how many zero-spread groups filled it up."""
+        kept = SignalFilter(self.args.batch_size)
+        for _ in range(self.args.max_draws):
+            groups = in_global_order(gather_objects(self.draw(self.drawn).groups()))
+            self.drawn += 1
+            kept.add(groups, [bool(zero_std_groups(self.rewards.total(g.rewards), self.G)) for g in groups])
+            if kept.full:
+                break
+        batch, filled = kept.batch()
+        return Rollout.concat(batch[self.env.rank::self.env.world_size], len(self.rewards.names)), filled
+
+
+def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, tok: TokenizerWrapper) -> None:
+    """Collective: rank 0 writes every rank's trained completions of this step, ordered by global prompt index."""
+    G = len(ro.completions) // len(ro.indices)
+    mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": ro.completions[j * G + g],
+             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g])}
+            for j, i in enumerate(ro.indices) for g in range(G)]
+    rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
+    tracker.records("rollouts.jsonl", rows)
+
+
+def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float,
+                   elapsed: float, peak_bw: float | None = None) -> dict:
+    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
+    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
+    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
+    n, steps = s["samples"], s["steps"] / world
+    mean = s["reward"] / n
+    tokens = max(s["loss_tokens"], 1)
+    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
+    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
+    m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
+              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["tokens"] / n,
+              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
+              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
+              "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,
+              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
+              "perf/completions_per_s": n / elapsed,
+              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
+              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
+              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
+              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
+              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
+              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
+              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
+              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
+    if peak_bw:
+        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
+    return m

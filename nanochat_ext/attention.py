@@ -312,3 +312,28 @@ class KVCache:
         self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
         if self.prev_embedding is not None:
             self.prev_embedding = self.prev_embedding.repeat_interleave(n, dim=0)
+
+
+@dataclass
+class Span:
+    """Where a forward's new tokens sit, as both models' hidden_states take them (see GPT.hidden_states)."""
+    T0: int  # tokens already in the cache
+    positions: torch.Tensor | None  # (B, T) each new token's rotary position; None: T0..T0+T-1 in every row
+    at: torch.Tensor | None  # (B, K): the positions the last block computes at; None: all
+    single: bool  # `at` was given as (B,): one state per row comes back
+    masks: list  # every layer's mask or TreeAttention (layer_masks)
+
+
+def forward_span(idx: torch.Tensor, key_mask: torch.Tensor | None, kv_cache: KVCache | None,
+                 tree: PrefixTree | None, at: torch.Tensor | None, window_sizes: list[int], max_len: int) -> Span:
+    """The positions and masks of a forward over idx (B, T); refuses a sequence past the max_len positions
+    the model's rotary table holds."""
+    T = idx.size(1)
+    T0 = kv_cache.pos if kv_cache is not None else 0
+    span = tree.span if tree is not None else T0 + T
+    if span > max_len:
+        raise ValueError(f"sequence of {span} tokens is longer than the model's {max_len} rotary positions")
+    single = at is not None and at.dim() == 1
+    at = at[:, None] if single else at
+    positions = tree.positions if tree is not None else row_positions(key_mask, T0, T)  # left padding: from 0
+    return Span(T0, positions, at, single, layer_masks(window_sizes, T, T0, key_mask, tree, at, idx.device))

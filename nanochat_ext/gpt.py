@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.attention import (NO_WINDOW, KVCache, PrefixTree, add_mlp, attend, layer_masks, rotary_slice,
-                                    row_positions, rows_at, static_masks)
+from nanochat_ext.attention import (NO_WINDOW, KVCache, PrefixTree, add_mlp, attend, forward_span, rotary_slice,
+                                    rows_at, static_masks)
 from nanochat_ext.errors import InputError
 from nanochat_ext.vintages import SMEAR_CHANNELS, VINTAGES, Vintage, pick_vintage
 
@@ -244,23 +244,15 @@ class GPT(nn.Module):
         at (B,) or (B, K), without cache: only row b's states at positions at[b], (B, n_embd) or
         (B, K, n_embd); the last block then runs its queries and MLP there alone (a reward model reads
         nothing else)."""
-        B, T = idx.shape
-        v = self.config.v
-        T0 = kv_cache.pos if kv_cache is not None else 0
-        span = tree.span if tree is not None else T0 + T
-        if span > self.rotary.size(0):
-            raise ValueError(f"sequence of {span} tokens is longer than the rotary table ({self.rotary.size(0)})")
-        single = at is not None and at.dim() == 1
-        at = at[:, None] if single else at
-        positions = tree.positions if tree is not None else row_positions(key_mask, T0, T)
-        table = rotary_slice(self.rotary, positions, T0, T).to(self._rotary_dtype(idx.device))  # no-op on CPU
+        s = forward_span(idx, key_mask, kv_cache, tree, at, self.window_sizes, self.rotary.size(0))
+        table = rotary_slice(self.rotary, s.positions, s.T0, idx.size(1))
+        table = table.to(self._rotary_dtype(idx.device))  # a no-op on CPU
         cos_sin = table[:, :, None, 0], table[:, :, None, 1]  # (1 or B, T, 1, head_dim / 2)
-        masks = layer_masks(self.window_sizes, T, T0, key_mask, tree, at, idx.device)
         x = norm(self.transformer.wte(idx))
-        if v.smear:
-            x = self._smear(x, positions, kv_cache, tree.prev if tree is not None else None)
-        x = self._trunk(idx, x, cos_sin, masks, kv_cache, at, tree.real_tokens if tree is not None else None)
-        return x[:, 0] if single else x
+        if self.config.v.smear:
+            x = self._smear(x, s.positions, kv_cache, tree.prev if tree is not None else None)
+        x = self._trunk(idx, x, cos_sin, s.masks, kv_cache, s.at, tree.real_tokens if tree is not None else None)
+        return x[:, 0] if s.single else x
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
                     kv_cache: KVCache) -> torch.Tensor:

@@ -15,8 +15,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.attention import (KVCache, PrefixTree, add_mlp, attend, layer_masks, rotary_slice, row_positions,
-                                    rows_at, static_masks)
+from nanochat_ext.attention import (KVCache, PrefixTree, add_mlp, attend, forward_span, rotary_slice, rows_at,
+                                    static_masks)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -139,22 +139,14 @@ class Llama(nn.Module):
                       tree: PrefixTree | None = None) -> torch.Tensor:
         """Final-normed hidden states (B, T, hidden); same contract as GPT.hidden_states, `at` and
         `tree` included."""
-        B, T = idx.shape
-        T0 = kv_cache.pos if kv_cache is not None else 0
-        span = tree.span if tree is not None else T0 + T
-        if span > self.cos.size(0):
-            raise ValueError(f"sequence of {span} tokens is longer than the context ({self.cos.size(0)})")
-        single = at is not None and at.dim() == 1
-        at = at[:, None] if single else at
-        positions = tree.positions if tree is not None else row_positions(key_mask, T0, T)  # left padding: from 0
-        cos_sin = tuple(rotary_slice(t, positions, T0, T)[:, None] for t in (self.cos, self.sin))
-        masks = layer_masks(self.window_sizes, T, T0, key_mask, tree, at, idx.device)
+        s = forward_span(idx, key_mask, kv_cache, tree, at, self.window_sizes, self.cos.size(0))
+        cos_sin = tuple(rotary_slice(t, s.positions, s.T0, idx.size(1))[:, None] for t in (self.cos, self.sin))
         x = self.embed(idx)
         last, real_tokens = len(self.layers) - 1, tree.real_tokens if tree is not None else None
-        for i, (block, mask) in enumerate(zip(self.layers, masks)):
-            x = block(x, cos_sin, mask, kv_cache=kv_cache, at=at if i == last else None, real_tokens=real_tokens)
+        for i, (block, mask) in enumerate(zip(self.layers, s.masks)):
+            x = block(x, cos_sin, mask, kv_cache=kv_cache, at=s.at if i == last else None, real_tokens=real_tokens)
         x = F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)
-        return x[:, 0] if single else x
+        return x[:, 0] if s.single else x
 
     def decode_step(self, tokens: torch.Tensor, positions: torch.Tensor, key_valid: torch.Tensor,
                     kv_cache: KVCache) -> torch.Tensor:

@@ -25,6 +25,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
              "--rm_len 32 --micro 4")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
            "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
+           "NANOCHAT_SRC": str(tmp_path / "none"),  # no nanochat beside ours (a checkout may carry .nanochat)
            "CUDA_VISIBLE_DEVICES": ""}  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -38,6 +38,7 @@ from nanochat_ext.backbone import Backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_stats
 from nanochat_ext.ddp_common import whole
 from nanochat_ext.sampling import SamplingConfig, take_tokens
+from nanochat_ext.tools import ToolState, ToolTokens
 
 SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
 # Peak memory bandwidth in bytes/s by device name, the most specific first (nanochat's figures, common.py). A
@@ -99,6 +100,9 @@ def compile_for(fn, device: torch.device):
 class Samples:
     completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
     truncated: list[bool]  # stopped by max_new_tokens, not by the stop token
+    sampled: list[list[int]] | None = None  # with tools, per completion token: 1 sampled, 0 forced by a tool
+    tool_calls: int = 0  # python blocks closed (the calculator called)
+    tool_errors: int = 0  # of them, the ones it refused (nothing forced)
 
 
 @dataclass
@@ -135,22 +139,30 @@ class DecodeState:
     key_valid: torch.Tensor  # (rows, slots): the slots each row may attend to
     t: torch.Tensor  # () the token being taken
     slot: torch.Tensor  # (1,) the slot it is written to
+    tools: ToolState | None  # the rows' tool calls (an engine with tools)
 
     def tensors(self) -> list[torch.Tensor]:
         cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
                                                else [])
-        return cache + [getattr(self, f.name) for f in fields(self) if f.name != "cache"]
+        tools = self.tools.tensors() if self.tools is not None else []
+        return cache + tools + [getattr(self, f.name) for f in fields(self) if f.name not in ("cache", "tools")]
 
     @property
     def slots(self) -> int:
         return self.key_valid.size(1)
 
 
-def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id: int, pad_id: int) -> None:
-    """Take token t of every row from the state's logits, decode it at its slot (static shapes), and leave the
-    logits after it; everything in place, so torch.compile captures the whole step, sampling included."""
+def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id: int, pad_id: int,
+                python: tuple[int, int] | None) -> None:
+    """Take token t of every row from the state's logits (or a tool's forced token), decode it at its slot (static
+    shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
+    and the tools' state included. python: the tool protocol's (python_start, python_end) ids, with tools."""
     u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
-    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id)
+    live = ~s.done
+    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id,
+                        s.tools.force if s.tools is not None else None)
+    if s.tools is not None:
+        s.tools.track(token, s.t, live, *python)
     s.key_valid.index_fill_(1, s.slot, True)
     s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
     s.t.add_(1)
@@ -159,10 +171,15 @@ def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id
 
 class Engine:
     """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
-    compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly)."""
+    compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly).
+    tools: run nanochat's calculator inside the rollouts (tools.py)."""
 
-    def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None):
+    def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
+                 tools: ToolTokens | None = None):
         self.model = model
+        self.tools = tools
+        self._python = (tools.python_start, tools.python_end) if tools is not None else None
+        self._tool_calls = [0, 0]  # this call's calculator calls and refusals
         self.compiled = compile and model.native
         self._states: dict[int, DecodeState] = {}  # rows -> the kept decode state (compiled only)
         self._step = None
@@ -189,6 +206,7 @@ class Engine:
         ids, key_mask = ids.to(device), key_mask.to(device)
         uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
         decoder = self._decoder(device)
+        self._tool_calls = [0, 0]
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
         if self.compiled:
@@ -196,13 +214,13 @@ class Engine:
             sync(device)
             t1 = time.perf_counter()
             steps = self._decode_compiled(decoder, state, cfg, stop_id, pad_id)
-            out, lengths, done = state.out, state.lengths, state.done
+            out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
-            out, lengths, done, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg, stop_id,
-                                                           pad_id)
+            out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
+                                                                  stop_id, pad_id)
         sync(device)
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
@@ -210,7 +228,8 @@ class Engine:
         self.last = DecodeStats(n * G, steps, t1 - t0, max(t2 - t1 - compiled_s, 0.0), weight_bytes(decoder),
                                 kv_bytes(decoder, context))
         lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
-        return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done])
+        sampled = [row[:k] for row, k in zip(tools.sampled.int().tolist(), lengths)] if tools is not None else None
+        return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, *self._tool_calls)
 
     # ---- eager ------------------------------------------------------------------------------------
     def _prefill_eager(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int, max_new: int):
@@ -226,15 +245,32 @@ class Engine:
         out = torch.full((rows, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
+        tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.tools is not None else None
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
         for t in range(cfg.max_new_tokens):
-            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_id, pad_id)
-            if t == cfg.max_new_tokens - 1 or bool(done.all()):
-                return out, lengths, done, t
+            live = ~done
+            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_id, pad_id,
+                                tools.force if tools is not None else None)
+            if tools is not None:
+                tools.track(token, steps[t], live, *self._python)
+            if t == cfg.max_new_tokens - 1 or self._finished(done, tools, out, t):
+                return out, lengths, done, tools, t
             if key_mask is not None:
                 key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             logits = decoder.decode(cache, token, key_mask)
-        return out, lengths, done, 0  # max_new_tokens 0
+        return out, lengths, done, tools, 0  # max_new_tokens 0
+
+    def _finished(self, done: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int) -> bool:
+        """After token t: whether every row has stopped; else, with tools, the calculator answers the blocks token
+        t closed (one read from the device a step, as without tools)."""
+        if tools is None:
+            return bool(done.all())
+        finished, closed = torch.stack([done.all(), tools.closed.any()]).tolist()
+        if closed and not finished:
+            calls, refused = tools.answer_closed(out, t, self.tools)
+            self._tool_calls[0] += calls
+            self._tool_calls[1] += refused
+        return finished
 
     # ---- compiled ---------------------------------------------------------------------------------
     def _prefill_state(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int,
@@ -262,6 +298,8 @@ class Engine:
         s.done.zero_()
         s.t.zero_()
         s.slot.fill_(P)
+        if s.tools is not None:
+            s.tools.reset()
         return s
 
     def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, like: KVCache,
@@ -287,7 +325,8 @@ class Engine:
                         torch.zeros(rows, dtype=torch.long, device=device),
                         torch.zeros(rows, slots, dtype=torch.bool, device=device),
                         torch.zeros((), dtype=torch.long, device=device),
-                        torch.zeros(1, dtype=torch.long, device=device))
+                        torch.zeros(1, dtype=torch.long, device=device),
+                        ToolState.empty(rows, max_new, device) if self.tools is not None else None)
         cache.slot = s.slot
         for t in s.tensors():
             torch._dynamo.mark_static_address(t)
@@ -300,11 +339,12 @@ class Engine:
             self._step = compile_for(decode_step, s.t.device)
         last = cfg.max_new_tokens - 1
         for t in range(last):
-            self._step(decoder.model, s, cfg, stop_id, pad_id)
-            if bool(s.done.all()):
+            self._step(decoder.model, s, cfg, stop_id, pad_id, self._python)
+            if self._finished(s.done, s.tools, s.out, t):
                 return t + 1
         if last >= 0:  # the last token needs no decoding after it
-            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id)
+            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id,
+                        s.tools.force if s.tools is not None else None)
         return max(last, 0)
 
     # ---- what decodes -----------------------------------------------------------------------------

@@ -65,18 +65,22 @@ class Rollout:
     completions: list[list[int]]
     truncated: list[bool]
     rewards: torch.Tensor  # (len(indices) * G, n_rewards), float64
+    sampled: list[list[int]] | None = None  # with tools: per completion token, 1 sampled, 0 forced (no loss)
 
     def groups(self) -> list["Rollout"]:
         """One Rollout per prompt."""
         G = len(self.completions) // max(len(self.indices), 1)
         return [Rollout([i], self.completions[j * G:(j + 1) * G], self.truncated[j * G:(j + 1) * G],
-                        self.rewards[j * G:(j + 1) * G]) for j, i in enumerate(self.indices)]
+                        self.rewards[j * G:(j + 1) * G], self.sampled and self.sampled[j * G:(j + 1) * G])
+                for j, i in enumerate(self.indices)]
 
     @staticmethod
     def concat(parts: list["Rollout"], n_rewards: int) -> "Rollout":
+        with_tools = any(p.sampled is not None for p in parts)
         return Rollout([i for p in parts for i in p.indices], [c for p in parts for c in p.completions],
                        [t for p in parts for t in p.truncated],
-                       torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0, n_rewards, dtype=torch.float64))
+                       torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0, n_rewards, dtype=torch.float64),
+                       [m for p in parts for m in p.sampled] if with_tools else None)
 
 
 def zero_std_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:

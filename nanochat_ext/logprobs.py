@@ -19,12 +19,14 @@ from nanochat_ext.parallel import no_sync
 
 # ---- batches ------------------------------------------------------------------------------------
 def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
-                   pad_id: int, share_prompt: bool = False) -> dict[str, torch.Tensor]:
+                   pad_id: int, share_prompt: bool = False,
+                   sampled: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion rows and, per completion token, the position in its own
     prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
-    0 past each completion's end. share_prompt: one PrefixTree row per group instead (what its sequences
-    share, the prompt at least, once; then the rest of each), its lengths in `branches` (groups, 1 + G);
-    CompletionLogprobs then maps gather into the group's row."""
+    0 past each completion's end, and where `sampled` is 0 (a token a tool forced: no loss looks at it).
+    share_prompt: one PrefixTree row per group instead (what its sequences share, the prompt at least, once;
+    then the rest of each), its lengths in `branches` (groups, 1 + G); CompletionLogprobs then maps gather into
+    the group's row."""
     seqs = [prompt_ids[r // group_size] + comp for r, comp in enumerate(completions)]
     n, L = len(completions), max(1, max(len(c) for c in completions))
     gather = torch.zeros((n, L), dtype=torch.long)
@@ -34,7 +36,7 @@ def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], gr
         k = len(comp)
         gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
         target[r, :k] = torch.tensor(comp, dtype=torch.long)
-        mask[r, :k] = 1.0
+        mask[r, :k] = 1.0 if sampled is None else torch.tensor(sampled[r], dtype=torch.float32)
     batch = {"gather": gather, "target": target, "mask": mask}
     if not share_prompt:
         return {"input_ids": right_pad(seqs, pad_id), **batch}
@@ -49,8 +51,8 @@ def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.
     """Completions `rows` of a sequence batch (whole groups when prompts are shared), cut to their own
     longest sequence and completion."""
     out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
-    n_tok = int(out["mask"].sum(1).max().item()) if out["mask"].numel() else 0
-    n_tok = max(n_tok, 1)
+    scored = out["mask"].gt(0).any(0).nonzero()  # token columns any completion is scored at (forced ones are not)
+    n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
     for k in ("gather", "target", "mask", "old_logp", "ref_logp"):  # per-token tensors
         if k in out:
             out[k] = out[k][:, :n_tok]

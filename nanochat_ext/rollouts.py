@@ -27,7 +27,7 @@ FEWER_COMPLETIONS = "fewer completions per rank (--batch_size, --group_size, or 
 def grpo_window(reward_names: list[str]) -> WindowSums:
     """This rank's sums over the steps of one log window: rollouts, the loss, where the time went."""
     return WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in reward_names), "tokens",
-                       "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
+                       "sampled_tokens", "tool_calls", "tool_errors", "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
                        "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps", "decoded", "decode_s",
                        "decode_bytes"])
 
@@ -71,14 +71,17 @@ class Rollouts:
             per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], indices, prompts, samples,
                                                     self.tok, self.G)
         total = self.rewards.total(per_reward)
-        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
-                        tokens=sum(map(len, samples.completions)), truncated=sum(samples.truncated), rm_cut=rm_cut,
+        tokens = sum(map(len, samples.completions))
+        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total), tokens=tokens,
+                        sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
+                        tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
+                        truncated=sum(samples.truncated), rm_cut=rm_cut,
                         zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),
                         draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
                         score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s,
                         decode_bytes=decoded.bytes_read,
                         **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward.sum(0).tolist())})
-        return Rollout(indices, samples.completions, samples.truncated, per_reward)
+        return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled)
 
     def with_signal(self) -> tuple[Rollout, int]:
         """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward
@@ -99,7 +102,8 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
     """Collective: rank 0 writes every rank's trained completions of this step, ordered by global prompt index."""
     G = len(ro.completions) // len(ro.indices)
     mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": ro.completions[j * G + g],
-             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g])}
+             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g]),
+             **({"sampled": ro.sampled[j * G + g]} if ro.sampled is not None else {})}
             for j, i in enumerate(ro.indices) for g in range(G)]
     rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
     tracker.records("rollouts.jsonl", rows)
@@ -116,7 +120,10 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
     m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
     m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
     m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
-              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["tokens"] / n,
+              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
+              # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
+              # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
+              "train/tool_calls": s["tool_calls"] / n, "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
               "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
               "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
               "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,

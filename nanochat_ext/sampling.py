@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -70,13 +71,15 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
 
 
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,
-                done: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int) -> torch.Tensor:
+                done: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int,
+                force: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
-    row's uniform u, the pad for rows already stopped. Written into out; rows that stop now are marked in
-    done and lengths. All in place."""
+    row's uniform u (force(sampled, t): the tokens a tool forces instead, see tools.py), the pad for rows already
+    stopped. Written into out; rows that stop now are marked in done and lengths. All in place."""
     if cfg.min_new_tokens:
         logits[:, stop_id] = torch.where(t < cfg.min_new_tokens, float("-inf"), logits[:, stop_id])
-    token = torch.where(done, pad_id, sample_token(logits, u, cfg))
+    token = sample_token(logits, u, cfg)
+    token = torch.where(done, pad_id, token if force is None else force(token, t))
     out.index_copy_(1, t.view(1), token[:, None])
     stopped = ~done & (token == stop_id)
     lengths.masked_fill_(stopped, t + 1)

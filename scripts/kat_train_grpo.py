@@ -47,6 +47,7 @@ from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tracking import Tracker
 from nanochat_ext.trainer import Saving, Trainer
+from nanochat_ext.tools import TOOLS, tool_tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,6 +96,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: %(default)s)")
     g.add_argument("--top_k", type=int, default=0, help="sample among the k likeliest tokens (0: off)")
     g.add_argument("--top_p", type=float, default=1.0, help="nucleus sampling mass (1: off)")
+    g.add_argument("--tools", choices=TOOLS, default=None,
+                   help="calculator: run nanochat's calculator inside the rollouts (a <|python_start|>expr<|python_end|> "
+                        "block gets its answer forced in, masked out of the loss), as nanochat's Engine does; "
+                        "default: calculator where the tokenizer has nanochat's python tokens, else none")
     g.add_argument("--mask_truncated", action="store_true",
                    help="leave completions that hit --max_new_tokens out of the loss")
     g.add_argument("--filter_zero_std", action="store_true",
@@ -209,6 +214,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     overlong = (args.max_new_tokens, args.overlong_buffer, args.overlong_penalty) if args.overlong_buffer else None
     rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong, args.reward_clip, args.reward_workers,
                       args.reward_url, args.reward_timeout)
+    tools = tool_tokens(args.tools, tok)
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
     claim_out_dir(out_dir, log_dir)
@@ -240,7 +246,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         reference = WithoutAdapters(model, policy)
     # The engine copies the policy before it is sharded (under fsdp it decodes from a whole copy)
     engine = Engine(policy, compile=compile_decode,
-                    whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None)
+                    whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None, tools=tools)
     ddp_model = parallel.wrap(model, policy.blocks)
     print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -289,7 +295,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
             "a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else "")
     print0(f"decode: {'compiled' if engine.compiled else 'eager'} "
-           f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else ""))
+           f"({why if policy.native else 'a transformers model decodes eagerly'})" + (f"; from {copy}" if copy else "")
+           + f"; tools: {'calculator' if tools else 'none'}")
     if args.consolidate:
         return trainer.consolidate(resume)
 
@@ -323,7 +330,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         total = rewards.total(ro.rewards)
         if args.log_rollouts:
             log_rollouts(trainer.tracker, done, ro, total, tok)
-        batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id, share_prompt)
+        batch = make_sequences([prompt_ids[i] for i in ro.indices], ro.completions, G, tok.pad_id, share_prompt,
+                               ro.sampled)
         batch["advantages"] = group_advantages(total, G, args.scale_rewards, args.std_mode)
         batch["weights"] = torch.tensor([train_rows[i].weight for i in ro.indices],
                                         dtype=torch.float32).repeat_interleave(G)

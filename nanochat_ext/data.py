@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from nanochat_ext.checkpoint import read_json
 from nanochat_ext.errors import InputError, Row, first_line
+from nanochat_ext.gsm8k import answer_parts, is_gsm8k_row
 
 ROLES = ("system", "user", "assistant")
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
@@ -140,6 +141,17 @@ def _messages(value, path, line, field) -> list[dict]:
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 
+PART_TYPES = ("text", "python", "python_output")
+
+
+def _parts(value: list, path, line) -> None:
+    """A reply given as nanochat's parts: each {type: text|python|python_output, text: str}."""
+    for i, part in enumerate(value):
+        if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
+            raise InputError(f"reply part {i} must be {{'type': text|python|python_output, 'text': str}}",
+                             path, line, "messages")
+
+
 def _parse_hh(text: str, path, line, field) -> list[dict]:
     parts = _HH_TURN.split("\n\n" + text.lstrip("\n"))
     # parts: [preamble, role, content, role, content, ...]
@@ -243,6 +255,10 @@ class PromptRow:
 
 
 def parse_prompt(obj: dict, path: str, line: int) -> PromptRow:
+    if is_gsm8k_row(obj):  # {question, answer}: the question is the prompt; the answer stays for the reward
+        if not isinstance(obj["question"], str) or not obj["question"].strip():
+            raise InputError("must be a non-empty string", path, line, "question")
+        obj = {**obj, "prompt": obj["question"]}
     prompt = obj.get("prompt")
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -281,16 +297,28 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
     return rows
 
 
-def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str, int]]:
-    """SFT data: JSONL {messages: [...]} ending with the assistant reply to learn ->
-    (prompt messages, reply, line)."""
+def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str | list[dict], int]]:
+    """SFT data: JSONL {messages: [...]} ending with the assistant reply to learn (a string, or nanochat's parts
+    with tool calls), or GSM8K's {question, answer} rows -> (prompt messages, reply, line)."""
     out = []
     for lineno, obj in read_rows(path):
-        msgs = _messages(obj.get("messages"), str(path), lineno, "messages")
+        if is_gsm8k_row(obj):  # GSM8K: the question, then its worked answer with calculator calls as parts
+            if not isinstance(obj["question"], str) or not isinstance(obj["answer"], str):
+                raise InputError("question and answer must be strings", str(path), lineno, "answer")
+            out.append(([{"role": "user", "content": obj["question"]}], answer_parts(obj["answer"]), lineno))
+            continue
+        messages = obj.get("messages")
+        reply = messages[-1].get("content") if isinstance(messages, list) and messages and \
+            isinstance(messages[-1], dict) else None
+        if isinstance(reply, list):  # nanochat's own format: the reply as parts (text, python, python_output)
+            _parts(reply, str(path), lineno)
+            messages = [*messages[:-1], {**messages[-1], "content": "parts"}]
+        msgs = _messages(messages, str(path), lineno, "messages")
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
             raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
                              "messages")
-        out.append((msgs[:-1], _answer(msgs[-1]["content"], str(path), lineno, "messages"), lineno))
+        out.append((msgs[:-1], reply if isinstance(reply, list) else _answer(reply, str(path), lineno, "messages"),
+                    lineno))
     if not out:
         raise InputError("no conversations in file", path=str(path))
     return out

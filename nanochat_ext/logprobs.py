@@ -20,10 +20,10 @@ from nanochat_ext.parallel import no_sync
 # ---- batches ------------------------------------------------------------------------------------
 def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
                    pad_id: int, share_prompt: bool = False,
-                   sampled: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+                   token_mask: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
     """Right-padded prompt+completion rows and, per completion token, the position in its own
     prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
-    0 past each completion's end, and where `sampled` is 0 (a token a tool forced: no loss looks at it).
+    0 past each completion's end, and where token_mask is 0 (a token a tool wrote: no loss looks at it).
     share_prompt: one PrefixTree row per group instead (what its sequences share, the prompt at least, once;
     then the rest of each), its lengths in `branches` (groups, 1 + G); CompletionLogprobs then maps gather into
     the group's row."""
@@ -36,7 +36,7 @@ def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], gr
         k = len(comp)
         gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
         target[r, :k] = torch.tensor(comp, dtype=torch.long)
-        mask[r, :k] = 1.0 if sampled is None else torch.tensor(sampled[r], dtype=torch.float32)
+        mask[r, :k] = 1.0 if token_mask is None else torch.tensor(token_mask[r], dtype=torch.float32)
     batch = {"gather": gather, "target": target, "mask": mask}
     if not share_prompt:
         return {"input_ids": right_pad(seqs, pad_id), **batch}

@@ -1,7 +1,7 @@
 """GRPO's rewards: the reward model's score, rule-based reward functions and a remote reward service, each
 weighted, with DAPO's overlong penalty; checked and logged per reward.
 
-A reward function is `module:function`, called f(prompt, completion, row) -> float per completion, in a thread
+A reward function is `module:function` (or a built-in's name: `gsm8k`, `exact_match`, ...), called f(prompt, completion, row) -> float per completion, in a thread
 pool of --reward_workers (it must then be thread-safe); or, with an attribute `batched = True`, once per step with
 this rank's lists, f(prompts, completions, rows) -> a sequence of floats (batched, as TRL's reward functions are). A reward service (--reward_url)
 gets a rank's completions of a step as one JSON POST, {"prompts": [...], "completions": [...], "rows": [...]},
@@ -24,11 +24,13 @@ from typing import Callable
 
 import torch
 
+from nanochat_ext import reward_fns
 from nanochat_ext.batching import truncate
 from nanochat_ext.data import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.reward import RewardScorer
+from nanochat_ext.reward_fns import BUILT_IN
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 RewardFn = Callable[[str, str, dict], float]
@@ -36,8 +38,10 @@ URL_RETRIES = 3  # tries of a reward service call, 1 s then 2 s apart
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """`package.module:function` -> the callable. Any failure to import the module (an ImportError, a
-    SyntaxError, an exception its top level raises) is one line."""
+    """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable. Any failure to import
+    the module (an ImportError, a SyntaxError, an exception its top level raises) is one line."""
+    if spec in BUILT_IN:
+        return getattr(reward_fns, spec)
     module_name, _, fn_name = spec.partition(":")
     if not module_name or not fn_name:
         raise InputError(f"--reward_fn {spec!r} must look like 'module:function'")

@@ -185,6 +185,27 @@ class TokenizerWrapper:
         """Token ids of an assistant reply, closed by the end-of-turn token."""
         return self.encode(text) + [self.eos_id]
 
+    def render_reply(self, reply: str | list[dict]) -> tuple[list[int], list[int]]:
+        """(ids, mask) of a reply to train on: a string, or nanochat's parts (text, python, python_output), each
+        encoded on its own as nanochat's render_conversation does, a python part inside <|python_start|> ..
+        <|python_end|>, its output inside <|output_start|> .. <|output_end|> with mask 0 (the calculator writes it
+        at run time, so the model never learns to)."""
+        if isinstance(reply, str):
+            ids = self.render_response(reply)
+            return ids, [1] * len(ids)
+        if self.kind != "rustbpe":
+            raise InputError("a reply with python parts (tool calls) needs nanochat's tokenizer and its python tokens")
+        ids, mask = [], []
+        for part in reply:
+            body = self.encode(part["text"])
+            if part["type"] == "text":
+                ids, mask = ids + body, mask + [1] * len(body)
+                continue
+            kind = "python" if part["type"] == "python" else "output"
+            ids += [self._special[f"<|{kind}_start|>"], *body, self._special[f"<|{kind}_end|>"]]
+            mask += [int(kind == "python")] * (len(body) + 2)
+        return ids + [self.eos_id], mask + [1]
+
     def _render_nanochat_prompt(self, messages: list[Message]) -> list[int]:
         msgs = list(messages)
         if msgs and msgs[0]["role"] == "system":

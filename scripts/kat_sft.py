@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, truncate
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, cut_to_fit
 from nanochat_ext.checkpoint import claim_out_dir, is_shards, resolve_model_path
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
                               check_consolidate, check_flags, output_dirs, run_script, script_argv)
@@ -39,7 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--backbone", required=True, help="model to fine-tune: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None, help="default: found beside the backbone, else $NANOCHAT_BASE_DIR/tokenizer")
     g.add_argument("--conversations", required=True,
-                   help="{messages: [...]} ending with the reply to learn, as JSONL, parquet, Arrow or a datasets dir")
+                   help="{messages: [...]} ending with the reply to learn (a string, or nanochat's parts with tool "
+                        "calls), or GSM8K's {question, answer} rows; as JSONL, parquet, Arrow or a datasets dir")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL conversations per step (default: %(default)s)")
     g.add_argument("--device_batch_size", type=int, default=None, help="conversations per forward on each rank")
@@ -75,13 +76,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"--max_len {max_len} exceeds the model's context of {model_bb.max_seq_len}")
     claim_out_dir(out_dir, log_dir)
 
-    # (prompt ids, reply ids) per conversation, cut like the RM's pairs: prompt left, reply right.
+    # (prompt ids, reply ids, reply mask) per conversation, cut like the RM's pairs: prompt left, reply right;
+    # the mask leaves out what a tool writes (nanochat's python_output parts)
     examples = []
     for prompt, reply, _ in conversations:
-        p, r = tok.render_prompt(prompt), tok.render_response(reply)
-        ids = truncate(p, r, max_len, tok.bos_id)
-        n_prompt = min(len(p), len(ids) - 1)
-        examples.append((ids[:n_prompt], ids[n_prompt:]))
+        r, mask = tok.render_reply(reply)
+        p, r = cut_to_fit(tok.render_prompt(prompt), r, max_len, tok.bos_id)
+        examples.append((p, r, mask[:len(r)]))
     print0(f"data: {len(examples)} conversations from {args.conversations}; {loader.steps_per_epoch} steps per epoch")
 
     model_bb.set_trainable("all")
@@ -113,7 +114,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     window = WindowSums(["loss", "tokens", "steps"])  # this rank's sums since the last log
     for step in range(start_step, args.max_steps):
         mine = [i for mb in loader.micro_batches(step) for i in mb]
-        batch = make_sequences([examples[i][0] for i in mine], [examples[i][1] for i in mine], 1, tok.pad_id)
+        batch = make_sequences([examples[i][0] for i in mine], [examples[i][1] for i in mine], 1, tok.pad_id,
+                               token_mask=[examples[i][2] for i in mine])
         lr = trainer.set_lr(step)
         done = step + 1
         with doing(f"a training micro-batch of {plan.device_batch_size} conversations",

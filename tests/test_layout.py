@@ -12,7 +12,7 @@ def layers() -> list[str]:
     """The modules as the README's Layout lists them, lowest first."""
     readme = (REPO / "README.md").read_text()
     block = readme[readme.index("## Layout"):].split("```")[1]
-    return re.findall(r"^  ([a-z_]+) ", block, flags=re.MULTILINE)
+    return re.findall(r"^  ([a-z0-9_]+) ", block, flags=re.MULTILINE)
 
 
 def imports(module: str) -> set[str]:

@@ -4,15 +4,20 @@ nanochat's Engine produced from it, greedy. Ours, eager and compiled, must force
 nanochat does, with the same tokens and masks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from conftest import REPO
+from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.engine import Engine
+from nanochat_ext.grpo import LossConfig, policy_backward
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tools import ToolTokens
+from scripts import kat_train_grpo
 from test_engine import aot_eager  # noqa: F401  (a fixture)
 
 TOOL_USE = REPO / "tests" / "fixtures" / "nanochat-tool-use"
@@ -69,3 +74,70 @@ def test_without_tools_the_model_writes_its_own_results(policy):
     assert got.sampled is None
     for completion, p in zip(got.completions, GOLDEN["prompts"]):
         assert completion == p["own_until_end"] + [tok.eos_id]
+
+
+def test_no_gradient_flows_through_forced_tokens(policy):
+    """A rollout's forced tokens are out of the GRPO loss: scoring a forced position against any other token
+    leaves every gradient bitwise as it was; without the tools' mask (the defect) the gradient moves."""
+    bb, tok = policy
+    prompts = [p["prompt_tokens"] for p in GOLDEN["prompts"][:2]]
+    completions = [p["stream_tokens"][0] for p in GOLDEN["prompts"][:2]]
+    sampled = [p["stream_masks"][0] for p in GOLDEN["prompts"][:2]]
+    forced = sampled[0].index(0)  # the first token the calculator forced into prompt 0's completion
+
+    def grads(masks, target_at_forced: int | None) -> list[torch.Tensor]:
+        batch = make_sequences(prompts, completions, 1, tok.pad_id, token_mask=masks)
+        if target_at_forced is not None:
+            batch["target"][0, forced] = target_at_forced
+        batch["advantages"], batch["weights"] = torch.tensor([1.0, -0.5]), torch.ones(2)
+        bb.zero_grad(set_to_none=True)
+        policy_backward(CompletionLogprobs(bb), batch, 2, LossConfig(beta=0.0), torch.device("cpu"),
+                        torch.autocast("cpu", enabled=False))
+        return [p.grad.clone() for p in bb.parameters() if p.grad is not None]
+
+    bb.set_trainable("all")
+    other = (completions[0][forced] + 1) % bb.vocab_size
+    assert all(torch.equal(a, b) for a, b in zip(grads(sampled, None), grads(sampled, other)))
+    assert not all(torch.equal(a, b) for a, b in zip(grads(None, None), grads(None, other)))
+
+
+def grpo_with_tools(tmp_path, out, *extra) -> list[str]:
+    prompts = tmp_path / "prompts.jsonl"
+    answers = ["12", "300", "1024", "3"]
+    prompts.write_text("".join(json.dumps({"prompt": p["conversation"]["messages"][0]["content"], "answer": a}) + "\n"
+                               for p, a in zip(GOLDEN["prompts"], answers)))
+    return ["--policy", str(TOOL_USE / "chatsft_checkpoints" / "d2"), "--tokenizer", str(TOOL_USE / "tokenizer"),
+            "--prompts", str(prompts), "--reward_fn", "contains_answer", "--reward_fn", "rewards_for_tests:vowel_share",
+            "--temperature", "2", "--batch_size", "4", "--group_size", "4",
+            "--max_new_tokens", "40", "--beta", "0", "--lr", "1e-3", "--max_steps", "2", "--log_every", "1",
+            "--val_ratio", "0", "--log_rollouts", "--device", "cpu", "--out", str(out), *extra]
+
+
+def rollouts(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "logs" / "rollouts.jsonl").read_text().splitlines()]
+
+
+def test_grpo_with_tools_on_two_ranks_is_one_rank(tmp_path, policy):
+    """GRPO from nanochat's tool-use checkpoint (tools on by default: its tokenizer has the python tokens): the
+    calculator's answers are forced into the rollouts (12 for `3*4`, where the model would write 99) and logged
+    with their masks; 2 ranks sample the same rollouts and take the same update as 1; --tools none forces nothing."""
+    _, tok = policy
+    one, two, off = tmp_path / "one", tmp_path / "two", tmp_path / "off"
+    assert kat_train_grpo.main(grpo_with_tools(tmp_path, one)) == 0
+    proc = run_script("scripts.kat_train_grpo", grpo_with_tools(tmp_path, two), nproc=2,
+                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    got = rollouts(one)
+    assert [(r["completion_ids"], r["sampled"]) for r in got] == [(r["completion_ids"], r["sampled"])
+                                                                  for r in rollouts(two)]
+    forced = [[t for t, m in zip(r["completion_ids"], r["sampled"]) if not m] for r in got]
+    answer_12 = [tok.special("<|output_start|>"), *tok.encode("12"), tok.special("<|output_end|>")]
+    assert answer_12 in forced and all(f == [] or f[0] == answer_12[0] for f in forced)
+    metrics = [json.loads(line) for line in (one / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["train/tool_calls"] > 0 for m in metrics if "train/tool_calls" in m)
+    # At 2 layers the backout subtracts a multiple of the last block's own output, which the final norm scales
+    # away: backout_lambda's gradient is rounding (5e-9), which Adam turns into a step of lr with either sign.
+    init, got, want = (load_backbone(d).model.state_dict() for d in (TOOL_USE / "chatsft_checkpoints" / "d2", two, one))
+    assert_same_update(*({k: v for k, v in sd.items() if k != "backout_lambda"} for sd in (got, want, init)))
+    assert kat_train_grpo.main(grpo_with_tools(tmp_path, off, "--tools", "none")) == 0
+    assert all("sampled" not in r for r in rollouts(off))

@@ -200,6 +200,13 @@ class Rewards:
         one = lambda i: call_reward_fn(name, fn, prompts[i], texts[i], rows[i], indices[i // G], self.clip)  # noqa: E731
         return list(self.pool.map(one, range(len(texts))) if self.pool else map(one, range(len(texts))))
 
+    def task_column(self) -> int:
+        """The column of the task reward pass@k reads (the first reward function); one line where there is none."""
+        if not self.fns:
+            raise InputError("pass@k needs a task reward that scores a completion 1 when it is correct: give "
+                             "--reward_fn (e.g. gsm8k)")
+        return self.names.index(self.fns[0][0])
+
     def total(self, per_reward: torch.Tensor) -> torch.Tensor:
         return per_reward @ torch.tensor(self.weights, dtype=torch.float64)
 

@@ -29,7 +29,7 @@ from nanochat_ext.data import PromptRow, attach_density, load_density, load_prom
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import evaluate_rewards
+from nanochat_ext.evaluation import evaluate_pass_k, evaluate_rewards
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
                                LossConfig, group_advantages, policy_backward, reference_model)
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
@@ -153,6 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--val_ratio", type=float, default=0.1, help="share of prompts held out when no --eval_prompts")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps and at the end (0: only at the end)")
+    g.add_argument("--eval_pass_k", type=int, default=0,
+                   help="also pass@1..K at each evaluation: K samples per eval prompt at temperature 1, correct where "
+                        "the first --reward_fn (e.g. gsm8k) gives 1, as nanochat's chat_rl; beside it the unbiased "
+                        "estimator (Chen et al. 2021) (0: off)")
     g.add_argument("--log_every", type=int, default=1, help="log train metrics every N steps")
     g.add_argument("--log_rollouts", action="store_true",
                    help="write every completion (token ids, text, reward) of every step to <log_dir>/rollouts.jsonl, "
@@ -214,6 +218,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     overlong = (args.max_new_tokens, args.overlong_buffer, args.overlong_penalty) if args.overlong_buffer else None
     rewards = Rewards(rm, args.reward_fn, args.reward_weights, overlong, args.reward_clip, args.reward_workers,
                       args.reward_url, args.reward_timeout)
+    if args.eval_pass_k:
+        rewards.task_column()
     tools = tool_tokens(args.tools, tok)
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
@@ -363,20 +369,24 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             trainer.log(done, {**metrics, **peak_memory_gb(env.device)})
             window.zero()
         if trainer.eval_due(done):
-            trainer.evaluated(done, evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args.seed, env,
-                                             autocast, trainer.tracker, done) if eval_rows else {})
+            trainer.evaluated(done, evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args, env, autocast,
+                                             trainer.tracker, done) if eval_rows else {})
         trainer.end_step(done)
     report_peak(env.device, estimate)
     return trainer.finish()
 
 
 def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
-             tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv, autocast, tracker: Tracker,
-             step: int) -> dict:
-    """Collective: the held-out rewards (evaluate_rewards); rank 0 shows its first greedy completions."""
-    metrics, shown = evaluate_rewards(engine, rows, prompt_ids, rewards, tok, sampling, seed, env, autocast)
+             tok: TokenizerWrapper, sampling: SamplingConfig, args: argparse.Namespace, env: DistEnv, autocast,
+             tracker: Tracker, step: int) -> dict:
+    """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k; rank 0 shows its first
+    greedy completions."""
+    metrics, shown = evaluate_rewards(engine, rows, prompt_ids, rewards, tok, sampling, args.seed, env, autocast)
     for i, (prompt, completion) in enumerate(shown):
         tracker.text(step, f"eval/sample_{i}", f"**prompt:** {prompt}\n\n**completion:** {completion}")
+    if args.eval_pass_k:
+        metrics.update(evaluate_pass_k(engine, rows, prompt_ids, rewards, tok, sampling, args.eval_pass_k, args.seed,
+                                       env, autocast))
     return metrics
 
 
@@ -411,6 +421,7 @@ GRPO_RANGES = {
     "overlong_penalty": (lambda v: 0 <= v < float("inf"), "a finite number >= 0"),
     "reward_clip": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
     "reward_workers": (lambda v: v >= 1, ">= 1"),
+    "eval_pass_k": (lambda v: v >= 0, ">= 0 (0: off)"),
     "reward_timeout": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
 }
 

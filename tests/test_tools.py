@@ -4,6 +4,7 @@ nanochat's Engine produced from it, greedy. Ours, eager and compiled, must force
 nanochat does, with the same tokens and masks."""
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -12,12 +13,13 @@ from torch._dynamo.utils import counters
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.engine import Engine
+from nanochat_ext.evaluation import pass_at_k
 from nanochat_ext.grpo import LossConfig, policy_backward
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tools import ToolTokens
-from scripts import kat_train_grpo
+from scripts import kat_eval, kat_train_grpo
 from test_engine import aot_eager  # noqa: F401  (a fixture)
 
 TOOL_USE = REPO / "tests" / "fixtures" / "nanochat-tool-use"
@@ -101,6 +103,18 @@ def test_no_gradient_flows_through_forced_tokens(policy):
     assert not all(torch.equal(a, b) for a, b in zip(grads(None, None), grads(None, other)))
 
 
+def test_pass_at_k_is_nanochats_and_the_unbiased_estimator():
+    """nanochat's pass@k (any of the first k correct) and Chen et al.'s estimator, against counting: the estimator
+    is the share of all k-subsets of the n samples that hold a correct one."""
+    correct = torch.tensor([[0, 1, 0, 0], [0, 0, 0, 0], [1, 1, 0, 1], [0, 0, 1, 0]], dtype=torch.bool)
+    first, unbiased = pass_at_k(correct)
+    rows = correct.tolist()
+    assert first.tolist() == [sum(any(r[:k]) for r in rows) for k in range(1, 5)]
+    want = [sum(sum(any(r[i] for i in subset) for subset in itertools.combinations(range(4), k)) /
+                len(list(itertools.combinations(range(4), k))) for r in rows) for k in range(1, 5)]
+    assert torch.allclose(unbiased, torch.tensor(want, dtype=torch.float64))
+
+
 def grpo_with_tools(tmp_path, out, *extra) -> list[str]:
     prompts = tmp_path / "prompts.jsonl"
     answers = ["12", "300", "1024", "3"]
@@ -110,7 +124,8 @@ def grpo_with_tools(tmp_path, out, *extra) -> list[str]:
             "--prompts", str(prompts), "--reward_fn", "contains_answer", "--reward_fn", "rewards_for_tests:vowel_share",
             "--temperature", "2", "--batch_size", "4", "--group_size", "4",
             "--max_new_tokens", "40", "--beta", "0", "--lr", "1e-3", "--max_steps", "2", "--log_every", "1",
-            "--val_ratio", "0", "--log_rollouts", "--device", "cpu", "--out", str(out), *extra]
+            "--eval_prompts", str(prompts), "--eval_pass_k", "4", "--log_rollouts", "--device", "cpu",
+            "--out", str(out), *extra]
 
 
 def rollouts(out) -> list[dict]:
@@ -133,11 +148,32 @@ def test_grpo_with_tools_on_two_ranks_is_one_rank(tmp_path, policy):
     forced = [[t for t, m in zip(r["completion_ids"], r["sampled"]) if not m] for r in got]
     answer_12 = [tok.special("<|output_start|>"), *tok.encode("12"), tok.special("<|output_end|>")]
     assert answer_12 in forced and all(f == [] or f[0] == answer_12[0] for f in forced)
-    metrics = [json.loads(line) for line in (one / "logs" / "metrics.jsonl").read_text().splitlines()]
+    metrics, metrics_two = ([json.loads(line) for line in (d / "logs" / "metrics.jsonl").read_text().splitlines()]
+                            for d in (one, two))
     assert all(m["train/tool_calls"] > 0 for m in metrics if "train/tool_calls" in m)
+    passes = [{k: v for k, v in m.items() if k.startswith("eval/pass@")} for m in (metrics[-1], metrics_two[-1])]
+    assert passes[0] == passes[1] and len(passes[0]) == 8  # pass@1..4 and the unbiased estimates, over ranks
+    curve = [passes[0][f"eval/pass@{j}"] for j in range(1, 5)]
+    assert curve == sorted(curve) and curve[-1] == passes[0]["eval/pass@4_unbiased"] and 0 < curve[-1] <= 1
     # At 2 layers the backout subtracts a multiple of the last block's own output, which the final norm scales
     # away: backout_lambda's gradient is rounding (5e-9), which Adam turns into a step of lr with either sign.
     init, got, want = (load_backbone(d).model.state_dict() for d in (TOOL_USE / "chatsft_checkpoints" / "d2", two, one))
     assert_same_update(*({k: v for k, v in sd.items() if k != "backout_lambda"} for sd in (got, want, init)))
     assert kat_train_grpo.main(grpo_with_tools(tmp_path, off, "--tools", "none")) == 0
     assert all("sampled" not in r for r in rollouts(off))
+
+
+def test_kat_eval_reports_pass_at_k_and_tool_use(tmp_path, monkeypatch):
+    """kat_eval --pass_k on nanochat's tool-use checkpoint: pass@1..K (and the unbiased estimates) and the tool
+    calls per completion in report.json and report.md."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(TOOL_USE))  # where nanochat keeps the tokenizer
+    args = grpo_with_tools(tmp_path, tmp_path / "unused")
+    prompts = args[args.index("--prompts") + 1]
+    out = tmp_path / "report.md"
+    assert kat_eval.main(["--base_dir", str(tmp_path), "--rm", "--policy_before", str(TOOL_USE / "chatsft_checkpoints"
+                          / "d2"), "--eval_prompts", prompts, "--pass_k", "3", "--reward_fn", "contains_answer",
+                          "--max_new_tokens", "40", "--samples", "2", "--out", str(out), "--device", "cpu"]) == 0
+    policy = json.loads(out.with_suffix(".json").read_text())["policies"]["before (SFT)"]
+    assert 0 < policy["pass@1"] <= policy["pass@3"] == policy["pass@3_unbiased"] <= 1
+    assert policy["tool_calls"] > 0 and 0 <= policy["tool_errors"] <= 1
+    assert "| pass@3 |" in out.read_text() and "| tool_calls |" in out.read_text()

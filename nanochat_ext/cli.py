@@ -3,6 +3,7 @@ bad input into one clear line and a non-zero exit on every rank."""
 from __future__ import annotations
 
 import argparse
+import copy
 import math
 import sys
 import traceback
@@ -238,3 +239,11 @@ def check_consolidate(args: argparse.Namespace) -> None:
     """--consolidate writes the checkpoint --resume names: one line when there is none to write."""
     if getattr(args, "consolidate", None) and args.resume is None:
         raise InputError("--consolidate DIR writes a checkpoint whole: give the one to write with --resume")
+
+
+def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags argv gives explicitly, whatever their values (a preset leaves those alone)."""
+    quiet = copy.deepcopy(p)
+    for action in quiet._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return set(vars(quiet.parse_known_args(argv)[0]))

@@ -107,11 +107,18 @@ def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: 
     return MuonAdamW(*nanochat_groups(model, lr), device)
 
 
-def lr_multiplier(step: int, max_steps: int, warmup_steps: int, final_frac: float = 0.1) -> float:
-    """Linear warmup to 1, then cosine decay to `final_frac` at max_steps."""
+LR_DECAYS = ("cosine", "linear")
+
+
+def lr_multiplier(step: int, max_steps: int, warmup_steps: int, final_frac: float = 0.1,
+                  decay: str = "cosine") -> float:
+    """Linear warmup to 1, then cosine decay to `final_frac` at max_steps; decay 'linear': 1 - step / max_steps
+    after the warmup, nanochat chat_rl's schedule (to 0)."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    if decay == "linear":
+        return 1.0 - min(1.0, progress)
     return final_frac + (1 - final_frac) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 

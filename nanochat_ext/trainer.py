@@ -99,7 +99,8 @@ class Trainer:
 
     def set_lr(self, step: int) -> float:
         """The schedule's lr for `step` in every group; returns the first group's."""
-        mult = lr_multiplier(step, self.args.max_steps, self.args.warmup_steps)
+        mult = lr_multiplier(step, self.args.max_steps, self.args.warmup_steps,
+                             decay=getattr(self.args, "lr_decay", "cosine"))
         for group, base in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = base * mult
         return self.optimizer.param_groups[0]["lr"]

@@ -23,7 +23,7 @@ from nanochat_ext.batching import BatchPlan, GlobalBatchLoader
 from nanochat_ext.checkpoint import claim_out_dir, fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              micro_batch, output_dirs, run_script, script_argv)
+                              given_flags, micro_batch, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
@@ -38,7 +38,7 @@ from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapte
                                describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
-from nanochat_ext.optim import OPTIMIZERS, guarded_step, make_optimizer
+from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, guarded_step, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer
@@ -53,6 +53,9 @@ from nanochat_ext.tools import TOOLS, tool_tokens
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kat_train_grpo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=list(PRESETS), default=None,
+                   help="chat_rl: nanochat's RL recipe (scripts/chat_rl.py) in one flag; every value it sets is "
+                        "printed at start, and a flag given explicitly overrides it (README: nanochat's RL here)")
     g = p.add_argument_group("inputs")
     g.add_argument("--policy", required=True, help="the model to train: " + MODEL_HELP)
     g.add_argument("--tokenizer", default=None, help="default: found beside the policy, else $NANOCHAT_BASE_DIR/tokenizer")
@@ -72,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--density", default=None,
                    help="per-prompt density weights (as for kat_train_rm): scale each prompt's share of the loss")
     g.add_argument("--reward_fn", action="append", default=[],
-                   help="rule-based reward 'module:function', called f(prompt, completion, row) -> float; repeatable")
+                   help="rule-based reward 'module:function', called f(prompt, completion, row) -> float, or a "
+                        "built-in: gsm8k, gsm8k_numeric, exact_match, contains_answer; repeatable")
     g.add_argument("--reward_workers", type=int, default=1,
                    help="threads calling each per-completion --reward_fn (a judge or sandbox that waits on I/O); a "
                         "function with `batched = True` is called once per step with lists instead (default: 1)")
@@ -147,12 +151,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="peak learning rate (adamw; default 1e-5); with --optimizer muon the fraction of nanochat's "
                         "learning rates, its chat_rl.py --init-lr-frac (default 0.05)")
     g.add_argument("--warmup_steps", type=int, default=0)
+    g.add_argument("--lr_decay", choices=LR_DECAYS, default="cosine",
+                   help="after the warmup: cosine to 0.1x, or linear to 0 as nanochat's chat_rl (default: cosine)")
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=0, help="data order and sampling (default: %(default)s)")
     g = p.add_argument_group("evaluation and logging")
     g.add_argument("--val_ratio", type=float, default=0.1, help="share of prompts held out when no --eval_prompts")
     g.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps and at the end (0: only at the end)")
+    g.add_argument("--eval_examples", type=int, default=0, help="evaluate on the first N eval prompts (0: all)")
     g.add_argument("--eval_pass_k", type=int, default=0,
                    help="also pass@1..K at each evaluation: K samples per eval prompt at temperature 1, correct where "
                         "the first --reward_fn (e.g. gsm8k) gives 1, as nanochat's chat_rl; beside it the unbiased "
@@ -166,7 +173,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_lora_args(p)
     add_runtime_args(p)
     add_dashed_aliases(p)
-    args = p.parse_args(script_argv(argv))
+    argv = script_argv(argv)
+    args = p.parse_args(argv)
+    args.preset_values = {}
+    if args.preset:  # what the preset sets, but for the flags given
+        given = given_flags(p, argv)
+        args.preset_values = {k: v for k, v in PRESETS[args.preset].items() if k not in given}
+        vars(args).update(args.preset_values)
     if args.loss_type:
         args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
     if args.lr is None:
@@ -176,6 +189,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
+    if args.preset:
+        print0(f"preset {args.preset}: " + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                                   for k, v in args.preset_values.items()))
     out_dir, log_dir = output_dirs(args, "chatrl_checkpoints")
     G = args.group_size
 
@@ -196,6 +212,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         train_rows, eval_rows = prompts, load_prompts(args.eval_prompts)
     else:
         train_rows, eval_rows = split_by_prefix(prompts, args.val_ratio)
+    eval_rows = eval_rows[:args.eval_examples or None]
     plan = BatchPlan.make(args.batch_size, env.world_size, None)
     seqs_per_rank = plan.per_rank * G
     auto = auto_micro_batch(args, env.device)
@@ -422,8 +439,19 @@ GRPO_RANGES = {
     "reward_clip": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
     "reward_workers": (lambda v: v >= 1, ">= 1"),
     "eval_pass_k": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "eval_examples": (lambda v: v >= 0, ">= 0 (0: all)"),
     "reward_timeout": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
 }
+
+# nanochat's RL recipe, scripts/chat_rl.py at 92d63d4: on-policy (one iteration, so no ratio and no clip), no KL,
+# advantage r - mean, token-level loss, Muon + AdamW at its rates x init-lr-frac 0.05 (--optimizer muon's default
+# --lr) decaying linearly to 0, 16 prompts x 16 samples of up to 256 tokens at temperature 1 and top-k 50, the
+# calculator on, GSM8K's reward, pass@1..8 (its --device-batch-size) on 400 eval prompts every 60 steps.
+PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none", "loss_agg": "token",
+                       "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0,
+                       "batch_size": 16, "group_size": 16, "max_new_tokens": 256, "temperature": 1.0, "top_k": 50,
+                       "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
+                       "eval_examples": 400, "eval_pass_k": 8, "save_every": 60}}
 
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,

@@ -141,3 +141,9 @@ def test_muon_refuses_what_is_not_a_nanochat_policy_and_a_resume_with_another_op
     capsys.readouterr()
     assert kat_train_grpo.main(adamw) == 2
     assert "--optimizer is 'adamw' but the checkpoint was trained with 'muon'" in capsys.readouterr().err
+
+
+def test_linear_decay_is_chat_rls_schedule():
+    """--lr_decay linear: nanochat chat_rl's lrm = 1 - it / num_steps (after any warmup)."""
+    assert [lr_multiplier(step, 4, 0, decay="linear") for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
+    assert [lr_multiplier(step, 4, 2, decay="linear") for step in range(4)] == [0.5, 1.0, 1.0, 0.5]

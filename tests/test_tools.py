@@ -177,3 +177,23 @@ def test_kat_eval_reports_pass_at_k_and_tool_use(tmp_path, monkeypatch):
     assert 0 < policy["pass@1"] <= policy["pass@3"] == policy["pass@3_unbiased"] <= 1
     assert policy["tool_calls"] > 0 and 0 <= policy["tool_errors"] <= 1
     assert "| pass@3 |" in out.read_text() and "| tool_calls |" in out.read_text()
+
+
+def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path, capsys):
+    """--preset chat_rl: chat_rl's values, each printed at start; a flag given explicitly keeps its value (a given
+    --reward_fn replaces the preset's, not adds to it); the run trains with them (Muon, linear decay to 0)."""
+    args = grpo_with_tools(tmp_path, tmp_path / "preset", "--preset", "chat_rl", "--max_steps", "2")
+    parsed = kat_train_grpo.parse_args(args)
+    assert (parsed.beta, parsed.num_iterations, parsed.scale_rewards, parsed.loss_agg, parsed.optimizer,
+            parsed.lr, parsed.lr_decay, parsed.top_k, parsed.tools, parsed.eval_every) == \
+        (0.0, 1, "none", "token", "muon", 1e-3, "linear", 50, "calculator", 60)  # --lr given: 1e-3
+    assert (parsed.batch_size, parsed.group_size, parsed.max_new_tokens, parsed.eval_pass_k) == (4, 4, 40, 4)
+    assert parsed.reward_fn == ["contains_answer", "rewards_for_tests:vowel_share"] and parsed.temperature == 2.0
+    assert "group_size" not in parsed.preset_values and parsed.preset_values["top_k"] == 50
+    assert kat_train_grpo.parse_args(args[:2] + ["--prompts", "p", "--preset", "chat_rl"]).reward_fn == ["gsm8k"]
+    assert kat_train_grpo.main(args) == 0
+    out = capsys.readouterr().out
+    assert "preset chat_rl: --num_iterations 1 --scale_rewards none" in out and "--top_k 50" in out  # --beta given
+    lrs = [json.loads(line)["train/lr"] for line in (tmp_path / "preset" / "logs" / "metrics.jsonl").read_text()
+           .splitlines() if "train/lr" in line]
+    assert len(lrs) == 2 and lrs[1] == pytest.approx(lrs[0] / 2)  # linear: 1, then 1/2 of 2 steps

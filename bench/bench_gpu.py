@@ -44,6 +44,7 @@ from nanochat_ext.optim import make_adamw
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward
 from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.tools import ToolTokens
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
@@ -278,9 +279,10 @@ def decode_figures(runs: list, device: torch.device) -> dict:
 def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> list[dict]:
     """The rollout engine alone, as GRPO's generation phase runs it: grpo_prompts prompts of prompt_len tokens x
     group_size samples, every row decoding new_tokens (the stop token held back) at temperature 1, bf16 autocast.
-    Eager and compiled (--compile auto: both on CUDA, eager on CPU; 0 or 1: that one), then nanochat's own Engine
-    on the same weights where its source is at hand (--nanochat_src: one prompt x the same rows, as its
-    scripts/infer_bench.py runs it)."""
+    Eager and compiled (--compile auto: both on CUDA, eager on CPU; 0 or 1: that one), each without and with tools
+    (the calculator's state tracked in the step; its tokens are ids no row samples, so no block closes: the cost of
+    tools on when nobody calls them), then nanochat's own Engine on the same weights where its source is at hand
+    (--nanochat_src: one prompt x the same rows, as its scripts/infer_bench.py runs it)."""
     cfg = shape_config(shape, b.vintage)
     n, G, P, L = b.grpo_prompts, b.group_size, b.prompt_len, b.new_tokens
     policy = make_backbone(cfg, device, 0)
@@ -289,9 +291,11 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
     modes = {"0": [False], "1": [True]}.get(b.compile, [False, True] if device.type == "cuda" else [False])
+    never = cfg.vocab_size + 1  # a token id past the vocabulary: sampled by no row
+    tools = ToolTokens(never, never + 1, never + 2, never + 3, None)
     out = []
-    for compiled in modes:
-        engine = Engine(policy, compile=compiled)
+    for compiled, with_tools in ((c, t) for c in modes for t in (False, True)):
+        engine = Engine(policy, compile=compiled, tools=tools if with_tools else None)
         runs = []
         with Clock(device) as clock:
             for rep in range(b.warmup + b.steps):
@@ -299,7 +303,8 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
                     engine.generate(prompts, G, sampling, stop, 0, [torch.Generator().manual_seed(i) for i in range(n)])
                 if rep >= b.warmup:
                     runs.append(engine.last)
-        out.append({"bench": "gpu_decode", "shape": shape, "engine": "ours compiled" if compiled else "ours eager",
+        out.append({"bench": "gpu_decode", "shape": shape,
+                    "engine": f"ours {'compiled' if compiled else 'eager'}{' +tools' if with_tools else ''}",
                     "rows": n * G, "prompt_len": P, "new_tokens": L, **decode_figures(runs, device),
                     "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
                     "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb})

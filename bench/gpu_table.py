@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
-          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | decode tok/s ours eager / compiled / "
-          "nanochat (MBU) |")
+          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | decode tok/s ours eager / +tools / "
+          "compiled / +tools / nanochat (MBU) |")
 
 
 def pct(x: float | None) -> str:
@@ -57,7 +57,8 @@ def table(rows: list[dict]) -> str:
             train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}"
         rms = " | ".join((rm_cell(rm.get("0")), rm_cell(rm.get("2")), rm_cell(rm.get("all"), peak=True)))
         decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and label(r) == shape}
-        decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours compiled", "nanochat"))
+        decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours eager +tools", "ours compiled",
+                                                                  "ours compiled +tools", "nanochat"))
         lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} |")
     return "\n".join(lines)
 

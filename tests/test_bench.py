@@ -30,19 +30,20 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode"] + \
+    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode", "gpu_decode"] + \
         ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and with AC (LoRA's rows: the next test)
-    fsdp = rows[6:10]
+    fsdp = rows[7:11]
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
-    rm, grpo, decode = rows[1:4], rows[4], rows[5]
+    rm, grpo, decode, tools = rows[1:4], rows[4], rows[5], rows[6]
     assert [r["unfreeze_last"] for r in rm] == ["0", "2", "all"]
     assert rm[0]["trainable"] < rm[1]["trainable"] < rm[2]["trainable"]
     assert all(r["tflops"] > 0 for r in rm)
     assert grpo["gen_tokens_per_s"] > 0 and grpo["train_tokens_per_s"] > 0 and grpo["decode_tok_per_s"] > 0
     assert decode["engine"] == "ours eager" and decode["rows"] == 8 and decode["decode_tok_per_s"] > 0  # CPU: eager
+    assert tools["engine"] == "ours eager +tools" and tools["decode_tok_per_s"] > 0
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
@@ -75,7 +76,7 @@ def test_gpu_table_puts_ours_beside_trl():
     out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl, *decode])
     assert out.splitlines()[0] == "CUDA tests: 5 passed in 9s"
     assert out.splitlines()[-1] == ("| d20 | 10.0 (25.0%) | 10.0 (25.0%) | 10.0 (25.0%, 50.0) | 30.0 / 20.0 (1.50x) | "
-                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 9800.0 (10.0%) / - / 10300.0 |")
+                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 9800.0 (10.0%) / - / - / - / 10300.0 |")
 
 
 def test_shapes_follow_nanochats_rule():

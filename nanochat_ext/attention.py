@@ -282,9 +282,10 @@ class KVCache:
     def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append k, v after the cached positions and return the keys and values so far; with `slot`
         set (static decoding), write the one new position at that slot and return the whole cache."""
-        if self.slot is not None:
-            self.k[layer].index_copy_(2, self.slot, k)
-            self.v[layer].index_copy_(2, self.slot, v)
+        if self.slot is not None:  # in the cache's dtype on purpose: a value embedding (fp32) promotes v under
+            # autocast, and CUDA's autocast keeps rms_norm, so k, in fp32 (the slice writes below cast as they copy)
+            self.k[layer].index_copy_(2, self.slot, k.to(self.k[layer].dtype))
+            self.v[layer].index_copy_(2, self.slot, v.to(self.v[layer].dtype))
             return self.k[layer], self.v[layer]
         end = self.pos + k.size(2)
         if end > self.k[layer].size(2):

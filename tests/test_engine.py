@@ -208,3 +208,23 @@ def test_compile_auto_compiles_where_the_compile_pays_back():
     assert not off and "no C++ compiler (no-such-compiler-here)" in why
     with pytest.raises(ValueError, match="auto, 0 or 1"):
         decode_compiled("yes", cpu, 1, 1)
+
+
+@pytest.mark.parametrize("name", ["feb2026", "current"])
+def test_static_cache_takes_bf16_autocast_values_on_value_embedding_vintages(name, monkeypatch):
+    """Under bf16 autocast a value embedding (fp32) promotes v to fp32, which the static decode path writes into
+    its bf16 cache: in the cache's dtype, so the step runs uncompiled (it raised before) and compiled (aot_eager:
+    the same ops, the same tokens). Against the eager engine only the first token is compared: bf16 attention
+    over the whole static cache and over the grown one round apart by ~1e-2, which moves later samples."""
+    bb = load_backbone(fixture_dir(name), vintage=vintage_of(name))
+    cfg = SamplingConfig(8, 1.0)
+    with torch.autocast("cpu", torch.bfloat16):
+        eager = Engine(bb).generate(PROMPTS, 2, cfg, -1, 0, seeds())
+        monkeypatch.setattr(engine_module, "compile_for", lambda fn, device: fn)  # the static step, uncompiled
+        static = Engine(bb, compile=True).generate(PROMPTS, 2, cfg, -1, 0, seeds())
+        torch._dynamo.reset()
+        monkeypatch.setattr(engine_module, "compile_for",
+                            lambda fn, device: torch.compile(fn, backend="aot_eager", dynamic=False))
+        compiled = Engine(bb, compile=True).generate(PROMPTS, 2, cfg, -1, 0, seeds())
+    assert static == compiled
+    assert [c[0] for c in static.completions] == [c[0] for c in eager.completions]

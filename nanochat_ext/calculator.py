@@ -1,6 +1,7 @@
 """The calculator tool nanochat's models call inside a reply (`<|python_start|>expr<|python_end|>`): the text
-nanochat's `use_calculator` (engine.py at 92d63d4) gives for every expression it accepts, and a refusal (None)
-wherever it refuses. It never calls `eval`: the expression is parsed with `ast` and only a whitelist of nodes is
+nanochat's `use_calculator` (engine.py at 92d63d4) gives for every arithmetic and string-count expression it
+accepts, and a refusal (None) wherever it refuses; it refuses a little more (string methods outside `METHODS`, such
+as `zfill` or `rjust`, which nanochat's eval would run). It never calls `eval`: the expression is parsed with `ast` and only a whitelist of nodes is
 evaluated (numbers and arithmetic; string literals, a few pure string methods, and/or/not/in), with numbers and
 strings bounded in size, so nothing an expression says can run code, and it runs in any thread.
 
@@ -55,8 +56,8 @@ def calculate(expr: str) -> str | None:
     try:
         value = Evaluator(string_ops).visit(ast.parse(expr, mode="eval").body)
         text = None if value is None else str(value)
-    except (Refused, SyntaxError, ValueError, ArithmeticError, TypeError, MemoryError, RecursionError):
-        return None
+    except Exception:  # any failure of a whitelisted node (an int's .lower, a bad literal): refused, as nanochat's
+        return None  # eval_with_timeout returns None for any exception
     return text if text is None or len(text) <= MAX_CHARS else None
 
 

@@ -252,6 +252,15 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
     return model_path
 
 
+def update_meta(model_path: Path, fields: dict) -> None:
+    """Rank 0 only: set `fields` in a complete checkpoint's meta, atomically (the final checkpoint, saved before
+    the final evaluation, then records its metrics)."""
+    meta_path = model_path.parent / f"meta_{stamp_digits(model_path)}.json"
+    tmp = meta_path.with_name(meta_path.name + ".tmp")
+    tmp.write_text(json.dumps({**read_json(meta_path), **fields}, indent=1, default=str))
+    _publish(tmp, meta_path)
+
+
 def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path],
                 shards: Callable[[Path], None] | None = None) -> Path:
     """Collective save: check that every rank holds the same trainable parameters (those not sharded), let

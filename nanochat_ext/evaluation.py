@@ -21,31 +21,53 @@ from nanochat_ext.tokenizer import TokenizerWrapper
 SHOWN = 3  # greedy samples each evaluation shows (rank 0's first prompts)
 
 
+def calls_of(mine: list[int], n_prompts: int, world: int, per_call: int) -> list[list[int]]:
+    """This rank's prompts in generate calls of at most per_call, as many calls as the rank with the most: an
+    empty one takes part in the others' collectives (a sharded policy's weights are gathered from every rank)."""
+    per_call = max(per_call, 1)
+    calls = -(-(-(-n_prompts // world)) // per_call)
+    return [mine[i * per_call:(i + 1) * per_call] for i in range(calls)]
+
+
+def generate_and_score(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], call: list[int], n: int,
+                       cfg: SamplingConfig, rewards: Rewards, tok: TokenizerWrapper, seed: int, draw: int,
+                       autocast: ContextManager):
+    """Collective: n samples of each prompt of one call and their rewards (samples, per_reward); (None, None) for an
+    empty call, which still takes part in the collectives of the others' call."""
+    if not call:
+        engine.refresh()
+        raise_if_any(None)
+        return None, None
+    with autocast:
+        samples = engine.generate([prompt_ids[i] for i in call], n, cfg, tok.eos_id, tok.pad_id,
+                                  [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in call])
+    return samples, rewards.score([rows[i] for i in call], call, [prompt_ids[i] for i in call], samples, tok, n)[0]
+
+
 @torch.no_grad()
 def evaluate_rewards(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
                      tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv,
-                     autocast: ContextManager) -> tuple[dict, list[tuple[str, str]]]:
+                     autocast: ContextManager, max_rows: int) -> tuple[dict, list[tuple[str, str]]]:
     """Collective: (metrics, shown): `eval/reward_{greedy,sampled}` and each reward's `eval/<name>_{mode}`, and
-    some greedy (prompt, completion) pairs on rank 0. Each rank takes every W-th prompt; one reduction at the end."""
+    some greedy (prompt, completion) pairs on rank 0. Each rank takes every W-th prompt, decoded max_rows at a time
+    (a rollout's rows: what the memory model counts); one reduction at the end."""
     mine = list(range(env.rank, len(rows), env.world_size))
     k = len(rewards.names)
     sums = torch.zeros(2 * (k + 1) + 1, dtype=torch.float64)
     shown = []
     engine.model.eval()
     for j, temperature in enumerate((0.0, sampling.temperature)):
-        if not mine:  # fewer eval prompts than ranks: still take part in the collectives of the others' call
-            engine.refresh()  # (a sharded policy's weights are gathered from every rank)
-            raise_if_any(None)
-            continue
         cfg = dataclasses.replace(sampling, temperature=temperature)
-        with autocast:
-            samples = engine.generate([prompt_ids[i] for i in mine], 1, cfg, tok.eos_id, tok.pad_id,
-                                      [torch.Generator().manual_seed(sample_seed(seed, -1, i)) for i in mine])
-        per_reward, _ = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, 1)
-        sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1), per_reward.sum(0)])
-        if temperature == 0 and env.is_main:
-            shown = [(rows[mine[i]].messages[-1]["content"], tok.decode(samples.completions[i]))
-                     for i in range(min(SHOWN, len(mine)))]
+        for call in calls_of(mine, len(rows), env.world_size, max_rows):
+            samples, per_reward = generate_and_score(engine, rows, prompt_ids, call, 1, cfg, rewards, tok, seed, -1,
+                                                     autocast)
+            if samples is None:
+                continue
+            sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1),
+                                                              per_reward.sum(0)])
+            if temperature == 0 and env.is_main and not shown:
+                shown = [(rows[call[i]].messages[-1]["content"], tok.decode(samples.completions[i]))
+                         for i in range(min(SHOWN, len(call)))]
     sums[-1] = len(mine)
     sums = all_reduce_sum(sums)
     n = max(sums[-1].item(), 1.0)
@@ -70,24 +92,20 @@ def pass_at_k(correct: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.no_grad()
 def evaluate_pass_k(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
                     tok: TokenizerWrapper, sampling: SamplingConfig, k: int, seed: int, env: DistEnv,
-                    autocast: ContextManager) -> dict:
+                    autocast: ContextManager, max_rows: int) -> dict:
     """Collective: `eval/pass@j` and `eval/pass@j_unbiased` for j = 1..k, from k samples per prompt at temperature
-    1; a sample is correct when the task reward (the first reward function: gsm8k, exact_match) gives it 1."""
+    1 (decoded at most max_rows at a time); a sample is correct when the task reward (the first reward function:
+    gsm8k, exact_match) gives it 1."""
     column = rewards.task_column()
     mine = list(range(env.rank, len(rows), env.world_size))
     sums = torch.zeros(2 * k + 1, dtype=torch.float64)
+    sums[-1] = len(mine)
     engine.model.eval()
-    if mine:
-        cfg = dataclasses.replace(sampling, temperature=1.0)
-        with autocast:
-            samples = engine.generate([prompt_ids[i] for i in mine], k, cfg, tok.eos_id, tok.pad_id,
-                                      [torch.Generator().manual_seed(sample_seed(seed, -2, i)) for i in mine])
-        per_reward, _ = rewards.score([rows[i] for i in mine], mine, [prompt_ids[i] for i in mine], samples, tok, k)
-        first, unbiased = pass_at_k((per_reward[:, column] >= 1).view(len(mine), k))
-        sums = torch.cat([first, unbiased, torch.tensor([len(mine)], dtype=torch.float64)])
-    else:  # fewer eval prompts than ranks: still take part in the collectives of the others' call
-        engine.refresh()
-        raise_if_any(None)
+    cfg = dataclasses.replace(sampling, temperature=1.0)
+    for call in calls_of(mine, len(rows), env.world_size, max_rows // k):
+        _, per_reward = generate_and_score(engine, rows, prompt_ids, call, k, cfg, rewards, tok, seed, -3, autocast)
+        if per_reward is not None:
+            sums[:-1] += torch.cat(pass_at_k((per_reward[:, column] >= 1).view(len(call), k)))
     sums = all_reduce_sum(sums)
     n = max(sums[-1].item(), 1.0)
     return {**{f"eval/pass@{j}": sums[j - 1].item() / n for j in range(1, k + 1)},

@@ -249,14 +249,15 @@ LORA_STATE = "--lora_r 16 (LoRA: gradients and optimizer state for the adapters 
 
 
 @contextlib.contextmanager
-def doing(what: str, hints: tuple[str, ...] = ()) -> Iterator[None]:
-    """Name the phase that runs inside (a rollout, a training micro-batch) and the flags that take less memory in it:
-    an error raised in it carries the innermost phase's (its `during`), which the out-of-memory line gives."""
+def doing(what: str, hints: tuple[str, ...] = (), saved: bool = False) -> Iterator[None]:
+    """Name the phase that runs inside (a rollout, a training micro-batch) and the flags that take less memory in it
+    (saved: this step's checkpoint is already written, as before the final evaluation): an error raised in it
+    carries the innermost phase's (its `during`), which the out-of-memory line gives."""
     try:
         yield
     except BaseException as e:
         if not hasattr(e, "during"):
-            e.during = (what, hints)
+            e.during = (what, hints, saved)
         raise
 
 
@@ -277,8 +278,8 @@ def out_of_memory_line(e: BaseException, args) -> str:
     """One line for an out-of-memory error: in which phase and what was allocating, the peak, and the flags of this
     script that take less memory there."""
     asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", str(e))
-    what, hints = getattr(e, "during", ("", ("a smaller --device_batch_size", "--activation_checkpointing",
-                                             FEWER_RANKS_STATE)))
+    what, hints, saved = getattr(e, "during", ("", ("a smaller --device_batch_size", "--activation_checkpointing",
+                                                    FEWER_RANKS_STATE), False))
     peak = ""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         device = torch.cuda.current_device()
@@ -289,6 +290,7 @@ def out_of_memory_line(e: BaseException, args) -> str:
              "--parallel fsdp": getattr(args, "parallel", "fsdp") == "fsdp" or lora,
              "--lora_r": lora or not hasattr(args, "lora_r")}
     flags = [h for h in hints if not any(h.startswith(flag) and on for flag, on in given.items())]
-    resume = "; nothing was saved for this step: resume from the last checkpoint with --resume latest" if what else ""
+    resume = "" if not what else "; this step's checkpoint is saved" if saved else \
+        "; nothing was saved for this step: resume from the last checkpoint with --resume latest"
     return (f"out of memory{' in ' + what if what else ''} ({asked.group(0) if asked else type(e).__name__}{peak}); "
             f"to take less: {', '.join(flags) or 'a smaller model or a larger GPU'}{resume}")

@@ -12,7 +12,8 @@ from nanochat_ext.ddp_common import broadcast_object, is_main, print0, raise_if_
 from nanochat_ext.errors import InputError
 
 
-SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps")  # may change on resume with --resume_extend only
+SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps", "lr_decay")  # may change on resume with --resume_extend only
+BEFORE_SCHEDULE_FLAGS = {"lr_decay": "cosine"}  # what a checkpoint written before such a flag existed ran with
 
 
 def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
@@ -20,8 +21,11 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
     learning-rate schedule unless args.resume_extend. `absent`: the value a key had in checkpoints
     written before it was recorded."""
     extend = getattr(args, "resume_extend", False)
+    absent = {**BEFORE_SCHEDULE_FLAGS, **(absent or {})}
     for key in keys + (() if extend else SCHEDULE_KEYS):
-        was = saved.get(key, (absent or {}).get(key))
+        if not hasattr(args, key):  # a schedule flag this script does not have (SFT's and the RM's: cosine)
+            continue
+        was = saved.get(key, absent.get(key))
         if was != getattr(args, key):
             hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
             raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "

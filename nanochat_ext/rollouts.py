@@ -123,7 +123,8 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
               "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
               # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
               # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
-              "train/tool_calls": s["tool_calls"] / n, "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
+              "train/tool_calls": s["tool_calls"] / n,
+              "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
               "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
               "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
               "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,

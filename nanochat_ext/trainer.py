@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from nanochat_ext.checkpoint import update_meta
 from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.optim import lr_multiplier
@@ -51,6 +52,7 @@ class Trainer:
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         self.start_step = 0
         self.metrics: dict = {}  # the latest logged and evaluated metrics, recorded in each checkpoint's meta
+        self.final: Path | None = None  # the final checkpoint, once written
         self.tracker: Tracker | None = None
         self.guard: StepGuard | None = None
         self.t_log = time.time()
@@ -121,6 +123,12 @@ class Trainer:
     def eval_due(self, done: int) -> bool:
         return done == self.args.max_steps or due(done, self.args.eval_every)
 
+    def save_if_last(self, done: int) -> None:
+        """Collective: after the last step, write the final checkpoint now, before the final evaluation (running out
+        of memory there must not lose it); finish() then records the evaluation's metrics in its meta."""
+        if done == self.args.max_steps and self.final is None:
+            self.final = self.save(done)
+
     def evaluated(self, done: int, metrics: dict) -> None:
         """An evaluation's metrics (none: nothing held out), logged; its time is left out of the log window."""
         if metrics:
@@ -139,6 +147,11 @@ class Trainer:
             print0(f"checkpoint: {self.save(done)}")
 
     def finish(self) -> Path:
-        """The loop is over: close the logs and write the final checkpoint."""
+        """The loop is over: close the logs and write the final checkpoint (or, written before the final
+        evaluation, record the metrics in its meta)."""
         self.tracker.close()
-        return self.save(self.args.max_steps)
+        if self.final is None:
+            return self.save(self.args.max_steps)
+        if self.env.is_main:
+            update_meta(self.final, {"metrics": self.metrics})
+        return self.final

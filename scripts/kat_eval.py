@@ -34,12 +34,12 @@ from nanochat_ext.data import load_pairs, load_prompts, read_rows
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
+from nanochat_ext.evaluation import evaluate_pass_k
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
 from nanochat_ext.reward import RewardScorer
+from nanochat_ext.rewards import Rewards
 from nanochat_ext.sampling import SamplingConfig, sample_seed
 from nanochat_ext.stats import sample_diversity
-from nanochat_ext.evaluation import evaluate_pass_k
-from nanochat_ext.rewards import Rewards
 from nanochat_ext.tools import TOOLS, tool_tokens
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tools", choices=TOOLS, default=None,
                    help="run nanochat's calculator inside the policies' completions (default: where the tokenizer has "
-                        "nanochat's python tokens); the report gives tool calls and refusals per completion")
+                        "nanochat's python tokens); the report gives tool calls per completion and refusals per call")
     p.add_argument("--pass_k", type=int, default=0,
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
@@ -80,6 +80,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_runtime_args(p)
     add_dashed_aliases(p)
     args = p.parse_args(script_argv(argv))
+    if args.pass_k < 0:
+        p.error("--pass_k must be >= 0 (0: off)")
     b = Path(args.base_dir)
     args.rm = args.rm if args.rm is not None else sorted(str(d) for d in (b / "rm_checkpoints").glob("*") if d.is_dir())
     args.score_rm = args.score_rm or str(b / "rm_checkpoints" / "uniform")
@@ -154,7 +156,8 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
     completions, calls, refused = (sum(x) for x in zip(*gather_objects(tools)))
     passes = evaluate_pass_k(engine, rows, all_ids, Rewards(None, args.reward_fn or ["gsm8k"], None), tok,
-                             SamplingConfig(args.max_new_tokens), args.pass_k, args.seed, env, autocast) \
+                             SamplingConfig(args.max_new_tokens), args.pass_k, args.seed, env, autocast,
+                             -(-len(rows) // env.world_size) * args.pass_k) \
         if args.pass_k else {}
     if not env.is_main:
         return {}

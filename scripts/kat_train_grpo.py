@@ -45,9 +45,9 @@ from nanochat_ext.rewards import Rewards, check_rm_tokenizer
 from nanochat_ext.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.tools import TOOLS, tool_tokens
 from nanochat_ext.tracking import Tracker
 from nanochat_ext.trainer import Saving, Trainer
-from nanochat_ext.tools import TOOLS, tool_tokens
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -238,6 +238,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     if args.eval_pass_k:
         rewards.task_column()
     tools = tool_tokens(args.tools, tok)
+    args.tools = "calculator" if tools else "none"  # resolved, so that a resume compares what the run did
     prompt_ids = encode_prompts(train_rows, tok, policy, args)
     eval_ids = encode_prompts(eval_rows, tok, policy, args)
     claim_out_dir(out_dir, log_dir)
@@ -386,8 +387,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             trainer.log(done, {**metrics, **peak_memory_gb(env.device)})
             window.zero()
         if trainer.eval_due(done):
-            trainer.evaluated(done, evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args, env, autocast,
-                                             trainer.tracker, done) if eval_rows else {})
+            trainer.save_if_last(done)
+            with doing(f"the evaluation ({seqs_per_rank} completions of up to {args.max_new_tokens} tokens at a time)",
+                       ("fewer completions per rank (--batch_size, --group_size, or more ranks)",
+                        "a smaller --max_new_tokens"), saved=done == args.max_steps):
+                ev = evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args, env, autocast, seqs_per_rank,
+                              trainer.tracker, done) if eval_rows else {}
+            trainer.evaluated(done, ev)
         trainer.end_step(done)
     report_peak(env.device, estimate)
     return trainer.finish()
@@ -395,15 +401,16 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
 def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], rewards: Rewards,
              tok: TokenizerWrapper, sampling: SamplingConfig, args: argparse.Namespace, env: DistEnv, autocast,
-             tracker: Tracker, step: int) -> dict:
-    """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k; rank 0 shows its first
-    greedy completions."""
-    metrics, shown = evaluate_rewards(engine, rows, prompt_ids, rewards, tok, sampling, args.seed, env, autocast)
+             max_rows: int, tracker: Tracker, step: int) -> dict:
+    """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k, decoding at most a
+    rollout's rows (max_rows) at a time; rank 0 shows its first greedy completions."""
+    metrics, shown = evaluate_rewards(engine, rows, prompt_ids, rewards, tok, sampling, args.seed, env, autocast,
+                                      max_rows)
     for i, (prompt, completion) in enumerate(shown):
         tracker.text(step, f"eval/sample_{i}", f"**prompt:** {prompt}\n\n**completion:** {completion}")
     if args.eval_pass_k:
         metrics.update(evaluate_pass_k(engine, rows, prompt_ids, rewards, tok, sampling, args.eval_pass_k, args.seed,
-                                       env, autocast))
+                                       env, autocast, max_rows))
     return metrics
 
 
@@ -420,7 +427,7 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbon
 
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-                "filter_zero_std", "optimizer", *RESUME_KEYS)
+                "filter_zero_std", "optimizer", "tools", *RESUME_KEYS)
 
 
 GRPO_RANGES = {
@@ -445,17 +452,17 @@ GRPO_RANGES = {
 
 # nanochat's RL recipe, scripts/chat_rl.py at 92d63d4: on-policy (one iteration, so no ratio and no clip), no KL,
 # advantage r - mean, token-level loss, Muon + AdamW at its rates x init-lr-frac 0.05 (--optimizer muon's default
-# --lr) decaying linearly to 0, 16 prompts x 16 samples of up to 256 tokens at temperature 1 and top-k 50, the
+# --lr) decaying linearly to 0, no gradient clipping, 16 prompts x 16 samples of up to 256 tokens at temperature 1 and top-k 50, the
 # calculator on, GSM8K's reward, pass@1..8 (its --device-batch-size) on 400 eval prompts every 60 steps.
 PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none", "loss_agg": "token",
-                       "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0,
+                       "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 0.0,
                        "batch_size": 16, "group_size": 16, "max_new_tokens": 256, "temperature": 1.0, "top_k": 50,
                        "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
                        "eval_examples": 400, "eval_pass_k": 8, "save_every": 60}}
 
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
-                     "optimizer": "adamw"}
+                     "optimizer": "adamw", "tools": "none"}
 
 
 def main(argv: list[str] | None = None) -> int:

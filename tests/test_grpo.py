@@ -3,6 +3,7 @@ checkpoints that reload as backbones, and bad input."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 
@@ -12,10 +13,15 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext import engine, grpo, memory, synthetic
+from nanochat_ext.data import load_prompts
 from nanochat_ext.errors import InputError
+from nanochat_ext.evaluation import evaluate_pass_k, evaluate_rewards
 from nanochat_ext.grpo import group_advantages
 from nanochat_ext.loader import load_backbone
 from nanochat_ext.resume import check_resume_args
+from nanochat_ext.rewards import Rewards
+from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo, kat_train_rm
 
 
@@ -188,6 +194,46 @@ def test_out_of_memory_in_grpo_is_one_line_saying_what_to_change(assets, grpo_as
     assert [json.loads(m.read_text())["step"] for m in out.glob("meta_*.json")] == [1]
 
 
+def test_out_of_memory_in_the_final_evaluation_keeps_the_final_checkpoint(assets, grpo_assets, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The final checkpoint is written before the final evaluation: running out of memory there (the 4th generate
+    call, after 3 rollouts) ends in one line that says the step's checkpoint is saved, and it is."""
+    calls, real = [0], engine.Engine.generate
+
+    def fourth_call_runs_out(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine.Engine, "generate", fourth_call_runs_out)
+    out = tmp_path / "oom"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "3",
+                     "--batch_size", "4", "--group_size", "4")
+    assert kat_train_grpo.main(args) == 4
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: out of memory in the evaluation (16 completions of up to 8 "
+                                               "tokens at a time)") and "this step's checkpoint is saved" in err[0]
+    assert [json.loads(m.read_text())["step"] for m in out.glob("meta_*.json")] == [3]
+
+
+def test_evaluation_in_calls_of_a_rollouts_rows_gives_one_calls_metrics(assets, grpo_assets):
+    """Held-out rewards and pass@k decoded 2 prompts (or 2 x k rows) at a time equal one call over all prompts: each
+    prompt's samples come from its own seed, and left padding computes what each prompt computes alone."""
+    policy = load_backbone(assets["gpt"])
+    tok = TokenizerWrapper.load(assets["tokenizer"])
+    rows = load_prompts(grpo_assets["prompts"])[:7]
+    ids = [tok.render_prompt(r.messages) for r in rows]
+    rewards = Rewards(None, ["rewards_for_tests:vowel_share"], None)
+    env = argparse.Namespace(rank=0, world_size=1, is_main=True)
+    cfg = SamplingConfig(8, 1.0)
+    eng = engine.Engine(policy)
+    got = [(evaluate_rewards(eng, rows, ids, rewards, tok, cfg, 0, env, contextlib.nullcontext(), n)[0],
+            evaluate_pass_k(eng, rows, ids, rewards, tok, cfg, 2, 0, env, contextlib.nullcontext(), 2 * n))
+           for n in (2, 100)]
+    assert got[0][0] == pytest.approx(got[1][0], rel=1e-6) and got[0][1] == got[1][1]
+
+
 def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):
     out = tmp_path / "hf"
     args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2",
@@ -273,6 +319,15 @@ def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
     check_resume_args({}, args, ("filter_zero_std",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
     with pytest.raises(InputError, match="--std_mode is 'sample' but the checkpoint was trained with 'population'"):
         check_resume_args({}, args, ("std_mode",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+    with pytest.raises(InputError, match="--tools is 'calculator' but the checkpoint was trained with 'none'"):
+        check_resume_args({}, argparse.Namespace(tools="calculator"), ("tools",), tmp_path,
+                          absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+    schedule = dict(max_steps=3, lr=0.1, warmup_steps=0, resume_extend=False)
+    saved = {k: v for k, v in schedule.items() if k != "resume_extend"}  # before --lr_decay: cosine
+    check_resume_args(saved, argparse.Namespace(**schedule, lr_decay="cosine"), (), tmp_path)
+    check_resume_args(saved, argparse.Namespace(**schedule), (), tmp_path)  # SFT and the RM have no --lr_decay
+    with pytest.raises(InputError, match="--lr_decay is 'linear' but the checkpoint was trained with 'cosine'"):
+        check_resume_args(saved, argparse.Namespace(**schedule, lr_decay="linear"), (), tmp_path)
 
 
 def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_path, monkeypatch, capsys):

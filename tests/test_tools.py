@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -197,3 +198,22 @@ def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path,
     lrs = [json.loads(line)["train/lr"] for line in (tmp_path / "preset" / "logs" / "metrics.jsonl").read_text()
            .splitlines() if "train/lr" in line]
     assert len(lrs) == 2 and lrs[1] == pytest.approx(lrs[0] / 2)  # linear: 1, then 1/2 of 2 steps
+
+
+def test_kat_eval_pass_at_k_on_two_ranks_with_prompts_that_do_not_split_evenly(tmp_path):
+    """3 prompts on 2 ranks: every rank makes the same collective calls (no hang), and pass@k is one rank's."""
+    args = grpo_with_tools(tmp_path, tmp_path / "unused")
+    prompts = tmp_path / "three.jsonl"
+    prompts.write_text("".join(Path(args[args.index("--prompts") + 1]).read_text().splitlines(keepends=True)[:3]))
+    reports = []
+    for nproc in (1, 2):
+        out = tmp_path / f"report_{nproc}.md"
+        proc = run_script("scripts.kat_eval", ["--base_dir", str(tmp_path), "--rm", "--policy_before",
+                                               str(TOOL_USE / "chatsft_checkpoints" / "d2"), "--eval_prompts",
+                                               str(prompts), "--pass_k", "2", "--reward_fn", "contains_answer",
+                                               "--max_new_tokens", "40", "--samples", "1", "--out", str(out)],
+                          nproc=nproc, env={"NANOCHAT_BASE_DIR": str(TOOL_USE)}, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        reports.append(json.loads(out.with_suffix(".json").read_text())["policies"]["before (SFT)"])
+    assert {k: v for k, v in reports[0].items() if k.startswith("pass@")} == \
+        {k: v for k, v in reports[1].items() if k.startswith("pass@")}

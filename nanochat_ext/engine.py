@@ -172,11 +172,14 @@ def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id
 class Engine:
     """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
     compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly).
-    tools: run nanochat's calculator inside the rollouts (tools.py)."""
+    tools: run nanochat's calculator inside the rollouts (tools.py). reserve: the longest prompt + new tokens any
+    call of the run will need; a compiled state is made that long at once, so a longer batch later does not
+    rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording)."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
-                 tools: ToolTokens | None = None):
+                 tools: ToolTokens | None = None, reserve: int = 0):
         self.model = model
+        self.reserve = reserve
         self.tools = tools
         self._python = (tools.python_start, tools.python_end) if tools is not None else None
         self._tool_calls = [0, 0]  # this call's calculator calls and refusals
@@ -311,7 +314,7 @@ class Engine:
                 rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype:
             return s
         self._states.pop(rows, None)  # freed before the larger one is made
-        slots = -(-needed // SLOT_BUCKET) * SLOT_BUCKET
+        slots = -(-max(needed, self.reserve) // SLOT_BUCKET) * SLOT_BUCKET
         k = like.k[0]
         cache = KVCache(len(like.k), rows, k.size(1), k.size(3), slots, k.device, k.dtype)
         if like.prev_embedding is not None:

@@ -270,7 +270,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         reference = WithoutAdapters(model, policy)
     # The engine copies the policy before it is sharded (under fsdp it decodes from a whole copy)
     engine = Engine(policy, compile=compile_decode,
-                    whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None, tools=tools)
+                    whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None, tools=tools,
+                    reserve=max(map(len, prompt_ids + eval_ids)) + args.max_new_tokens)
     ddp_model = parallel.wrap(model, policy.blocks)
     print0(parallel.describe(model))
     trainable = [p for p in model.parameters() if p.requires_grad]

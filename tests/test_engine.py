@@ -95,6 +95,23 @@ def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     assert set(engine._states) == {9, 12}
 
 
+def test_a_reserved_state_serves_every_prompt_length_of_the_run(assets, aot_eager):
+    """Engine(reserve=the run's longest prompt + new tokens), as GRPO makes it: a later, longer batch reuses the state
+    (the same buffers at the same addresses) and adds no graph, where an unreserved engine rebuilds and recompiles."""
+    bb = load_backbone(assets["gpt_modern"])
+    cfg = SamplingConfig(8, 1.0)
+    long = [list(range(3, 3 + 70)), *PROMPTS[1:]]
+    torch._dynamo.reset()
+    engine = Engine(bb, compile=True, reserve=70 + 8)
+    engine.generate(PROMPTS, 2, cfg, 1, 0, seeds())
+    state, graphs = engine._states[6], compile_stats()[0]
+    pointers = [t.data_ptr() for t in state.tensors()]
+    got = engine.generate(long, 2, cfg, 1, 0, seeds())
+    assert engine._states[6] is state and [t.data_ptr() for t in state.tensors()] == pointers
+    assert compile_stats()[0] == graphs and state.slots == 2 * engine_module.SLOT_BUCKET
+    assert_same_but_a_tie(got, Engine(bb).generate(long, 2, cfg, 1, 0, seeds()))
+
+
 def test_compiled_state_grows_for_longer_prompts(assets, aot_eager):
     """A call that needs more cache slots than the kept state has gets a larger one (rounded up to SLOT_BUCKET),
     and the same tokens as eager."""

@@ -69,6 +69,7 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
     import bench_gpu
 
     device = torch.device("cuda")
+    counters.clear()  # what earlier tests in this process counted is not this test's
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # fp32: they differ by rounding alone
     bb = bench_gpu.make_backbone(bench_gpu.shape_config("d2:65536"), device, 0)
     prompts = [list(range(5, 29)), list(range(7, 12))]
@@ -117,6 +118,7 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
     import bench_gpu
 
     device = torch.device("cuda")
+    counters.clear()  # graph breaks earlier tests in this process added are not this test's
 
     b = argparse.Namespace(vintage="current", steps=1, warmup=2, rm_pairs=4, rm_len=256, grpo_prompts=2, group_size=4,
                            prompt_len=32, new_tokens=16, micro=8, peak_tflops=None)

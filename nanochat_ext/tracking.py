@@ -127,7 +127,8 @@ class Tracker:
 
 
 def start_wandb(log_dir: Path, name: str, config: dict, project: str | None, resumed: bool):
-    """A wandb run writing under log_dir, the run's flags as its config. The id of the run it started is kept in
+    """A wandb run writing under log_dir ($WANDB_DIR where set, as wandb itself honours it), the run's flags as its
+    config. The id of the run it started is kept in
     log_dir/wandb_run_id once wandb has started, and a resumed run (resumed: from a checkpoint) continues that run;
     a fresh one gets a new id. wandb keeps what an interrupted run logged past the checkpoint and ignores the
     resumed run's steps it already has (metrics.jsonl and TensorBoard drop and rewrite them)."""
@@ -136,7 +137,8 @@ def start_wandb(log_dir: Path, name: str, config: dict, project: str | None, res
     id_file = log_dir / "wandb_run_id"
     run_id = id_file.read_text().strip() if resumed and id_file.is_file() else uuid.uuid4().hex[:8]
     run = wandb.init(project=project or os.environ.get("WANDB_PROJECT") or "nanochat_ext", id=run_id, resume="allow",
-                     name=f"{name}-{log_dir.parent.name}", dir=str(log_dir), config=config, job_type=name)
+                     name=f"{name}-{log_dir.parent.name}", dir=os.environ.get("WANDB_DIR") or str(log_dir),
+                     config=config, job_type=name)
     id_file.write_text(run.id + "\n")
     return run
 

@@ -70,6 +70,18 @@ def test_wandb_holds_the_metrics_and_a_resume_continues_its_run(assets, tmp_path
     assert (logs / "wandb_run_id").read_text().strip() != run_id
 
 
+def test_wandb_dir_is_honoured(assets, tmp_path):
+    """$WANDB_DIR, where set, is where the wandb run goes (wandb's own rule); the run id stays beside the logs."""
+    out, elsewhere = tmp_path / "rm", tmp_path / "wandb_elsewhere"
+    elsewhere.mkdir()
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_DIR": str(elsewhere)}
+    proc = run_script("scripts.kat_train_rm", rm_args(assets, out, "--max_steps", "1", "--report_to", "wandb"), env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    run_id = (out / "logs" / "wandb_run_id").read_text().strip()
+    assert len(list(elsewhere.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb"))) == 1
+    assert not (out / "logs" / "wandb").exists()
+
+
 def test_an_unknown_target_or_a_missing_wandb_is_one_line(assets, tmp_path, capsys, monkeypatch):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "a", "--max_steps", "1", "--report_to", "mlflow")) == 2
     assert "--report_to must be tensorboard, wandb, both comma-separated, or none; got 'mlflow'" in capsys.readouterr().err

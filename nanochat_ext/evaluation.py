@@ -110,3 +110,30 @@ def evaluate_pass_k(engine: Engine, rows: list[PromptRow], prompt_ids: list[list
     n = max(sums[-1].item(), 1.0)
     return {**{f"eval/pass@{j}": sums[j - 1].item() / n for j in range(1, k + 1)},
             **{f"eval/pass@{j}_unbiased": sums[k + j - 1].item() / n for j in range(1, k + 1)}}
+
+
+@torch.no_grad()
+def evaluate_tool_use(engines: tuple[Engine, Engine], rows: list[PromptRow], prompt_ids: list[list[int]],
+                      rewards: Rewards, tok: TokenizerWrapper, sampling: SamplingConfig, seed: int, env: DistEnv,
+                      autocast: ContextManager, max_rows: int) -> dict:
+    """Collective: the task reward's accuracy (the first reward function gives 1) of one greedy completion per
+    prompt, with the calculator (engines[0]) and without it (engines[1]), and with it the calls per completion and
+    the share of calls it refused."""
+    column = rewards.task_column()
+    mine = list(range(env.rank, len(rows), env.world_size))
+    sums = torch.zeros(5, dtype=torch.float64)  # correct with tools, without, calls, refused, prompts
+    sums[-1] = len(mine)
+    cfg = dataclasses.replace(sampling, temperature=0.0)
+    for j, engine in enumerate(engines):
+        engine.model.eval()
+        for call in calls_of(mine, len(rows), env.world_size, max_rows):
+            samples, per_reward = generate_and_score(engine, rows, prompt_ids, call, 1, cfg, rewards, tok, seed, -1,
+                                                     autocast)
+            if samples is not None:
+                sums[j] += float((per_reward[:, column] >= 1).sum())
+                if j == 0:
+                    sums[2:4] += torch.tensor([samples.tool_calls, samples.tool_errors], dtype=torch.float64)
+    sums = all_reduce_sum(sums)
+    n = max(sums[-1].item(), 1.0)
+    return {"accuracy_with_tools": sums[0].item() / n, "accuracy_without_tools": sums[1].item() / n,
+            "tool_calls": sums[2].item() / n, "tool_errors": sums[3].item() / max(sums[2].item(), 1.0)}

@@ -10,6 +10,7 @@ act on. Nothing here is downloaded; everything follows from `seed`.
 from __future__ import annotations
 
 import json
+import operator
 import random
 import re
 from pathlib import Path
@@ -104,15 +105,52 @@ def make_prompts(n: int, seed: int = 0) -> list[dict]:
     return [dict(zip(("prompt", "topic"), _prompt(rng))) for _ in range(n)]
 
 
-def judge(topic: str, completion: str) -> bool:
-    """Ground truth: courteous (a helpful word, no dismissive one) and on topic (a word of `topic`)."""
+def judge(topic: str, completion: str, answer: str | None = None) -> bool:
+    """Ground truth: courteous (a helpful word, no dismissive one) and on topic (a word of `topic`); for an
+    arithmetic prompt, its answer stated after the tool block (what the model wrote, not what the tool forced)."""
+    if topic == ARITHMETIC:
+        stated = completion.rsplit("<|output_end|>", 1)[-1]
+        return answer is not None and re.search(rf"(?<![0-9]){re.escape(answer)}(?![0-9])", stated) is not None
     words = set(re.findall(r"[a-z]+", completion.lower()))
     return bool(words & set(HELPFUL)) and not words & set(DISMISSIVE) and bool(words & set(TOPIC_WORDS[topic]))
 
 
 def task_reward(prompt: str, completion: str, row: dict) -> float:
     """`judge` as a rule-based GRPO reward: --reward_fn nanochat_ext.synthetic:task_reward."""
-    return float(judge(row["topic"], completion))
+    return float(judge(row["topic"], completion, row.get("answer")))
+
+
+# Arithmetic: a question the calculator answers. The SFT reply calls it in nanochat's format (a python part, its
+# output part, which SFT leaves out of the loss), then states the result; judged on that statement.
+ARITHMETIC = "arithmetic"
+OPERATIONS = {"plus": ("+", operator.add), "minus": ("-", operator.sub), "times": ("*", operator.mul)}
+
+
+def _arithmetic(rng: random.Random) -> tuple[str, str, str]:
+    """(question, expression, answer)."""
+    a, b, word = rng.randint(2, 99), rng.randint(2, 99), rng.choice(list(OPERATIONS))
+    sign, op = OPERATIONS[word]
+    return f"What is {a} {word} {b}? ({ARITHMETIC})", f"{a}{sign}{b}", str(op(a, b))
+
+
+def make_arithmetic_conversations(n: int, seed: int = 0) -> list[dict]:
+    """SFT conversations whose replies call the calculator: {messages (the reply as nanochat's parts), topic}."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        question, expr, answer = _arithmetic(rng)
+        reply = [{"type": "text", "text": f"{rng.choice(HELPFUL).capitalize()}, let me compute. "},
+                 {"type": "python", "text": expr}, {"type": "python_output", "text": answer},
+                 {"type": "text", "text": f" The answer is {answer}."}]
+        rows.append({"messages": [{"role": "user", "content": question}, {"role": "assistant", "content": reply}],
+                     "topic": ARITHMETIC})
+    return rows
+
+
+def make_arithmetic_prompts(n: int, seed: int = 0) -> list[dict]:
+    """Evaluation prompts for tool use: {prompt, topic, answer}."""
+    rng = random.Random(seed)
+    return [{"prompt": q, "topic": ARITHMETIC, "answer": a} for q, _, a in (_arithmetic(rng) for _ in range(n))]
 
 
 def corpus(seed: int = 0, n: int = 2000) -> list[str]:

@@ -3,10 +3,12 @@ given (see nanochat_ext/synthetic.py for the domain and its ground truth):
 
     tokenizer/tokenizer.pkl           RustBPE tokenizer trained on the domain's text
     base_checkpoints/demo/            a randomly initialised tiny nanochat GPT (SFT starts here)
-    demo/sft.jsonl                    SFT conversations, deliberately imperfect
+    demo/sft.jsonl                    SFT conversations, deliberately imperfect, and arithmetic ones that call the
+                                      calculator in nanochat's format
     demo/pairs.jsonl                  preference pairs (dismissive or off-topic rejections)
     demo/prompts.jsonl                GRPO prompts {prompt, topic}
     demo/eval_pairs.jsonl, demo/eval_prompts.jsonl   held-out sets for the report
+    demo/eval_arithmetic.jsonl        held-out arithmetic prompts {prompt, topic, answer}: the report's tool use
 
     python -m scripts.kat_demo_data [--n_pairs 2000] [--seed 0]
 """
@@ -28,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n_pairs", type=int, default=2000, help="preference pairs (default: %(default)s)")
     p.add_argument("--n_sft", type=int, default=4000, help="SFT conversations (default: %(default)s)")
     p.add_argument("--n_prompts", type=int, default=1000, help="GRPO prompts (default: %(default)s)")
+    p.add_argument("--n_arithmetic", type=int, default=1000,
+                   help="arithmetic SFT conversations that call the calculator (default: %(default)s)")
     p.add_argument("--n_eval", type=int, default=200, help="held-out prompts, and twice as many pairs")
     p.add_argument("--vocab_size", type=int, default=512, help="tokenizer vocabulary (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
@@ -38,11 +42,15 @@ def main(argv: list[str] | None = None) -> int:
     tok = synthetic.make_tokenizer(base / "tokenizer", args.vocab_size, s)
     ckpt = synthetic.make_tiny_gpt(base / "base_checkpoints" / "demo", tok.vocab_size, s, n_layer=4, n_embd=128,
                                    n_head=4, n_kv_head=2)
-    synthetic.write_jsonl(demo / "sft.jsonl", synthetic.make_conversations(args.n_sft, s + 1))
+    synthetic.write_jsonl(demo / "sft.jsonl", synthetic.make_conversations(args.n_sft, s + 1) +
+                          synthetic.make_arithmetic_conversations(args.n_arithmetic, s + 6))
     synthetic.write_jsonl(demo / "pairs.jsonl", synthetic.make_pairs(args.n_pairs, s + 2, p_off_topic=0.4))
     synthetic.write_jsonl(demo / "prompts.jsonl", synthetic.make_prompts(args.n_prompts, s + 3))
     synthetic.write_jsonl(demo / "eval_pairs.jsonl", synthetic.make_pairs(2 * args.n_eval, s + 4, p_off_topic=0.4))
     synthetic.write_jsonl(demo / "eval_prompts.jsonl", synthetic.make_prompts(args.n_eval, s + 5))
+    if args.n_arithmetic:
+        synthetic.write_jsonl(demo / "eval_arithmetic.jsonl",
+                              synthetic.make_arithmetic_prompts(args.n_eval // 2, s + 7))
     print(f"demo: tokenizer {base / 'tokenizer'}, base model {ckpt}, data in {demo}")
     return 0
 

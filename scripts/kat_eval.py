@@ -34,7 +34,7 @@ from nanochat_ext.data import load_pairs, load_prompts, read_rows
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import evaluate_pass_k
+from nanochat_ext.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
 from nanochat_ext.reward import RewardScorer
 from nanochat_ext.rewards import Rewards
@@ -75,7 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
     p.add_argument("--reward_fn", action="append", default=[],
-                   help="the task reward pass@k reads, as for kat_train_grpo (default: gsm8k)")
+                   help="the task reward pass@k and tool use read, as for kat_train_grpo (default: gsm8k)")
+    p.add_argument("--tool_prompts", default=None,
+                   help="prompts with answers to measure tool use on: the task reward's greedy accuracy with the "
+                        "calculator and with --tools none, calls and refusals, pass@k "
+                        "(default: <base>/demo/eval_arithmetic.jsonl where it exists)")
+    p.add_argument("--tool_max_new_tokens", type=int, default=48, help="completion length for --tool_prompts")
     p.add_argument("--out", default=None, help="report path (default: <base>/report.md)")
     add_runtime_args(p)
     add_dashed_aliases(p)
@@ -89,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.policy_after = args.policy_after or str(b / "chatrl_checkpoints" / "uniform")
     args.eval_pairs = args.eval_pairs or str(b / "demo" / "eval_pairs.jsonl")
     args.eval_prompts = args.eval_prompts or str(b / "demo" / "eval_prompts.jsonl")
+    args.tool_prompts = args.tool_prompts or str(b / "demo" / "eval_arithmetic.jsonl")
     args.out = args.out or str(b / "report.md")
     return args
 
@@ -133,7 +139,7 @@ def eval_rm(rm_dir: str, pairs, topics: dict[int, str], env: DistEnv, args: argp
             for g, v in groups.items() if v}
 
 
-def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv, dtype: torch.dtype) -> dict:
+def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, env: DistEnv, dtype: torch.dtype) -> dict:
     policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=dtype)
     autocast = precision(dtype, env.device)
     tok = load_tokenizer_for(policy, None)
@@ -155,10 +161,20 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
     completions, calls, refused = (sum(x) for x in zip(*gather_objects(tools)))
-    passes = evaluate_pass_k(engine, rows, all_ids, Rewards(None, args.reward_fn or ["gsm8k"], None), tok,
-                             SamplingConfig(args.max_new_tokens), args.pass_k, args.seed, env, autocast,
-                             -(-len(rows) // env.world_size) * args.pass_k) \
+    task = Rewards(None, args.reward_fn or ["gsm8k"], None)
+    passes = evaluate_pass_k(engine, rows, all_ids, task, tok, SamplingConfig(args.max_new_tokens), args.pass_k,
+                             args.seed, env, autocast, -(-len(rows) // env.world_size) * args.pass_k) \
         if args.pass_k else {}
+    tool_use = {}
+    if tool_rows and engine.tools:  # the same prompts with the calculator and without it
+        tool_ids, cfg = [tok.render_prompt(r.messages) for r in tool_rows], SamplingConfig(args.tool_max_new_tokens)
+        per_rank = -(-len(tool_rows) // env.world_size)
+        tool_use = evaluate_tool_use((engine, Engine(policy)), tool_rows, tool_ids, task, tok, cfg, args.seed, env,
+                                     autocast, per_rank)
+        if args.pass_k:
+            tool_use.update({k.removeprefix("eval/"): v for k, v in evaluate_pass_k(
+                engine, tool_rows, tool_ids, task, tok, cfg, args.pass_k, args.seed, env, autocast,
+                per_rank * args.pass_k).items()})
     if not env.is_main:
         return {}
 
@@ -190,7 +206,7 @@ def eval_policy(path: str, rows, scorer: RewardScorer | None, args, env: DistEnv
             if per_topic else None,
             **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
             "tool_calls": calls / max(completions, 1), "tool_errors": refused / max(calls, 1) if engine.tools else None,
-            **{k.removeprefix("eval/"): v for k, v in passes.items()},
+            **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
             "examples": [text for _, text, _, _ in sampled[:4]]}
 
 
@@ -256,6 +272,15 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
                   "| metric | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
         lines += [f"| {k} | " + " | ".join(fmt(p[k]) for p in policies.values()) + " |" for k in keys]
         lines.append("")
+        uses = {name: p["tool_use"] for name, p in policies.items() if p.get("tool_use")}
+        if uses:
+            lines += [f"## Tool use on `{Path(args.tool_prompts).name}`", "",
+                      "greedy task accuracy with nanochat's calculator running inside the completions and with "
+                      "`--tools none`; calls per completion; the share of calls it refused; pass@k with tools", "",
+                      "| metric | " + " | ".join(uses) + " |", "|---|" + "---|" * len(uses)]
+            lines += [f"| {k} | " + " | ".join(fmt(u.get(k)) for u in uses.values()) + " |"
+                      for k in next(iter(uses.values()))]
+            lines.append("")
         for name, p in policies.items():
             lines += [f"Samples from {name} (`{p['checkpoint']}`):", ""] + [f"- {t}" for t in p["examples"]] + [""]
     if plots:
@@ -275,6 +300,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     policies = {}
     if Path(args.eval_prompts).is_file():
         rows = load_prompts(args.eval_prompts)
+        tool_rows = load_prompts(args.tool_prompts) if Path(args.tool_prompts).is_file() else []
         scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
                   if find_checkpoint(args.score_rm) else None)
         if scorer is not None:
@@ -284,7 +310,7 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
             if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():
                 print0(f"eval: no policy at {path}, skipped")
                 continue
-            policies[name] = eval_policy(path, rows, scorer, args, env, dtype)
+            policies[name] = eval_policy(path, rows, tool_rows, scorer, args, env, dtype)
             if env.is_main:
                 print0(f"eval: {name} task accuracy sampled {fmt(policies[name]['task_accuracy_sampled'])}, "
                        f"rm score sampled {fmt(policies[name]['rm_score_sampled'])}")

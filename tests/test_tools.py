@@ -13,6 +13,8 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import REPO, assert_same_update, run_script
+from nanochat_ext import synthetic
+from nanochat_ext.data import load_conversations
 from nanochat_ext.engine import Engine
 from nanochat_ext.evaluation import pass_at_k
 from nanochat_ext.grpo import LossConfig, policy_backward
@@ -178,6 +180,39 @@ def test_kat_eval_reports_pass_at_k_and_tool_use(tmp_path, monkeypatch):
     assert 0 < policy["pass@1"] <= policy["pass@3"] == policy["pass@3_unbiased"] <= 1
     assert policy["tool_calls"] > 0 and 0 <= policy["tool_errors"] <= 1
     assert "| pass@3 |" in out.read_text() and "| tool_calls |" in out.read_text()
+
+
+def test_kat_eval_measures_tool_use_with_and_without_the_calculator(tmp_path, monkeypatch):
+    """--tool_prompts: greedy task accuracy with the calculator and with --tools none on the same prompts (nanochat's
+    tool-use model writes 99 itself: only the forced answers are right), calls per completion, refusals per call
+    (`2**10` is refused), pass@k; in report.json and the report's "Tool use" table."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(TOOL_USE))
+    args = grpo_with_tools(tmp_path, tmp_path / "unused")
+    prompts = args[args.index("--prompts") + 1]
+    out = tmp_path / "report.md"
+    assert kat_eval.main(["--base_dir", str(tmp_path), "--rm", "--policy_before", str(TOOL_USE / "chatsft_checkpoints"
+                          / "d2"), "--eval_prompts", prompts, "--tool_prompts", prompts, "--pass_k", "2",
+                          "--reward_fn", "contains_answer", "--max_new_tokens", "8", "--samples", "1", "--out",
+                          str(out), "--device", "cpu"]) == 0
+    use = json.loads(out.with_suffix(".json").read_text())["policies"]["before (SFT)"]["tool_use"]
+    assert use["accuracy_without_tools"] == 0 and use["accuracy_with_tools"] == 0.75  # 3*4, 1,200/4, strawberry
+    assert use["tool_calls"] == 1 and use["tool_errors"] == 0.25 and 0 < use["pass@2"] <= 1
+    assert "## Tool use on `prompts.jsonl`" in out.read_text() and "| accuracy_with_tools | 0.750 |" in out.read_text()
+
+
+def test_the_demos_arithmetic_calls_the_calculator_in_nanochats_format(tmp_path):
+    """The demo's arithmetic conversations render as nanochat's tool calls (the result masked out of SFT), and its
+    judge reads the answer the model states after the tool block, not the one the tool forced."""
+    tok = load_tokenizer_for(load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2"), str(TOOL_USE / "tokenizer"))
+    path = synthetic.write_jsonl(tmp_path / "sft.jsonl", synthetic.make_arithmetic_conversations(5, seed=1))
+    for messages, reply, _ in load_conversations(path):
+        ids, mask = tok.render_reply(reply)
+        assert [p["type"] for p in reply] == ["text", "python", "python_output", "text"]
+        assert ids.count(tok.special("<|python_start|>")) == 1 and mask.count(0) == len(tok.encode(reply[2]["text"])) + 2
+    row = synthetic.make_arithmetic_prompts(1, seed=2)[0]
+    forced = f"<|python_start|>x<|python_end|><|output_start|>{row['answer']}<|output_end|>"
+    assert synthetic.judge("arithmetic", f"{forced} The answer is {row['answer']}.", row["answer"])
+    assert not synthetic.judge("arithmetic", f"{forced} The answer is 1{row['answer']}.", row["answer"])
 
 
 def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path, capsys):

@@ -131,11 +131,14 @@ def _read_table(p: Path):
         raise InputError(f"not a readable {p.suffix[1:]} file ({first_line(e)})", path=str(p)) from None
 
 
-def _messages(value, path, line, field) -> list[dict]:
+def _messages(value, path, line, field, reply_parts: bool = False) -> list[dict]:
+    """reply_parts: the last message may be nanochat's parts (a list of {type, text}) rather than a string."""
     if not isinstance(value, list) or not value:
         raise InputError("expected a non-empty list of messages", path, line, field)
     for i, m in enumerate(value):
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        if reply_parts and i == len(value) - 1 and isinstance(m, dict) and isinstance(m.get("content"), list):
+            _parts(m["content"], path, line)
+        elif not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise InputError(f"message {i} must be {{'role': user|assistant|system, 'content': str}}",
                              path, line, field)
     return [{"role": m["role"], "content": m["content"]} for m in value]
@@ -307,16 +310,11 @@ def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str | 
                 raise InputError("question and answer must be strings", str(path), lineno, "answer")
             out.append(([{"role": "user", "content": obj["question"]}], answer_parts(obj["answer"]), lineno))
             continue
-        messages = obj.get("messages")
-        reply = messages[-1].get("content") if isinstance(messages, list) and messages and \
-            isinstance(messages[-1], dict) else None
-        if isinstance(reply, list):  # nanochat's own format: the reply as parts (text, python, python_output)
-            _parts(reply, str(path), lineno)
-            messages = [*messages[:-1], {**messages[-1], "content": "parts"}]
-        msgs = _messages(messages, str(path), lineno, "messages")
+        msgs = _messages(obj.get("messages"), str(path), lineno, "messages", reply_parts=True)
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
             raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
                              "messages")
+        reply = msgs[-1]["content"]  # nanochat's parts (text, python, python_output) as they are
         out.append((msgs[:-1], reply if isinstance(reply, list) else _answer(reply, str(path), lineno, "messages"),
                     lineno))
     if not out:

@@ -70,7 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tools", choices=TOOLS, default=None,
                    help="run nanochat's calculator inside the policies' completions (default: where the tokenizer has "
-                        "nanochat's python tokens); the report gives tool calls per completion and refusals per call")
+                        "nanochat's python tokens); --tool_prompts measures its use")
     p.add_argument("--pass_k", type=int, default=0,
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
@@ -146,7 +146,7 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     mine = list(range(env.rank, len(rows), env.world_size))
     all_ids = [tok.render_prompt(r.messages) for r in rows]
     prompt_ids = [all_ids[i] for i in mine]
-    results, engine, tools = [], Engine(policy, tools=tool_tokens(args.tools, tok)), [0, 0, 0]
+    results, engine = [], Engine(policy, tools=tool_tokens(args.tools, tok))
     for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
         cfg = SamplingConfig(args.max_new_tokens, temperature)
         with autocast:
@@ -154,13 +154,11 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
                                   [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
                 if mine else None
         comps = out.completions if out else []
-        tools = [tools[0] + len(comps), tools[1] + (out.tool_calls if out else 0), tools[2] + (out.tool_errors if out else 0)]
         scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)
                                    for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
         texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in comps]
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
-    completions, calls, refused = (sum(x) for x in zip(*gather_objects(tools)))
     task = Rewards(None, args.reward_fn or ["gsm8k"], None)
     passes = evaluate_pass_k(engine, rows, all_ids, task, tok, SamplingConfig(args.max_new_tokens), args.pass_k,
                              args.seed, env, autocast, -(-len(rows) // env.world_size) * args.pass_k) \
@@ -205,7 +203,6 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
             "topic_accuracy_spread": (sum((a - mean(per_topic)) ** 2 for a in per_topic) / len(per_topic)) ** 0.5
             if per_topic else None,
             **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
-            "tool_calls": calls / max(completions, 1), "tool_errors": refused / max(calls, 1) if engine.tools else None,
             **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
             "examples": [text for _, text, _, _ in sampled[:4]]}
 
@@ -264,7 +261,7 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
         keys = ["rm_score_greedy", "rm_score_sampled", "task_accuracy_greedy", "task_accuracy_sampled",
                 "task_accuracy_sampled_dense", "task_accuracy_sampled_rare", "task_accuracy_gap_dense_rare",
                 "topic_accuracy_spread", "distinct_1", "distinct_2", "duplicate_share", "mode_share",
-                "top_completion_share", "bigram_entropy_bits", "completion_len", "tool_calls", "tool_errors"]
+                "top_completion_share", "bigram_entropy_bits", "completion_len"]
         keys += [f"pass@{j}{suffix}" for suffix in ("", "_unbiased") for j in range(1, args.pass_k + 1)]
         lines += ["## Policy before and after GRPO on held-out prompts", "",
                   f"greedy: one completion per prompt; sampled: {args.samples} per prompt at temperature "

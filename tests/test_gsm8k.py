@@ -10,6 +10,7 @@ import pytest
 from conftest import REPO
 from nanochat_ext import reward_fns
 from nanochat_ext.data import load_conversations, load_prompts
+from nanochat_ext.errors import InputError
 from nanochat_ext.gsm8k import answer_parts, extract_answer, reference_answer
 from nanochat_ext.logprobs import make_sequences
 from nanochat_ext.rewards import load_reward_fn
@@ -89,3 +90,20 @@ def test_sft_runs_on_gsm8k_rows(tmp_path, capsys):
                          str(TOOL_USE / "tokenizer"), "--conversations", str(path), "--batch_size", "3",
                          "--max_steps", "2", "--lr", "1e-3", "--out", str(out), "--device", "cpu"]) == 0
     assert "checkpoint: " in capsys.readouterr().out
+
+
+def test_nanochat_conversations_with_reply_parts_load_and_bad_parts_are_one_line(tmp_path):
+    """nanochat's own conversation format (the fixture's): the reply as parts loads as they are; parts anywhere but the
+    reply, or a part of an unknown type, are refused naming the file and row."""
+    conversation = EXAMPLES[0]["conversation"]
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps(conversation) + "\n")
+    [(prompt, reply, _)] = load_conversations(good)
+    assert prompt == conversation["messages"][:1] and reply == conversation["messages"][1]["content"]
+    user, assistant = conversation["messages"]
+    for bad in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, assistant]},
+                {"messages": [user, {"role": "assistant", "content": [{"type": "shell", "text": "ls"}]}]}):
+        path = tmp_path / "bad.jsonl"
+        path.write_text(json.dumps(bad) + "\n")
+        with pytest.raises(InputError, match=r"bad.jsonl:1: field .messages."):
+            load_conversations(path)

@@ -98,12 +98,16 @@ def test_no_gradient_flows_through_forced_tokens(policy):
         bb.zero_grad(set_to_none=True)
         policy_backward(CompletionLogprobs(bb), batch, 2, LossConfig(beta=0.0), torch.device("cpu"),
                         torch.autocast("cpu", enabled=False))
-        return [p.grad.clone() for p in bb.parameters() if p.grad is not None]
+        return {n: p.grad.clone() for n, p in bb.model.named_parameters() if p.grad is not None}
 
     bb.set_trainable("all")
     other = (completions[0][forced] + 1) % bb.vocab_size
-    assert all(torch.equal(a, b) for a, b in zip(grads(sampled, None), grads(sampled, other)))
-    assert not all(torch.equal(a, b) for a, b in zip(grads(None, None), grads(None, other)))
+    masked = grads(sampled, None)
+    assert all(torch.equal(a, b) for a, b in zip(masked.values(), grads(sampled, other).values()))
+    assert not all(torch.equal(a, b) for a, b in zip(grads(None, None).values(), grads(None, other).values()))
+    # At 2 layers nanochat's backout subtracts a multiple of the last block's own output, which the final norm scales
+    # away: backout_lambda's gradient is rounding (the 2-rank test below leaves it out of its update comparison).
+    assert masked["backout_lambda"].abs().item() < 1e-6 * masked["lm_head.weight"].norm().item()
 
 
 def test_pass_at_k_is_nanochats_and_the_unbiased_estimator():
@@ -158,8 +162,8 @@ def test_grpo_with_tools_on_two_ranks_is_one_rank(tmp_path, policy):
     assert passes[0] == passes[1] and len(passes[0]) == 8  # pass@1..4 and the unbiased estimates, over ranks
     curve = [passes[0][f"eval/pass@{j}"] for j in range(1, 5)]
     assert curve == sorted(curve) and curve[-1] == passes[0]["eval/pass@4_unbiased"] and 0 < curve[-1] <= 1
-    # At 2 layers the backout subtracts a multiple of the last block's own output, which the final norm scales
-    # away: backout_lambda's gradient is rounding (5e-9), which Adam turns into a step of lr with either sign.
+    # backout_lambda's gradient is rounding at 2 layers (test_no_gradient_flows_through_forced_tokens shows it), which
+    # Adam turns into a step of lr with either sign: every other tensor is compared by its update.
     init, got, want = (load_backbone(d).model.state_dict() for d in (TOOL_USE / "chatsft_checkpoints" / "d2", two, one))
     assert_same_update(*({k: v for k, v in sd.items() if k != "backout_lambda"} for sd in (got, want, init)))
     assert kat_train_grpo.main(grpo_with_tools(tmp_path, off, "--tools", "none")) == 0

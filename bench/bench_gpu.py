@@ -217,8 +217,9 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
                                       [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
         with Clock(device) as clocks["scoring"]:
             rewards = torch.tensor(scorer.score_ids([step_prompts[i // G] + c for i, c in enumerate(samples.completions)],
-                                                    batch_size=b.micro), dtype=torch.float64)
-        batch = make_sequences(step_prompts, samples.completions, G, 0)
+                                                    batch_size=b.micro, group=G), dtype=torch.float64)
+        # As the trainer batches them: a group's prompt shared (prefix-tree rows) where micro-batches hold whole groups
+        batch = make_sequences(step_prompts, samples.completions, G, 0, share_prompt=b.micro % G == 0)
         batch["advantages"] = group_advantages(rewards, G, "group")
         batch["weights"] = torch.ones(n * G)
         with Clock(device) as clocks["reference"]:

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for bench/run_gpu.sh on the lent GPU machines (Python 3.12, x86_64, a CUDA torch preinstalled, no
-# network), fetched here with pip: what their image lacks (rustbpe, TRL, datasets and two of its dependencies)
-# or holds at another version than requirements.txt pins (transformers, tokenizers), and peft for --lora_r; tiktoken
+# network), fetched here with pip: what their image lacks (rustbpe, TRL, datasets and two of its dependencies, the
+# regex transformers 5.23 needs) or holds at another version than requirements.txt pins (transformers, tokenizers),
+# and peft for --lora_r; tiktoken
 # 0.14.0 and accelerate 1.15.0 are in the image as pinned. Into $WHEELS (default .whl, ignored by git); carry it with the
 # checkout (the device tool's carry: [".whl"]).
 set -euo pipefail
@@ -10,5 +11,6 @@ WHEELS=${WHEELS:-.whl}
 mkdir -p "$WHEELS"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
-    transformers==5.23.0 tokenizers==0.23.3 rustbpe==0.1.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+    transformers==5.23.0 tokenizers==0.23.3 rustbpe==0.1.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    regex==2026.11.15
 du -sh "$WHEELS"

@@ -10,18 +10,16 @@
 # for bench_gpu.py and trl_gpu.py), CUDA_TESTS (1; 0 skips the tests), NANOCHAT_SRC (default .nanochat, ignored by
 # git: a nanochat checkout's root, whose Engine then decodes beside ours; make it where a nanochat clone is, e.g.
 # `mkdir .nanochat && git -C ~/nanochat archive HEAD nanochat | tar -x -C .nanochat`, and carry it like .whl).
-# The test suite runs it on CPU: DEVICE=cpu
-# SHAPES=tiny BENCH_ARGS="...". Where one call is limited to 10 minutes (the lent H100s), split it:
-# `SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES="d20 d24:32768" FSDP_SHAPES=
-# LORA_SHAPES= bash bench/run_gpu.sh`, then `CUDA_TESTS=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24).
+# The test suite runs it on CPU: DEVICE=cpu SHAPES=tiny BENCH_ARGS="...". It starts with an import check of every
+# carried wheel, then the CUDA tests (each cut at CUDA_TEST_TIMEOUT seconds, default 300: one hung test fails alone) and
+# the LM head's log-prob chain eager and compiled (LM_HEAD=0 skips it; LM_HEAD_ARGS for bench_lm_head.py). Where one
+# call is limited to 10 minutes (the lent H100s), split it: `SHAPES= FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`
+# (the tests and the LM head), then `CUDA_TESTS=0 LM_HEAD=0 SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`,
+# `CUDA_TESTS=0 LM_HEAD=0 SHAPES="d20 d24:32768" FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`, then
+# `CUDA_TESTS=0 LM_HEAD=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
-if compgen -G "$WHEELS/*.whl" >/dev/null; then
-  SITE=$(mktemp -d)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl &&
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-fi
 export NANOCHAT_SYSTEM_PYTHON=1  # speedrun.sh (run by the CUDA tests) uses this python, not a venv
 export PYTHONUNBUFFERED=1
 DEVICE=${DEVICE:-cuda}
@@ -29,11 +27,39 @@ RESULTS=${RESULTS:-${OUT:-bench/results}/gpu_$(date -u +%Y-%m-%d_%H%M%S).jsonl}
 mkdir -p "$(dirname "$RESULTS")"
 : > "$RESULTS"
 status=0  # non-zero when any step failed; every step still runs
+if compgen -G "$WHEELS/*.whl" >/dev/null; then
+  SITE=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl &&
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  # Each carried wheel imports beside the image's packages (transformers 5.23 needs regex >= 2025.10.22), or its
+  # error is one line here and in the results, before anything depends on it.
+  python3 - "$WHEELS"/*.whl >> "$RESULTS" <<'PY' || status=1
+import importlib, importlib.metadata, json, sys
+from pathlib import Path
+ok, failed = {}, {}
+for wheel in sys.argv[1:]:
+    name = Path(wheel).name.split("-")[0].lower()
+    try:
+        importlib.import_module(name)
+        ok[name] = importlib.metadata.version(name)
+    except Exception as e:  # what a user would hit at import, whatever it is
+        failed[name] = f"{type(e).__name__}: {e}".splitlines()[0]
+        print(f"run_gpu: the carried {name} does not import: {failed[name]}", file=sys.stderr)
+print(json.dumps({"bench": "imports", "ok": ok, "failed": failed}))
+sys.exit(1 if failed else 0)
+PY
+fi
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
-  tests=$(python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1) || status=1
+  tests=$(CUDA_TEST_TIMEOUT=${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1) ||
+    status=1
   printf '%s\n' "$tests" >&2
   python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' \
       "$(tail -n 1 <<<"$tests")" >> "$RESULTS"
+fi
+if [ "${LM_HEAD:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  python3 bench/bench_lm_head.py --device "$DEVICE" ${LM_HEAD_ARGS:---rows 4096 --vocab 65536 --hidden 1280} |
+    tee -a "$RESULTS" || status=1
 fi
 NANOCHAT_SRC=${NANOCHAT_SRC:-.nanochat}
 NANOCHAT_ARGS=()

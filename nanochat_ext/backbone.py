@@ -25,6 +25,7 @@ class Backbone(nn.Module):
     says whether the model is one of ours (GPT, Llama) or a transformers module.
     """
     adapters = None  # peft's PeftModel around self.model under --lora_r (lora.apply_lora), else None
+    compiled: str | None = None  # torch.compile's backend for the blocks and the LM head (compiled.compile_blocks)
 
     def __init__(self, kind: str, model: nn.Module, source: str, hf_config=None,
                  source_meta: dict | None = None, source_dtypes: dict[str, torch.dtype] | None = None):

@@ -110,7 +110,7 @@ def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dist_timeout", type=float, default=1800.0, help="collective timeout, seconds")
     g.add_argument("--compile", choices=("auto", "0", "1"), default="auto",
                    help="1: torch.compile each transformer block of our models (nanochat GPT, native Llama) wherever "
-                        "they train or score; the log says how many graphs and seconds that took. GRPO also decodes "
+                        "they train or score, and the LM head's log-prob chain; the log says how many graphs and seconds that took. GRPO also decodes "
                         "with a compiled static-shape step, sampling included (the same tokens as eager; ~10-19 s to "
                         "compile on a 2-core CPU, then ~1.6x faster there). auto: blocks compiled on CUDA, eager on "
                         "CPU; GRPO's decode step compiled on CPU when --max_steps x --max_new_tokens >= 100000, "

@@ -7,6 +7,8 @@ code around them (masks, prefix trees, chunked LM head) would otherwise break gr
 kind share graphs (torch inlines nn.Modules, so parameters are graph inputs). Shapes: torch's default
 (dynamic=None) compiles a block static first and, at the first new length or batch, once more with symbolic
 sizes; ragged micro-batches then reuse that graph, and the log's graph count stops growing after warm-up.
+The LM head's log-prob chain, between the blocks and the loss, is compiled apart with symbolic sizes
+(logprobs.chunk_logprobs_fn): its chunks' row counts vary at every call.
 """
 from __future__ import annotations
 
@@ -45,6 +47,7 @@ def compile_blocks(backbone: Backbone, backend: str = "inductor") -> bool:
     allow_recompiles()
     for block in backbone.blocks:
         block.forward = _without_cache(block.forward, torch.compile(block.forward, backend=backend))
+    backbone.compiled = backend  # the LM head's log-prob chain too (logprobs.chunk_logprobs_fn)
     return True
 
 

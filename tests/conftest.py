@@ -3,6 +3,7 @@ tiny nanochat GPT checkpoints (classic and modern), a tiny Hugging Face Llama di
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,27 @@ LONGEST_FIRST = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {nodeid: k for k, nodeid in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid, len(rank)))  # stable: the rest keep their order
+
+
+@pytest.fixture(autouse=True)
+def _cuda_test_timeout(request: pytest.FixtureRequest):
+    """$CUDA_TEST_TIMEOUT seconds (bench/run_gpu.sh sets it) for each CUDA-marked test: past it the test fails
+    (subprocess.run kills its child) and the next one runs, so one hung test does not spend a 10-minute GPU call."""
+    limit = int(os.environ.get("CUDA_TEST_TIMEOUT", "0"))
+    if not limit or request.node.get_closest_marker("cuda") is None:
+        yield
+        return
+
+    def expire(*_):
+        raise TimeoutError(f"{request.node.nodeid} ran past CUDA_TEST_TIMEOUT={limit} s")
+
+    before = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
 
 
 # The suite runs on 2 cores: keep in-process work from fighting subprocesses. One thread also makes the

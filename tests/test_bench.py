@@ -24,14 +24,20 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
              "--rm_len 32 --micro 4")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
-           "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results), "WHEELS": str(tmp_path / "none"),
+           "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results),
+           "WHEELS": str(tmp_path / "none"), "LM_HEAD_ARGS": "--rows 64 --vocab 512 --hidden 32 --repeats 1",
            "NANOCHAT_SRC": str(tmp_path / "none"),  # no nanochat beside ours (a checkout may carry .nanochat)
            "CUDA_VISIBLE_DEVICES": ""}  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["gpu_rm"] * 3 + ["gpu_grpo", "gpu_decode", "gpu_decode"] + \
-        ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and with AC (LoRA's rows: the next test)
+    assert [r["bench"] for r in rows] == ["cuda_tests"] + ["lm_head_chain"] * 4 + ["gpu_rm"] * 3 + \
+        ["gpu_grpo", "gpu_decode", "gpu_decode"] + ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and
+    # with AC (LoRA's rows: the next test)
+    head, rows = rows[1:5], rows[:1] + rows[5:]
+    assert [(r["compiled"], r["mode"]) for r in head] == [(c, m) for c in ("eager", "inductor")
+                                                          for m in ("forward", "forward_backward")]
+    assert all(r["ms"] > 0 for r in head)
     fsdp = rows[7:11]
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])

@@ -423,6 +423,33 @@ def test_chunked_lm_head_logprobs_equal_one_chunk():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_compiled_lm_head_chain_equals_eager_in_chunks_and_whole():
+    """--compile's LM-head chain (inductor, symbolic sizes) gives eager's log-probs, entropies and gradients, in
+    one chunk and in chunks recomputed in backward (ragged: 21 rows in chunks of 4, the last of 1), at a
+    temperature; the two chunkings and a second shape share one graph, and a one-row chunk one more (torch
+    specialises sizes 0 and 1)."""
+    from torch._dynamo.utils import counters
+
+    from nanochat_ext.logprobs import token_logprobs_chunked
+
+    torch.manual_seed(0)
+    weight = torch.randn(300, 16, requires_grad=True)
+    head = lambda x: 15 * torch.tanh((x @ weight.t()) / 15)  # noqa: E731 (nanochat's softcap)
+    counters.clear()
+    for shape in ((3, 7), (2, 5)):
+        h = torch.randn(*shape, 16, requires_grad=True)
+        target = torch.randint(0, 300, shape)
+        for chunk in (10**6, 4):
+            eager = token_logprobs_chunked(head, h, target, chunk, temperature=0.7)
+            compiled = token_logprobs_chunked(head, h, target, chunk, temperature=0.7, compiled="inductor")
+            for a, b in zip(compiled, eager):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+            for a, b in zip(torch.autograd.grad(compiled[0].sum(), [h, weight]),
+                            torch.autograd.grad(eager[0].sum(), [h, weight])):
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+
+
 def test_auto_micro_batch_fits_the_memory_limit_and_trains_as_that_size_by_hand(assets, grpo_assets, tmp_path, capsys,
                                                                                  monkeypatch):
     """--device_batch_size auto (GRPO, CPU with a simulated limit): the largest micro-batch of the rank's sequences

@@ -194,7 +194,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, None if b.lora_r else reference.backbone, rm_model.backbone)
     engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0],
-                    whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
+                    end_check_every=b.end_check_every, whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
     shard(model, policy, b)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = make_adamw(trainable, 1e-6, 0.0, device)
@@ -296,7 +296,8 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
     tools = ToolTokens(never, never + 1, never + 2, never + 3, None)
     out = []
     for compiled, with_tools in ((c, t) for c in modes for t in (False, True)):
-        engine = Engine(policy, compile=compiled, tools=tools if with_tools else None)
+        engine = Engine(policy, compile=compiled, tools=tools if with_tools else None,
+                        end_check_every=b.end_check_every)
         runs = []
         with Clock(device) as clock:
             for rep in range(b.warmup + b.steps):
@@ -306,7 +307,8 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
                     runs.append(engine.last)
         out.append({"bench": "gpu_decode", "shape": shape,
                     "engine": f"ours {'compiled' if compiled else 'eager'}{' +tools' if with_tools else ''}",
-                    "rows": n * G, "prompt_len": P, "new_tokens": L, **decode_figures(runs, device),
+                    "rows": n * G, "prompt_len": P, "new_tokens": L, "end_check_every": b.end_check_every,
+                    **decode_figures(runs, device),
                     "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
                     "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb})
         del engine
@@ -385,6 +387,8 @@ def main() -> None:
     p.add_argument("--lora_r", type=int, default=0,
                    help="GRPO with LoRA adapters of this rank on every linear layer of the blocks (peft), as "
                         "kat_train_grpo --lora_r trains (0: the full fine-tune)")
+    p.add_argument("--end_check_every", type=int, default=None,
+                   help="the engine's decode steps between reads of whether every row stopped (default: its own)")
     p.add_argument("--nanochat_src", default=None,
                    help="a nanochat checkout's root: its Engine decodes beside ours in the decode bench")
     b = p.parse_args()

@@ -52,6 +52,10 @@ PEAK_BANDWIDTH = ((("gh200",), None), (("h200",), 4.8e12), (("h100", "nvl"), 3.9
 # break-even at 55-75k token steps (bench/RESULTS.md). Both scale with the number of layers, so the
 # ratio holds for deeper models.
 COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
+# Decode steps between reads of whether every row has stopped, on CUDA: a read waits for the GPU, so the host cannot
+# queue the next step's launch while the current one runs. Rows that stopped take pads, so checking late only adds
+# up to 7 steps of pads to a call. On CPU a read costs nothing and extra steps cost compute: every step.
+END_CHECK_EVERY = 8
 
 
 def decode_compiled(flag: str, device: torch.device, max_steps: int, max_new_tokens: int) -> tuple[bool, str]:
@@ -174,12 +178,15 @@ class Engine:
     compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly).
     tools: run nanochat's calculator inside the rollouts (tools.py). reserve: the longest prompt + new tokens any
     call of the run will need; a compiled state is made that long at once, so a longer batch later does not
-    rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording)."""
+    rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
+    steps between reads of whether every row has stopped (default END_CHECK_EVERY on CUDA, 1 on CPU); with tools
+    the host reads every step, to answer a block the step closed."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
-                 tools: ToolTokens | None = None, reserve: int = 0):
+                 tools: ToolTokens | None = None, reserve: int = 0, end_check_every: int | None = None):
         self.model = model
         self.reserve = reserve
+        self.end_check_every = end_check_every
         self.tools = tools
         self._python = (tools.python_start, tools.python_end) if tools is not None else None
         self._tool_calls = [0, 0]  # this call's calculator calls and refusals
@@ -210,6 +217,8 @@ class Engine:
         uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
         decoder = self._decoder(device)
         self._tool_calls = [0, 0]
+        self._check_every = 1 if self.tools is not None else self.end_check_every or (
+            END_CHECK_EVERY if device.type == "cuda" else 1)
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
         if self.compiled:
@@ -264,10 +273,10 @@ class Engine:
         return out, lengths, done, tools, 0  # max_new_tokens 0
 
     def _finished(self, done: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int) -> bool:
-        """After token t: whether every row has stopped; else, with tools, the calculator answers the blocks token
-        t closed (one read from the device a step, as without tools)."""
+        """After token t: whether every row has stopped (read every _check_every steps, else False); with tools, the
+        calculator answers the blocks token t closed, in the same read from the device."""
         if tools is None:
-            return bool(done.all())
+            return (t + 1) % self._check_every == 0 and bool(done.all())
         finished, closed = torch.stack([done.all(), tools.closed.any()]).tolist()
         if closed and not finished:
             calls, refused = tools.answer_closed(out, t, self.tools)

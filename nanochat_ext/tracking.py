@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.compiled import compile_stats
+from nanochat_ext.compiled import CompileLog, compile_stats
 from nanochat_ext.ddp_common import all_reduce_sum, raise_if_any
 from nanochat_ext.errors import InputError, first_line
 
@@ -43,6 +43,7 @@ class Tracker:
                  report_to: str = "tensorboard", config: dict | None = None, project: str | None = None):
         self.enabled, self.name = enabled, name
         self.writer = self.metrics_file = self.bar = self.wandb = None
+        self.compiles = CompileLog()  # --compile: each compile and recompile, printed at the next log
         self.t0 = time.time()
         failure = None
         try:
@@ -74,12 +75,15 @@ class Tracker:
 
     def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
         """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line. Once
-        anything is compiled (--compile), rank 0's graph count and compile seconds so far ride along."""
+        anything is compiled (--compile), rank 0's graph count and compile seconds so far ride along, and a line
+        for each compile since the last log says which function compiled and why (CompileLog)."""
         if not self.enabled:
             return
         graphs, seconds = compile_stats()
         if graphs:
             metrics = {**metrics, "perf/compiled_graphs": graphs, "perf/compile_s_total": seconds}
+            for line in self.compiles.new_lines():
+                self._print(line)
         if self.writer is not None:
             for k, v in metrics.items():
                 self.writer.add_scalar(k, v, step)
@@ -90,11 +94,13 @@ class Tracker:
             self.metrics_file.flush()
         if echo:
             line = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items())
-            msg = f"{self.name} step {step} | {line}"
-            if self.bar is not None:
-                self.bar.write(msg)
-            else:
-                print(msg, flush=True)
+            self._print(f"{self.name} step {step} | {line}")
+
+    def _print(self, msg: str) -> None:
+        if self.bar is not None:
+            self.bar.write(msg)
+        else:
+            print(msg, flush=True)
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -114,6 +120,8 @@ class Tracker:
     def close(self) -> None:
         graphs, seconds = compile_stats() if self.enabled else (0, 0.0)
         if graphs:
+            for line in self.compiles.new_lines():
+                self._print(line)
             print(f"compile: {graphs} graphs, {seconds:.1f} s", flush=True)
         if self.bar is not None:
             self.bar.close()

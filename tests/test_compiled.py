@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import random
+import re
 
 import pytest
 import torch
@@ -111,12 +112,42 @@ def test_ragged_steps_add_no_graphs_after_warm_up():
     assert backend.runs - runs_before == block_calls[0] - calls_before, "some block or chain calls ran eager"
 
 
+def test_compile_log_says_what_compiled_why_and_what_runs_eager(monkeypatch):
+    """The trainers' compile lines (CompileLog, from torch's own compilation records): a block's first graph, its
+    recompile for a grad mode with the guard that failed, each once; past the recompile limit, a function torch
+    left eager."""
+    from torch._dynamo.utils import clear_compilation_metrics
+
+    from nanochat_ext.compiled import CompileLog
+
+    torch._dynamo.reset()  # Block.forward's first graph here, not a recompile of an earlier test's
+    clear_compilation_metrics()
+    log = CompileLog()
+    bb = fixture_backbone()
+    compile_blocks(bb, backend="aot_eager")
+    model, batch = CompletionLogprobs(bb), grpo_batch(random.Random(0), 2, 4, bb.vocab_size)
+    token_logprobs(model, batch, 8, CPU, EAGER)
+    policy_backward(model, batch, 8, LossConfig(), CPU, EAGER)
+    lines = log.new_lines()
+    assert re.fullmatch(r"compile: forward \(gpt\.py:\d+\) compiled", lines[0]), lines
+    assert any(re.fullmatch(r"compile: forward \(gpt\.py:\d+\) recompiled: GLOBAL_STATE changed: grad_mode", line)
+               for line in lines), lines
+    assert any(line.startswith("compile: _chunk_logprobs (logprobs.py:") for line in lines), lines
+    assert log.new_lines() == []
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
+    scale = torch.compile(lambda x, n: x * n, backend="eager", dynamic=False)
+    for n in range(2):
+        scale(torch.ones(2), n)
+    assert re.fullmatch(r"compile: <lambda> \(test_compiled\.py:\d+\) runs eager: .*recompile limit.*",
+                        log.new_lines()[-1])
+
+
 def test_compiled_training_agrees_with_eager():
     """Inductor, as --compile 1 runs it, on today's nanochat vintage: an RM step and a GRPO step (ragged,
     pairs and groups as prefix trees, a reference) give eager's losses, reference log-probs and gradients.
     Inductor fuses and reorders fp32 reductions, so agreement is to rounding (1e-5), far below what a wrong
-    mask or a dropped value embedding moves. One micro-batch each: a second shape would compile every graph
-    again with symbolic sizes (test_ragged_steps_add_no_graphs_after_warm_up holds that contract)."""
+    mask or a dropped value embedding moves. One micro-batch each (test_ragged_steps_add_no_graphs_after_warm_up
+    holds the contract for many shapes)."""
     eager_bb, compiled_bb = fixture_backbone(), fixture_backbone()
     compile_blocks(compiled_bb)
     rng = random.Random(1)

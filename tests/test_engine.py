@@ -66,6 +66,31 @@ def test_compiled_engine_samples_eagers_tokens_for_every_vintage(assets, name, a
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_checking_for_the_end_every_few_steps_samples_the_same(compile, aot_eager, monkeypatch):
+    """end_check_every=8 (what CUDA runs, #42 item 4): the host reads whether every row stopped at one step in 8, the
+    rows that stopped take pads meanwhile, and the samples are those of a read every step, eager and compiled. Ragged
+    prompts whose rows stop at different steps (greedy, a stop token each row reaches before the last token)."""
+    bb = load_backbone(fixture_dir("current"), vintage=vintage_of("current"))
+    cfg = SamplingConfig(40, 0.0)
+    free = Engine(bb).generate(PROMPTS, 1, cfg, -1, 0, seeds()).completions
+    stop = min(set.intersection(*map(set, free)), key=lambda tok: max(c.index(tok) for c in free))
+    last = max(c.index(stop) for c in free)  # the step after which every row has stopped
+    assert 1 <= last < 30
+    reads = [0]
+    real_bool = torch.Tensor.__bool__
+    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.__setitem__(0, reads[0] + 1) or real_bool(t))
+    runs = {}
+    for every in (1, 8):
+        engine, reads[0] = Engine(bb, compile=compile, end_check_every=every), 0
+        runs[every] = engine.generate(PROMPTS, 1, cfg, stop, 0, seeds()), engine.last.steps, reads[0]
+    (each, each_steps, each_reads), (few, few_steps, few_reads) = runs[1], runs[8]
+    assert few.completions == each.completions and few.truncated == each.truncated == [False] * 3
+    read_at = -(-(last + 1) // 8) * 8 - 1  # the token after which the every-8 engine reads that all have stopped
+    assert (each_steps, few_steps) == (last + compile, read_at + compile)  # decoded on, pads, to that read
+    assert few_reads <= each_reads - last + read_at // 8
+
+
 @pytest.mark.parametrize("name,temperature", [("gpt_modern", 0.0)])
 def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     """--compile 1 with inductor on today's nanochat, greedy, rows stopping at different steps (the native Llama and

@@ -364,10 +364,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
         t0 = time.time()
         with doing(f"log-probs without gradients, {micro} sequences at a time", smaller_micro(micro, seqs_per_rank)):
-            if reference is not None:
+            if reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
                 batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
-            if args.num_iterations > 1:
-                batch["old_logp"] = token_logprobs(model, batch, micro, env.device, autocast)
         t1 = time.time()
         lr = trainer.set_lr(step)  # adamw: the lr; muon: the LM head's (its first group)
         stats = torch.zeros(5, dtype=torch.float64)

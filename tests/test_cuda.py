@@ -143,3 +143,13 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",
                                                        "--device", "cuda")
     load_backbone(tmp_path / "lora")
+
+
+def test_compiled_step_one_starts_at_its_reference_and_old_policy_on_the_gpu():
+    """#42 item 7 on CUDA, bf16 autocast: as test_compiled's CPU test, inductor's training graph against the
+    reference's inference graph and pi_old (the first update's own log-probs): nothing clipped at step 1, pi_old
+    what the training graph gives again, the KL to an identical reference rounding only."""
+    from test_compiled import step_one_against_reference_and_old_policy
+
+    gap, kl, clipped = step_one_against_reference_and_old_policy(torch.device("cuda"), torch.bfloat16)
+    assert clipped == 0 and gap < 1e-6 and kl < 1e-3, (gap, kl)

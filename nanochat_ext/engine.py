@@ -36,7 +36,7 @@ import torch.nn as nn
 from nanochat_ext.attention import KVCache
 from nanochat_ext.backbone import Backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_stats
-from nanochat_ext.ddp_common import whole
+from nanochat_ext.ddp_common import is_sharded, whole
 from nanochat_ext.sampling import SamplingConfig, take_tokens
 from nanochat_ext.tools import ToolState, ToolTokens
 
@@ -384,7 +384,9 @@ class Engine:
         lowered, pairs = self._lowered
         masters = dict(self.model.named_parameters())  # by name: sharding replaces the parameter objects
         for name, low in pairs:
-            low.copy_(whole(masters[name]))
+            master = masters[name]
+            # A shard is cast before it is gathered: bf16 over the wire, half the bytes of fp32, the same values.
+            low.copy_(whole(master.to(low.dtype) if is_sharded(master) else master))
         return lowered
 
     def kept_bytes(self) -> int:

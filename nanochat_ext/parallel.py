@@ -195,15 +195,19 @@ class Parallel:
 
 def no_sync(module: nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager:
     """A micro-batch that is not the step's last: DDP's no_sync(); under FSDP, where memory allows
-    (Parallel._accumulate_unsharded), gradients accumulate unsharded and the weights stay gathered after the
-    backward (no reduce-scatter and no re-gather until the last micro-batch), else every micro-batch's gradients
-    are reduce-scattered. A null context for a plain module."""
+    (Parallel._accumulate_unsharded), gradients accumulate unsharded and the blocks' weights stay gathered after the
+    forward and the backward (no reduce-scatter, and no all-gather but the first forward's, until the last
+    micro-batch, which reshards after its forward as a lone micro-batch does: one all-gather per block for its
+    backward), else every micro-batch's gradients are reduce-scattered. A null context for a plain module."""
     from torch.distributed.fsdp import FSDPModule
 
     if isinstance(module, FSDPModule):
         if getattr(module, "accumulate_unsharded", True):
             module.set_requires_gradient_sync(not skip_sync)
             module.set_reshard_after_backward(not skip_sync)
+            for block in module.modules():  # not the root, which FSDP keeps gathered from forward to backward
+                if isinstance(block, FSDPModule) and block is not module:
+                    block.set_reshard_after_forward(not skip_sync, recurse=False)
         return contextlib.nullcontext()
     if skip_sync and hasattr(module, "no_sync"):
         return module.no_sync()

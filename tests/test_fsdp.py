@@ -171,3 +171,20 @@ def test_activation_checkpointing_gives_the_same_gradients(assets):
         assert runs == [1, 2]  # checkpointed: the block ran again in the backward pass
         assert grads[0].keys() == grads[1].keys() and len(grads[0]) == len(list(policy.parameters()))
         assert_bitwise(grads[1], grads[0])
+
+
+def test_fsdp_gathers_each_block_twice_a_step_and_the_engine_copy_in_bf16():
+    """#42 item 8, counted by torch's profiler on 2 gloo ranks: a step of 3 micro-batches accumulating unsharded gathers
+    each block once for the first forward and once for the last backward (weights stay gathered in between: before,
+    once more per micro-batch, 16 gathers of 4 blocks), and the engine's whole bf16 copy is refreshed by gathering
+    shards cast to bf16 (before: fp32, twice the bytes), the same values as casting the whole weights."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(REPO / "tests" / "workers" / "fsdp_gather_worker.py"), str(NANOCHAT)]
+    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **ENV}, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["blocks"] == 4 and r["block_gathers"] == 2 * r["blocks"], r["gathers"]
+        assert "c10::BFloat16" in r["refresh_dtypes"] and "float" not in r["refresh_dtypes"] and r["refresh_exact"]

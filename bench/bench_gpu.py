@@ -361,7 +361,9 @@ class _NanochatTokens:
         return self.vocab_size - 1
 
 
-def main() -> None:
+def options(argv: list[str] | None = None) -> argparse.Namespace:
+    """The bench's flags (argv: as on the command line; None: sys.argv), every one at its default unless given; the
+    tests build their runs from it too."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
@@ -391,13 +393,18 @@ def main() -> None:
                    help="the engine's decode steps between reads of whether every row stopped (default: its own)")
     p.add_argument("--nanochat_src", default=None,
                    help="a nanochat checkout's root: its Engine decodes beside ours in the decode bench")
-    b = p.parse_args()
+    b = p.parse_args(argv)
+    b.par = None  # main makes the one-rank group under --parallel fsdp
+    if b.lora_r and b.parallel == "fsdp":
+        p.error("--lora_r trains under ddp (kat_train_grpo refuses it with --parallel fsdp)")
+    return b
+
+
+def main() -> None:
+    b = options()
     device = torch.device(b.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    b.par = None
-    if b.lora_r and b.parallel == "fsdp":
-        p.error("--lora_r trains under ddp (kat_train_grpo refuses it with --parallel fsdp)")
     if b.parallel == "fsdp":
         b.par = Parallel("fsdp", init_dist(device.type, group=True), torch.bfloat16)
     for shape in b.shapes:

@@ -21,6 +21,7 @@ which model and GPUs" table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import weakref
@@ -30,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -99,17 +101,22 @@ def rm_step(cfg, unfreeze: str, after: bool, pairs: int, T: int) -> float:
         return mem.peak / GiB
 
 
-def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int, ac: bool = False) -> dict[str, float]:
+def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int, ac: bool = False,
+              device: str = "cpu") -> dict[str, float]:
     """Peaks of the phases of one GRPO step, each on top of what lives through the whole run (policy,
     its AdamW state, reference, RM): generation (prefill, cache x G, one decode step), reference
     log-probs and RM scoring of the whole batch, and a training micro-batch (forward, loss, backward,
-    AdamW step)."""
+    AdamW step). device: whose autocast rules apply ('cuda': CUDA's, where pow and rms_norm run in fp32, see
+    CudaAutocastRules; 'cpu': CPU's, where they stay bf16)."""
     frozen = torch.bfloat16 if after else torch.float32
     chunk = 4096 if after else 1 << 40
     n = prompts * G
     out = {}
-    with FakeTensorMode(), LiveBytes() as mem:
+    with FakeTensorMode(), LiveBytes() as mem, autocast_rules(device):
         policy = backbone(cfg, None)
+        if device == "cuda":  # a block's recompute in backward (--activation_checkpointing) runs outside this mode
+            for block in policy.blocks:
+                block.forward = under_cuda_rules(block.forward)
         if ac:
             from nanochat_ext.parallel import checkpoint_activations
 
@@ -120,7 +127,8 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
         opt = make_adamw(list(model.parameters()), 1e-6, 0.0, torch.device("cpu"))
         # AdamW's state exists after the first step: allocate it as the step would.
         for p in model.parameters():
-            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            opt.state[p] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(p),
+                            "exp_avg_sq": torch.zeros_like(p)}
         resident = mem.live
         out["resident"] = resident / GiB
 
@@ -142,7 +150,7 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
         target = torch.randint(0, cfg.vocab_size, (micro, L))
         mem.peak = mem.live
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            ref = torch.zeros(n, L)  # all completions' reference log-probs, kept for training (as the trainer does)
+            ref = torch.zeros(n, L)  # all completions' reference log-probs, kept for training
             ref[:micro] = reference(ids, gather, target)[0].float()
             rm(ids, torch.full((micro,), T))
         out["reference_and_scoring"] = mem.peak / GiB
@@ -150,14 +158,50 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
         mem.peak = mem.live
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logp, _ = model(ids, gather, target)
-            loss, _ = grpo_loss(logp, logp.detach(), ref[:micro], torch.ones(micro), torch.ones(micro, L),
-                                torch.ones(micro), LossConfig("token", beta=0.04, max_new_tokens=L), float(n * L))
+            ones = torch.ones(micro, L)
+            loss, _ = grpo_loss(logp, logp.detach(), ref[:micro], ones[:, 0], ones, ones[:, 0],
+                                LossConfig("token", beta=0.04, max_new_tokens=L), float(n * L))
         loss.backward()
         del logp, loss
         opt.step()
         opt.zero_grad(set_to_none=True)
         out["training"] = mem.peak / GiB
     return out
+
+
+# The ops our models run whose autocast dtype differs between CUDA and CPU: CUDA runs them in fp32 (rms_norm from torch
+# 2.12), CPU in bf16. tests/test_bench.py checks this list against torch's own CUDA autocast, on fake CUDA tensors.
+CUDA_FP32_OPS = (torch.pow, torch.Tensor.pow, torch.square, torch.Tensor.square, torch.rms_norm, F.rms_norm,
+                 torch.softmax, F.softmax, torch.Tensor.softmax, torch.log_softmax, F.log_softmax,
+                 torch.Tensor.log_softmax)
+
+
+class CudaAutocastRules(TorchFunctionMode):
+    """Under CPU autocast, CUDA's autocast rules for CUDA_FP32_OPS: their floating inputs cast to fp32 (autocast's
+    casts, which a backward saves), their outputs fp32. Fake CUDA tensors would apply CUDA's rules themselves, but on
+    a machine without a GPU they cannot be sliced or indexed, which every forward does."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in CUDA_FP32_OPS and torch.is_autocast_enabled("cpu"):
+            def up(t):
+                return t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+            with torch.autocast("cpu", enabled=False):
+                return func(*tree_map(up, args), **tree_map(up, kwargs))
+        return func(*args, **kwargs)
+
+
+def under_cuda_rules(forward):
+    def run(*args, **kwargs):
+        with CudaAutocastRules():
+            return forward(*args, **kwargs)
+    return run
+
+
+def autocast_rules(device: str):
+    """The autocast rules of `device` on top of CPU autocast: CUDA's (CudaAutocastRules), or CPU's own."""
+    return CudaAutocastRules() if device == "cuda" else contextlib.nullcontext()
 
 
 def _fp32_cache(model: GPT):
@@ -265,20 +309,22 @@ def main() -> None:
                           "new_tokens": b.new_tokens, "micro": b.micro,
                           **{f"peak_gb_{k}": round(v, 2) for k, v in phases.items()},
                           "peak_gb": round(max(phases.values()), 2)}), flush=True)
-    for ac in (False, True):  # the arithmetic beside the fake-tensor run it models
-        fake = grpo_step(cfg, True, b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro, ac)
-        print(json.dumps({"bench": "memory_model_check", "shape": b.shape, "activation_checkpointing": ac,
-                          "fake_gb_training": round(fake["training"], 2),
-                          "model_gb_training": round(modelled_training(b.shape, ac, b) / GiB, 2)}), flush=True)
+    for device in ("cpu", "cuda"):  # the arithmetic beside the fake-tensor run it models, by each device's rules
+        for ac in (False, True):
+            fake = grpo_step(cfg, True, b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro, ac, device)
+            print(json.dumps({"bench": "memory_model_check", "shape": b.shape, "autocast_rules": device,
+                              "activation_checkpointing": ac, "fake_gb_training": round(fake["training"], 2),
+                              "model_gb_training": round(modelled_training(b.shape, ac, b, device) / GiB, 2)}),
+                  flush=True)
 
 
-def modelled_training(name: str, ac: bool, b) -> float:
-    """The arithmetic's training phase of grpo_step's run (one rank, ddp), less the rollout engine's weights, which
-    the trainer keeps and grpo_step (decoding from the policy itself) does not."""
+def modelled_training(name: str, ac: bool, b, device: str = "cpu") -> float:
+    """The arithmetic's training phase of grpo_step's run (one rank, ddp, `device`'s autocast rules), less the rollout
+    engine's weights, which the trainer keeps and grpo_step (decoding from the policy itself) does not."""
     s = shape_of(name)
     rows = b.prompts * b.group_size
     m = grpo_memory(s, parallel="ddp", ranks=1, checkpointing=ac, micro=b.micro, prompt_len=b.prompt_len,
-                    new_tokens=b.new_tokens, rows=rows, rm=s)
+                    new_tokens=b.new_tokens, rows=rows, rm=s, device=device)
     return m.phase("training") - m.parts["engine_weights"]
 
 

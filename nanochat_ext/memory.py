@@ -8,13 +8,14 @@ embeddings and LM head through the step, two blocks at a time: one computing, on
 accumulate unsharded, every weight gathered in bf16 with its fp32 gradient (6 bytes). What does not train is held in
 bf16 (2 bytes): GRPO's reward model, the RM's frozen blocks, GRPO's reference (under ddp its matmul weights only: its
 embeddings stay fp32 like the policy's); the rollout engine's weights (a bf16 copy of the policy's matmul weights under
-ddp, of all its weights under fsdp) and its KV cache. Micro-batches that accumulate unsharded (accum > 1 under fsdp,
+ddp, of all its weights under fsdp) and its KV cache, held through the run where the engine is compiled (its kept
+decode states). Micro-batches that accumulate unsharded (accum > 1 under fsdp,
 where memory allows: parallel.Parallel) hold every trained weight gathered and every gradient unsharded instead.
 
 Activations of a training micro-batch, calibrated on fake-tensor runs of our own nanochat blocks under bf16 autocast
-(bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 55 bytes
-per unit of width without activation checkpointing (what a block saves for its backward), 11 with it (its input and
-the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
+(bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 71 bytes
+per unit of width on CUDA without activation checkpointing (what a block saves for its backward; CUDA's autocast runs
+pow and rms_norm in fp32), 55 under CPU's autocast, 11 with it on either (its input and the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
 most 4096 tokens at once (logprobs.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves
 for the backward (the LM head's, and the blocks' without activation checkpointing; under fsdp they are the gathered
 weights). Checked against fake-tensor runs of a one-rank GRPO step (tests/test_bench.py); the fsdp terms are
@@ -36,7 +37,9 @@ from nanochat_ext.logprobs import CHUNK_TOKENS
 from nanochat_ext.parallel import UNSHARDED_ACCUM_BYTES
 
 GiB = 2**30
-ACT_BYTES = {False: 55, True: 11}  # per token, block and unit of width (see the docstring)
+# Per token, block and unit of width, by the autocast rules of the device (see the docstring), without and with
+# activation checkpointing: CUDA's autocast runs pow and rms_norm in fp32, which a block saves for its backward.
+ACT_BYTES = {"cpu": {False: 55, True: 11}, "cuda": {False: 71, True: 11}}
 
 
 @dataclass(frozen=True)
@@ -120,9 +123,10 @@ def trained_state(s: ModelShape, trained: int, parallel: str, ranks: int, accum:
     return held, training
 
 
-def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointing: bool, casts: bool) -> float:
-    """Bytes a training micro-batch keeps for its backward (see the module docstring)."""
-    blocks = tokens * s.layers * s.width * ACT_BYTES[checkpointing]
+def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointing: bool, casts: bool,
+                device: str = "cuda") -> float:
+    """Bytes a training micro-batch keeps for its backward on a device of this type (see the module docstring)."""
+    blocks = tokens * s.layers * s.width * ACT_BYTES["cuda" if device == "cuda" else "cpu"][checkpointing]
     head = 2 * 4 * s.vocab * min(completion_tokens, CHUNK_TOKENS)
     head_cast = 2 * (s.lm_head or s.vocab * s.width) if completion_tokens else 0  # a tied head casts the embedding
     weight_casts = (2 * s.layers * s.block_params if not checkpointing else 0) + head_cast if casts else 0
@@ -136,10 +140,13 @@ def matmuls_in_bf16(s: ModelShape) -> float:
 
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
                 new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None,
-                lora: int = 0) -> StepMemory:
+                lora: int = 0, device: str = "cuda", kept_states: int = 0) -> StepMemory:
     """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
     sequences, `accum` of them per step. lora: the adapters' parameter count under --lora_r (lora.adapter_params):
-    they alone train; the base is held as the reference would be, and the reference is the base itself."""
+    they alone train; the base is held as the reference would be, and the reference is the base itself.
+    kept_states: the compiled engine's decode states of `rows` rows held through the run (1: the rollouts', 2: and
+    the evaluation's), each a KV cache and the step's logits buffers (on CUDA the graph pool's): held, not only
+    while decoding."""
     held, training = trained_state(s, lora or s.params, parallel, ranks, accum)
     m = StepMemory(held, training)
     if lora:
@@ -153,14 +160,18 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
                                      else s.layers * s.block_params + s.lm_head)
     T = prompt_len + new_tokens
     m.training["activations"] = activations(s, micro * T, micro * new_tokens, checkpointing,
-                                            parallel == "ddp" and not lora)  # a bf16 base needs no casts
-    m.rollout["kv_cache"] = rows * T * s.layers * 2 * s.kv_heads * s.head_dim * 2
-    m.rollout["logits"] = rows * s.vocab * 4 * 3  # the step's logits, probabilities and their running sums
+                                            parallel == "ddp" and not lora, device)  # a bf16 base needs no casts
+    decoding = {"kv_cache": rows * T * s.layers * 2 * s.kv_heads * s.head_dim * 2,
+                "logits": rows * s.vocab * 4 * 3}  # the step's logits, probabilities and their running sums
+    if kept_states:
+        m.parts["decode_states"] = kept_states * sum(decoding.values())
+    else:
+        m.rollout.update(decoding)
     return m
 
 
 def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, pairs: int, seq_len: int,
-              accum: int = 1, unfreeze: str = "all", lora: int = 0) -> StepMemory:
+              accum: int = 1, unfreeze: str = "all", lora: int = 0, device: str = "cuda") -> StepMemory:
     """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all; or adapters of `lora`
     parameters in every block), `pairs` pairs a micro-batch."""
     n = s.layers if unfreeze == "all" or lora else int(unfreeze)
@@ -170,7 +181,7 @@ def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, 
     m.parts["frozen"] = 2 * (s.params - trained)
     tokens = 2 * pairs * seq_len
     sub = ModelShape(n, s.width, s.vocab, s.kv_heads, s.head_dim, s.params, s.block_params, 0)
-    m.training["activations"] = activations(sub, tokens, 0, checkpointing, parallel == "ddp")
+    m.training["activations"] = activations(sub, tokens, 0, checkpointing, parallel == "ddp", device)
     return m
 
 

@@ -336,7 +336,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                            prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
                            accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
                            reference=reference is not None, rm=rm_shape,
-                           lora=sum(p.numel() for p in trainable) if lora else 0)
+                           lora=sum(p.numel() for p in trainable) if lora else 0, device=env.device.type,
+                           kept_states=(1 + bool(eval_ids)) if engine.compiled else 0)
 
     if auto:
         micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)

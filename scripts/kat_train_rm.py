@@ -196,7 +196,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                          checkpointing=args.activation_checkpointing, pairs=micro, seq_len=args.max_len,
                          accum=plan.per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
                          unfreeze=args.unfreeze_last,
-                         lora=sum(p.numel() for p in backbone.parameters() if p.requires_grad) if lora else 0)
+                         lora=sum(p.numel() for p in backbone.parameters() if p.requires_grad) if lora else 0,
+                         device=env.device.type)
 
     if auto:
         micro, line = auto_pick(plan.per_rank, estimate_for, env.device, resume)

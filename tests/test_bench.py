@@ -61,9 +61,11 @@ def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():
     from bench_gpu import bench_grpo
     from gpu_table import label
 
-    b = argparse.Namespace(vintage="current", group_size=4, grpo_prompts=2, prompt_len=8, new_tokens=8, micro=4,
-                           compile="0", warmup=0, steps=1, peak_tflops=None, par=None, activation_checkpointing=False)
-    full, lora = (bench_grpo("tiny", argparse.Namespace(**vars(b), lora_r=r), torch.device("cpu")) for r in (0, 16))
+    from bench_gpu import options
+
+    small = "--group_size 4 --grpo_prompts 2 --prompt_len 8 --new_tokens 8 --micro 4 --compile 0 --warmup 0 --steps 1"
+    full, lora = (bench_grpo("tiny", options([*small.split(), "--lora_r", str(r)]), torch.device("cpu"))
+                  for r in (0, 16))
     assert lora["lora_r"] == 16 and 0 < lora["params"] < full["params"] and lora["train_tokens_per_s"] > 0
     assert label(lora) == "tiny LoRA r16" and label(full) == "tiny"
 
@@ -142,15 +144,58 @@ def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
     assert row["shape"] == "35+8x32" and row["tree"] is True and row["ms_per_group"] > 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing):
+def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing, device):
     """nanochat_ext.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
     128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own modules, whose
-    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing."""
+    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing, by CPU's autocast
+    rules and by CUDA's (pow and rms_norm in fp32: 13.2 GiB against CPU's 11.8 without checkpointing, which the
+    CPU-calibrated arithmetic put at 11.65)."""
     import memory_estimate
     from bench_gpu import shape_config
 
     b = argparse.Namespace(prompts=16, group_size=16, prompt_len=128, new_tokens=512, micro=16)
-    fake = memory_estimate.grpo_step(shape_config("d12:32768"), True, 16, 16, 128, 512, 16, checkpointing)["training"]
-    modelled = memory_estimate.modelled_training("d12:32768", checkpointing, b) / 2**30
+    fake = memory_estimate.grpo_step(shape_config("d12:32768"), True, 16, 16, 128, 512, 16, checkpointing,
+                                     device)["training"]
+    modelled = memory_estimate.modelled_training("d12:32768", checkpointing, b, device) / 2**30
     assert modelled == pytest.approx(fake, rel=0.1)
+
+
+def test_cuda_autocast_rules_are_torchs_own():
+    """memory_estimate.CudaAutocastRules against torch's own CUDA autocast, applied by the dispatcher to fake CUDA
+    tensors (no GPU needed): every op in CUDA_FP32_OPS gives CUDA's dtype where CPU's autocast gives another, and the
+    other ops our blocks run give the same dtype on both, bf16 inputs and fp32."""
+    import torch.nn.functional as F
+
+    from memory_estimate import CUDA_FP32_OPS, CudaAutocastRules
+
+    differ = {torch.pow: lambda x, w: torch.pow(x, 2), torch.Tensor.square: lambda x, w: x.square(),
+              F.rms_norm: lambda x, w: F.rms_norm(x, (8,)), F.softmax: lambda x, w: F.softmax(x, -1),
+              torch.log_softmax: lambda x, w: torch.log_softmax(x, -1)}
+    same = [lambda x, w: F.linear(x, w), lambda x, w: F.relu(x), lambda x, w: torch.sigmoid(x),
+            lambda x, w: torch.tanh(x), lambda x, w: x * x]
+    assert set(differ) <= set(CUDA_FP32_OPS)
+
+    def on_cuda(f, x, w):
+        state = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+        torch.set_autocast_enabled("cuda", True)  # what torch.autocast("cuda") sets, where a GPU is
+        torch.set_autocast_dtype("cuda", torch.bfloat16)
+        try:
+            return f(x, w).dtype
+        finally:
+            torch.set_autocast_enabled("cuda", state[0])
+            torch.set_autocast_dtype("cuda", state[1])
+
+    with FakeTensorMode():
+        for dtype in (torch.bfloat16, torch.float32):
+            x, w = torch.empty(4, 8, dtype=dtype), torch.empty(8, 8)
+            xc, wc = torch.empty(4, 8, dtype=dtype, device="cuda"), torch.empty(8, 8, device="cuda")
+            for f in [*differ.values(), *same]:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    cpu = f(x, w).dtype
+                    with CudaAutocastRules():
+                        emulated = f(x, w).dtype
+                assert emulated == on_cuda(f, xc, wc)
+                if dtype == torch.bfloat16 and f in differ.values():
+                    assert cpu != emulated  # the rule is needed

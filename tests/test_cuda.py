@@ -107,7 +107,6 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
     compile crash once): bench_gpu's RM full fine-tune and GRPO steps (ragged: their first warm-up step is
     shorter) on a 2-layer model of today's vintage, eager and then compiled under bf16 autocast, with graphs
     compiled and none broken."""
-    import argparse
     import sys
 
     from torch._dynamo.utils import counters
@@ -120,8 +119,8 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
     device = torch.device("cuda")
     counters.clear()  # graph breaks earlier tests in this process added are not this test's
 
-    b = argparse.Namespace(vintage="current", steps=1, warmup=2, rm_pairs=4, rm_len=256, grpo_prompts=2, group_size=4,
-                           prompt_len=32, new_tokens=16, micro=8, peak_tflops=None)
+    b = bench_gpu.options("--steps 1 --warmup 2 --rm_pairs 4 --rm_len 256 --grpo_prompts 2 --group_size 4 "
+                          "--prompt_len 32 --new_tokens 16 --micro 8".split())
     shape = "d2:65536"
     runs = {}
     for flag in ("0", "1"):

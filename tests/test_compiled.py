@@ -112,7 +112,7 @@ def test_ragged_steps_add_no_graphs_after_warm_up():
     assert backend.runs - runs_before == block_calls[0] - calls_before, "some block or chain calls ran eager"
 
 
-def test_compile_log_says_what_compiled_why_and_what_runs_eager(monkeypatch):
+def test_compile_log_says_what_compiled_why_and_what_runs_eager():
     """The trainers' compile lines (CompileLog, from torch's own compilation records): a block's first graph, its
     recompile for a grad mode with the guard that failed, each once; past the recompile limit, a function torch
     left eager."""
@@ -134,10 +134,10 @@ def test_compile_log_says_what_compiled_why_and_what_runs_eager(monkeypatch):
                for line in lines), lines
     assert any(line.startswith("compile: _chunk_logprobs (logprobs.py:") for line in lines), lines
     assert log.new_lines() == []
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     scale = torch.compile(lambda x, n: x * n, backend="eager", dynamic=False)
-    for n in range(2):
-        scale(torch.ones(2), n)
+    with torch._dynamo.config.patch(recompile_limit=1):  # torch's own patch: monkeypatch would delete the key after
+        for n in range(2):
+            scale(torch.ones(2), n)
     assert re.fullmatch(r"compile: <lambda> \(test_compiled\.py:\d+\) runs eager: .*recompile limit.*",
                         log.new_lines()[-1])
 

@@ -1,7 +1,7 @@
 """Started on gloo ranks by tests/test_fsdp.py: what FSDP gathers, counted by torch's profiler (FSDP2 names each
 all-gather `FSDP::all_gather (<module>)`). One GRPO step of nanochat's current vintage under --parallel fsdp in 3
 accumulated micro-batches, and the rollout engine's refresh of its whole bf16 copy from the shards. Prints one JSON
-line per rank."""
+line per rank, from rank 0."""
 import json
 import random
 import sys
@@ -43,9 +43,12 @@ def main(policy_dir: str) -> None:
         full = {n: p.full_tensor() for n, p in model.named_parameters() if p.requires_grad}
         exact = all(torch.equal(t, full["backbone." + n].to(torch.bfloat16))
                     for n, t in copy.named_parameters() if "backbone." + n in full)
-        print(json.dumps({"rank": env.rank, "blocks": len(policy.blocks), "micro_batches": 3,
-                          "block_gathers": sum(1 for g in gathers if "blocks." in g or ".h." in g),
-                          "gathers": gathers, "refresh_dtypes": gathered, "refresh_exact": exact}), flush=True)
+        rows = dc.gather_objects({"rank": env.rank, "blocks": len(policy.blocks), "micro_batches": 3,
+                                  "block_gathers": sum(1 for g in gathers if "blocks." in g or ".h." in g),
+                                  "gathers": gathers, "refresh_dtypes": gathered, "refresh_exact": exact})
+        if env.rank == 0:  # one writer: two ranks' lines could interleave in the pipe
+            for row in rows:
+                print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -25,12 +25,15 @@ _cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
 _capability = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
 if os.path.basename(_cache) != _capability:  # a nested run inherits the parent's: no second suffix
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, _capability)
-# The longest tests start first (seconds of one worker, 2026-11-23): pytest-xdist hands tests out in collection order,
-# so one that starts late keeps its worker busy long after the other has finished (the pipeline test alone is over a
-# quarter of a worker's time). Longest first is the classic remedy.
+# The longest tests start first (seconds of one worker, 2026-11-23/24; AVX2, a cold inductor cache): pytest-xdist
+# hands tests out in collection order, so one that starts late keeps its worker busy long after the other has finished
+# (the pipeline test alone is over a quarter of a worker's time). Longest first is the classic remedy.
 LONGEST_FIRST = (
     "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 169
+    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy[dtype1]",  # 100 (inductor)
     "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 80 (inductor, cold)
+    "tests/test_compiled.py::test_compiled_training_agrees_with_eager",  # 70 (inductor)
+    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy[None]",  # 57 (inductor)
     "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 48
     "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 42
     "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 41

@@ -307,7 +307,7 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
                     runs.append(engine.last)
         out.append({"bench": "gpu_decode", "shape": shape,
                     "engine": f"ours {'compiled' if compiled else 'eager'}{' +tools' if with_tools else ''}",
-                    "rows": n * G, "prompt_len": P, "new_tokens": L, "end_check_every": b.end_check_every,
+                    "rows": n * G, "prompt_len": P, "new_tokens": L, "end_check_every": engine.end_check_every,
                     **decode_figures(runs, device),
                     "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
                     "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb})

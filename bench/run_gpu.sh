@@ -29,8 +29,12 @@ mkdir -p "$(dirname "$RESULTS")"
 status=0  # non-zero when any step failed; every step still runs
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   SITE=$(mktemp -d)
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl &&
+  if python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl; then
     export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    status=1
+    echo "run_gpu: the wheels in $WHEELS did not install: the image's own packages run" >&2
+  fi
   # Each carried wheel imports beside the image's packages (transformers 5.23 needs regex >= 2025.10.22), or its
   # error is one line here and in the results, before anything depends on it.
   python3 - "$WHEELS"/*.whl >> "$RESULTS" <<'PY' || status=1
@@ -38,10 +42,14 @@ import importlib, importlib.metadata, json, sys
 from pathlib import Path
 ok, failed = {}, {}
 for wheel in sys.argv[1:]:
-    name = Path(wheel).name.split("-")[0].lower()
+    name, carried = Path(wheel).name.split("-")[:2]
+    name = name.lower()
     try:
         importlib.import_module(name)
-        ok[name] = importlib.metadata.version(name)
+        found = importlib.metadata.version(name)
+        if found != carried:
+            raise ImportError(f"the image's {found} is found first, not the carried {carried}")
+        ok[name] = found
     except Exception as e:  # what a user would hit at import, whatever it is
         failed[name] = f"{type(e).__name__}: {e}".splitlines()[0]
         print(f"run_gpu: the carried {name} does not import: {failed[name]}", file=sys.stderr)

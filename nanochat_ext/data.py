@@ -136,11 +136,12 @@ def _messages(value, path, line, field, reply_parts: bool = False) -> list[dict]
     if not isinstance(value, list) or not value:
         raise InputError("expected a non-empty list of messages", path, line, field)
     for i, m in enumerate(value):
-        if reply_parts and i == len(value) - 1 and isinstance(m, dict) and isinstance(m.get("content"), list):
-            _parts(m["content"], path, line)
-        elif not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+        parts = reply_parts and i == len(value) - 1 and isinstance(m, dict) and isinstance(m.get("content"), list)
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (parts or isinstance(m.get("content"), str)):
             raise InputError(f"message {i} must be {{'role': user|assistant|system, 'content': str}}",
                              path, line, field)
+        if parts:
+            _parts(m["content"], path, line)
     return [{"role": m["role"], "content": m["content"]} for m in value]
 
 

@@ -196,19 +196,20 @@ LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "entropy")  # what policy_
 
 
 def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
-                    device: torch.device, autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+                    device: torch.device, autocast: contextlib.AbstractContextManager,
+                    keep_old: bool = False) -> torch.Tensor:
     """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch
     (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, entropy sum].
-    pi_old is batch["old_logp"] where the batch has it, else this pass's own log-probs (the ratio is 1), which the
-    batch then keeps as "old_logp" for its later updates (--num_iterations): the training graph's log-probs, not
-    a separate no-grad pass's, which compiled (inductor fuses the two graphs apart) and in bf16 differ from them
-    by rounding (up to 0.06 on CPU's bf16: a first ratio off 1)."""
+    pi_old is batch["old_logp"] where the batch has it, else this pass's own log-probs (the ratio is 1). keep_old
+    (the first of --num_iterations updates): the batch keeps them as "old_logp" for its later updates. They are the
+    training graph's log-probs, dropout included, not a separate no-grad pass's, which compiled (inductor fuses the
+    two graphs apart) and in bf16 differ from them by rounding (up to 0.06 on CPU's bf16: a first ratio off 1)."""
     normaliser = all_reduce_sum(loss_normaliser(batch["mask"], batch["weights"], cfg)).item()
     normaliser = max(normaliser, 1e-8)  # every completion masked: the loss is 0, not NaN
-    olds = [] if "old_logp" not in batch else None
+    olds = [] if keep_old and "old_logp" not in batch else None
 
     def loss_fn(b, logp, entropy):
-        old = b["old_logp"] if olds is None else logp.detach()
+        old = b["old_logp"] if "old_logp" in b else logp.detach()
         if olds is not None:
             olds.append(old.float().cpu())
         loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,

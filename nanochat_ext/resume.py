@@ -23,7 +23,7 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
     extend = getattr(args, "resume_extend", False)
     absent = {**BEFORE_SCHEDULE_FLAGS, **(absent or {})}
     for key in keys + (() if extend else SCHEDULE_KEYS):
-        if not hasattr(args, key):  # a schedule flag this script does not have (SFT's and the RM's: cosine)
+        if key in BEFORE_SCHEDULE_FLAGS and not hasattr(args, key):  # a flag this script lacks (SFT, RM: cosine)
             continue
         was = saved.get(key, absent.get(key))
         if was != getattr(args, key):

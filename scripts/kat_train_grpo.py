@@ -370,11 +370,12 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         t1 = time.time()
         lr = trainer.set_lr(step)  # adamw: the lr; muon: the LM head's (its first group)
         stats = torch.zeros(5, dtype=torch.float64)
-        for _ in range(args.num_iterations):
+        for iteration in range(args.num_iterations):
             with doing(f"a training micro-batch of {micro} sequences",
                        (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE,
                         LORA_STATE)), dropout_active(policy):
-                it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast)
+                it = policy_backward(ddp_model, batch, micro, loss_cfg, env.device, autocast,
+                                     keep_old=iteration == 0 and args.num_iterations > 1)
             with doing("the optimizer step", (FEWER_RANKS_STATE, LORA_STATE)):
                 grad_norm = guarded_step(optimizer, trainable, args.grad_clip, trainer.guard, done, it[0].item())
             stats += it

@@ -162,40 +162,88 @@ def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing, device)
     assert modelled == pytest.approx(fake, rel=0.1)
 
 
-def test_cuda_autocast_rules_are_torchs_own():
-    """memory_estimate.CudaAutocastRules against torch's own CUDA autocast, applied by the dispatcher to fake CUDA
-    tensors (no GPU needed): every op in CUDA_FP32_OPS gives CUDA's dtype where CPU's autocast gives another, and the
-    other ops our blocks run give the same dtype on both, bf16 inputs and fp32."""
+LAYOUT_OPS = ("__getitem__", "contiguous", "float", "reshape", "to", "transpose", "unsqueeze", "view")  # no arithmetic
+
+
+def _autocast_calls():
+    """A call of every op whose autocast dtype is checked, by the function torch's dispatch sees; each takes a tensor
+    maker (shape, dtype) for the device under test."""
     import torch.nn.functional as F
 
+    def x(make, dtype):
+        return make((4, 8), dtype)
+
+    def pair(f):
+        return lambda make, dtype: f(x(make, dtype), make((4, 8), torch.float32))
+
+    one = {f: (lambda make, dtype, f=f: f(x(make, dtype))) for f in (
+        torch.square, torch.Tensor.square, torch.Tensor.neg, torch.sigmoid, torch.tanh, F.relu, F.silu)}
+    return {**one,
+            torch.pow: lambda make, dtype: torch.pow(x(make, dtype), 2),
+            torch.Tensor.pow: lambda make, dtype: x(make, dtype).pow(2),
+            torch.rms_norm: lambda make, dtype: torch.rms_norm(x(make, dtype), (8,)),
+            F.rms_norm: lambda make, dtype: F.rms_norm(x(make, dtype), (8,)),
+            **{f: (lambda make, dtype, f=f: f(x(make, dtype), -1)) for f in (
+                torch.softmax, F.softmax, torch.Tensor.softmax, torch.log_softmax, F.log_softmax,
+                torch.Tensor.log_softmax)},
+            **{f: pair(f) for f in (torch.Tensor.add, torch.Tensor.sub, torch.Tensor.mul, torch.Tensor.div)},
+            F.linear: lambda make, dtype: F.linear(x(make, dtype), make((8, 8), torch.float32)),
+            torch.cat: lambda make, dtype: torch.cat([x(make, dtype), make((4, 8), torch.float32)], 1),
+            F.embedding: lambda make, dtype: F.embedding(make((3,), torch.long), make((8, 8), dtype)),
+            F.scaled_dot_product_attention: lambda make, dtype: F.scaled_dot_product_attention(
+                *(make((1, 2, 4, 8), dtype) for _ in range(3)), is_causal=True)}
+
+
+def test_cuda_autocast_rules_are_torchs_own(assets):
+    """memory_estimate.CudaAutocastRules against torch's own CUDA autocast, which the dispatcher applies to fake CUDA
+    tensors (no GPU needed): every op our models run under autocast (recorded from a nanochat GPT's and the native
+    Llama's forward and LM head) and every op in CUDA_FP32_OPS gives CUDA's dtype, for bf16 inputs and fp32, and the
+    listed ones are those where CPU's autocast gives another."""
+    from torch.overrides import TorchFunctionMode
+
     from memory_estimate import CUDA_FP32_OPS, CudaAutocastRules
+    from nanochat_ext.loader import load_backbone
 
-    differ = {torch.pow: lambda x, w: torch.pow(x, 2), torch.Tensor.square: lambda x, w: x.square(),
-              F.rms_norm: lambda x, w: F.rms_norm(x, (8,)), F.softmax: lambda x, w: F.softmax(x, -1),
-              torch.log_softmax: lambda x, w: torch.log_softmax(x, -1)}
-    same = [lambda x, w: F.linear(x, w), lambda x, w: F.relu(x), lambda x, w: torch.sigmoid(x),
-            lambda x, w: torch.tanh(x), lambda x, w: x * x]
-    assert set(differ) <= set(CUDA_FP32_OPS)
+    class Record(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = set()
 
-    def on_cuda(f, x, w):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and func.__name__ not in LAYOUT_OPS:
+                self.ops.add(func)
+            return out
+
+    record = Record()
+    for path in (assets["gpt_modern"], assets["hf"]):
+        bb = load_backbone(path)
+        with torch.autocast("cpu", dtype=torch.bfloat16), record:
+            bb.logits(bb.hidden_states(torch.randint(0, 100, (2, 9))))
+    calls = _autocast_calls()
+    assert record.ops and not record.ops - set(calls), record.ops - set(calls)  # every op our models run is checked
+    assert set(CUDA_FP32_OPS) <= set(calls)
+
+    def on_cuda(call, dtype):
         state = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
         torch.set_autocast_enabled("cuda", True)  # what torch.autocast("cuda") sets, where a GPU is
         torch.set_autocast_dtype("cuda", torch.bfloat16)
         try:
-            return f(x, w).dtype
+            return call(lambda shape, dt: torch.empty(shape, dtype=dt, device="cuda"), dtype).dtype
         finally:
             torch.set_autocast_enabled("cuda", state[0])
             torch.set_autocast_dtype("cuda", state[1])
 
     with FakeTensorMode():
-        for dtype in (torch.bfloat16, torch.float32):
-            x, w = torch.empty(4, 8, dtype=dtype), torch.empty(8, 8)
-            xc, wc = torch.empty(4, 8, dtype=dtype, device="cuda"), torch.empty(8, 8, device="cuda")
-            for f in [*differ.values(), *same]:
+        for op, call in calls.items():
+            for dtype in (torch.bfloat16, torch.float32):
+                def make(shape, dt):
+                    return torch.empty(shape, dtype=dt)
+
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    cpu = f(x, w).dtype
+                    cpu = call(make, dtype).dtype
                     with CudaAutocastRules():
-                        emulated = f(x, w).dtype
-                assert emulated == on_cuda(f, xc, wc)
-                if dtype == torch.bfloat16 and f in differ.values():
-                    assert cpu != emulated  # the rule is needed
+                        emulated = call(make, dtype).dtype
+                assert emulated == on_cuda(call, dtype), (op, dtype)
+                if dtype == torch.bfloat16:  # listed exactly where the devices part
+                    assert (op in CUDA_FP32_OPS) == (cpu != emulated), op

@@ -187,7 +187,8 @@ def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch
     model = CompletionLogprobs(policy)
     batch = grpo_batch(random.Random(2), 3, 4, policy.vocab_size)
     batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 8, device, autocast)
-    _, kl, clipped, tokens, _ = policy_backward(model, batch, 8, LossConfig(beta=0.04), device, autocast).tolist()
+    _, kl, clipped, tokens, _ = policy_backward(model, batch, 8, LossConfig(beta=0.04), device, autocast,
+                                                keep_old=True).tolist()
     gap = 0.0
     for a in range(0, batch["mask"].size(0), 8):  # the second update's log-probs (before its step), micro-batched
         b = {k: v.to(device) for k, v in slice_batch(batch, slice(a, a + 8)).items()}
@@ -202,12 +203,11 @@ def test_compiled_step_one_starts_at_its_reference_and_old_policy(dtype):
     """#42 item 7 on CPU: inductor's training and inference graphs of one model, fp32 and under bf16 autocast. pi_old
     is the first update's own log-probs, which the training graph gives again at the same micro-batches (a separate
     no-grad pass, an inference graph, was 0.064 off them in bf16 and 0 in fp32: a first ratio of up to 1.066), and
-    step 1 clips nothing. The reference's
-    inference graph rounds elsewhere: its KL is 0 in fp32 and 1.4e-4 per token in bf16, where a reference one step
-    away would be ~1e-3 and more."""
+    step 1 clips nothing. The reference's inference graph rounds elsewhere: its KL is 0 in fp32 and 1.4e-4 per token
+    in bf16 (measured; held under 5e-4)."""
     gap, kl, clipped = step_one_against_reference_and_old_policy(CPU, dtype)
     assert clipped == 0 and gap < 1e-6, gap
-    assert kl < (1e-9 if dtype is None else 1e-3), kl
+    assert kl < (1e-9 if dtype is None else 5e-4), kl
 
 
 @pytest.mark.parametrize("name", FIXTURES)

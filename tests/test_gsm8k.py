@@ -94,7 +94,7 @@ def test_sft_runs_on_gsm8k_rows(tmp_path, capsys):
 
 def test_nanochat_conversations_with_reply_parts_load_and_bad_parts_are_one_line(tmp_path):
     """nanochat's own conversation format (the fixture's): the reply as parts loads as they are; parts anywhere but the
-    reply, or a part of an unknown type, are refused naming the file and row."""
+    reply, a part of an unknown type, or a parts reply without its role, are refused naming the file and row."""
     conversation = EXAMPLES[0]["conversation"]
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(conversation) + "\n")
@@ -102,7 +102,8 @@ def test_nanochat_conversations_with_reply_parts_load_and_bad_parts_are_one_line
     assert prompt == conversation["messages"][:1] and reply == conversation["messages"][1]["content"]
     user, assistant = conversation["messages"]
     for bad in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, assistant]},
-                {"messages": [user, {"role": "assistant", "content": [{"type": "shell", "text": "ls"}]}]}):
+                {"messages": [user, {"role": "assistant", "content": [{"type": "shell", "text": "ls"}]}]},
+                {"messages": [user, {"content": assistant["content"]}]}):
         path = tmp_path / "bad.jsonl"
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(InputError, match=r"bad.jsonl:1: field .messages."):

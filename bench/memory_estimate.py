@@ -101,8 +101,8 @@ def rm_step(cfg, unfreeze: str, after: bool, pairs: int, T: int) -> float:
         return mem.peak / GiB
 
 
-def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int, ac: bool = False,
-              device: str = "cpu") -> dict[str, float]:
+def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int, ac: bool,
+              device: str) -> dict[str, float]:
     """Peaks of the phases of one GRPO step, each on top of what lives through the whole run (policy,
     its AdamW state, reference, RM): generation (prefill, cache x G, one decode step), reference
     log-probs and RM scoring of the whole batch, and a training micro-batch (forward, loss, backward,
@@ -229,15 +229,15 @@ def lora_params(name: str, r: int) -> int:
 
 
 def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 0) -> list[dict]:
-    """The memory model's GRPO and RM lines for one shape and setting: the global batch of the fake-tensor runs
-    (prompts x group_size completions, rm_pairs pairs) split over the ranks."""
+    """The memory model's GRPO and RM lines for one shape and setting, by CUDA's autocast rules: the global batch of
+    the fake-tensor runs (prompts x group_size completions, rm_pairs pairs) split over the ranks."""
     s = shape_of(name)
     rows = b.prompts * b.group_size // ranks
     lora = lora_params(name, lora_r) if lora_r else 0
     grpo = grpo_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, micro=min(b.micro, rows),
-                       prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s, lora=lora)
+                       prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s, lora=lora, device="cuda")
     rm = rm_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, pairs=max(1, b.rm_pairs // ranks),
-                   seq_len=b.rm_len, lora=lora)
+                   seq_len=b.rm_len, lora=lora, device="cuda")
     common = {"shape": name, "params": s.params, "parallel": parallel, "ranks": ranks, "activation_checkpointing": ac,
               "lora_r": lora_r, "lora_params": lora}
     return [{"bench": "memory_model_grpo", **common, "completions_per_rank": rows, "micro": min(b.micro, rows),
@@ -303,7 +303,8 @@ def main() -> None:
                               "unfreeze_last": unfreeze, "pairs": b.rm_pairs, "seq_len": b.rm_len,
                               "peak_gb": round(rm_step(cfg, unfreeze, when == "after", b.rm_pairs, b.rm_len), 2)}),
                   flush=True)
-        phases = grpo_step(cfg, when == "after", b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro)
+        phases = grpo_step(cfg, when == "after", b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro, False,
+                           "cpu")
         print(json.dumps({"bench": "memory_grpo", "shape": b.shape, "vintage": b.vintage, "params": params, "code": when,
                           "completions": b.prompts * b.group_size, "prompt_len": b.prompt_len,
                           "new_tokens": b.new_tokens, "micro": b.micro,
@@ -318,7 +319,7 @@ def main() -> None:
                   flush=True)
 
 
-def modelled_training(name: str, ac: bool, b, device: str = "cpu") -> float:
+def modelled_training(name: str, ac: bool, b, device: str) -> float:
     """The arithmetic's training phase of grpo_step's run (one rank, ddp, `device`'s autocast rules), less the rollout
     engine's weights, which the trainer keeps and grpo_step (decoding from the policy itself) does not."""
     s = shape_of(name)

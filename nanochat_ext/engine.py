@@ -323,7 +323,7 @@ class Engine:
                 rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype:
             return s
         self._states.pop(rows, None)  # freed before the larger one is made
-        slots = -(-max(needed, self.reserve) // SLOT_BUCKET) * SLOT_BUCKET
+        slots = max(-(-needed // SLOT_BUCKET) * SLOT_BUCKET, self.reserved_slots)
         k = like.k[0]
         cache = KVCache(len(like.k), rows, k.size(1), k.size(3), slots, k.device, k.dtype)
         if like.prev_embedding is not None:
@@ -388,6 +388,11 @@ class Engine:
             # A shard is cast before it is gathered: bf16 over the wire, half the bytes of fp32, the same values.
             low.copy_(whole(master.to(low.dtype) if is_sharded(master) else master))
         return lowered
+
+    @property
+    def reserved_slots(self) -> int:
+        """The cache positions of a compiled state made for the reserve (and any call that fits it)."""
+        return -(-self.reserve // SLOT_BUCKET) * SLOT_BUCKET
 
     def kept_bytes(self) -> int:
         """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""

@@ -124,7 +124,7 @@ def trained_state(s: ModelShape, trained: int, parallel: str, ranks: int, accum:
 
 
 def activations(s: ModelShape, tokens: int, completion_tokens: int, checkpointing: bool, casts: bool,
-                device: str = "cuda") -> float:
+                device: str) -> float:
     """Bytes a training micro-batch keeps for its backward on a device of this type (see the module docstring)."""
     blocks = tokens * s.layers * s.width * ACT_BYTES["cuda" if device == "cuda" else "cpu"][checkpointing]
     head = 2 * 4 * s.vocab * min(completion_tokens, CHUNK_TOKENS)
@@ -140,13 +140,13 @@ def matmuls_in_bf16(s: ModelShape) -> float:
 
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
                 new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None,
-                lora: int = 0, device: str = "cuda", kept_states: int = 0) -> StepMemory:
+                device: str, lora: int = 0, kept_rows: tuple[int, ...] = (), slots: int = 0) -> StepMemory:
     """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
     sequences, `accum` of them per step. lora: the adapters' parameter count under --lora_r (lora.adapter_params):
     they alone train; the base is held as the reference would be, and the reference is the base itself.
-    kept_states: the compiled engine's decode states of `rows` rows held through the run (1: the rollouts', 2: and
-    the evaluation's), each a KV cache and the step's logits buffers (on CUDA the graph pool's): held, not only
-    while decoding."""
+    kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
+    rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
+    step's logits buffers (on CUDA the graph pool's): held, not only while decoding."""
     held, training = trained_state(s, lora or s.params, parallel, ranks, accum)
     m = StepMemory(held, training)
     if lora:
@@ -161,17 +161,19 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
     T = prompt_len + new_tokens
     m.training["activations"] = activations(s, micro * T, micro * new_tokens, checkpointing,
                                             parallel == "ddp" and not lora, device)  # a bf16 base needs no casts
-    decoding = {"kv_cache": rows * T * s.layers * 2 * s.kv_heads * s.head_dim * 2,
-                "logits": rows * s.vocab * 4 * 3}  # the step's logits, probabilities and their running sums
-    if kept_states:
-        m.parts["decode_states"] = kept_states * sum(decoding.values())
+    def decoding(n: int, positions: int) -> dict[str, float]:
+        return {"kv_cache": n * positions * s.layers * 2 * s.kv_heads * s.head_dim * 2,
+                "logits": n * s.vocab * 4 * 3}  # the step's logits, probabilities and their running sums
+
+    if kept_rows:
+        m.parts["decode_states"] = sum(sum(decoding(n, max(slots, T)).values()) for n in kept_rows)
     else:
-        m.rollout.update(decoding)
+        m.rollout.update(decoding(rows, T))
     return m
 
 
 def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, pairs: int, seq_len: int,
-              accum: int = 1, unfreeze: str = "all", lora: int = 0, device: str = "cuda") -> StepMemory:
+              device: str, accum: int = 1, unfreeze: str = "all", lora: int = 0) -> StepMemory:
     """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all; or adapters of `lora`
     parameters in every block), `pairs` pairs a micro-batch."""
     n = s.layers if unfreeze == "all" or lora else int(unfreeze)

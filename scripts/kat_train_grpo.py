@@ -29,7 +29,7 @@ from nanochat_ext.data import PromptRow, attach_density, load_density, load_prom
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import evaluate_pass_k, evaluate_rewards
+from nanochat_ext.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
                                LossConfig, group_advantages, policy_backward, reference_model)
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
@@ -330,6 +330,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     policy_shape = backbone_shape(policy)
     rm_shape = backbone_shape(rm_model.backbone) if hasattr(rm_model, "backbone") else None
 
+    # A compiled engine keeps a decode state per row count it decodes: the rollouts' and the evaluation calls'.
+    kept_rows = tuple(sorted({seqs_per_rank, *eval_decode_rows(len(eval_ids), env.world_size, seqs_per_rank,
+                                                              args.eval_pass_k)})) if engine.compiled else ()
+
     def estimate_for(micro: int) -> StepMemory:  # at the longest prompt and every completion at --max_new_tokens
         return grpo_memory(policy_shape, parallel=args.parallel, ranks=env.world_size,
                            checkpointing=args.activation_checkpointing, micro=micro,
@@ -337,7 +341,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                            accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
                            reference=reference is not None, rm=rm_shape,
                            lora=sum(p.numel() for p in trainable) if lora else 0, device=env.device.type,
-                           kept_states=(1 + bool(eval_ids)) if engine.compiled else 0)
+                           kept_rows=kept_rows, slots=engine.reserved_slots)
 
     if auto:
         micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)
@@ -388,10 +392,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
             trainer.log(done, {**metrics, **peak_memory_gb(env.device)})
             window.zero()
         if trainer.eval_due(done):
-            trainer.save_if_last(done)
-            with doing(f"the evaluation ({seqs_per_rank} completions of up to {args.max_new_tokens} tokens at a time)",
-                       ("fewer completions per rank (--batch_size, --group_size, or more ranks)",
-                        "a smaller --max_new_tokens"), saved=done == args.max_steps):
+            with trainer.evaluating(done, f"the evaluation ({seqs_per_rank} completions of up to "
+                                    f"{args.max_new_tokens} tokens at a time)",
+                                    ("fewer completions per rank (--batch_size, --group_size, or more ranks)",
+                                     "a smaller --max_new_tokens")):
                 ev = evaluate(engine, eval_rows, eval_ids, rewards, tok, sampling, args, env, autocast, seqs_per_rank,
                               trainer.tracker, done) if eval_rows else {}
             trainer.evaluated(done, ev)

@@ -15,7 +15,7 @@ from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext import engine, grpo, memory, synthetic
 from nanochat_ext.data import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import evaluate_pass_k, evaluate_rewards
+from nanochat_ext.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.grpo import group_advantages
 from nanochat_ext.loader import load_backbone
 from nanochat_ext.resume import check_resume_args
@@ -23,6 +23,7 @@ from nanochat_ext.rewards import Rewards
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo, kat_train_rm
+from test_engine import aot_eager  # noqa: F401  (a fixture)
 
 
 # ---- loss invariance ------------------------------------------------------------------------------
@@ -232,6 +233,25 @@ def test_evaluation_in_calls_of_a_rollouts_rows_gives_one_calls_metrics(assets, 
             evaluate_pass_k(eng, rows, ids, rewards, tok, cfg, 2, 0, env, contextlib.nullcontext(), 2 * n))
            for n in (2, 100)]
     assert got[0][0] == pytest.approx(got[1][0], rel=1e-6) and got[0][1] == got[1][1]
+
+
+def test_the_memory_model_counts_the_decode_states_a_compiled_evaluation_keeps(assets, grpo_assets,
+                                                                               aot_eager):  # noqa: F811
+    """A compiled engine keeps a decode state per row count it decodes: after an evaluation of 7 prompts in calls of at
+    most 4 rows (rewards: 4 + 3 rows; pass@2: 2 prompts x 2 samples a call, then 1 x 2), the states it holds are the
+    row counts evaluation.eval_decode_rows gives the memory model, also on the worst of 3 ranks."""
+    policy = load_backbone(assets["gpt"])
+    tok = TokenizerWrapper.load(assets["tokenizer"])
+    rows = load_prompts(grpo_assets["prompts"])[:7]
+    ids = [tok.render_prompt(r.messages) for r in rows]
+    rewards = Rewards(None, ["rewards_for_tests:vowel_share"], None)
+    env = argparse.Namespace(rank=0, world_size=1, is_main=True)
+    eng = engine.Engine(policy, compile=True, reserve=max(map(len, ids)) + 8)
+    evaluate_rewards(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 0, env, contextlib.nullcontext(), 4)
+    evaluate_pass_k(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 2, 0, env, contextlib.nullcontext(), 4)
+    assert sorted(eng._states) == eval_decode_rows(7, 1, 4, 2) == [2, 3, 4]
+    assert eval_decode_rows(7, 3, 4, 2) == [2, 3, 4]  # rank 0's prompts 0, 3, 6: 3 rows; pass@2: 2 x 2, then 1 x 2
+    assert eval_decode_rows(8, 2, 3, 0) == [1, 3]  # 4 prompts a rank: 3, then 1
 
 
 def test_hf_policy_trains_and_saves_pretrained(assets, grpo_assets, tmp_path):

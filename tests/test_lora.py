@@ -148,7 +148,8 @@ def test_the_memory_model_counts_adapters_and_no_reference_copy_under_lora():
         model = GPT(GPTConfig(sequence_len=2048, vocab_size=32768, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))
     assert any("ve_gate" in n for n, _ in model.named_modules())
     s = model_shape(model)
-    kw = dict(parallel="ddp", ranks=1, checkpointing=False, micro=16, prompt_len=256, new_tokens=256, rows=64)
+    kw = dict(parallel="ddp", ranks=1, checkpointing=False, micro=16, prompt_len=256, new_tokens=256, rows=64,
+              device="cuda")
     full = grpo_memory(s, **kw)
     n = adapter_params(Backbone("nanochat", model, "meta"), LoraSpec(16, 32.0))  # the default targets: no gates
     lora = grpo_memory(s, **kw, lora=n)

@@ -239,9 +239,7 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
         if train_state is not None:
             _atomic_torch_save(train_state, d / f"state_{stamp}.pt")
             _SAVE_HOOK(f"state_{stamp}.pt")
-        tmp = d / f"meta_{stamp}.json.tmp"
-        tmp.write_text(json.dumps(meta, indent=1, default=str))
-        _publish(tmp, d / f"meta_{stamp}.json")
+        write_json_atomic(d / f"meta_{stamp}.json", meta)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
         for f in d.glob(f"*_{stamp}*"):
             shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
@@ -256,9 +254,14 @@ def update_meta(model_path: Path, fields: dict) -> None:
     """Rank 0 only: set `fields` in a complete checkpoint's meta, atomically (the final checkpoint, saved before
     the final evaluation, then records its metrics)."""
     meta_path = model_path.parent / f"meta_{stamp_digits(model_path)}.json"
-    tmp = meta_path.with_name(meta_path.name + ".tmp")
-    tmp.write_text(json.dumps({**read_json(meta_path), **fields}, indent=1, default=str))
-    _publish(tmp, meta_path)
+    write_json_atomic(meta_path, {**read_json(meta_path), **fields})
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """path holds data as JSON, whole or not at all (written beside it, then published)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    _publish(tmp, path)
 
 
 def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path],

@@ -5,10 +5,11 @@ says what its checkpoint holds (`Saving`) and runs its step; this module does th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -16,6 +17,7 @@ import torch.nn as nn
 from nanochat_ext.checkpoint import update_meta
 from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.guard import Interrupted, StepGuard
+from nanochat_ext.memory import doing
 from nanochat_ext.optim import lr_multiplier
 from nanochat_ext.parallel import Parallel
 from nanochat_ext.resume import check_resume_args
@@ -123,11 +125,16 @@ class Trainer:
     def eval_due(self, done: int) -> bool:
         return done == self.args.max_steps or due(done, self.args.eval_every)
 
-    def save_if_last(self, done: int) -> None:
-        """Collective: after the last step, write the final checkpoint now, before the final evaluation (running out
-        of memory there must not lose it); finish() then records the evaluation's metrics in its meta."""
-        if done == self.args.max_steps and self.final is None:
+    @contextlib.contextmanager
+    def evaluating(self, done: int, what: str, hints: tuple[str, ...]) -> Iterator[None]:
+        """Collective: the evaluation after step `done` runs inside, named for the out-of-memory line (memory.doing).
+        After the last step the final checkpoint is written first (running out of memory in the final evaluation
+        must not lose it, and the line says it is saved); finish() then records the evaluation's metrics in its meta."""
+        last = done == self.args.max_steps
+        if last and self.final is None:
             self.final = self.save(done)
+        with doing(what, hints, saved=last):
+            yield
 
     def evaluated(self, done: int, metrics: dict) -> None:
         """An evaluation's metrics (none: nothing held out), logged; its time is left out of the log window."""

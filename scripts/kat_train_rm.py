@@ -235,9 +235,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                "perf/computed_tokens_per_s": s["computed"] / elapsed, **peak_memory_gb(env.device)})
             window.zero()
         if trainer.eval_due(done):
-            trainer.save_if_last(done)
-            with doing(f"validation, {plan.device_batch_size} pairs at a time",
-                       smaller_micro(plan.device_batch_size, plan.per_rank), saved=done == args.max_steps):
+            with trainer.evaluating(done, f"validation, {plan.device_batch_size} pairs at a time",
+                                    smaller_micro(plan.device_batch_size, plan.per_rank)):
                 val = evaluate(model, val_pairs, env, plan.device_batch_size, tokenizer.pad_id, autocast) if val_pairs else {}
             trainer.evaluated(done, val)
         trainer.end_step(done)

@@ -1,7 +1,8 @@
 """The LM head's log-prob chain (logprobs.token_logprobs_chunked) eager and under --compile (inductor): one chunk of
 `rows` completion tokens through a nanochat head (matmul, softcap, fp32 log-softmax at a temperature, gather,
 entropy), forward alone (the reference, the old policy) and forward + backward (the policy's update). One JSON line
-per mode; the fastest of --repeats.
+per mode; the fastest of --repeats. --chunk_tokens below --rows: the rows in chunks, as the trainer runs a
+micro-batch of more completion tokens than logprobs.CHUNK_TOKENS (each chunk recomputed in backward).
 
     python bench/bench_lm_head.py --rows 2048 --vocab 65536 --hidden 768 --threads 2
 """
@@ -20,6 +21,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2048)
     p.add_argument("--vocab", type=int, default=65536)
     p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--chunk_tokens", type=int, default=0, help="rows per chunk (0: all rows in one)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=5)
@@ -43,7 +45,8 @@ def main() -> None:
         for mode in ("forward", "forward_backward"):
             def run() -> None:
                 with torch.set_grad_enabled(mode == "forward_backward"):
-                    logp, _ = token_logprobs_chunked(head, h, target, b.rows, 0.9, compiled=compiled)
+                    logp, _ = token_logprobs_chunked(head, h, target, b.chunk_tokens or b.rows, 0.9,
+                                                     compiled=compiled)
                 if mode == "forward_backward":
                     logp.sum().backward()
 
@@ -58,7 +61,8 @@ def main() -> None:
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
             print(json.dumps({"bench": "lm_head_chain", "device": device.type, "threads": b.threads,
-                              "compiled": compiled or "eager", "mode": mode, "rows": b.rows, "vocab": b.vocab,
+                              "compiled": compiled or "eager", "mode": mode, "rows": b.rows,
+                              "chunk_tokens": b.chunk_tokens or b.rows, "vocab": b.vocab,
                               "hidden": b.hidden, "ms": round(min(times) * 1e3, 2)}), flush=True)
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from nanochat_ext.checkpoint import check_zip, first_loadable, is_shards, missing_shards, resumable_checkpoints, torch_load
-from nanochat_ext.ddp_common import broadcast_object, is_main, print0, raise_if_any
+from nanochat_ext.ddp_common import broadcast_object, is_main, print0, raise_if_any, restart_attempt
 from nanochat_ext.errors import InputError
 
 
@@ -32,22 +32,28 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
                              f"{was!r}; resume with the same setting{hint}", path=str(path))
 
 
-RESUME_HELP = ("'latest': the newest complete checkpoint in --out, or a fresh start (said in the log) when there is "
-               "none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A resumed run "
-               "continues exactly")
+LATEST = ("latest", "auto")  # --resume values that read --out and start fresh when it has no checkpoint
+READS_OUT = (*LATEST, "must")
+RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, or a fresh start (said in the log) when "
+               "there is none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A resumed run "
+               "continues exactly. A group torchrun restarts (--max-restarts) resumes from --out's newest complete "
+               "checkpoint whatever this says, or as this says when there is none")
 
 
 def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
     """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
     scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
     resume different steps); a checkpoint that does not load whole is skipped for an older one, with a warning."""
-    if resume is None:
+    attempt = restart_attempt()
+    if resume is None and attempt == 0:
         return None
-    target = out_dir if resume in ("latest", "must") else resume
     choice, error = None, None
     if is_main():
         try:
-            choice = _choose_resume(resume, target)
+            if attempt > 0 and resume not in READS_OUT and resumable_checkpoints(out_dir):
+                print0(f"resume: torchrun restart {attempt}: from what the run saved in {out_dir}")
+                resume = "latest"
+            choice = None if resume is None else _choose_resume(resume, out_dir if resume in READS_OUT else resume)
         except InputError as e:
             error = str(e)
     raise_if_any(error)
@@ -62,7 +68,7 @@ def _choose_resume(resume: str, target: str | os.PathLike) -> tuple[Path, Path, 
     """Rank 0's part of resolve_resume: the newest resumable checkpoint that loads whole, with its state."""
     found = resumable_checkpoints(target)
     if not found:
-        if resume == "latest":
+        if resume in LATEST:
             print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
             return None
         raise InputError("no complete checkpoint to resume from", path=str(target))

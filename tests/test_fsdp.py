@@ -39,7 +39,7 @@ def weights(d) -> dict[str, torch.Tensor]:
 def die_at_save(module: str, n_state: int, args: list[str]) -> subprocess.CompletedProcess:
     """Two ranks of scripts.<module>, rank 0 killed once it has written its n-th state file (tests/workers)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(REPO / "tests" / "workers" / "die_at_save.py"), module, str(n_state), *args]
+           str(REPO / "tests" / "workers" / "die_at.py"), module, f"0:state:{n_state}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
 

@@ -209,7 +209,8 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     _publish(tmp, path)
 
 
-# Called between a checkpoint's files, for fault-injection tests only (the crash-in-the-save-window case).
+# Called after each file a save writes or a prune removes (retention.py), for fault-injection tests only (the
+# crash-in-the-save-window case).
 _SAVE_HOOK: Callable[[str], None] = lambda file_written: None
 
 

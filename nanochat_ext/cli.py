@@ -17,6 +17,7 @@ from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, No
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.resume import RESUME_HELP
+from nanochat_ext.retention import KEEP_LAST_HELP
 from nanochat_ext.tracking import report_targets
 from nanochat_ext.vintages import VINTAGES, VINTAGE_FLAG
 
@@ -40,6 +41,7 @@ def add_output_args(parser: argparse.ArgumentParser, stage_dir: str,
     g.add_argument("--out", default=None, help=f"checkpoint dir (default: $NANOCHAT_BASE_DIR/{stage_dir}/<tag>)")
     g.add_argument("--tag", default=None, help=f"output tag (default: {tag_help})")
     g.add_argument("--save_every", type=int, default=0, help="also checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep_last", type=int, default=2, metavar="N", help=KEEP_LAST_HELP)
     g.add_argument("--resume", default=None, help=RESUME_HELP)
     g.add_argument("--resume_extend", action="store_true",
                    help="let --resume change --max_steps, --lr or --warmup_steps (the schedule is recomputed from "
@@ -195,6 +197,7 @@ COMMON_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "log_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "eval_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
     "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "keep_last": (lambda v: v >= 0, ">= 0 (0: keep every checkpoint)"),
     "skip_nonfinite": (lambda v: v >= 0, ">= 0"),
     "dist_timeout": (lambda v: math.isfinite(v) and v > 0, "a finite number of seconds > 0"),
     "val_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),

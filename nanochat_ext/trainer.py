@@ -21,6 +21,7 @@ from nanochat_ext.memory import doing
 from nanochat_ext.optim import lr_multiplier
 from nanochat_ext.parallel import Parallel
 from nanochat_ext.resume import check_resume_args
+from nanochat_ext.retention import prune
 from nanochat_ext.tracking import Tracker
 
 WriteWhole = Callable[[Path, int, dict, "dict | None", "dict | None"], Path]  # (dir, stamp, meta, state, weights)
@@ -82,11 +83,15 @@ class Trainer:
         metrics = self.metrics if metrics is None else metrics
         saving = self.saving(step, into, consolidate)
         args, world = vars(self.args), self.env.world_size
-        return self.parallel.save(
+        path = self.parallel.save(
             into, self.model, self.optimizer, module=self.module, final=step == self.args.max_steps,
             consolidate=consolidate, write_whole=saving.write_whole, state={"step": step, "args": args, **saving.state},
             meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
                                 "metrics": metrics, "args": args})
+        if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last)):
+            print(f"keep_last: removed {', '.join(removed)} (older than the {self.args.keep_last} newest checkpoints)",
+                  flush=True)
+        return path
 
     def consolidate(self, resume: tuple | None) -> Path:
         """--consolidate DIR: the checkpoint resumed from, written whole into DIR."""

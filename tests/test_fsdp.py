@@ -61,7 +61,7 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     one = tmp_path / "one"
     assert kat_train_rm.main(rm_args(assets, one)) == 0
     straight, crashed = tmp_path / "fsdp", tmp_path / "crashed"
-    fsdp_args = (*two, "--parallel", "fsdp", "--save_every", "2")
+    fsdp_args = (*two, "--parallel", "fsdp", "--save_every", "2", "--keep_last", "0")
     fsdp = run_script("scripts.kat_train_rm", rm_args(assets, straight, *fsdp_args), nproc=2)
     assert fsdp.returncode == 0, fsdp.stderr
     assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout

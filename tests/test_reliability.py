@@ -258,7 +258,8 @@ def test_a_full_disk_in_a_sharded_save_removes_its_shards_and_keeps_the_previous
                                                                                        "state"]  # step 2's only
     monkeypatch.setattr(parallel.Parallel, "save_shards", real_save)
     assert kat_train_rm.main([*args, "--resume", "latest"]) == 0
-    assert "at step 2" in capsys.readouterr().out and [m["step"] for m in metas(out)] == [2, 4, 6]
+    assert "at step 2" in capsys.readouterr().out
+    assert [m["step"] for m in metas(out)] == [4, 6] and len(list(out.glob("shards_*"))) == 2  # --keep_last 2
 
 
 def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(assets, tmp_path):
@@ -282,7 +283,7 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     assert [m["step"] for m in metas(out)] == [1, 2] and not list(out.glob("*.tmp"))
     resumed = run_script("scripts.kat_train_rm", [*args, "--resume", "latest"], nproc=2)
     assert resumed.returncode == 0 and "at step 2" in resumed.stdout, resumed.stderr
-    assert [m["step"] for m in metas(out)] == [1, 2, 3, 4]
+    assert [m["step"] for m in metas(out)] == [3, 4]  # --keep_last 2
 
 
 # ---- bad input: one line each ---------------------------------------------------------------------
@@ -293,6 +294,7 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     (["--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),
     (["--max_len", "2"], "--max_len must be >= 3"),
     (["--save_every", "-1"], "--save_every must be >= 0"),
+    (["--keep_last", "-1"], "--keep_last must be >= 0 (0: keep every checkpoint), got -1"),
     (["--log_every", "-1"], "--log_every must be >= 0"),
     (["--weight_cap", "0"], "--weight_cap must be > 0"),
     (["--lora_r", "-1"], "--lora_r must be >= 0 (0: no LoRA, a full fine-tune), got -1"),

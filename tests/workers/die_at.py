@@ -3,6 +3,7 @@ runs scripts.MODULE with ARGS, and FAULTS (comma-separated ATTEMPT:WHAT:N) say w
 start of torchrun's worker group (ATTEMPT: 0 the first, 1 the first restart):
 - `A:state:N`: rank 0, the rank that writes checkpoints, once it has written its N-th state_<stamp>.pt, before that
   checkpoint's meta (a kill in the save window);
+- `A:removed:N`: rank 0, once it has removed its N-th file while pruning old checkpoints (--keep_last);
 - `A:step:N`: the last rank, in step N after its gradients are reduced and before its update (a kill mid-step).
 The launcher then tears the other ranks down, as a scheduler's kill would, and restarts the group if allowed."""
 import importlib
@@ -16,7 +17,7 @@ from nanochat_ext.ddp_common import detect_launcher, restart_attempt
 module, faults = sys.argv[1], [f.split(":") for f in sys.argv[2].split(",")]
 _, rank, _, world_size = detect_launcher()
 now = {what: int(n) for attempt, what, n in faults if int(attempt) == restart_attempt()}
-written: list[str] = []
+written: list[str] = []  # the files saved and removed, in order
 real_step = optim.guarded_step
 
 
@@ -24,10 +25,11 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def die_at_nth_state(name: str) -> None:
+def die_at_nth_file(name: str) -> None:
     written.append(name)
-    if sum(w.startswith("state_") for w in written) == now.get("state"):
-        die()
+    for what, prefix in (("state", "state_"), ("removed", "removed ")):
+        if sum(w.startswith(prefix) for w in written) == now.get(what) and name.startswith(prefix):
+            die()
 
 
 def die_in_step(optimizer, params, grad_clip, guard, step, loss):
@@ -36,6 +38,6 @@ def die_in_step(optimizer, params, grad_clip, guard, step, loss):
     return real_step(optimizer, params, grad_clip, guard, step, loss)
 
 
-checkpoint._SAVE_HOOK = die_at_nth_state
+checkpoint._SAVE_HOOK = die_at_nth_file
 optim.guarded_step = die_in_step  # before the script imports it
 sys.exit(importlib.import_module(f"scripts.{module}").main(sys.argv[3:]))

@@ -1,0 +1,100 @@
+"""Runs that heal themselves: a torchrun group that loses a rank restarts (--max-restarts) and resumes from its newest
+complete checkpoint by itself, to the weights of the run that was never interrupted (2 real gloo ranks, killed with
+SIGKILL in a save and mid-step: tests/workers/die_at.py); --keep_last keeps the disk a run needs, and a kill while it
+removes old checkpoints leaves the newest loadable."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO, run_script
+from nanochat_ext.checkpoint import resumable_checkpoints
+from scripts import kat_train_rm
+from test_reliability import assert_same_weights, metas, rm_args
+
+ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
+
+
+def dying(module: str, faults: str, args: list[str], max_restarts: int | None = None) -> subprocess.CompletedProcess:
+    """scripts.<module> killed as `faults` says (tests/workers/die_at.py): one process, or two ranks under torchrun
+    --max-restarts."""
+    launcher = [] if max_restarts is None else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                                                 f"--max-restarts={max_restarts}"]
+    cmd = [sys.executable, *launcher, str(REPO / "tests" / "workers" / "die_at.py"), module, faults, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV}
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+
+def grpo_args(assets, out, *extra) -> list[str]:
+    return ["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--prompts", str(assets["pairs"]),
+            "--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4",
+            "--max_new_tokens", "8", "--lr", "1e-2", "--log_every", "1", "--device", "cpu", "--out", str(out), *extra]
+
+
+# module, its args, --max_steps, --save_every, the step whose last rank is killed on the first restart (after the
+# second save, which the first start was killed in)
+TRAINERS = {"rm": ("kat_train_rm", rm_args, 12, 3, 8), "grpo": ("kat_train_grpo", grpo_args, 6, 2, 5)}
+
+
+@pytest.mark.parametrize("trainer", list(TRAINERS))
+def test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result(assets, tmp_path, trainer):
+    """The first start loses rank 0 while it writes its second checkpoint (between the state and the meta), the first
+    restart loses rank 1 mid-step (gradients reduced, update not taken); the second restart finishes. Each restart
+    resumes from the newest complete checkpoint without --resume, and the job ends by itself with the weights,
+    bitwise, and the log of the run that was never interrupted."""
+    module, make_args, steps, every, step_killed = TRAINERS[trainer]
+    straight, healed = tmp_path / "straight", tmp_path / "healed"
+    flags = ("--max_steps", str(steps), "--save_every", str(every))
+    proc = run_script(f"scripts.{module}", make_args(assets, straight, *flags), nproc=2, env=ENV)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+    proc = dying(module, f"0:state:2,1:step:{step_killed}", make_args(assets, healed, *flags), max_restarts=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    resumed = [line for line in proc.stdout.splitlines() if line.startswith("resume: ")]
+    assert len(resumed) == 4 and resumed[0] == f"resume: torchrun restart 1: from what the run saved in {healed}"
+    at_step = [int(line.split(" at step ")[1].split()[0]) for line in resumed[1::2]]
+    assert at_step == [every, 2 * every], resumed  # the save killed left an orphan, removed; then the one redone
+    assert resumed[2].startswith("resume: torchrun restart 2")
+    assert "checkpoint: removed what an interrupted save left: " in proc.stdout
+    assert_same_weights(straight, healed)
+    logged = [[r["step"] for r in map(json.loads, (d / "logs" / "metrics.jsonl").read_text().splitlines())
+               if "train/loss" in r] for d in (straight, healed)]
+    assert logged[1] == logged[0] == list(range(1, steps + 1))  # every step once, as uninterrupted
+
+
+# ---- --keep_last ----------------------------------------------------------------------------------------------------
+def test_keep_last_keeps_the_newest_checkpoints_whole_and_every_final_model(assets, tmp_path, capsys):
+    out = tmp_path / "kept"
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "6", "--save_every", "1")) == 0  # default: 2
+    assert [m["step"] for m in metas(out)] == [5, 6]
+    assert "keep_last: removed meta_" in capsys.readouterr().out
+    assert len(list(out.glob("model_*.pt"))) == len(list(out.glob("state_*.pt"))) == 2
+    # Extended to 9 steps: step 6 was the first run's final model, which stays (without its resume state).
+    assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "9", "--save_every", "1", "--keep_last", "1",
+                                     "--resume", "latest", "--resume_extend")) == 0
+    assert [m["step"] for m in metas(out)] == [6, 9]
+    assert len(list(out.glob("model_*.pt"))) == 2 and len(list(out.glob("state_*.pt"))) == 1
+    assert kat_train_rm.main(rm_args(assets, tmp_path / "all", "--max_steps", "4", "--save_every", "1",
+                                     "--keep_last", "0")) == 0
+    assert [m["step"] for m in metas(tmp_path / "all")] == [1, 2, 3, 4]
+
+
+def test_a_kill_while_pruning_leaves_the_newest_checkpoint_loadable(assets, tmp_path):
+    """Killed after the second file it removes of step 2's checkpoint (its meta, then its state): the newest complete
+    checkpoint is intact, and the run resumed from it ends with the uninterrupted weights."""
+    args = ("--max_steps", "6", "--save_every", "2", "--keep_last", "1")
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    assert kat_train_rm.main(rm_args(assets, straight, *args)) == 0
+    proc = dying("kat_train_rm", "0:removed:2", rm_args(assets, killed, *args))
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert [m["step"] for m in metas(killed)] == [4] and len(list(killed.glob("model_*.pt"))) == 2  # one orphan
+    resumed = run_script("scripts.kat_train_rm", rm_args(assets, killed, *args, "--resume", "latest"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint: removed what an interrupted save left: model_" in resumed.stdout
+    assert "at step 4" in resumed.stdout
+    assert_same_weights(straight, killed)
+    assert [m["step"] for m in metas(killed)] == [6] and len(resumable_checkpoints(killed)) == 1

@@ -16,6 +16,7 @@ from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
 from nanochat_ext.parallel import PARALLEL_MODES
+from nanochat_ext.peers import EXIT_LOST_RANK, lost_rank_line, missing_ranks, says_the_line
 from nanochat_ext.resume import RESUME_HELP
 from nanochat_ext.retention import KEEP_LAST_HELP
 from nanochat_ext.tracking import report_targets
@@ -138,8 +139,8 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     `<label>: <path returned>` as the last line. A failure ends with one `error: ...` line, the last on
     stderr (of rank 0 for an error every rank shares, else of each failing rank), and an exit code:
     EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed),
-    EXIT_OUT_OF_MEMORY (one line on every rank that ran out, saying what to change) or 1 for anything
-    unforeseen (after its traceback)."""
+    EXIT_OUT_OF_MEMORY (one line on every rank that ran out, saying what to change), EXIT_LOST_RANK (a rank stopped
+    answering: one line naming it) or 1 for anything unforeseen (after its traceback)."""
     rank = detect_launcher()[1]
 
     def report(message: str, everyone: bool = False) -> None:
@@ -167,6 +168,10 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         if is_out_of_memory(e):  # bad input too (a model or batch too big): every rank that hit it says so
             report(out_of_memory_line(e, args), everyone=True)
             return EXIT_OUT_OF_MEMORY
+        if missing_ranks(e):  # a peer stopped answering: one line from the lowest rank that still does
+            if says_the_line(e, rank):
+                report(lost_rank_line(e, args.dist_timeout), everyone=True)
+            return EXIT_LOST_RANK
         traceback.print_exc()
         report(first_line(e, 300), everyone=True)
         return 1

@@ -19,6 +19,7 @@ import datetime
 import gc
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -158,11 +159,52 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
     except InputError:
         barrier()  # bad input is raised on every rank (validation is collective), so all get here
         raise
+    except Exception as e:
+        if is_collective_failure(e):  # while the group's store is there: who did not take part (peers.py)
+            e.roll_call_s = roll_call_grace(e, timeout_s)
+            e.missing_ranks = roll_call(e.roll_call_s)
+        raise
     finally:
         # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
         # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
         # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
         destroy_dist()
+
+
+ROLL_CALL_MAX_S = 30.0  # after a timeout: ranks reach the roll call as far apart as they entered the collective
+PEER_GONE_S = 2.0  # after a closed connection: every rank that held one to the dead peer learns at once
+
+
+def roll_call_grace(e: BaseException, timeout_s: float) -> float:
+    """How long the roll call after e waits for the others: a quarter of the collective timeout (at most
+    ROLL_CALL_MAX_S) after a timeout, PEER_GONE_S after a peer's connection closed (its process is gone, and under
+    torchrun its agent is already stopping the others)."""
+    grace = min(ROLL_CALL_MAX_S, timeout_s / 4)
+    return grace if "timed out" in str(e).lower() else min(PEER_GONE_S, grace)
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """A collective that failed because a peer did not take part: torch's distributed errors (NCCL's, the store's)
+    and gloo's transport errors (a timeout, a connection closed or reset), which it raises as RuntimeError."""
+    return _is_dist() and (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport" in str(e)))
+
+
+def roll_call(grace_s: float) -> list[int]:
+    """Collective through the group's store, which answers when the group does not: sign in and wait up to grace_s
+    for every rank to; returns the ranks that did not (stuck where they were, or gone). None are named when the
+    store itself does not answer (it lives in rank 0 where no launcher's agent holds it)."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=grace_s))
+    deadline = time.monotonic() + grace_s
+    try:
+        store.set(f"nanochat_ext/roll_call/{get_rank()}", "here")
+        while True:
+            missing = [r for r in range(get_world_size()) if not store.check([f"nanochat_ext/roll_call/{r}"])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.05)
+    except dist.DistError:
+        return []
 
 
 def destroy_dist() -> None:

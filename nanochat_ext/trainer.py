@@ -20,6 +20,7 @@ from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.memory import doing
 from nanochat_ext.optim import lr_multiplier
 from nanochat_ext.parallel import Parallel
+from nanochat_ext.peers import PROGRESS
 from nanochat_ext.resume import check_resume_args
 from nanochat_ext.retention import prune
 from nanochat_ext.tracking import Tracker
@@ -51,6 +52,7 @@ class Trainer:
                  saving: Callable[[int, Path, bool], Saving]):
         self.args, self.env, self.parallel, self.model, self.optimizer = args, env, parallel, model, optimizer
         self.module, self.kind, self.out_dir, self.saving = module, kind, out_dir, saving
+        PROGRESS.out_dir = out_dir
         # this run's --lr per group: a resumed optimizer state carries the saved run's (--resume_extend may differ)
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         self.start_step = 0
@@ -105,6 +107,7 @@ class Trainer:
                                a.wandb_project)
         self.guard = StepGuard(a.skip_nonfinite)
         self.t_log = time.time()
+        PROGRESS.done = self.start_step
 
     def set_lr(self, step: int) -> float:
         """The schedule's lr for `step` in every group; returns the first group's."""
@@ -150,6 +153,7 @@ class Trainer:
 
     def end_step(self, done: int) -> None:
         """After step `done`: stop with a checkpoint if the guard says so, or save if --save_every is due."""
+        PROGRESS.done = done
         if done == self.args.max_steps:
             return
         if self.guard.stop:

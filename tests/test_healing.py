@@ -13,6 +13,8 @@ import pytest
 
 from conftest import REPO, run_script
 from nanochat_ext.checkpoint import resumable_checkpoints
+from nanochat_ext.ddp_common import free_port
+from nanochat_ext.peers import EXIT_LOST_RANK
 from scripts import kat_train_rm
 from test_reliability import assert_same_weights, metas, rm_args
 
@@ -64,6 +66,33 @@ def test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_res
     logged = [[r["step"] for r in map(json.loads, (d / "logs" / "metrics.jsonl").read_text().splitlines())
                if "train/loss" in r] for d in (straight, healed)]
     assert logged[1] == logged[0] == list(range(1, steps + 1))  # every step once, as uninterrupted
+
+
+# ---- a rank that hangs ----------------------------------------------------------------------------------------------
+def test_a_rank_that_hangs_ends_the_run_in_one_line_naming_it(assets, tmp_path):
+    """Rank 1 stops (SIGSTOP) in step 3 before its update: rank 0 waits --dist_timeout in the step's all-reduce, then
+    ends with exit code EXIT_LOST_RANK and one line naming rank 1, the step, the phase and the checkpoint to resume
+    from; no traceback. Two processes launched as torchrun launches them, without its agent (which would stop the
+    stopped rank only after its own 30 s)."""
+    out = tmp_path / "hung"
+    args = rm_args(assets, out, "--max_steps", "6", "--save_every", "1", "--dist_timeout", "4")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **ENV, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+           "WORLD_SIZE": "2"}
+    cmd = [sys.executable, str(REPO / "tests" / "workers" / "die_at.py"), "kat_train_rm", "0:stop:3", *args]
+    ranks = [subprocess.Popen(cmd, cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    try:
+        _, err = ranks[0].communicate(timeout=120)
+    finally:
+        ranks[1].kill()
+        ranks[1].communicate()
+    assert ranks[0].returncode == EXIT_LOST_RANK, err[-3000:]
+    newest = resumable_checkpoints(out)[0][0]
+    assert err.strip().splitlines()[-1] == (
+        f"error: rank 1 stopped answering in step 3 (the optimizer step): the others waited --dist_timeout 4 s and a "
+        f"roll call of 1 s; the newest complete checkpoint is {newest}: resume with --resume latest")
+    assert "Traceback" not in err and "gloo" not in err
+    assert [m["step"] for m in metas(out)] == [1, 2]
 
 
 # ---- --keep_last ----------------------------------------------------------------------------------------------------

@@ -4,7 +4,8 @@ start of torchrun's worker group (ATTEMPT: 0 the first, 1 the first restart):
 - `A:state:N`: rank 0, the rank that writes checkpoints, once it has written its N-th state_<stamp>.pt, before that
   checkpoint's meta (a kill in the save window);
 - `A:removed:N`: rank 0, once it has removed its N-th file while pruning old checkpoints (--keep_last);
-- `A:step:N`: the last rank, in step N after its gradients are reduced and before its update (a kill mid-step).
+- `A:step:N`: the last rank, in step N after its gradients are reduced and before its update (a kill mid-step);
+- `A:stop:N`: the same rank at the same point stopped (SIGSTOP: a rank that hangs).
 The launcher then tears the other ranks down, as a scheduler's kill would, and restarts the group if allowed."""
 import importlib
 import os
@@ -21,20 +22,16 @@ written: list[str] = []  # the files saved and removed, in order
 real_step = optim.guarded_step
 
 
-def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
 def die_at_nth_file(name: str) -> None:
     written.append(name)
     for what, prefix in (("state", "state_"), ("removed", "removed ")):
         if sum(w.startswith(prefix) for w in written) == now.get(what) and name.startswith(prefix):
-            die()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def die_in_step(optimizer, params, grad_clip, guard, step, loss):
-    if step == now.get("step") and rank == world_size - 1:
-        die()
+    if rank == world_size - 1 and step in (now.get("step"), now.get("stop")):
+        os.kill(os.getpid(), signal.SIGKILL if step == now.get("step") else signal.SIGSTOP)
     return real_step(optimizer, params, grad_clip, guard, step, loss)
 
 

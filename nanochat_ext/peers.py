@@ -1,0 +1,46 @@
+"""A rank that stops answering (stopped, deadlocked, stuck in a reward call, killed): the other ranks' collective fails
+(gloo times out after --dist_timeout, or sees the connection close), and instead of a backend traceback the run ends
+with one line naming the missing ranks, the step and phase, and the checkpoint to resume from. Who is missing is
+found by ddp_common's roll call in the group's store; the lowest rank that answered it says the line for all.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from nanochat_ext.checkpoint import resumable_checkpoints
+
+EXIT_LOST_RANK = 69  # EX_UNAVAILABLE: a peer is; a restart (torchrun --max-restarts) resumes
+
+
+@dataclass
+class Progress:
+    """Where the training loop is, for the line: the steps done so far and where checkpoints go."""
+    done: int | None = None
+    out_dir: Path | None = None
+
+
+PROGRESS = Progress()
+
+
+def missing_ranks(e: BaseException) -> list[int]:
+    """The ranks that did not answer the roll call after the collective that raised e (ddp_common.dist_session)."""
+    return getattr(e, "missing_ranks", [])
+
+
+def says_the_line(e: BaseException, rank: int) -> bool:
+    """Whether `rank` is the lowest that answered the roll call."""
+    return rank == next(r for r in range(rank + 1) if r not in missing_ranks(e))
+
+
+def lost_rank_line(e: BaseException, timeout_s: float) -> str:
+    """The missing ranks, the step and phase (memory.doing's) they were lost in, and the checkpoint to resume."""
+    missing = missing_ranks(e)
+    ranks = f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))}"
+    what = getattr(e, "during", ("",))[0]
+    where = f"in step {PROGRESS.done + 1}" if PROGRESS.done is not None else "before the first step"
+    found = resumable_checkpoints(PROGRESS.out_dir) if PROGRESS.out_dir is not None else []
+    resume = (f"the newest complete checkpoint is {found[0][0]}: resume with --resume latest" if found else
+              "no checkpoint was written yet")
+    return (f"{ranks} stopped answering {where}{' (' + what + ')' if what else ''}: the others waited --dist_timeout "
+            f"{timeout_s:g} s and a roll call of {e.roll_call_s:g} s; {resume}")

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import math
+import os
 import sys
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -143,8 +146,11 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     answering: one line naming it) or 1 for anything unforeseen (after its traceback)."""
     rank = detect_launcher()[1]
 
-    def report(message: str, everyone: bool = False) -> None:
-        if rank == 0 or everyone:
+    def report(message: str, everyone: bool = False, said: bool = True) -> None:
+        """The line, printed by rank 0 (or by every rank, or by none where another says it), and on every rank into
+        torchrun's summary."""
+        record_for_torchrun(f"error: {message}")
+        if said and (rank == 0 or everyone):
             print(f"error: {message}", file=sys.stderr, flush=True)
 
     try:
@@ -169,8 +175,7 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
             report(out_of_memory_line(e, args), everyone=True)
             return EXIT_OUT_OF_MEMORY
         if missing_ranks(e):  # a peer stopped answering: one line from the lowest rank that still does
-            if says_the_line(e, rank):
-                report(lost_rank_line(e, args.dist_timeout), everyone=True)
+            report(lost_rank_line(e, args.dist_timeout), everyone=True, said=says_the_line(e, rank))
             return EXIT_LOST_RANK
         traceback.print_exc()
         report(first_line(e, 300), everyone=True)
@@ -178,6 +183,17 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     finally:
         release_out_dirs()
         restore_signal_handlers()
+
+
+def record_for_torchrun(line: str) -> None:
+    """Under torchrun, the line goes into the error file its agent gives each worker (TORCHELASTIC_ERROR_FILE), in the
+    layout of torch's own @record (errors.ErrorHandler): its failure summary then shows the line where it would show
+    `<N/A>`."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def run_plain(body: Callable[[], object], label: str) -> int:

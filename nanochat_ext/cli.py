@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import datetime
 import json
 import math
 import os
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Callable
 
 from nanochat_ext.checkpoint import base_dir, release_out_dirs
-from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session
+from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session, previous_ending, remember_ending
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
@@ -137,22 +138,33 @@ def script_argv(argv: list[str] | None) -> list[str]:
     return argv[1:] if argv[:1] == ["--"] else argv
 
 
+# Endings a restart would meet again (torchrun restarts after any failure): the next start ends at once with the line.
+ENDINGS_THAT_REPEAT = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY)
+
+
 def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, DistEnv], Path], label: str) -> int:
     """Run body(args, env) inside a process-group session that is always torn down; rank 0 prints
     `<label>: <path returned>` as the last line. A failure ends with one `error: ...` line, the last on
     stderr (of rank 0 for an error every rank shares, else of each failing rank), and an exit code:
     EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed),
     EXIT_OUT_OF_MEMORY (one line on every rank that ran out, saying what to change), EXIT_LOST_RANK (a rank stopped
-    answering: one line naming it) or 1 for anything unforeseen (after its traceback)."""
+    answering: one line naming it) or 1 for anything unforeseen (after its traceback). Under torchrun a start that
+    follows one ending in ENDINGS_THAT_REPEAT ends at once with that line."""
     rank = detect_launcher()[1]
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
 
-    def report(message: str, everyone: bool = False, said: bool = True) -> None:
-        """The line, printed by rank 0 (or by every rank, or by none where another says it), and on every rank into
-        torchrun's summary."""
-        record_for_torchrun(f"error: {message}")
+    def end(code: int, message: str, everyone: bool = False, said: bool = True, again: str = "") -> int:
+        """The line (with `again` said after it), printed by rank 0 (or by every rank, or by none where another says
+        it), on every rank into torchrun's summary, and kept for torchrun's next start where it would end so again."""
+        record_for_torchrun(f"error: {message}{again}")
+        if code in ENDINGS_THAT_REPEAT:
+            remember_ending(code, message, timeout)
         if said and (rank == 0 or everyone):
-            print(f"error: {message}", file=sys.stderr, flush=True)
+            print(f"error: {message}{again}", file=sys.stderr, flush=True)
+        return code
 
+    if (ended := previous_ending(timeout)) is not None:
+        return end(*ended, again=" (torchrun's previous start ended so; not run again)")
     try:
         group = getattr(args, "parallel", "ddp") == "fsdp"  # FSDP shards over a process group, even of one rank
         with dist_session(args.device, args.backend, args.dist_timeout, group) as env:
@@ -161,25 +173,20 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
                 print(f"{label}: {result}", flush=True)
         return 0
     except InputError as e:
-        report(str(e), everyone=not e.collective)
-        return EXIT_BAD_INPUT
+        return end(EXIT_BAD_INPUT, str(e), everyone=not e.collective)
     except NonFiniteError as e:
-        report(str(e))
-        return EXIT_NONFINITE
+        return end(EXIT_NONFINITE, str(e))
     except Interrupted as e:
         if rank == 0:
             print(str(e), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or an environment failure: its traceback, then the one line
         if is_out_of_memory(e):  # bad input too (a model or batch too big): every rank that hit it says so
-            report(out_of_memory_line(e, args), everyone=True)
-            return EXIT_OUT_OF_MEMORY
+            return end(EXIT_OUT_OF_MEMORY, out_of_memory_line(e, args), everyone=True)
         if missing_ranks(e):  # a peer stopped answering: one line from the lowest rank that still does
-            report(lost_rank_line(e, args.dist_timeout), everyone=True, said=says_the_line(e, rank))
-            return EXIT_LOST_RANK
+            return end(EXIT_LOST_RANK, lost_rank_line(e, args.dist_timeout), everyone=True, said=says_the_line(e, rank))
         traceback.print_exc()
-        report(first_line(e, 300), everyone=True)
-        return 1
+        return end(1, first_line(e, 300), everyone=True)
     finally:
         release_out_dirs()
         restore_signal_handlers()

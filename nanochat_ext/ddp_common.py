@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import json
 import os
 import random
 import time
@@ -128,11 +129,39 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | 
     id) have the same names on every attempt, so a restarted rank can read a dead peer's address and never connect
     (measured: 4 of 6 two-rank gloo restarts after a SIGKILL; torch's env:// rendezvous assumes a new store per
     attempt). A prefix per attempt is what that rendezvous did before the store was shared."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    agent = agent_store(timeout)
+    return None if agent is None else dist.PrefixStore(f"nanochat_ext/attempt_{restart_attempt()}/", agent)
+
+
+_AGENT_STORE: Any = None
+
+
+def agent_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """Under torchrun: a client of its agent's store, which lives as long as the job, across restarts; else None."""
+    global _AGENT_STORE
+    if _AGENT_STORE is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _AGENT_STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                     timeout=timeout)
+    return _AGENT_STORE
+
+
+def remember_ending(code: int, line: str, timeout: datetime.timedelta) -> None:
+    """Under torchrun: this start ends with `code` and `line` for a reason a restart would meet again (bad input, a
+    non-finite step, out of memory). torchrun restarts after any failure; the next start reads this
+    (previous_ending) and ends at once instead of repeating the run up to the same line."""
+    agent = agent_store(timeout)
+    if agent is not None:
+        agent.set(f"nanochat_ext/ended/{restart_attempt()}", json.dumps([code, line]))
+
+
+def previous_ending(timeout: datetime.timedelta) -> tuple[int, str] | None:
+    """What the previous start of this torchrun job ended with, if remember_ending recorded it."""
+    key = f"nanochat_ext/ended/{restart_attempt() - 1}"
+    agent = agent_store(timeout) if restart_attempt() > 0 else None
+    if agent is None or not agent.check([key]):
         return None
-    agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"nanochat_ext/attempt_{restart_attempt()}/", agent)
+    code, line = json.loads(agent.get(key))
+    return code, line
 
 
 def free_port() -> int:

@@ -150,14 +150,15 @@ def assets(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
-               timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run `python -m scripts.X` (nproc 1) or `torchrun --standalone --nproc_per_node N -m scripts.X --`."""
+               timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
+    """Run `python -m scripts.X` (nproc 1) or `torchrun --standalone --nproc_per_node N --max-restarts R -m scripts.X
+    --`."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     if nproc == 1:
         cmd = [sys.executable, "-m", module, *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", module, "--", *args]
+               f"--max-restarts={max_restarts}", "-m", module, "--", *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 

@@ -68,6 +68,19 @@ def test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_res
     assert logged[1] == logged[0] == list(range(1, steps + 1))  # every step once, as uninterrupted
 
 
+def test_a_restart_does_not_repeat_a_run_that_would_end_the_same(assets, tmp_path):
+    """A non-finite step ends the first start (exit 3, saved checkpoints as they were); torchrun restarts after any
+    failure, and each restart ends at once with the same line instead of training up to it again."""
+    out = tmp_path / "nan"
+    proc = run_script("scripts.kat_train_rm", rm_args(assets, out, "--lr", "1e30", "--max_steps", "6"), nproc=2,
+                      max_restarts=2)
+    assert proc.returncode == 1 and "exitcode  : 3 " in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("data: ") == 1 and "resume: " not in proc.stdout  # the restarts loaded nothing
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 3 and "non-finite loss" in errors[0], errors
+    assert errors[1] == errors[2] == f"{errors[0]} (torchrun's previous start ended so; not run again)"
+
+
 # ---- a rank that hangs ----------------------------------------------------------------------------------------------
 def test_a_rank_that_hangs_ends_the_run_in_one_line_naming_it(assets, tmp_path):
     """Rank 1 stops (SIGSTOP) in step 3 before its update: rank 0 waits --dist_timeout in the step's all-reduce, then

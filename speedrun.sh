@@ -13,7 +13,8 @@
 #                                                          # paired differences with 95% intervals (experiment.md)
 #   EXPERIMENT=density REGIME=collapse SEEDS="$(seq -s ' ' 0 9)" bash speedrun.sh  # the same where GRPO collapses
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
-# this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun), SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
+# this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
+# SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
 # EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
 # DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training),
 # BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
@@ -116,7 +117,8 @@ skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
 launch() {
     local name=$1 needs=$2 script=$3 errlog err cmd; shift 3
     if [ "$NPROC_PER_NODE" = 1 ]; then cmd=(python -m "$script")
-    else cmd=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS" -m "$script" --); fi
+    else cmd=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
+              -m "$script" --); fi
     errlog=$(mktemp)
     # stderr goes to the terminal and, through tee, to errlog; stdout is untouched
     if ! { "${cmd[@]}" "$@" "${RUNTIME[@]}" 2>&1 1>&3 | tee "$errlog" >&2; } 3>&1; then

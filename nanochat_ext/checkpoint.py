@@ -4,20 +4,17 @@ nanochat's `model_(\\d+).pt` pattern, so nanochat's own loader picks the newest 
 
 Every file is written under a temporary name, flushed to disk (fsync) and renamed; the meta json goes
 last and marks the checkpoint complete, so a crash or power cut at any point leaves no file a reader
-would take. A run holds an exclusive lock on its output dir and, at start, removes what an earlier
-crashed save left behind (temporary files, models and states without a meta).
+would take. What an earlier crashed save left behind (temporary files, models and states without a meta) is
+removed at start (outdir.claim_out_dir).
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import hashlib
 import json
 import os
 import pickle
 import re
 import shutil
-import socket
 import time
 import zipfile
 from pathlib import Path
@@ -33,7 +30,6 @@ _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face sav
 _META_RE = re.compile(r"^meta_(\d+)\.json$")
 _STATE_RE = re.compile(r"^state_(\d+)\.pt$")
 _SHARDS_RE = re.compile(r"^shards_(\d+)$")  # a sharded training checkpoint (--parallel fsdp, parallel.py)
-LOCK_FILE = ".lock"
 # nanochat's short names for its checkpoint roots under $NANOCHAT_BASE_DIR (checkpoint_manager.load_model)
 SOURCE_DIRS = {"base": "base_checkpoints", "sft": "chatsft_checkpoints", "rl": "chatrl_checkpoints"}
 _SHORT_RE = re.compile(r"^(base|sft|rl)(?::([^/:]+))?$")
@@ -44,9 +40,10 @@ def base_dir() -> Path:
     return Path(os.environ.get("NANOCHAT_BASE_DIR") or Path.home() / ".cache" / "nanochat")
 
 
-def stamp_digits(model_path: Path) -> str:
-    """The N of model_<N>.pt or model_<N>/ as written (nanochat zero-pads it): its meta is meta_<N>.json."""
-    return _MODEL_RE.match(model_path.name).group(1)
+def stamp_digits(path: Path) -> str:
+    """The N of model_<N>.pt, model_<N>/, shards_<N>/ or meta_<N>.json as written (nanochat zero-pads it): the
+    checkpoint's other files have the same N."""
+    return (_MODEL_RE.match(path.name) or _META_RE.match(path.name) or _SHARDS_RE.match(path.name)).group(1)
 
 
 def complete_checkpoints(path: str | os.PathLike) -> list[tuple[Path, Path]]:
@@ -209,8 +206,8 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     _publish(tmp, path)
 
 
-# Called after each file a save writes or a prune removes (retention.py), for fault-injection tests only (the
-# crash-in-the-save-window case).
+# Called after each file a save writes and each file removed (remove_files), for fault-injection tests only (a crash
+# in the save window, or while old checkpoints are removed).
 _SAVE_HOOK: Callable[[str], None] = lambda file_written: None
 
 
@@ -242,8 +239,7 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
             _SAVE_HOOK(f"state_{stamp}.pt")
         write_json_atomic(d / f"meta_{stamp}.json", meta)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        for f in d.glob(f"*_{stamp}*"):
-            shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+        remove_files(d, [f.name for f in d.glob(f"*_{stamp}*")])
         free = shutil.disk_usage(d).free / 2**20
         reason = os.strerror(e.errno) if getattr(e, "errno", None) else (str(e).splitlines() or [""])[0][:200]
         raise InputError(f"could not write checkpoint {stamp} ({reason}); {free:.0f} MiB free there; its partial "
@@ -363,65 +359,27 @@ def remove_orphans(out_dir: Path) -> list[str]:
         m = _MODEL_RE.match(n) or _STATE_RE.match(n) or _SHARDS_RE.match(n)
         if m and f"meta_{m.group(1)}.json" not in names:
             orphans.append(n)
-    for n in orphans:
-        f = out_dir / n
-        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+    remove_files(out_dir, orphans)
     return sorted(orphans)
 
 
-_LOCKS: list[Any] = []  # open lock files of this process's runs, released by release_out_dirs()
-
-
-def _lock(out_dir: Path) -> str | None:
-    """Take the run lock on out_dir (flock, released by the OS on any exit); an error line if held."""
-    f = open(out_dir / LOCK_FILE, "a+")
-    try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        if e.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        f.seek(0)
-        holder = f.read().strip() or "unknown"
-        f.close()
-        return (f"{out_dir}: another run is using this output dir (lock held by {holder}); wait for it to "
-                f"finish or give another --out")
-    f.seek(0)
-    f.truncate()
-    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-    f.flush()
-    _LOCKS.append(f)
-    return None
-
-
-def release_out_dirs() -> None:
-    while _LOCKS:
-        _LOCKS.pop().close()
-
-
-def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None = None) -> None:
-    """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir), checks they can
-    be written, locks out_dir for this run and removes what crashed saves left there."""
-    error = None
-    if is_main():
-        error = check_writable(out_dir) or (check_writable(log_dir) if log_dir is not None else None)
-        error = error or _lock(Path(out_dir))
-        if error is None and (removed := remove_orphans(Path(out_dir))):
-            print0(f"checkpoint: removed what an interrupted save left: {', '.join(removed)}")
-    raise_if_any(error)
-
-
-def check_writable(out_dir: str | os.PathLike) -> str | None:
-    """An error message if out_dir cannot be created or written, else None. Leaves nothing behind
-    but the directory itself."""
-    d = Path(out_dir)
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        probe = d / f".write_probe_{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        return f"{d}: dir cannot be written ({e.strerror or e})"
-    return None
+def remove_files(d: Path, names: list[str]) -> list[str]:
+    """Remove these files and dirs of d, in order (a dir renamed to *.tmp first, so that a kill part-way through its
+    contents leaves a name remove_orphans takes, not a partial dir under a checkpoint's name). Returns those removed."""
+    removed = []
+    for name in names:
+        f = d / name
+        if f.is_dir():
+            if not name.endswith(".tmp"):
+                f = f.rename(d / f"{name}.tmp")
+            shutil.rmtree(f)
+        elif f.exists():
+            f.unlink()
+        else:
+            continue
+        removed.append(name)
+        _SAVE_HOOK(f"removed {name}")
+    return removed
 
 
 # ---- checkpoints that travel ------------------------------------------------------------------------

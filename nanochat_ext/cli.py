@@ -14,15 +14,15 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from nanochat_ext.checkpoint import base_dir, release_out_dirs
+from nanochat_ext.checkpoint import base_dir
 from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session, previous_ending, remember_ending
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
+from nanochat_ext.outdir import KEEP_LAST_HELP, release_out_dirs
 from nanochat_ext.parallel import PARALLEL_MODES
-from nanochat_ext.peers import EXIT_LOST_RANK, lost_rank_line, missing_ranks, says_the_line
+from nanochat_ext.peers import EXIT_LOST_RANK, PROGRESS, failed_ranks, lost_rank_line, missing_ranks, says_the_line
 from nanochat_ext.resume import RESUME_HELP
-from nanochat_ext.retention import KEEP_LAST_HELP
 from nanochat_ext.tracking import report_targets
 from nanochat_ext.vintages import VINTAGES, VINTAGE_FLAG
 
@@ -152,6 +152,7 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     follows one ending in ENDINGS_THAT_REPEAT ends at once with that line."""
     rank = detect_launcher()[1]
     timeout = datetime.timedelta(seconds=args.dist_timeout)
+    PROGRESS.clear()
 
     def end(code: int, message: str, everyone: bool = False, said: bool = True, again: str = "") -> int:
         """The line (with `again` said after it), printed by rank 0 (or by every rank, or by none where another says
@@ -185,6 +186,8 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
             return end(EXIT_OUT_OF_MEMORY, out_of_memory_line(e, args), everyone=True)
         if missing_ranks(e):  # a peer stopped answering: one line from the lowest rank that still does
             return end(EXIT_LOST_RANK, lost_rank_line(e, args.dist_timeout), everyone=True, said=says_the_line(e, rank))
+        if failed_ranks(e):  # a peer ended with an error of its own, and says its line
+            return end(EXIT_LOST_RANK, f"rank {failed_ranks(e)[0]} ended with its own error", said=False)
         traceback.print_exc()
         return end(1, first_line(e, 300), everyone=True)
     finally:
@@ -198,9 +201,12 @@ def record_for_torchrun(line: str) -> None:
     `<N/A>`."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if path:
-        with open(path, "w") as f:
-            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
-                                                                  "timestamp": str(int(time.time()))}}}, f)
+        try:
+            with open(path, "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                      "timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the summary then says <N/A>; the line itself is printed all the same
 
 
 def run_plain(body: Callable[[], object], label: str) -> int:

@@ -109,7 +109,7 @@ def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float
     kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     if "nccl" in backend:
         kwargs["device_id"] = dev  # binds the communicator to our GPU up front
-    store = attempt_store(world_size, timeout)
+    store = attempt_store(timeout)
     if store is not None:
         kwargs["store"] = store
     dist.init_process_group(**kwargs)
@@ -123,7 +123,7 @@ def restart_attempt() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
-def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | None:
+def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     """Under torchrun: its agent's store, with this attempt's keys under a prefix of their own; None elsewhere.
     The agent keeps one store for the whole job, and the process group's keys (each rank's address, NCCL's unique
     id) have the same names on every attempt, so a restarted rank can read a dead peer's address and never connect
@@ -136,8 +136,10 @@ def attempt_store(world_size: int, timeout: datetime.timedelta) -> dist.Store | 
 _AGENT_STORE: Any = None
 
 
-def agent_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """Under torchrun: a client of its agent's store, which lives as long as the job, across restarts; else None."""
+def agent_store(timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> dist.Store | None:
+    """Under torchrun: a client of its agent's store, which lives as long as the job, across restarts; else None.
+    (Not where torchrun is told not to share its store, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: workers then
+    rendezvous in a store of rank 0's.)"""
     global _AGENT_STORE
     if _AGENT_STORE is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         _AGENT_STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -149,18 +151,24 @@ def remember_ending(code: int, line: str, timeout: datetime.timedelta) -> None:
     """Under torchrun: this start ends with `code` and `line` for a reason a restart would meet again (bad input, a
     non-finite step, out of memory). torchrun restarts after any failure; the next start reads this
     (previous_ending) and ends at once instead of repeating the run up to the same line."""
-    agent = agent_store(timeout)
-    if agent is not None:
-        agent.set(f"nanochat_ext/ended/{restart_attempt()}", json.dumps([code, line]))
+    try:
+        agent = agent_store(timeout)
+        if agent is not None:
+            agent.set(f"nanochat_ext/ended/{restart_attempt()}", json.dumps([code, line]))
+    except dist.DistError:
+        pass  # then the next start runs again: what it costs is time
 
 
 def previous_ending(timeout: datetime.timedelta) -> tuple[int, str] | None:
     """What the previous start of this torchrun job ended with, if remember_ending recorded it."""
     key = f"nanochat_ext/ended/{restart_attempt() - 1}"
-    agent = agent_store(timeout) if restart_attempt() > 0 else None
-    if agent is None or not agent.check([key]):
+    try:
+        agent = agent_store(timeout) if restart_attempt() > 0 else None
+        if agent is None or not agent.check([key]):
+            return None
+        code, line = json.loads(agent.get(key))
+    except dist.DistError:  # the store does not answer: start as if nothing was kept
         return None
-    code, line = json.loads(agent.get(key))
     return code, line
 
 
@@ -188,10 +196,12 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
     except InputError:
         barrier()  # bad input is raised on every rank (validation is collective), so all get here
         raise
-    except Exception as e:
-        if is_collective_failure(e):  # while the group's store is there: who did not take part (peers.py)
-            e.roll_call_s = roll_call_grace(e, timeout_s)
-            e.missing_ranks = roll_call(e.roll_call_s)
+    except Exception as e:  # while the group's store is there: who did not take part in a failed collective
+        if is_collective_failure(e):
+            e.timed_out, e.roll_call_s = "timed out" in str(e).lower(), roll_call_grace(e, timeout_s)
+            e.roll_call = roll_call(e.roll_call_s)
+        elif _is_dist():
+            sign_in(FAILED)  # this rank says its own line: the others' roll call must not name it missing
         raise
     finally:
         # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
@@ -212,28 +222,42 @@ def roll_call_grace(e: BaseException, timeout_s: float) -> float:
     return grace if "timed out" in str(e).lower() else min(PEER_GONE_S, grace)
 
 
+HERE, FAILED = "here", "failed"  # a rank's answer to the roll call: its collective failed, or it raised its own error
+ROLL_CALL_KEY = "nanochat_ext/roll_call/{}"  # under the group's prefix: one roll call per start
+
+
+def sign_in(answer: str) -> None:
+    """Answer the roll call in the group's store (best effort: a store that does not answer cannot be told)."""
+    try:
+        dist.distributed_c10d._get_default_store().set(ROLL_CALL_KEY.format(get_rank()), answer)
+    except Exception:  # the store's own errors, or none left to reach
+        pass
+
+
 def is_collective_failure(e: BaseException) -> bool:
     """A collective that failed because a peer did not take part: torch's distributed errors (NCCL's, the store's)
     and gloo's transport errors (a timeout, a connection closed or reset), which it raises as RuntimeError."""
-    return _is_dist() and (isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport" in str(e)))
+    gloo = isinstance(e, RuntimeError) and "gloo/transport" in str(e)
+    return _is_dist() and (isinstance(e, dist.DistError) or gloo)
 
 
-def roll_call(grace_s: float) -> list[int]:
+def roll_call(grace_s: float) -> dict[int, str | None]:
     """Collective through the group's store, which answers when the group does not: sign in and wait up to grace_s
-    for every rank to; returns the ranks that did not (stuck where they were, or gone). None are named when the
-    store itself does not answer (it lives in rank 0 where no launcher's agent holds it)."""
+    for every rank to. Returns each rank's answer (HERE, FAILED) or None for one that did not answer (stuck where it
+    was, or gone); {} when the store itself does not answer (it lives in rank 0 where no launcher's agent holds it)."""
     store = dist.distributed_c10d._get_default_store()
-    store.set_timeout(datetime.timedelta(seconds=grace_s))
     deadline = time.monotonic() + grace_s
     try:
-        store.set(f"nanochat_ext/roll_call/{get_rank()}", "here")
+        store.set_timeout(datetime.timedelta(seconds=grace_s))
+        store.set(ROLL_CALL_KEY.format(get_rank()), HERE)
         while True:
-            missing = [r for r in range(get_world_size()) if not store.check([f"nanochat_ext/roll_call/{r}"])]
-            if not missing or time.monotonic() > deadline:
-                return missing
+            keys = {r: ROLL_CALL_KEY.format(r) for r in range(get_world_size())}
+            answered = {r: store.check([k]) for r, k in keys.items()}
+            if all(answered.values()) or time.monotonic() > deadline:
+                return {r: store.get(keys[r]).decode() if answered[r] else None for r in keys}
             time.sleep(0.05)
-    except dist.DistError:
-        return []
+    except Exception:  # the store's own errors, or none left to reach: no one can be named
+        return {}
 
 
 def destroy_dist() -> None:

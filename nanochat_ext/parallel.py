@@ -24,9 +24,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
-from nanochat_ext.checkpoint import claim_out_dir, is_shards, read_json, save_checkpoint, save_synced
+from nanochat_ext.checkpoint import is_shards, read_json, save_checkpoint, save_synced
 from nanochat_ext.ddp_common import DistEnv, all_reduce_min, is_main, is_sharded, whole, wrap_ddp
 from nanochat_ext.errors import InputError
+from nanochat_ext.outdir import claim_out_dir
 
 UNSHARDED_ACCUM_BYTES = 6  # per trained parameter, accumulating unsharded under fsdp: bf16 weight + fp32 gradient
 PARALLEL_MODES = ("ddp", "fsdp")

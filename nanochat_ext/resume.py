@@ -7,8 +7,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from nanochat_ext.checkpoint import check_zip, first_loadable, is_shards, missing_shards, resumable_checkpoints, torch_load
-from nanochat_ext.ddp_common import broadcast_object, is_main, print0, raise_if_any, restart_attempt
+import torch.distributed as dist
+
+from nanochat_ext.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, resumable_checkpoints,
+                                     stamp_digits, torch_load)
+from nanochat_ext.ddp_common import agent_store, broadcast_object, is_main, print0, raise_if_any, restart_attempt
 from nanochat_ext.errors import InputError
 
 
@@ -34,26 +37,25 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
 
 LATEST = ("latest", "auto")  # --resume values that read --out and start fresh when it has no checkpoint
 READS_OUT = (*LATEST, "must")
-RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, or a fresh start (said in the log) when "
-               "there is none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A resumed run "
-               "continues exactly. A group torchrun restarts (--max-restarts) resumes from --out's newest complete "
-               "checkpoint whatever this says, or as this says when there is none")
+NEWEST_AT_START = "nanochat_ext/newest_checkpoint_at_start"  # in torchrun's store (saved_by_this_job)
+RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, or a fresh start (said in the log) "
+               "when there is none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A "
+               "resumed run continues exactly. A group torchrun restarts (--max-restarts) resumes from the newest "
+               "checkpoint its job wrote in --out whatever this says, or as this says when the job wrote none")
 
 
 def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
     """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
     scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
     resume different steps); a checkpoint that does not load whole is skipped for an older one, with a warning."""
-    attempt = restart_attempt()
-    if resume is None and attempt == 0:
-        return None
     choice, error = None, None
     if is_main():
         try:
-            if attempt > 0 and resume not in READS_OUT and resumable_checkpoints(out_dir):
-                print0(f"resume: torchrun restart {attempt}: from what the run saved in {out_dir}")
-                resume = "latest"
-            choice = None if resume is None else _choose_resume(resume, out_dir if resume in READS_OUT else resume)
+            if (saved := saved_by_this_job(out_dir)) and resume not in READS_OUT:
+                print0(f"resume: torchrun restart {restart_attempt()}: from what this job saved in {out_dir}")
+                choice = _choose_resume("latest", out_dir, saved)
+            elif resume is not None:
+                choice = _choose_resume(resume, out_dir if resume in READS_OUT else resume)
         except InputError as e:
             error = str(e)
     raise_if_any(error)
@@ -64,9 +66,28 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
     return model_path, meta_path, choice[3] if is_main() else torch_load(state_path, "resume state")
 
 
-def _choose_resume(resume: str, target: str | os.PathLike) -> tuple[Path, Path, Path, dict] | None:
-    """Rank 0's part of resolve_resume: the newest resumable checkpoint that loads whole, with its state."""
-    found = resumable_checkpoints(target)
+def saved_by_this_job(out_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """Rank 0, under torchrun: out_dir's resumable checkpoints newer than the newest that was there when this job's
+    first start got here (kept in torchrun's store, which outlives restarts), newest first; [] elsewhere. A restart
+    resumes from these, never from an older run that shares the dir."""
+    found = resumable_checkpoints(out_dir)
+    try:
+        agent = agent_store()
+        if agent is None:
+            return []
+        if not agent.check([NEWEST_AT_START]):
+            agent.set(NEWEST_AT_START, stamp_digits(found[0][1]) if found else "-1")
+        since = int(agent.get(NEWEST_AT_START))
+    except dist.DistError:  # the store does not answer: resume as --resume says
+        return []
+    return [c for c in found if int(stamp_digits(c[1])) > since]
+
+
+def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Path, Path]] | None = None
+                   ) -> tuple[Path, Path, Path, dict] | None:
+    """Rank 0's part of resolve_resume: the newest resumable checkpoint (of target, or of `found`) that loads whole,
+    with its state."""
+    found = resumable_checkpoints(target) if found is None else found
     if not found:
         if resume in LATEST:
             print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
@@ -74,7 +95,7 @@ def _choose_resume(resume: str, target: str | os.PathLike) -> tuple[Path, Path, 
         raise InputError("no complete checkpoint to resume from", path=str(target))
 
     def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict]:
-        digits = meta_path.stem.removeprefix("meta_")
+        digits = stamp_digits(meta_path)
         state_path = model_path.parent / f"state_{digits}.pt"
         shards = model_path.parent / f"shards_{digits}"
         if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer

@@ -19,10 +19,10 @@ from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.guard import Interrupted, StepGuard
 from nanochat_ext.memory import doing
 from nanochat_ext.optim import lr_multiplier
+from nanochat_ext.outdir import prune
 from nanochat_ext.parallel import Parallel
 from nanochat_ext.peers import PROGRESS
 from nanochat_ext.resume import check_resume_args
-from nanochat_ext.retention import prune
 from nanochat_ext.tracking import Tracker
 
 WriteWhole = Callable[[Path, int, dict, "dict | None", "dict | None"], Path]  # (dir, stamp, meta, state, weights)
@@ -52,7 +52,7 @@ class Trainer:
                  saving: Callable[[int, Path, bool], Saving]):
         self.args, self.env, self.parallel, self.model, self.optimizer = args, env, parallel, model, optimizer
         self.module, self.kind, self.out_dir, self.saving = module, kind, out_dir, saving
-        PROGRESS.out_dir = out_dir
+        PROGRESS.out_dir, PROGRESS.max_steps = out_dir, args.max_steps
         # this run's --lr per group: a resumed optimizer state carries the saved run's (--resume_extend may differ)
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in optimizer.param_groups]
         self.start_step = 0
@@ -90,7 +90,7 @@ class Trainer:
             consolidate=consolidate, write_whole=saving.write_whole, state={"step": step, "args": args, **saving.state},
             meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
                                 "metrics": metrics, "args": args})
-        if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last)):
+        if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last, self.kind)):
             print(f"keep_last: removed {', '.join(removed)} (older than the {self.args.keep_last} newest checkpoints)",
                   flush=True)
         return path

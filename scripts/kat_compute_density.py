@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from nanochat_ext.batching import right_pad
-from nanochat_ext.checkpoint import check_writable
+from nanochat_ext.outdir import check_writable
 from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import load_pairs, load_prompts

@@ -20,7 +20,7 @@ import torch
 
 from nanochat_ext.backbone import Backbone, hold_frozen_in
 from nanochat_ext.batching import BatchPlan, GlobalBatchLoader
-from nanochat_ext.checkpoint import claim_out_dir, fingerprint, portable_paths, save_checkpoint
+from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               given_flags, micro_batch, output_dirs, run_script, script_argv)
@@ -39,6 +39,7 @@ from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapte
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
 from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, guarded_step, make_optimizer
+from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.rewards import Rewards, check_rm_tokenizer

@@ -17,7 +17,7 @@ import torch
 
 from nanochat_ext.backbone import hold_frozen_in
 from nanochat_ext.batching import LONG_PAIRS, BatchPlan, GlobalBatchLoader, by_length, collate_pairs, tokenize_pairs
-from nanochat_ext.checkpoint import claim_out_dir, fingerprint, portable_paths, save_checkpoint, torch_load
+from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               micro_batch, output_dirs, run_script, script_argv)
@@ -32,6 +32,7 @@ from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  report_peak, rm_memory, smaller_micro)
 from nanochat_ext.optim import guarded_step, make_optimizer
+from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state

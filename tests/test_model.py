@@ -11,7 +11,8 @@ from nanochat_ext import synthetic
 from nanochat_ext.attention import NO_WINDOW, PrefixTree, attn_masks
 from nanochat_ext.backbone import hold_frozen_in
 from nanochat_ext.batching import TokenizedPair, collate_pairs, prefix_tree_rows
-from nanochat_ext.checkpoint import check_writable, find_checkpoint, new_stamp, save_checkpoint
+from nanochat_ext.checkpoint import find_checkpoint, new_stamp, save_checkpoint
+from nanochat_ext.outdir import check_writable
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT, GPTConfig
 from nanochat_ext.loader import default_tokenizer_path, load_backbone, load_tokenizer_for

@@ -191,8 +191,8 @@ def test_a_second_signal_stops_at_once_unless_it_is_the_same_event(gap, code):
 def test_a_second_run_on_a_locked_out_dir_stops_naming_the_holder(assets, tmp_path, capsys):
     out = tmp_path / "locked"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from nanochat_ext import checkpoint; "
-                               "checkpoint._lock(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from nanochat_ext import outdir; "
+                               "outdir._lock(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
                                "sys.stdin.read()", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:

@@ -85,11 +85,13 @@ class Trainer:
         metrics = self.metrics if metrics is None else metrics
         saving = self.saving(step, into, consolidate)
         args, world = vars(self.args), self.env.world_size
-        path = self.parallel.save(
-            into, self.model, self.optimizer, module=self.module, final=step == self.args.max_steps,
-            consolidate=consolidate, write_whole=saving.write_whole, state={"step": step, "args": args, **saving.state},
-            meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
-                                "metrics": metrics, "args": args})
+        with doing(f"the checkpoint of step {step}"):
+            path = self.parallel.save(
+                into, self.model, self.optimizer, module=self.module, final=step == self.args.max_steps,
+                consolidate=consolidate, write_whole=saving.write_whole,
+                state={"step": step, "args": args, **saving.state},
+                meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
+                                    "metrics": metrics, "args": args})
         if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last, self.kind)):
             print(f"keep_last: removed {', '.join(removed)} (older than the {self.args.keep_last} newest checkpoints)",
                   flush=True)
@@ -153,14 +155,13 @@ class Trainer:
 
     def end_step(self, done: int) -> None:
         """After step `done`: stop with a checkpoint if the guard says so, or save if --save_every is due."""
-        PROGRESS.done = done
-        if done == self.args.max_steps:
-            return
-        if self.guard.stop:
-            self.tracker.close()
-            raise Interrupted(done, self.save(done))
-        if due(done, self.args.save_every):
-            print0(f"checkpoint: {self.save(done)}")
+        if done != self.args.max_steps:
+            if self.guard.stop:
+                self.tracker.close()
+                raise Interrupted(done, self.save(done))
+            if due(done, self.args.save_every):
+                print0(f"checkpoint: {self.save(done)}")
+        PROGRESS.done = done  # a save is still part of its step for the line naming a lost rank
 
     def finish(self) -> Path:
         """The loop is over: close the logs and write the final checkpoint (or, written before the final

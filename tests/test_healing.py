@@ -51,9 +51,9 @@ TRAINERS = {"rm": ("kat_train_rm", rm_args, 12, 3, 8), "grpo": ("kat_train_grpo"
 @pytest.mark.parametrize("trainer", list(TRAINERS))
 def test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result(assets, tmp_path, trainer):
     """The first start loses rank 0 while it writes its second checkpoint (between the state and the meta), the first
-    restart loses rank 1 mid-step (gradients reduced, update not taken); the second restart finishes. Each restart
-    resumes from the newest complete checkpoint without --resume, and the job ends by itself with the weights,
-    bitwise, and the log of the run that was never interrupted."""
+    restart loses rank 1 mid-step (gradients reduced, update not taken); the second restart finishes. The survivor
+    names the lost rank each time; each restart resumes from the newest complete checkpoint without --resume, and the
+    job ends by itself with the weights, bitwise, and the log of the run that was never interrupted."""
     module, make_args, steps, every, step_killed = TRAINERS[trainer]
     straight, healed = tmp_path / "straight", tmp_path / "healed"
     flags = ("--max_steps", str(steps), "--save_every", str(every))
@@ -68,6 +68,12 @@ def test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_res
     assert at_step == [every, 2 * every], resumed  # the save killed left an orphan, removed; then the one redone
     assert resumed[2].startswith("resume: torchrun restart 2")
     assert "checkpoint: removed what an interrupted save left: " in proc.stdout
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]  # the survivor's, each time
+    assert len(errors) == 2, errors
+    assert errors[0].startswith(f"error: rank 0 stopped answering in step {2 * every} (the checkpoint of step "
+                                f"{2 * every}): its connection closed, nor to a roll call of 2 s; the newest "), errors
+    assert errors[1].startswith(f"error: rank 1 stopped answering in step {step_killed} (the optimizer step): its "
+                                f"connection closed"), errors
     assert_same_weights(straight, healed)
     logged = [[r["step"] for r in map(json.loads, (d / "logs" / "metrics.jsonl").read_text().splitlines())
                if "train/loss" in r] for d in (straight, healed)]

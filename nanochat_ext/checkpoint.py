@@ -239,7 +239,7 @@ def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | 
             _SAVE_HOOK(f"state_{stamp}.pt")
         write_json_atomic(d / f"meta_{stamp}.json", meta)
     except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
-        remove_files(d, [f.name for f in d.glob(f"*_{stamp}*")])
+        remove_files(d, [f.name for f in d.glob(f"*_{stamp}*")], keep_going=True)  # a full disk may refuse some
         free = shutil.disk_usage(d).free / 2**20
         reason = os.strerror(e.errno) if getattr(e, "errno", None) else (str(e).splitlines() or [""])[0][:200]
         raise InputError(f"could not write checkpoint {stamp} ({reason}); {free:.0f} MiB free there; its partial "
@@ -359,24 +359,29 @@ def remove_orphans(out_dir: Path) -> list[str]:
         m = _MODEL_RE.match(n) or _STATE_RE.match(n) or _SHARDS_RE.match(n)
         if m and f"meta_{m.group(1)}.json" not in names:
             orphans.append(n)
-    remove_files(out_dir, orphans)
-    return sorted(orphans)
+    return sorted(remove_files(out_dir, orphans, keep_going=True))  # what cannot go stays, and is not named
 
 
-def remove_files(d: Path, names: list[str]) -> list[str]:
+def remove_files(d: Path, names: list[str], keep_going: bool = False) -> list[str]:
     """Remove these files and dirs of d, in order (a dir renamed to *.tmp first, so that a kill part-way through its
-    contents leaves a name remove_orphans takes, not a partial dir under a checkpoint's name). Returns those removed."""
+    contents leaves a name remove_orphans takes, not a partial dir under a checkpoint's name). Returns those removed.
+    An OSError stops the removal (the order matters), or with keep_going skips that name."""
     removed = []
     for name in names:
         f = d / name
-        if f.is_dir():
-            if not name.endswith(".tmp"):
-                f = f.rename(d / f"{name}.tmp")
-            shutil.rmtree(f)
-        elif f.exists():
-            f.unlink()
-        else:
-            continue
+        try:
+            if f.is_dir():
+                if not name.endswith(".tmp"):
+                    f = f.rename(d / f"{name}.tmp")
+                shutil.rmtree(f)
+            elif f.exists():
+                f.unlink()
+            else:
+                continue
+        except OSError:
+            if keep_going:
+                continue
+            raise
         removed.append(name)
         _SAVE_HOOK(f"removed {name}")
     return removed

@@ -35,17 +35,18 @@ def prune(out_dir: Path, keep_last: int, kind: str) -> list[str]:
     (the module docstring). Returns the names removed, in order."""
     if keep_last == 0:
         return []
-    removed = []
-    try:
-        ours = [meta_path for _, meta_path in resumable_checkpoints(out_dir) if _meta(meta_path).get("kind") == kind]
-        for meta_path in ours[keep_last:]:
-            meta, digits = _meta(meta_path), stamp_digits(meta_path)
-            doomed = [f"state_{digits}.pt", f"shards_{digits}"]
-            if meta.get("step") != meta.get("args", {}).get("max_steps"):  # not a final model: all of it, meta first
-                doomed = [meta_path.name, *doomed, f"model_{digits}.pt", f"model_{digits}"]
+    removed: list[str] = []
+    ours = [meta_path for _, meta_path in resumable_checkpoints(out_dir) if _meta(meta_path).get("kind") == kind]
+    for meta_path in ours[keep_last:]:
+        meta, digits = _meta(meta_path), stamp_digits(meta_path)
+        doomed = [f"state_{digits}.pt", f"shards_{digits}"]
+        if meta.get("step") != (meta.get("args") or {}).get("max_steps"):  # not a final model: all of it, meta first
+            doomed = [meta_path.name, *doomed, f"model_{digits}.pt", f"model_{digits}"]
+        try:
             removed += remove_files(out_dir, doomed)
-    except OSError as e:
-        print0(f"warning: keep_last: could not remove an old checkpoint ({e.strerror or e}); it stays")
+        except OSError as e:
+            print0(f"warning: keep_last: could not remove all of checkpoint {digits} ({e.strerror or e}); the rest "
+                   f"of it stays")
     return removed
 
 

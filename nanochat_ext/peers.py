@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nanochat_ext.checkpoint import resumable_checkpoints
-from nanochat_ext.ddp_common import FAILED
+from nanochat_ext.ddp_common import FAILED, HERE
 
 EXIT_LOST_RANK = 69  # EX_UNAVAILABLE: a peer is; a restart (torchrun --max-restarts) resumes
 
@@ -40,8 +40,8 @@ def failed_ranks(e: BaseException) -> list[int]:
 
 
 def says_the_line(e: BaseException, rank: int) -> bool:
-    """Whether `rank` is the lowest that answered the roll call."""
-    return rank == next(r for r in range(rank + 1) if r not in missing_ranks(e))
+    """Whether `rank` is the lowest whose collective failed (the ranks that failed by themselves say their own)."""
+    return rank == min(r for r, answer in e.roll_call.items() if answer == HERE)
 
 
 def lost_rank_line(e: BaseException, timeout_s: float) -> str:

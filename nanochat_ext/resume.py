@@ -69,12 +69,13 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
 def saved_by_this_job(out_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
     """Rank 0, under torchrun: out_dir's resumable checkpoints newer than the newest that was there when this job's
     first start got here (kept in torchrun's store, which outlives restarts), newest first; [] elsewhere. A restart
-    resumes from these, never from an older run that shares the dir."""
+    resumes from these, never from an older run that shares the dir (where torchrun keeps no store for its workers,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a restart takes every checkpoint there as its job's)."""
     found = resumable_checkpoints(out_dir)
     try:
         agent = agent_store()
         if agent is None:
-            return []
+            return found if restart_attempt() > 0 else []
         if not agent.check([NEWEST_AT_START]):
             agent.set(NEWEST_AT_START, stamp_digits(found[0][1]) if found else "-1")
         since = int(agent.get(NEWEST_AT_START))

@@ -3,7 +3,8 @@ runs scripts.MODULE with ARGS, and FAULTS (comma-separated ATTEMPT:WHAT:N) say w
 start of torchrun's worker group (ATTEMPT: 0 the first, 1 the first restart):
 - `A:state:N`: rank 0, the rank that writes checkpoints, once it has written its N-th state_<stamp>.pt, before that
   checkpoint's meta (a kill in the save window);
-- `A:removed:N`: rank 0, once it has removed its N-th file while pruning old checkpoints (--keep_last);
+- `A:removed:N`: rank 0, once it has removed its N-th file (checkpoint.remove_files: pruning old checkpoints with
+  --keep_last, or what a crashed save left);
 - `A:step:N`: the last rank, in step N after its gradients are reduced and before its update (a kill mid-step);
 - `A:stop:N`: the same rank at the same point stopped (SIGSTOP: a rank that hangs).
 The launcher then tears the other ranks down, as a scheduler's kill would, and restarts the group if allowed."""

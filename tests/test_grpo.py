@@ -218,15 +218,20 @@ def test_out_of_memory_in_the_final_evaluation_keeps_the_final_checkpoint(assets
     assert [json.loads(m.read_text())["step"] for m in out.glob("meta_*.json")] == [3]
 
 
-def test_evaluation_in_calls_of_a_rollouts_rows_gives_one_calls_metrics(assets, grpo_assets):
-    """Held-out rewards and pass@k decoded 2 prompts (or 2 x k rows) at a time equal one call over all prompts: each
-    prompt's samples come from its own seed, and left padding computes what each prompt computes alone."""
+def evaluation_inputs(assets, grpo_assets) -> tuple:
+    """A policy, its tokenizer, 7 held-out prompts (rows and token ids), a reward function and one rank's env."""
     policy = load_backbone(assets["gpt"])
     tok = TokenizerWrapper.load(assets["tokenizer"])
     rows = load_prompts(grpo_assets["prompts"])[:7]
     ids = [tok.render_prompt(r.messages) for r in rows]
     rewards = Rewards(None, ["rewards_for_tests:vowel_share"], None)
-    env = argparse.Namespace(rank=0, world_size=1, is_main=True)
+    return policy, tok, rows, ids, rewards, argparse.Namespace(rank=0, world_size=1, is_main=True)
+
+
+def test_evaluation_in_calls_of_a_rollouts_rows_gives_one_calls_metrics(assets, grpo_assets):
+    """Held-out rewards and pass@k decoded 2 prompts (or 2 x k rows) at a time equal one call over all prompts: each
+    prompt's samples come from its own seed, and left padding computes what each prompt computes alone."""
+    policy, tok, rows, ids, rewards, env = evaluation_inputs(assets, grpo_assets)
     cfg = SamplingConfig(8, 1.0)
     eng = engine.Engine(policy)
     got = [(evaluate_rewards(eng, rows, ids, rewards, tok, cfg, 0, env, contextlib.nullcontext(), n)[0],
@@ -240,12 +245,7 @@ def test_the_memory_model_counts_the_decode_states_a_compiled_evaluation_keeps(a
     """A compiled engine keeps a decode state per row count it decodes: after an evaluation of 7 prompts in calls of at
     most 4 rows (rewards: 4 + 3 rows; pass@2: 2 prompts x 2 samples a call, then 1 x 2), the states it holds are the
     row counts evaluation.eval_decode_rows gives the memory model, also on the worst of 3 ranks."""
-    policy = load_backbone(assets["gpt"])
-    tok = TokenizerWrapper.load(assets["tokenizer"])
-    rows = load_prompts(grpo_assets["prompts"])[:7]
-    ids = [tok.render_prompt(r.messages) for r in rows]
-    rewards = Rewards(None, ["rewards_for_tests:vowel_share"], None)
-    env = argparse.Namespace(rank=0, world_size=1, is_main=True)
+    policy, tok, rows, ids, rewards, env = evaluation_inputs(assets, grpo_assets)
     eng = engine.Engine(policy, compile=True, reserve=max(map(len, ids)) + 8)
     evaluate_rewards(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 0, env, contextlib.nullcontext(), 4)
     evaluate_pass_k(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 2, 0, env, contextlib.nullcontext(), 4)

@@ -14,6 +14,7 @@ from nanochat_ext.attention import PrefixTree
 from nanochat_ext.checkpoint import save_checkpoint
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
+from nanochat_ext.heads import HeadTransform, probe
 from nanochat_ext.llama import Llama
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -46,6 +47,10 @@ class Backbone(nn.Module):
             self.hidden_size = model.config.hidden_size
             self.vocab_size = model.get_input_embeddings().num_embeddings
             self.max_seq_len = getattr(model.config, "max_position_embeddings", 1 << 30)
+        # What the model's own forward does after its LM head (a cap, a scale), so logits from hidden states are its
+        # own; a classifier (no output embeddings) never computes logits.
+        causal_lm = not self.native and model.get_output_embeddings() is not None
+        self.head_transform = probe(model, source) if causal_lm else HeadTransform()
 
     @property
     def vintage(self) -> str | None:
@@ -125,7 +130,7 @@ class Backbone(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.native:
             return self.model.logits(hidden)
-        return self.model.get_output_embeddings()(hidden).float()
+        return self.head_transform(self.model.get_output_embeddings()(hidden).float())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.logits(self.hidden_states(input_ids))

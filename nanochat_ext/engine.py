@@ -29,6 +29,7 @@ import copy
 import shutil
 import time
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 import torch
 import torch.nn as nn
@@ -104,7 +105,7 @@ def compile_for(fn, device: torch.device):
 @dataclass
 class Samples:
     completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
-    truncated: list[bool]  # stopped by max_new_tokens, not by the stop token
+    truncated: list[bool]  # stopped by max_new_tokens, not by a stop token
     sampled: list[list[int]] | None = None  # with tools, per completion token: 1 sampled, 0 forced by a tool
     tool_calls: int = 0  # python blocks closed (the calculator called)
     tool_errors: int = 0  # of them, the ones it refused (nothing forced)
@@ -138,6 +139,7 @@ class DecodeState:
     logits: torch.Tensor  # (rows, V): the logits token t is drawn from
     uniforms: torch.Tensor  # (rows, max_new_tokens)
     out: torch.Tensor  # (rows, max_new_tokens) tokens taken, pads after a row's stop
+    stop_ids: torch.Tensor  # (stops,) the ids that end a row
     lengths: torch.Tensor  # (rows,)
     done: torch.Tensor  # (rows,)
     positions: torch.Tensor  # (rows,) each row's position for token 0: its prompt's real tokens
@@ -157,14 +159,14 @@ class DecodeState:
         return self.key_valid.size(1)
 
 
-def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, stop_id: int, pad_id: int,
+def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
                 python: tuple[int, int] | None) -> None:
     """Take token t of every row from the state's logits (or a tool's forced token), decode it at its slot (static
     shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
     and the tools' state included. python: the tool protocol's (python_start, python_end) ids, with tools."""
     u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
     live = ~s.done
-    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id,
+    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
                         s.tools.force if s.tools is not None else None)
     if s.tools is not None:
         s.tools.track(token, s.t, live, *python)
@@ -202,14 +204,18 @@ class Engine:
         self.last: DecodeStats | None = None
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], group_size: int, cfg: SamplingConfig, stop_id: int, pad_id: int,
-                 generators: list[torch.Generator]) -> Samples:
-        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]."""
+    def generate(self, prompts: list[list[int]], group_size: int, cfg: SamplingConfig,
+                 stop_ids: int | Sequence[int], pad_id: int, generators: list[torch.Generator]) -> Samples:
+        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]. A row
+        ends at the first of stop_ids it takes (the tokenizer's stop_ids: every token that ends a turn), kept as
+        its last token, or after max_new_tokens."""
         device = next(self.model.parameters()).device
         n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
         if P + cfg.max_new_tokens > self.model.max_seq_len:  # a compiled step would index past the rotary table
             raise ValueError(f"a prompt of {P} tokens + {cfg.max_new_tokens} new ones exceeds the model's "
                              f"{self.model.max_seq_len} positions")
+        stops = [stop_ids] if isinstance(stop_ids, int) else list(dict.fromkeys(stop_ids))
+        stops = torch.tensor(stops, dtype=torch.long, device=device)
         ids = torch.full((n, P), pad_id, dtype=torch.long)
         key_mask = torch.zeros((n, P), dtype=torch.bool)
         for i, p in enumerate(prompts):  # left padding: every prompt ends at position P-1
@@ -222,17 +228,17 @@ class Engine:
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
         if self.compiled:
-            state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, pad_id)
+            state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
             sync(device)
             t1 = time.perf_counter()
-            steps = self._decode_compiled(decoder, state, cfg, stop_id, pad_id)
+            steps = self._decode_compiled(decoder, state, cfg, pad_id)
             out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
             out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
-                                                                  stop_id, pad_id)
+                                                                  stops, pad_id)
         sync(device)
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
@@ -252,7 +258,7 @@ class Engine:
         return logits.repeat_interleave(G, dim=0), cache, key_mask.repeat_interleave(G, dim=0) if use_mask else None
 
     def _decode_eager(self, decoder: Backbone, logits: torch.Tensor, cache, key_mask: torch.Tensor | None,
-                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int):
+                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int):
         rows, device = logits.size(0), logits.device
         out = torch.full((rows, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -261,7 +267,7 @@ class Engine:
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
         for t in range(cfg.max_new_tokens):
             live = ~done
-            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_id, pad_id,
+            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
                                 tools.force if tools is not None else None)
             if tools is not None:
                 tools.track(token, steps[t], live, *self._python)
@@ -286,12 +292,14 @@ class Engine:
 
     # ---- compiled ---------------------------------------------------------------------------------
     def _prefill_state(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int,
-                       uniforms: torch.Tensor, cfg: SamplingConfig, pad_id: int) -> DecodeState:
+                       uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor,
+                       pad_id: int) -> DecodeState:
         """Prefill the prompts once (eagerly, into a cache of their own length), then fill the kept state of
         this many rows with each prompt's cache, logits and mask repeated for its G samples."""
         n, P = ids.shape
         logits, prompt_cache = decoder.prefill(ids, key_mask, P)
-        s = self._state(decoder, n * G, P + cfg.max_new_tokens, cfg.max_new_tokens, prompt_cache, logits)
+        s = self._state(decoder, n * G, P + cfg.max_new_tokens, cfg.max_new_tokens, len(stop_ids), prompt_cache,
+                        logits)
 
         def fill(dst: torch.Tensor, src: torch.Tensor) -> None:  # dst's n*G rows <- src's n rows, G times each
             dst.unflatten(0, (n, G)).copy_(src.unsqueeze(1))
@@ -306,6 +314,7 @@ class Engine:
         fill(s.positions, key_mask.sum(-1))
         s.uniforms.copy_(uniforms)
         s.out.fill_(pad_id)
+        s.stop_ids.copy_(stop_ids)
         s.lengths.fill_(cfg.max_new_tokens)
         s.done.zero_()
         s.t.zero_()
@@ -314,13 +323,13 @@ class Engine:
             s.tools.reset()
         return s
 
-    def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, like: KVCache,
+    def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, stops: int, like: KVCache,
                logits: torch.Tensor) -> DecodeState:
         """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots;
         one per row count, so a run holds one for its rollouts and one for its evaluation."""
         s = self._states.get(rows)
         if s is not None and s.slots >= needed and s.uniforms.size(1) == max_new and s.logits.shape == (
-                rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype:
+                rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype and len(s.stop_ids) == stops:
             return s
         self._states.pop(rows, None)  # freed before the larger one is made
         slots = max(-(-needed // SLOT_BUCKET) * SLOT_BUCKET, self.reserved_slots)
@@ -332,6 +341,7 @@ class Engine:
         s = DecodeState(cache, logits.new_zeros(rows, logits.size(1)),
                         torch.zeros(rows, max_new, device=device),
                         torch.zeros(rows, max_new, dtype=torch.long, device=device),
+                        torch.zeros(stops, dtype=torch.long, device=device),
                         torch.zeros(rows, dtype=torch.long, device=device),
                         torch.zeros(rows, dtype=torch.bool, device=device),
                         torch.zeros(rows, dtype=torch.long, device=device),
@@ -345,17 +355,16 @@ class Engine:
         self._states[rows] = s
         return s
 
-    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, stop_id: int,
-                         pad_id: int) -> int:
+    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int) -> int:
         if self._step is None:
             self._step = compile_for(decode_step, s.t.device)
         last = cfg.max_new_tokens - 1
         for t in range(last):
-            self._step(decoder.model, s, cfg, stop_id, pad_id, self._python)
+            self._step(decoder.model, s, cfg, pad_id, self._python)
             if self._finished(s.done, s.tools, s.out, t):
                 return t + 1
         if last >= 0:  # the last token needs no decoding after it
-            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, stop_id, pad_id,
+            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
                         s.tools.force if s.tools is not None else None)
         return max(last, 0)
 

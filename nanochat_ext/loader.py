@@ -132,7 +132,7 @@ def default_tokenizer_path(backbone_path: str | os.PathLike) -> Path:
 def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | None) -> TokenizerWrapper:
     """Load the tokenizer and check that its ids fit the backbone's embedding table."""
     path = tokenizer_path or default_tokenizer_path(backbone.source)
-    tok = TokenizerWrapper.load(path)
+    tok = TokenizerWrapper.load(path, model_dir=backbone.source if backbone.kind == "hf" else None)
     # nanochat asserts equality (its padded embedding rows beyond vocab_size are never produced);
     # HF models often embed more rows than their tokenizer uses.
     fits = tok.vocab_size == backbone.vocab_size if backbone.kind == "nanochat" else tok.vocab_size <= backbone.vocab_size
@@ -140,6 +140,10 @@ def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | N
         rows = backbone.model.transformer.wte.weight.shape[0] if isinstance(backbone.model, GPT) else backbone.vocab_size
         raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone's vocab_size is {backbone.vocab_size} "
                          f"({rows} embedding rows): they do not belong together", path=tok.source)
+    beyond = [i for i in tok.stop_ids if i >= backbone.vocab_size]
+    if beyond:
+        raise InputError(f"stop ids {beyond} are beyond the backbone's {backbone.vocab_size} ids",
+                         path=str(tok.generation_config or tok.source), field="eos_token_id")
     return tok
 
 

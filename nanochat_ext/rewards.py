@@ -162,7 +162,7 @@ class Rewards:
                 error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
                          f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
             col = 1
-        texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in samples.completions]
+        texts = [tok.reply_text(c) for c in samples.completions]
         prompts = [rows[i // G].messages[-1]["content"] for i in range(n)]
         row_dicts = [rows[i // G].row for i in range(n)]
         try:

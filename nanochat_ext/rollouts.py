@@ -63,7 +63,7 @@ class Rollouts:
         with self.autocast, doing(f"the rollout ({len(indices) * self.G} completions of up to "
                                   f"{self.sampling.max_new_tokens} tokens)",
                                   (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
-            samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.eos_id, self.tok.pad_id,
+            samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
                                            [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = self.engine.last

@@ -21,7 +21,7 @@ class SamplingConfig:
     temperature: float = 1.0  # 0: greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
-    min_new_tokens: int = 0  # the stop token is not allowed before this many tokens
+    min_new_tokens: int = 0  # no stop token is allowed before this many tokens
 
 
 def filter_logits(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
@@ -71,17 +71,19 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
 
 
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,
-                done: torch.Tensor, cfg: SamplingConfig, stop_id: int, pad_id: int,
+                done: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int,
                 force: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
     row's uniform u (force(sampled, t): the tokens a tool forces instead, see tools.py), the pad for rows already
-    stopped. Written into out; rows that stop now are marked in done and lengths. All in place."""
-    if cfg.min_new_tokens:
-        logits[:, stop_id] = torch.where(t < cfg.min_new_tokens, float("-inf"), logits[:, stop_id])
+    stopped. Written into out; rows whose token is any of stop_ids (a 1-d tensor of ids: its values are data, so
+    another set of the same size compiles nothing) stop now, marked in done and lengths. All in place."""
+    if cfg.min_new_tokens:  # every stop held back, whichever would end the row
+        held = torch.where(t < cfg.min_new_tokens, float("-inf"), logits.index_select(1, stop_ids))
+        logits.index_copy_(1, stop_ids, held)
     token = sample_token(logits, u, cfg)
     token = torch.where(done, pad_id, token if force is None else force(token, t))
     out.index_copy_(1, t.view(1), token[:, None])
-    stopped = ~done & (token == stop_id)
+    stopped = ~done & torch.isin(token, stop_ids)
     lengths.masked_fill_(stopped, t + 1)
     done.logical_or_(stopped)
     return token

@@ -7,6 +7,7 @@ whatever opens the assistant's turn, `render_response(text)` ends with the end-o
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -29,6 +30,9 @@ SPLIT_PATTERN = (
 )
 
 Message = dict  # {"role": "user"|"assistant"|"system", "content": str}
+# Beside a Hugging Face model: its `eos_token_id` lists every token that ends a turn (transformers' generate stops at
+# each), which the tokenizer's own eos often is not (Gemma's <end_of_turn>, Qwen's <|im_end|>, Llama-3's <|eot_id|>).
+GENERATION_CONFIG = "generation_config.json"
 
 
 class _EncodingState:
@@ -82,11 +86,29 @@ def load_tiktoken_pickle(path: Path):
         raise refuse(first_line(e)) from None
 
 
-class TokenizerWrapper:
-    """One interface over the two tokenizer kinds. `kind` is "rustbpe" or "hf"."""
+def generation_stops(path: Path) -> list[int]:
+    """The `eos_token_id` of a generation_config.json (a token id or a list of them; absent: none)."""
+    try:
+        ids = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not an object
+        raise InputError(f"cannot read the generation config: {first_line(e)}", path=str(path)) from None
+    ids = [] if ids is None else [ids] if type(ids) is int else ids
+    if not isinstance(ids, list) or not all(type(i) is int and i >= 0 for i in ids):
+        raise InputError(f"must be a token id or a list of token ids, got {ids!r}", path=str(path),
+                         field="eos_token_id")
+    return ids
 
-    def __init__(self, kind: str, impl, source: str):
+
+class TokenizerWrapper:
+    """One interface over the two tokenizer kinds. `kind` is "rustbpe" or "hf".
+    stop_ids: every token that ends a reply, so ends a sampled row (eos_id, which a rendered response ends with,
+    first): nanochat's <|assistant_end|> and <|bos|> (as nanochat's Engine stops); a Hugging Face tokenizer's eos
+    and the `eos_token_id` of the generation config beside it (`generation_config`, kept when the tokenizer is
+    saved, so the next stage stops where this one did)."""
+
+    def __init__(self, kind: str, impl, source: str, generation_config: Path | None = None):
         self.kind, self._impl, self.source = kind, impl, source
+        self.generation_config = generation_config
         if kind == "rustbpe":
             self.vocab_size: int = impl.n_vocab
             special = {name: impl.encode_single_token(name) for name in SPECIAL_TOKENS}
@@ -94,6 +116,7 @@ class TokenizerWrapper:
             self._special = special
             self.eos_id: int = special["<|assistant_end|>"]  # where an assistant turn stops
             self.pad_id: int = self.bos_id
+            self.stop_ids: tuple[int, ...] = (self.eos_id, self.bos_id)
         else:
             self.vocab_size = len(impl)
             self.bos_id = impl.bos_token_id
@@ -102,11 +125,15 @@ class TokenizerWrapper:
                 raise InputError("Hugging Face tokenizer has neither an eos nor a pad token", path=source)
             self.pad_id = impl.pad_token_id if impl.pad_token_id is not None else self.eos_id
             self._special = {}
+            listed = generation_stops(generation_config) if generation_config is not None else []
+            self.stop_ids = tuple(dict.fromkeys([self.eos_id, *listed]))
 
     # ---- loading / training ------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "TokenizerWrapper":
-        """A nanochat tokenizer dir (tokenizer.pkl) first, else a Hugging Face dir (tokenizer.json)."""
+    def load(cls, path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> "TokenizerWrapper":
+        """A nanochat tokenizer dir (tokenizer.pkl) first, else a Hugging Face dir (tokenizer.json), whose stop ids
+        take in the generation config of model_dir (the model's own, where the tokenizer comes from elsewhere),
+        else the one beside the tokenizer, where there is one."""
         p = Path(path)
         pkl = p / "tokenizer.pkl" if p.is_dir() else p
         if pkl.name == "tokenizer.pkl" and pkl.is_file():
@@ -117,7 +144,9 @@ class TokenizerWrapper:
 
             with from_outside("Hugging Face tokenizer", hf_dir):
                 tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
-            return cls("hf", tok, str(hf_dir))
+            dirs = [Path(model_dir)] if model_dir is not None and Path(model_dir).is_dir() else []
+            found = [d / GENERATION_CONFIG for d in [*dirs, hf_dir] if (d / GENERATION_CONFIG).is_file()]
+            return cls("hf", tok, str(hf_dir), found[0] if found else None)
         raise InputError(f"no tokenizer found: tried {p / 'tokenizer.pkl'} (nanochat/RustBPE) "
                          f"and {hf_dir / 'tokenizer.json'} (Hugging Face)", path=str(p))
 
@@ -144,16 +173,14 @@ class TokenizerWrapper:
         d.mkdir(parents=True, exist_ok=True)
         if self.kind == "hf":
             self._impl.save_pretrained(str(d))
+            keep_beside(self.generation_config, d)
             return d / "tokenizer.json"
         tmp = d / "tokenizer.pkl.tmp"
         with open(tmp, "wb") as f:
             pickle.dump(self._impl, f)
         os.replace(tmp, d / "tokenizer.pkl")
         # nanochat's evaluation (bits per byte) reads token_bytes.pt beside the tokenizer: keep it.
-        token_bytes = Path(self.source).parent / "token_bytes.pt"
-        if token_bytes.is_file() and token_bytes.parent.resolve() != d.resolve():
-            shutil.copyfile(token_bytes, d / "token_bytes.pt.tmp")
-            os.replace(d / "token_bytes.pt.tmp", d / "token_bytes.pt")
+        keep_beside(Path(self.source).parent / "token_bytes.pt", d)
         return d / "tokenizer.pkl"
 
     # ---- encoding ------------------------------------------------------------------------------
@@ -166,6 +193,11 @@ class TokenizerWrapper:
         if self.kind == "rustbpe":
             return self._impl.decode(ids)
         return self._impl.decode(ids, skip_special_tokens=True)
+
+    def reply_text(self, completion: list[int]) -> str:
+        """A sampled completion's text, without the stop token it ended with (whichever of stop_ids it was): what
+        rewards read."""
+        return self.decode(completion[:-1] if completion and completion[-1] in self.stop_ids else completion)
 
     def special(self, name: str) -> int:
         return self._special[name]
@@ -223,3 +255,13 @@ class TokenizerWrapper:
             ids.append(self._special[f"<|{role}_end|>"])
         ids.append(self._special["<|assistant_start|>"])
         return ids
+
+
+def keep_beside(file: Path | None, directory: Path) -> None:
+    """Copy a file the tokenizer was read with (nanochat's token_bytes.pt, a generation config) into the directory
+    it is saved to, atomically; nothing where there is none or it is already there."""
+    if file is None or not file.is_file() or file.parent.resolve() == directory.resolve():
+        return
+    tmp = directory / (file.name + ".tmp")
+    shutil.copyfile(file, tmp)
+    os.replace(tmp, directory / file.name)

@@ -150,13 +150,13 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
         cfg = SamplingConfig(args.max_new_tokens, temperature)
         with autocast:
-            out = engine.generate(prompt_ids, n, cfg, tok.eos_id, tok.pad_id,
+            out = engine.generate(prompt_ids, n, cfg, tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
                 if mine else None
         comps = out.completions if out else []
         scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)
                                    for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
-        texts = [tok.decode([t for t in c if t != tok.eos_id]) for c in comps]
+        texts = [tok.reply_text(c) for c in comps]
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
     task = Rewards(None, args.reward_fn or ["gsm8k"], None)

@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--batch_size", type=int, default=8, help="GLOBAL prompts per step (default: %(default)s)")
     g.add_argument("--group_size", type=int, default=8, help="completions per prompt, G >= 2 (default: %(default)s)")
     g.add_argument("--max_new_tokens", type=int, default=64, help="completion length limit (default: %(default)s)")
-    g.add_argument("--min_new_tokens", type=int, default=0, help="the stop token is held back until this many tokens")
+    g.add_argument("--min_new_tokens", type=int, default=0, help="every stop token is held back until this many tokens")
     g.add_argument("--temperature", type=float, default=1.0,
                    help="sampling temperature; the ratio, KL and entropy use the same softmax(logits / T) "
                         "(default: %(default)s)")

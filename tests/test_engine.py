@@ -28,7 +28,7 @@ def seeds(n: int = 3) -> list[torch.Generator]:
 def greedy_stop(bb, cfg: SamplingConfig) -> int:
     """A stop token row 0 picks 4th when nothing stops it: rows then stop at different steps (the others go on,
     pads after a stop) and the ban before min_new_tokens is exercised."""
-    return Engine(bb).generate(PROMPTS, 1, cfg, -1, 0, seeds()).completions[0][3]
+    return Engine(bb).generate(PROMPTS, 1, cfg, (), 0, seeds()).completions[0][3]
 
 
 def assert_same_but_a_tie(got, want) -> None:

@@ -29,23 +29,25 @@ def is_tie(logits: torch.Tensor, u: torch.Tensor, token: int, cfg: SamplingConfi
     return high > low and low - TIE <= target <= high + TIE
 
 
-def assert_sampled_from_reforward(model, prompts, G, cfg, stop_id, generators, got) -> None:
+def assert_sampled_from_reforward(model, prompts, G, cfg, stop_ids, generators, got) -> None:
     """Each token of `got` is the one sample_token takes at its uniform from logits of a full re-forward
-    (no cache, one unpadded sequence at a time, fed the tokens `got` sampled before it), or a tie with it;
-    a completion ends at its first stop token, or at max_new_tokens, as its truncated flag says."""
+    (no cache, one unpadded sequence at a time, fed the tokens `got` sampled before it; every stop id held back
+    before min_new_tokens), or a tie with it; a completion ends at its first stop token (any of stop_ids: an id or
+    several), or at max_new_tokens, as its truncated flag says."""
+    stops = [stop_ids] if isinstance(stop_ids, int) else list(stop_ids)
     assert len(got.completions) == len(prompts) * G
     for i, (p, g) in enumerate(zip(prompts, generators, strict=True)):
         uniforms = torch.rand(G, cfg.max_new_tokens, generator=g)
         for s in range(G):
             completion, truncated = got.completions[i * G + s], got.truncated[i * G + s]
-            assert stop_id not in completion[:-1] and truncated == (completion[-1] != stop_id)
+            assert not set(stops) & set(completion[:-1]) and truncated == (completion[-1] not in stops)
             assert not truncated or len(completion) == cfg.max_new_tokens
             with torch.no_grad():
                 logits = model(torch.tensor([p + completion[:-1]]))[0, len(p) - 1:].float()
             for t, token in enumerate(completion):
                 row = logits[t:t + 1].clone()
                 if t < cfg.min_new_tokens:
-                    row[:, stop_id] = float("-inf")
+                    row[:, stops] = float("-inf")
                 u = uniforms[s:s + 1, t]
                 want = int(sample_token(row, u, cfg))
                 assert token == want or is_tie(row, u, token, cfg), (i, s, t, token, want)

@@ -38,7 +38,7 @@ def policy():
 
 def generate(engine: Engine, tok, prompts: list[list[int]], max_new: int, group: int = 2):
     gens = [torch.Generator().manual_seed(0) for _ in prompts]
-    return engine.generate(prompts, group, SamplingConfig(max_new, 0.0), tok.eos_id, tok.pad_id, gens)
+    return engine.generate(prompts, group, SamplingConfig(max_new, 0.0), tok.stop_ids, tok.pad_id, gens)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -1,6 +1,6 @@
-"""One interface over every model we train or score (loader.py builds them): nanochat checkpoints on our GPT
-(gpt.py), Hugging Face dirs of the Llama family on our native Llama (llama.py), which is much cheaper per call, any
-other HF architecture on transformers' own module. Hidden states, logits, blocks, freezing, KV-cache decoding, save.
+"""One interface over every model we train or score (loader.py builds them): nanochat checkpoints and Hugging Face
+dirs of transformers' nanochat port on our GPT (gpt.py), Hugging Face dirs of the Llama family on our native Llama
+(llama.py), which is much cheaper per call, any other HF architecture on transformers' own module. Hidden states, logits, blocks, freezing, KV-cache decoding, save.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.kind, self.source = kind, source
         self.model = model
-        self.hf_config = hf_config  # kept to save a native Llama back as an HF dir
+        self.hf_config = hf_config  # kept to save a native model of a Hugging Face dir back as one
         # A nanochat checkpoint is saved back in its own layout: its model_config verbatim, each
         # tensor in the dtype it came in (nanochat's GPU checkpoints keep embeddings in bf16).
         self.source_meta = source_meta or {}
@@ -196,7 +196,7 @@ class Backbone(nn.Module):
             return save_checkpoint(out_dir, stamp, state, meta, train_state)
 
         def write_dir(d: Path) -> None:
-            if isinstance(self.model, Llama):
+            if self.native:  # our Llama, or our GPT of transformers' nanochat port: saved in transformers' layout
                 from safetensors.torch import save_file
 
                 d.mkdir(parents=True)

@@ -53,8 +53,8 @@ class GPTConfig:
         return d
 
 
-def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.size(-1),))
+def norm(x: torch.Tensor, eps: float | None = None) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),), eps=eps)
 
 
 def has_ve(layer_idx: int, n_layer: int) -> bool:
@@ -101,7 +101,7 @@ class CausalSelfAttention(nn.Module):
         cos, sin = cos_sin
         cos_q, sin_q = (cos, sin) if at is None else (rows_at(cos, at), rows_at(sin, at))
         q, k = apply_rotary_emb(q, cos_q, sin_q), apply_rotary_emb(k, cos, sin)
-        q, k = norm(q), norm(k)
+        q, k = norm(q, self.v.norm_eps), norm(k, self.v.norm_eps)
         if self.v.qk_scale != 1.0:
             q, k = q * self.v.qk_scale, k * self.v.qk_scale
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -125,15 +125,16 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
+        self.eps = config.v.norm_eps
         self.attn = CausalSelfAttention(config, layer_idx)
         self.mlp = MLP(config)
 
     def forward(self, x, ve, cos_sin, attn_mask, kv_cache=None, at=None, real_tokens=None):
         """at (B, K): the block's output only at those positions, (B, K, C). real_tokens: the positions
         of padded rows that are not padding, for the MLP (add_mlp); unused with `at`, which picks rows."""
-        h = self.attn(norm(x), ve, cos_sin, attn_mask, kv_cache, self.layer_idx, at)
+        h = self.attn(norm(x, self.eps), ve, cos_sin, attn_mask, kv_cache, self.layer_idx, at)
         x = (x if at is None else rows_at(x, at)) + h
-        return add_mlp(x, lambda t: self.mlp(norm(t)), real_tokens if at is None else None)
+        return add_mlp(x, lambda t: self.mlp(norm(t, self.eps)), real_tokens if at is None else None)
 
 
 class GPT(nn.Module):
@@ -189,7 +190,8 @@ class GPT(nn.Module):
     def _rotary_dtype(self, device: torch.device) -> torch.dtype:
         # Oct 2025 .. Feb 2026 keep the table in bf16 everywhere; later nanochat uses its compute dtype
         # (bf16 on CUDA, fp32 on CPU). Matching it is worth ~1e-2 in the logits.
-        return torch.bfloat16 if self.config.v.rotary_bf16 or device.type == "cuda" else torch.float32
+        v = self.config.v
+        return torch.bfloat16 if v.rotary_bf16 or (device.type == "cuda" and v.rotary_bf16_on_cuda) else torch.float32
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -248,7 +250,7 @@ class GPT(nn.Module):
         table = rotary_slice(self.rotary, s.positions, s.T0, idx.size(1))
         table = table.to(self._rotary_dtype(idx.device))  # a no-op on CPU
         cos_sin = table[:, :, None, 0], table[:, :, None, 1]  # (1 or B, T, 1, head_dim / 2)
-        x = norm(self.transformer.wte(idx))
+        x = norm(self.transformer.wte(idx), self.config.v.norm_eps)
         if self.config.v.smear:
             x = self._smear(x, s.positions, kv_cache, tree.prev if tree is not None else None)
         x = self._trunk(idx, x, cos_sin, s.masks, kv_cache, s.at, tree.real_tokens if tree is not None else None)
@@ -262,7 +264,7 @@ class GPT(nn.Module):
         table = self.rotary[positions[:, None]].to(self._rotary_dtype(tokens.device))  # (B, 1, 2, head_dim / 2)
         cos_sin = table[:, :, None, 0], table[:, :, None, 1]
         masks = static_masks(key_valid, kv_cache.slot, self.window_sizes)
-        x = norm(self.transformer.wte(tokens[:, None]))
+        x = norm(self.transformer.wte(tokens[:, None]), self.config.v.norm_eps)
         if self.config.v.smear:
             x = self._smear(x, None, kv_cache)
         return self.logits(self._trunk(tokens[:, None], x, cos_sin, masks, kv_cache, None)[:, -1])
@@ -285,7 +287,7 @@ class GPT(nn.Module):
         if x_backout is not None:  # taken before the last block unless there is only one
             picked = at is not None and self.config.n_layer // 2 != last
             x = x - self.backout_lambda * (rows_at(x_backout, at) if picked else x_backout)
-        return norm(x)
+        return norm(x, v.norm_eps)
 
     @property
     def blocks(self) -> nn.ModuleList:
@@ -308,6 +310,16 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:
         return self.logits(self.hidden_states(idx, key_mask, kv_cache))
+
+    def to_hf_state_dict(self, weights: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """transformers' NanoChatForCausalLM keys of this model's weights (or of `weights`, its own state dict): a
+        model of the "transformers" vintage saved back as the Hugging Face dir it came from."""
+        own = weights if weights is not None else self.state_dict()
+        sd = {"model.embed_tokens.weight": own["transformer.wte.weight"], "lm_head.weight": own["lm_head.weight"]}
+        for i in range(self.config.n_layer):
+            for theirs, name in _HF_NAMES.items():
+                sd[f"model.layers.{i}.{theirs}.weight"] = own[f"transformer.h.{i}.{name}.weight"]
+        return {k: v.detach().cpu().contiguous() for k, v in sd.items()}
 
 
 def _shorten(keys: list[str], limit: int = 12) -> str:
@@ -361,3 +373,41 @@ def gpt_from_checkpoint(state: dict[str, torch.Tensor], meta: dict, requested_vi
 
 def padded(vocab_size: int, multiple: int = 64) -> int:
     return math.ceil(vocab_size / multiple) * multiple
+
+
+# ---- transformers' port of nanochat (model_type "nanochat") -----------------------------------------------------
+_HF_NAMES = {"self_attn.q_proj": "attn.c_q", "self_attn.k_proj": "attn.c_k", "self_attn.v_proj": "attn.c_v",
+             "self_attn.o_proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc", "mlp.fc2": "mlp.c_proj"}
+
+
+def config_from_hf(cfg) -> GPTConfig | None:
+    """Our config for a transformers NanoChatConfig whose forward the "transformers" vintage computes, or None (any
+    other model type, or a nanochat config that departs from it: it then runs on transformers' own module)."""
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    v = VINTAGES["transformers"]
+    fits = (cfg.model_type == "nanochat" and rope.get("rope_type", "default") == "default"
+            and float(rope.get("rope_theta", 10000.0)) == v.rotary_base and cfg.hidden_act == "relu2"
+            and cfg.final_logit_softcapping == v.softcap and cfg.rms_norm_eps == v.norm_eps
+            and cfg.intermediate_size == 4 * cfg.hidden_size and not cfg.attention_bias
+            and not cfg.tie_word_embeddings and head_dim * cfg.num_attention_heads == cfg.hidden_size)
+    if not fits:
+        return None
+    return GPTConfig(sequence_len=cfg.max_position_embeddings, vocab_size=cfg.vocab_size,
+                     n_layer=cfg.num_hidden_layers, n_head=cfg.num_attention_heads,
+                     n_kv_head=cfg.num_key_value_heads or cfg.num_attention_heads, n_embd=cfg.hidden_size,
+                     vintage="transformers")
+
+
+def gpt_from_hf_state_dict(config: GPTConfig, sd: dict[str, torch.Tensor], path: str) -> GPT:
+    """Our GPT with the weights of transformers' NanoChatForCausalLM (its state dict sd)."""
+    ours = {"transformer.wte.weight": sd["model.embed_tokens.weight"], "lm_head.weight": sd["lm_head.weight"]}
+    for k, t in sd.items():
+        parts = k.split(".")  # model.layers.<i>.<module>.<proj>.weight
+        if parts[:2] == ["model", "layers"] and ".".join(parts[3:5]) in _HF_NAMES:
+            ours[f"transformer.h.{parts[2]}.{_HF_NAMES['.'.join(parts[3:5])]}.{parts[5]}"] = t
+    model = GPT(config)
+    check_layout(model, ours, path)
+    model.load_state_dict({k: v.float() for k, v in ours.items()}, strict=True)
+    return model
+

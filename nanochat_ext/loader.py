@@ -33,7 +33,7 @@ from nanochat_ext.checkpoint import (complete_checkpoints, find_checkpoint, fing
                                      stamp_digits, torch_load)
 from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError, first_line, from_outside
-from nanochat_ext.gpt import GPT, gpt_from_checkpoint
+from nanochat_ext.gpt import GPT, config_from_hf as gpt_config_from_hf, gpt_from_checkpoint, gpt_from_hf_state_dict
 from nanochat_ext.llama import Llama, config_from_hf
 from nanochat_ext.lora import LoraSpec, apply_lora, is_adapter_dir
 from nanochat_ext.reward import RewardModel, RewardScorer
@@ -84,6 +84,10 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
         cfg = config_from_hf(hf.config) if native else None
         if cfg is not None:
             model = Llama.from_hf_state_dict(cfg, hf.state_dict())
+            return Backbone("hf", model.to(device), str(p), hf_config=hf.config).eval()
+        gpt_cfg = gpt_config_from_hf(hf.config) if native else None
+        if gpt_cfg is not None:  # transformers' nanochat port: our GPT computes its forward
+            model = gpt_from_hf_state_dict(gpt_cfg, hf.state_dict(), str(p))
             return Backbone("hf", model.to(device), str(p), hf_config=hf.config).eval()
         return Backbone("hf", hf.to(device), str(p)).eval()
     reason = incomplete_reason(p)

@@ -32,6 +32,8 @@ class Vintage:
     softcap: float = 15.0
     smear: bool = False  # x[t] += smear_lambda * sigmoid(smear_gate(x[t, :24])) * x[t-1]
     backout: bool = False  # x -= backout_lambda * (residual after block n_layer // 2) before the final norm
+    norm_eps: float | None = None  # the rms-norms' epsilon (None: torch's default, the dtype's machine epsilon)
+    rotary_bf16_on_cuda: bool = True  # nanochat computes in bf16 on CUDA, its rotary table included
 
     def short_window(self, sequence_len: int) -> int:
         w = sequence_len // self.short_window_div
@@ -58,6 +60,10 @@ VINTAGES: dict[str, Vintage] = {v.name: v for v in [
     Vintage("current", "a825e63..today (2026-03-14..)", lambdas=True, windows=True, short_window_div=4,
             round128=True, value_embeds=True, ve_gate_channels=12, ve_gate_scale=3.0, rotary_base=100000.0,
             rotary_bf16=False, qk_scale=1.2, smear=True, backout=True),
+    # transformers' port of nanochat (model_type "nanochat", NanoChatForCausalLM): oct2025's forward pass with its
+    # rms-norms at epsilon 1e-6 and the rotary table in fp32 on every device. Hugging Face dirs only (gpt.config_from_hf).
+    Vintage("transformers", "transformers' NanoChatForCausalLM (Hugging Face dirs of model_type nanochat)",
+            pads_vocab=False, rotary_bf16=False, norm_eps=1e-6, rotary_bf16_on_cuda=False),
 ]}
 SMEAR_CHANNELS = 24
 VINTAGE_FLAG = "--nanochat_vintage"

@@ -39,7 +39,9 @@ def vintage_of(name: str) -> str:
 
 
 def test_every_vintage_has_a_fixture():
-    assert {vintage_of(n) for n in FIXTURES} == set(VINTAGES) and "current-d4" in FIXTURES
+    """Every vintage nanochat wrote; transformers' port of nanochat is checked against transformers' forward
+    (test_zoo.py)."""
+    assert {vintage_of(n) for n in FIXTURES} == set(VINTAGES) - {"transformers"} and "current-d4" in FIXTURES
 
 
 @pytest.mark.parametrize("name", FIXTURES)

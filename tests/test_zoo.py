@@ -43,13 +43,16 @@ ZOO = {
     "granite": ("GraniteConfig", dict(logits_scaling=4.0)),
     "granitemoe": ("GraniteMoeConfig", dict(logits_scaling=4.0, num_local_experts=2, num_experts_per_tok=1)),
     "vaultgemma": ("VaultGemmaConfig", dict(head_dim=8, final_logit_softcapping=1.0, sliding_window=4)),
-    "nanochat": ("NanoChatConfig", dict(num_key_value_heads=4, intermediate_size=128, final_logit_softcapping=1.0)),
+    "nanochat": ("NanoChatConfig", dict(intermediate_size=128)),  # on our GPT: the "transformers" vintage
+    "nanochat_cap2": ("NanoChatConfig", dict(intermediate_size=128, final_logit_softcapping=2.0)),  # transformers'
     "stablelm": ("StableLmConfig", {}),
     "starcoder2": ("Starcoder2Config", {}),
     "gpt_neox": ("GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                        num_attention_heads=4, max_position_embeddings=128)),
     "gpt2": ("GPT2Config", dict(n_embd=32, n_layer=2, n_head=4, n_positions=128)),
 }
+
+NATIVE = {"mistral", "qwen2", "nanochat"}  # on our own modules (llama.py, gpt.py); the rest on transformers'
 
 
 def make_family(family: str, tokenizer_dir, out) -> transformers.PreTrainedModel:
@@ -84,6 +87,7 @@ def ragged(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_the_zoo_trains_on_its_own_logits_and_saves_back(family, assets, tmp_path):
     theirs = make_family(family, assets["hf"], tmp_path / "model")
     bb = load_backbone(tmp_path / "model")
+    assert bb.native == (family in NATIVE)
     tok = load_tokenizer_for(bb, tmp_path / "model")
 
     ids, real = ragged(tok.pad_id)  # right-padded rows of 9, 5 and 7 tokens
@@ -107,7 +111,7 @@ def test_the_zoo_trains_on_its_own_logits_and_saves_back(family, assets, tmp_pat
     bb.requires_grad_(True)  # one GRPO step: rollouts by our engine, then the policy's loss
     prompts = [[5, 6, 7], [8, 9, 10, 11]]
     cfg = SamplingConfig(temperature=1.0, max_new_tokens=4)
-    samples = Engine(bb).generate(prompts, 2, cfg, tok.eos_id, tok.pad_id,
+    samples = Engine(bb).generate(prompts, 2, cfg, tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(i) for i in range(2)])
     completions = [c if c else [tok.eos_id] for c in samples.completions]
     batch = make_sequences(prompts, completions, 2, tok.pad_id)

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch.utils.data import DistributedSampler
 
-from nanochat_ext.data import PairRow
+from nanochat_ext.data import PairRow, PromptRow
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -35,6 +35,20 @@ def truncate(prompt: list[int], response: list[int], max_len: int, bos_id: int |
     """prompt + response in at most max_len tokens (see cut_to_fit)."""
     p, r = cut_to_fit(prompt, response, max_len, bos_id)
     return p + r
+
+
+def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, context: int, max_new_tokens: int, path: str | None,
+                   flag: str = "--max_new_tokens") -> list[list[int]]:
+    """Each prompt's token ids, rendered for generation; a prompt that leaves no room in the model's context for
+    max_new_tokens (given by `flag`) is one line naming the file, the row and the field, before anything is decoded."""
+    out = []
+    for r in rows:
+        ids = tok.render_prompt(r.messages)
+        if len(ids) + max_new_tokens > context:
+            raise InputError(f"prompt of {len(ids)} tokens + {flag} {max_new_tokens} exceeds the policy's context of "
+                             f"{context}", path=path, line=r.line, field="prompt")
+        out.append(ids)
+    return out
 
 
 LONG_PAIRS = ("truncate", "drop")

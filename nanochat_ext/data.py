@@ -309,18 +309,27 @@ def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str | 
         if is_gsm8k_row(obj):  # GSM8K: the question, then its worked answer with calculator calls as parts
             if not isinstance(obj["question"], str) or not isinstance(obj["answer"], str):
                 raise InputError("question and answer must be strings", str(path), lineno, "answer")
-            out.append(([{"role": "user", "content": obj["question"]}], answer_parts(obj["answer"]), lineno))
+            out.append(([{"role": "user", "content": obj["question"]}],
+                        _reply_to_learn(answer_parts(obj["answer"]), str(path), lineno, "answer"), lineno))
             continue
         msgs = _messages(obj.get("messages"), str(path), lineno, "messages", reply_parts=True)
         if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
             raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
                              "messages")
         reply = msgs[-1]["content"]  # nanochat's parts (text, python, python_output) as they are
-        out.append((msgs[:-1], reply if isinstance(reply, list) else _answer(reply, str(path), lineno, "messages"),
-                    lineno))
+        out.append((msgs[:-1], _reply_to_learn(reply, str(path), lineno, "messages") if isinstance(reply, list)
+                    else _answer(reply, str(path), lineno, "messages"), lineno))
     if not out:
         raise InputError("no conversations in file", path=str(path))
     return out
+
+
+def _reply_to_learn(parts: list[dict], path: str, line: int, field: str) -> list[dict]:
+    """A reply given as parts, refused when it holds nothing to train on (no parts, or only blank ones and tool
+    outputs, which SFT leaves out of the loss): it would teach the end of the turn alone."""
+    if not any(p["type"] != "python_output" and p["text"].strip() for p in parts):
+        raise InputError("the assistant reply is empty (no text or tool call to learn)", path, line, field)
+    return parts
 
 
 # ---- weights ------------------------------------------------------------------------------------

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from nanochat_ext.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, resumable_checkpoints,
-                                     stamp_digits, torch_load)
+from nanochat_ext.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, read_json,
+                                     resumable_checkpoints, stamp_digits, torch_load)
 from nanochat_ext.ddp_common import agent_store, broadcast_object, is_main, print0, raise_if_any, restart_attempt
 from nanochat_ext.errors import InputError
 
@@ -35,6 +35,24 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
                              f"{was!r}; resume with the same setting{hint}", path=str(path))
 
 
+# A checkpoint's meta 'kind' -> the trainer that writes it
+TRAINERS = {"sft": "kat_sft (an SFT model)", "reward_model": "kat_train_rm (a reward model)",
+            "grpo_policy": "kat_train_grpo (a GRPO policy)"}
+
+
+def check_kind(meta: dict, kind: str, meta_path: Path, in_out: bool) -> None:
+    """The checkpoint to resume was written by this trainer (`kind`): one line naming the one that wrote it and what to
+    do otherwise (another trainer's flags and state mean nothing here). in_out: it was found in --out."""
+    wrote = meta.get("kind")
+    if wrote is None or wrote == kind:
+        return
+    them, us = TRAINERS.get(wrote, f"another trainer (kind {wrote!r})"), TRAINERS.get(kind, kind).split(" ")[0]
+    todo = (f"give {us} an --out of its own (or an empty one)" if in_out else
+            f"give --resume a checkpoint {us} wrote")
+    raise InputError(f"this checkpoint was written by {them}, not by {us}, and cannot be resumed here: {todo}",
+                     path=str(meta_path))
+
+
 LATEST = ("latest", "auto")  # --resume values that read --out and start fresh when it has no checkpoint
 READS_OUT = (*LATEST, "must")
 NEWEST_AT_START = "nanochat_ext/newest_checkpoint_at_start"  # in torchrun's store (saved_by_this_job)
@@ -44,10 +62,11 @@ RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, o
                "checkpoint its job wrote in --out whatever this says, or as this says when the job wrote none")
 
 
-def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path, Path, dict] | None:
+def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) -> tuple[Path, Path, dict] | None:
     """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
     scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
-    resume different steps); a checkpoint that does not load whole is skipped for an older one, with a warning."""
+    resume different steps); a checkpoint that does not load whole (its meta included) is skipped for an older one,
+    with a warning. One written by another trainer than `kind` (the meta's) is refused in one line."""
     choice, error = None, None
     if is_main():
         try:
@@ -56,6 +75,8 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike) -> tuple[Path
                 choice = _choose_resume("latest", out_dir, saved)
             elif resume is not None:
                 choice = _choose_resume(resume, out_dir if resume in READS_OUT else resume)
+            if choice is not None:
+                check_kind(choice[4], kind, choice[1], in_out=choice[1].parent == Path(out_dir))
         except InputError as e:
             error = str(e)
     raise_if_any(error)
@@ -85,9 +106,9 @@ def saved_by_this_job(out_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
 
 
 def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Path, Path]] | None = None
-                   ) -> tuple[Path, Path, Path, dict] | None:
+                   ) -> tuple[Path, Path, Path, dict, dict] | None:
     """Rank 0's part of resolve_resume: the newest resumable checkpoint (of target, or of `found`) that loads whole,
-    with its state."""
+    with its state and its meta."""
     found = resumable_checkpoints(target) if found is None else found
     if not found:
         if resume in LATEST:
@@ -95,8 +116,11 @@ def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Pat
             return None
         raise InputError("no complete checkpoint to resume from", path=str(target))
 
-    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict]:
+    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict, dict]:
         digits = stamp_digits(meta_path)
+        meta = read_json(meta_path)  # a corrupt one falls back to the previous checkpoint, as a truncated model does
+        if not isinstance(meta, dict):
+            raise InputError(f"meta is {type(meta).__name__}, not a JSON object", path=str(meta_path))
         state_path = model_path.parent / f"state_{digits}.pt"
         shards = model_path.parent / f"shards_{digits}"
         if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer
@@ -111,6 +135,6 @@ def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Pat
         if not is_shards(model_path) and "optimizer" not in state:
             raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
                              f"(which did) is gone", path=str(model_path))
-        return model_path, meta_path, state_path, state
+        return model_path, meta_path, state_path, state, meta
 
     return first_loadable(target, load, found)

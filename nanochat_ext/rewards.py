@@ -30,7 +30,7 @@ from nanochat_ext.data import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.reward import RewardScorer
-from nanochat_ext.reward_fns import BUILT_IN
+from nanochat_ext.reward_fns import BUILT_IN, REFERENCE, reference_problem
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 RewardFn = Callable[[str, str, dict], float]
@@ -53,6 +53,22 @@ def load_reward_fn(spec: str) -> RewardFn:
     if not callable(fn):
         raise InputError(f"--reward_fn {spec!r}: {module_name} has no function {fn_name!r}")
     return fn
+
+
+def built_in_name(spec: str) -> str | None:
+    """The built-in reward a --reward_fn spec names (`gsm8k`, or `nanochat_ext.reward_fns:gsm8k`), else None."""
+    module, _, name = spec.rpartition(":")
+    return name if name in BUILT_IN and module in ("", reward_fns.__name__) else None
+
+
+def check_references(specs: list[str], rows: list[PromptRow], path: str | None) -> None:
+    """Before any rollout: every built-in reward among the --reward_fn specs finds its reference in every row it will
+    score (rows: as data.load_prompts read them from path); the first row without one is one line naming the file,
+    the row and the field. A user's function reads what it likes and is not checked."""
+    for name in dict.fromkeys(filter(None, map(built_in_name, specs))):
+        for r in rows:
+            if (why := reference_problem(name, r.row)) is not None:
+                raise InputError(why, path=path, line=r.line, field=REFERENCE)
 
 
 def checked(value, where: str, clip: float | None) -> float:

@@ -68,7 +68,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     conversations = load_conversations(args.conversations)
     plan = BatchPlan.make(args.batch_size, env.world_size, args.device_batch_size)
     loader = GlobalBatchLoader(len(conversations), plan, env.rank, args.seed)
-    resume = resolve_resume(args.resume, out_dir)
+    resume = resolve_resume(args.resume, out_dir, "sft")
     whole = resume is not None and not is_shards(resume[0])  # a whole checkpoint holds the weights; shards load later
     model_bb = load_backbone(resume[0] if whole else args.backbone, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(model_bb, args.tokenizer)

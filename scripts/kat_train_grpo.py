@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader
+from nanochat_ext.backbone import hold_frozen_in
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
@@ -42,7 +42,7 @@ from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, guarded_step, make_optimiz
 from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.resume import resolve_resume
-from nanochat_ext.rewards import Rewards, check_rm_tokenizer
+from nanochat_ext.rewards import Rewards, check_references, check_rm_tokenizer
 from nanochat_ext.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -214,6 +214,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     else:
         train_rows, eval_rows = split_by_prefix(prompts, args.val_ratio)
     eval_rows = eval_rows[:args.eval_examples or None]
+    check_references(args.reward_fn, train_rows, args.prompts)  # every row a built-in reward scores has its answer
+    check_references(args.reward_fn, eval_rows, args.eval_prompts or args.prompts)
     plan = BatchPlan.make(args.batch_size, env.world_size, None)
     seqs_per_rank = plan.per_rank * G
     auto = auto_micro_batch(args, env.device)
@@ -222,7 +224,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
-    resume = resolve_resume(args.resume, out_dir)
+    resume = resolve_resume(args.resume, out_dir, "grpo_policy")
     policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
     tok = load_tokenizer_for(policy, args.tokenizer)
     if lora:  # before anything is written: peft refuses targets it cannot find
@@ -240,8 +242,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         rewards.task_column()
     tools = tool_tokens(args.tools, tok)
     args.tools = "calculator" if tools else "none"  # resolved, so that a resume compares what the run did
-    prompt_ids = encode_prompts(train_rows, tok, policy, args)
-    eval_ids = encode_prompts(eval_rows, tok, policy, args)
+    prompt_ids = encode_prompts(train_rows, tok, policy.max_seq_len, args.max_new_tokens, args.prompts)
+    eval_ids = encode_prompts(eval_rows, tok, policy.max_seq_len, args.max_new_tokens, args.eval_prompts or args.prompts)
     claim_out_dir(out_dir, log_dir)
 
     compile_decode, why = decode_compiled(args.compile, env.device, args.max_steps, args.max_new_tokens)
@@ -418,17 +420,6 @@ def evaluate(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]],
         metrics.update(evaluate_pass_k(engine, rows, prompt_ids, rewards, tok, sampling, args.eval_pass_k, args.seed,
                                        env, autocast, max_rows))
     return metrics
-
-
-def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, policy: Backbone, args) -> list[list[int]]:
-    out = []
-    for r in rows:
-        ids = tok.render_prompt(r.messages)
-        if len(ids) + args.max_new_tokens > policy.max_seq_len:
-            raise InputError(f"prompt of {len(ids)} tokens + --max_new_tokens {args.max_new_tokens} exceeds the "
-                             f"policy's context of {policy.max_seq_len}", path=args.prompts, line=r.line, field="prompt")
-        out.append(ids)
-    return out
 
 
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).

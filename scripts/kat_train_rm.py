@@ -111,7 +111,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
     auto = auto_micro_batch(args, env.device)
     plan = BatchPlan.make(args.batch_size, env.world_size, None if auto else args.device_batch_size)
-    resume = resolve_resume(args.resume, out_dir)
+    resume = resolve_resume(args.resume, out_dir, "reward_model")
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
     if args.max_len is None:

@@ -123,9 +123,12 @@ def test_live_bytes_counts_storages_once_and_frees_them():
         assert mem.live == 2**20
 
 
-def test_profile_summary_names_the_top_ops_of_both_trainers(assets):
+def test_profile_summary_names_the_top_ops_of_both_trainers(assets, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"  # with the answers its exact_match reward reads
+    prompts.write_text("".join(json.dumps({"prompt": f"What is {a} plus 2?", "answer": str(a + 2)}) + "\n"
+                               for a in range(8)))
     cmd = [sys.executable, "bench/profile_steps.py", "--backbone", str(assets["hf"]), "--pairs", str(assets["pairs"]),
-           "--prompts", str(assets["pairs"]), "--threads", "1", "--steps", "2", "--top", "3"]
+           "--prompts", str(prompts), "--threads", "1", "--steps", "2", "--top", "3"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr

@@ -392,6 +392,7 @@ def _fails(args, capsys, expected, out):
     (["--reward_fn", "rewards_for_tests:not_a_number", "--max_steps", "1"], "reward function not_a_number on prompt "),
     (["--rm", "/nonexistent/rm"], "no reward-model checkpoint"),
     (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"], "exceeds the policy's context of 256"),
+    (["--reward_fn", "gsm8k"], "prompts.jsonl:1: field 'answer': has no '#### <number>' line"),  # scored 1 for all
 ])
 def test_bad_input(assets, grpo_assets, tmp_path, capsys, extra, expected):
     out = tmp_path / "out"
@@ -405,6 +406,14 @@ def test_rm_with_another_tokenizer(assets, grpo_assets, tmp_path, capsys):
     out = tmp_path / "out"
     _fails(grpo_args(assets, grpo_assets, out, "--rm", str(rm_hf)), capsys,
            "reward model was trained with another tokenizer", out)
+
+
+def test_an_out_holding_a_reward_model_is_refused_naming_its_trainer(assets, grpo_assets, tmp_path, capsys):
+    """Before: '--batch_size is 8 but the checkpoint was trained with 16', after loading every model."""
+    _fails(grpo_args(assets, grpo_assets, tmp_path / "unused", "--reward_fn", "rewards_for_tests:vowel_share",
+                     "--out", str(grpo_assets["rm"]), "--resume", "latest"), capsys,
+           "was written by kat_train_rm (a reward model), not by kat_train_grpo, and cannot be resumed here: give "
+           "kat_train_grpo an --out of its own", tmp_path / "unused")
 
 
 @pytest.mark.parametrize("content,expected", [

@@ -108,3 +108,20 @@ def test_nanochat_conversations_with_reply_parts_load_and_bad_parts_are_one_line
         path.write_text(json.dumps(bad) + "\n")
         with pytest.raises(InputError, match=r"bad.jsonl:1: field .messages."):
             load_conversations(path)
+
+
+@pytest.mark.parametrize("row,field", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": []}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": [
+        {"type": "text", "text": " "}, {"type": "python_output", "text": "4"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]}, "messages"),
+    ({"question": "q", "answer": ""}, "answer"),
+])
+def test_an_empty_reply_is_refused_at_load_naming_the_row_and_field(tmp_path, row, field):
+    """SFT learns the reply: one with nothing to learn (no parts, blank text, only a tool's output, which is masked)
+    would train on <|assistant_end|> alone."""
+    path = tmp_path / "sft.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(InputError, match=rf"sft.jsonl:2: field '{field}': (the assistant reply is empty|missing or empty)"):
+        load_conversations(path)

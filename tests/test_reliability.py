@@ -18,7 +18,9 @@ import torch
 from conftest import REPO, assert_bitwise, assert_stopped, run_script
 from nanochat_ext import checkpoint
 from nanochat_ext.ddp_common import free_port
+from nanochat_ext.errors import InputError
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
+from nanochat_ext.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo, kat_train_rm
 
@@ -129,6 +131,32 @@ def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one(assets, tmp_
     assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "4", "--resume", "latest")) == 0
     printed = capsys.readouterr().out
     assert "warning: skipping a checkpoint that does not load" in printed and "at step 2" in printed
+
+
+def _checkpoints(out, kind: str, steps: tuple[int, ...]) -> list:
+    """Tiny resumable checkpoints of a trainer `kind`, as Trainer.save writes them: model, state, meta."""
+    return [checkpoint.save_checkpoint(out, 1000 + step, {"w": torch.zeros(1)}, {"kind": kind, "step": step},
+                                       {"step": step, "args": {}, "optimizer": {}}) for step in steps]
+
+
+def test_a_corrupt_newest_meta_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
+    """As the README says of a checkpoint that no longer loads: the previous one, with a warning (the corrupt meta
+    was taken before, its state read as if whole)."""
+    older, newest = _checkpoints(tmp_path, "reward_model", (2, 4))
+    (tmp_path / "meta_1004.json").write_text('{"kind": "rew')  # truncated
+    model, meta, state = resolve_resume("latest", tmp_path, "reward_model")
+    assert (model, meta, state["step"]) == (older, tmp_path / "meta_1002.json", 2)
+    assert "warning: skipping a checkpoint that does not load (" in capsys.readouterr().out
+
+
+def test_an_out_dir_of_another_trainer_says_which_wrote_it_and_what_to_do(tmp_path):
+    _checkpoints(tmp_path, "reward_model", (2,))
+    with pytest.raises(InputError, match=r"meta_1002.json: this checkpoint was written by kat_train_rm \(a reward "
+                                         r"model\), not by kat_train_grpo, .*give kat_train_grpo an --out of its own"):
+        resolve_resume("latest", tmp_path, "grpo_policy")
+    with pytest.raises(InputError, match=r"written by kat_train_rm .* give --resume a checkpoint kat_sft wrote"):
+        resolve_resume(str(tmp_path / "model_1002.pt"), tmp_path / "sft_out", "sft")
+    assert resolve_resume("latest", tmp_path, "reward_model")[2]["step"] == 2
 
 
 # ---- preemption -----------------------------------------------------------------------------------

@@ -18,6 +18,11 @@ def echoes(prompt, completion, row):
             + 2 * sum(c in row["topic"] for c in letters) / n)
 
 
+def text_length(prompt, completion, row):
+    """The completion's length in characters: what text a reward function was given, in a number."""
+    return float(len(completion))
+
+
 def not_a_number(prompt, completion, row):
     return math.nan
 

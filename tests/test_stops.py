@@ -1,9 +1,9 @@
 """Every end of a turn stops a row (#48 item 3): the tokenizer's stop ids (nanochat's <|assistant_end|> and <|bos|>;
 a Hugging Face tokenizer's eos and its generation config's eos_token_id), each ending a row in the engine, eager and
 compiled, with tools and without, and the loss mask, the reward text and --min_new_tokens the same whichever stopped
-it. A random tiny model never picks a stop by itself, so each test relabels two tokens its greedy rows take at
-different steps as the two stops (the rows and columns of its embedding and LM head swapped): the model is the
-same, only the ids are renamed, so its rows are the free rows cut at the first stop."""
+it. A random tiny model takes a stop only by chance, so each test renames two tokens its greedy rows take at
+different steps as the two stops (their embedding and LM head rows swapped with the stops'): the model is the same,
+only the ids are renamed, so its rows are its free rows, renamed, cut after the first stop."""
 from __future__ import annotations
 
 import copy

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from nanochat_ext import synthetic
-from nanochat_ext.batching import truncate
+from nanochat_ext.batching import encode_prompts, truncate
 from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
 from nanochat_ext.compiled import compile_models
@@ -37,7 +37,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
 from nanochat_ext.reward import RewardScorer
-from nanochat_ext.rewards import Rewards
+from nanochat_ext.rewards import Rewards, check_references
 from nanochat_ext.sampling import SamplingConfig, sample_seed
 from nanochat_ext.stats import sample_diversity
 from nanochat_ext.tools import TOOLS, tool_tokens
@@ -88,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.pass_k < 0:
         p.error("--pass_k must be >= 0 (0: off)")
     b = Path(args.base_dir)
+    args.given = {k for k in GIVEN if getattr(args, k)}  # explicit inputs must be there; a default may be absent
     args.rm = args.rm if args.rm is not None else sorted(str(d) for d in (b / "rm_checkpoints").glob("*") if d.is_dir())
     args.score_rm = args.score_rm or str(b / "rm_checkpoints" / "uniform")
     args.policy_before = args.policy_before or str(b / "chatsft_checkpoints" / "default")
@@ -97,6 +98,39 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.tool_prompts = args.tool_prompts or str(b / "demo" / "eval_arithmetic.jsonl")
     args.out = args.out or str(b / "report.md")
     return args
+
+
+GIVEN = ("rm", "score_rm", "policy_before", "policy_after", "policy", "eval_pairs", "eval_prompts", "tool_prompts")
+
+
+def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
+    """(eval pairs, eval prompts, tool prompts), every input checked before anything is loaded or decoded, as the
+    trainers do: a file, model or RM given explicitly that is not there is one line (a default that is not there is
+    left out); the rows parse; the task reward finds its reference in every row it scores (rewards.check_references)."""
+    for flag in ("eval_pairs", "eval_prompts", "tool_prompts"):
+        if flag in args.given and not Path(getattr(args, flag)).exists():
+            raise InputError(f"--{flag}: file not found", path=getattr(args, flag))
+    for flag, path in [("rm", d) for d in args.rm] + [("score_rm", args.score_rm)]:
+        if flag in args.given and not Path(path).exists():
+            raise InputError(f"--{flag}: not found", path=path)
+    for k, (name, path) in enumerate([("before (SFT)", args.policy_before)] + named_policies(args)):
+        flag = "policy_before" if k == 0 else "policy" if args.policy else "policy_after"
+        if flag in args.given and not is_policy(path):
+            raise InputError(f"--{flag}: no model checkpoint or Hugging Face model here", path=path)
+    pairs = load_pairs(args.eval_pairs)[0] if args.rm and Path(args.eval_pairs).exists() else []
+    rows = load_prompts(args.eval_prompts) if Path(args.eval_prompts).exists() else []
+    tool_rows = load_prompts(args.tool_prompts) if rows and Path(args.tool_prompts).exists() else []
+    task = args.reward_fn or ["gsm8k"]  # what pass@k and tool use score with
+    if args.pass_k:
+        check_references(task, rows, args.eval_prompts)
+    check_references(task, tool_rows, args.tool_prompts)
+    return pairs, rows, tool_rows
+
+
+def is_policy(path: str) -> bool:
+    """Whether path (or nanochat's short form, sft:d20) holds a model checkpoint or a Hugging Face model dir."""
+    resolved = resolve_model_path(path)
+    return find_checkpoint(resolved) is not None or (resolved / "config.json").is_file()
 
 
 def named_policies(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -144,7 +178,9 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     autocast = precision(dtype, env.device)
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
-    all_ids = [tok.render_prompt(r.messages) for r in rows]
+    all_ids = encode_prompts(rows, tok, policy.max_seq_len, args.max_new_tokens, args.eval_prompts)
+    tool_ids = encode_prompts(tool_rows, tok, policy.max_seq_len, args.tool_max_new_tokens, args.tool_prompts,
+                              "--tool_max_new_tokens")  # before anything is decoded
     prompt_ids = [all_ids[i] for i in mine]
     results, engine = [], Engine(policy, tools=tool_tokens(args.tools, tok))
     for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
@@ -165,7 +201,7 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
         if args.pass_k else {}
     tool_use = {}
     if tool_rows and engine.tools:  # the same prompts with the calculator and without it
-        tool_ids, cfg = [tok.render_prompt(r.messages) for r in tool_rows], SamplingConfig(args.tool_max_new_tokens)
+        cfg = SamplingConfig(args.tool_max_new_tokens)
         per_rank = -(-len(tool_rows) // env.world_size)
         tool_use = evaluate_tool_use((engine, Engine(policy)), tool_rows, tool_ids, task, tok, cfg, args.seed, env,
                                      autocast, per_rank)
@@ -285,32 +321,36 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
     return "\n".join(lines)
 
 
+def eval_policies(rows, tool_rows, args: argparse.Namespace, env: DistEnv, dtype: torch.dtype) -> dict:
+    """Each policy there is (a default that is not there is skipped) on the eval prompts, scored by --score_rm."""
+    scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
+              if "score_rm" in args.given or find_checkpoint(args.score_rm) else None)
+    if scorer is not None:
+        print0(compile_models(args.compile, env.device, scorer.model.backbone))
+    policies = {}
+    for name, path in [("before (SFT)", args.policy_before)] + named_policies(args):
+        if not is_policy(path):  # sft:d20 and checkpoint roots too
+            print0(f"eval: no policy at {path}, skipped")
+            continue
+        policies[name] = eval_policy(path, rows, tool_rows, scorer, args, env, dtype)
+        if env.is_main:
+            print0(f"eval: {name} task accuracy sampled {fmt(policies[name]['task_accuracy_sampled'])}, "
+                   f"rm score sampled {fmt(policies[name]['rm_score_sampled'])}")
+    return policies
+
+
 def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
     base, out = Path(args.base_dir), Path(args.out)
     dtype = compute_dtype(args.dtype, env.device)
+    pairs, rows, tool_rows = check_inputs(args)
+    # the policies first: a prompt too long for a policy's context stops the run before any other work
+    policies = eval_policies(rows, tool_rows, args, env, dtype) if rows else {}
     rms = {}
-    if args.rm and Path(args.eval_pairs).exists():
-        pairs, topics = load_pairs(args.eval_pairs)[0], topics_of(args.eval_pairs)
+    if pairs:
+        topics = topics_of(args.eval_pairs)
         for d in args.rm:
             rms[d] = eval_rm(d, pairs, topics, env, args)
             print0(f"eval: rm {d} accuracy {rms[d]['overall']['accuracy']:.3f}")
-    policies = {}
-    if Path(args.eval_prompts).is_file():
-        rows = load_prompts(args.eval_prompts)
-        tool_rows = load_prompts(args.tool_prompts) if Path(args.tool_prompts).is_file() else []
-        scorer = (load_reward_model(args.score_rm, env.device, backbone=args.rm_backbone)
-                  if find_checkpoint(args.score_rm) else None)
-        if scorer is not None:
-            print0(compile_models(args.compile, env.device, scorer.model.backbone))
-        for name, path in [("before (SFT)", args.policy_before)] + named_policies(args):
-            resolved = resolve_model_path(path)  # sft:d20 and checkpoint roots too
-            if find_checkpoint(resolved) is None and not (resolved / "config.json").is_file():
-                print0(f"eval: no policy at {path}, skipped")
-                continue
-            policies[name] = eval_policy(path, rows, tool_rows, scorer, args, env, dtype)
-            if env.is_main:
-                print0(f"eval: {name} task accuracy sampled {fmt(policies[name]['task_accuracy_sampled'])}, "
-                       f"rm score sampled {fmt(policies[name]['rm_score_sampled'])}")
     if not rms and not policies:
         raise InputError("nothing to evaluate: no reward model with eval pairs, no policy with eval prompts "
                          "(run the earlier stages, or pass --rm/--policy_after/--eval_pairs/--eval_prompts)",

@@ -22,7 +22,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
-from scripts import kat_train_grpo, kat_train_rm
+from scripts import kat_eval, kat_train_grpo, kat_train_rm
 
 
 def rm_args(assets, out, *extra) -> list[str]:
@@ -368,6 +368,26 @@ def _corrupt_copy(assets, tmp_path, name):
     d = tmp_path / name
     shutil.copytree(assets["gpt"], d)
     return d
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("tool_prompts_missing", "absent.jsonl: --tool_prompts: file not found"),  # before: dropped, exit 0
+    ("prompt_too_long", "prompts.jsonl:2: field 'prompt': prompt of "),  # before: a traceback
+    ("pass_k_without_references", "prompts.jsonl:1: field 'answer': has no '#### <number>' line"),  # before: 1.000
+])
+def test_kat_eval_checks_its_inputs_before_any_work(assets, tmp_path, capsys, case, expected):
+    prompts = tmp_path / "prompts.jsonl"
+    long = "tell me more " * (200 if case == "prompt_too_long" else 1)
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?", "answer": "4"}) + "\n" +
+                       json.dumps({"prompt": long, "answer": "5"}) + "\n")
+    extra = {"tool_prompts_missing": ["--tool_prompts", str(tmp_path / "absent.jsonl")],
+             "pass_k_without_references": ["--pass_k", "2"]}.get(case, [])  # the task reward: gsm8k by default
+    rc = kat_eval.main(["--base_dir", str(tmp_path), "--rm", "--policy_before", str(assets["gpt"]), "--eval_prompts",
+                        str(prompts), "--samples", "1", "--max_new_tokens", "4", "--out", str(tmp_path / "report.md"),
+                        "--device", "cpu", *extra])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and expected in err, err
+    assert not (tmp_path / "report.md").exists()
 
 
 @pytest.mark.parametrize("case", ["truncated_model", "meta_not_json", "tokenizer_garbage", "pairs_utf16",

@@ -243,7 +243,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     tools = tool_tokens(args.tools, tok)
     args.tools = "calculator" if tools else "none"  # resolved, so that a resume compares what the run did
     prompt_ids = encode_prompts(train_rows, tok, policy.max_seq_len, args.max_new_tokens, args.prompts)
-    eval_ids = encode_prompts(eval_rows, tok, policy.max_seq_len, args.max_new_tokens, args.eval_prompts or args.prompts)
+    eval_ids = encode_prompts(eval_rows, tok, policy.max_seq_len, args.max_new_tokens,
+                              args.eval_prompts or args.prompts)
     claim_out_dir(out_dir, log_dir)
 
     compile_decode, why = decode_compiled(args.compile, env.device, args.max_steps, args.max_new_tokens)

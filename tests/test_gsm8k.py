@@ -121,7 +121,7 @@ def test_an_empty_reply_is_refused_at_load_naming_the_row_and_field(tmp_path, ro
     """SFT learns the reply: one with nothing to learn (no parts, blank text, only a tool's output, which is masked)
     would train on <|assistant_end|> alone."""
     path = tmp_path / "sft.jsonl"
-    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": "hello"}]}) + "\n" + json.dumps(row) + "\n")
-    with pytest.raises(InputError, match=rf"sft.jsonl:2: field '{field}': (the assistant reply is empty|missing or empty)"):
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(row) + "\n")
+    with pytest.raises(InputError, match=rf"sft.jsonl:2: field '{field}': (the assistant reply is|missing or) empty"):
         load_conversations(path)

@@ -168,7 +168,7 @@ class Rewards:
         out = torch.zeros(n, len(self.names), dtype=torch.float64)
         col, rm_cut, error = 0, 0, None
         if self.rm is not None:
-            full = [(prompt_ids[i // G], c) for i, c in enumerate(samples.completions)]
+            full = [(prompt_ids[i // G], tok.reply_ids(c)) for i, c in enumerate(samples.completions)]
             rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
             seqs = [truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]
             out[:, 0] = torch.tensor(self.rm.score_ids(seqs, group=G))  # a prompt's G samples share it

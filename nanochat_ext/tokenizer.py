@@ -196,8 +196,13 @@ class TokenizerWrapper:
 
     def reply_text(self, completion: list[int]) -> str:
         """A sampled completion's text, without the stop token it ended with (whichever of stop_ids it was): what
-        rewards read."""
+        reward functions read."""
         return self.decode(completion[:-1] if completion and completion[-1] in self.stop_ids else completion)
+
+    def reply_ids(self, completion: list[int]) -> list[int]:
+        """A sampled completion as a rendered reply ends: the stop it ended with (whichever of stop_ids) as eos_id,
+        so that a reward model, trained on rendered replies, scores every stop alike."""
+        return completion[:-1] + [self.eos_id] if completion and completion[-1] in self.stop_ids else completion
 
     def special(self, name: str) -> int:
         return self._special[name]

@@ -190,7 +190,7 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
                                   [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
                 if mine else None
         comps = out.completions if out else []
-        scores = scorer.score_ids([truncate(prompt_ids[k // n], c, scorer.max_len, tok.bos_id)
+        scores = scorer.score_ids([truncate(prompt_ids[k // n], tok.reply_ids(c), scorer.max_len, tok.bos_id)
                                    for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
         texts = [tok.reply_text(c) for c in comps]
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])

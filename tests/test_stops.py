@@ -22,6 +22,7 @@ from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.logprobs import make_sequences
+from nanochat_ext.reward import RewardModel, RewardScorer
 from nanochat_ext.rewards import Rewards
 from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -156,13 +157,15 @@ def test_min_new_tokens_holds_back_every_stop(kinds, kind, compiled, aot_eager):
 @pytest.mark.parametrize("kind", ["nanochat", "hf"])
 def test_the_loss_and_the_reward_see_the_same_whichever_stop_ended_a_row(kinds, kind):
     """The same rows, stopped where they stop with one stop id or with the other: the same completion but for its
-    last token, the same loss mask (--mask_truncated's too), and the same reward text (the reply without its stop,
-    <|bos|> included)."""
+    last token, the same loss mask (--mask_truncated's too), the same reward text (the reply without its stop,
+    <|bos|> included) and the same reward model score (the reply ended as rendered replies end, with eos_id)."""
     bb, tok = kinds[kind]
     model, want = stopping_rows(bb, tok)
     a, b = tok.stop_ids[:2]
     other = relabelled(model, {a: b})  # every stop a now b and b now a
-    rewards = Rewards(None, ["rewards_for_tests:text_length"], None)
+    rm = RewardModel(bb)
+    rm.init_head(0)
+    rewards = Rewards(RewardScorer(rm, tok, 256, {}), ["rewards_for_tests:text_length"], None)
     rows = [PromptRow([{"role": "user", "content": "hi"}], "p", {}, i) for i in range(len(PROMPTS))]
     seen = []
     for m in (model, other):
@@ -178,4 +181,6 @@ def test_the_loss_and_the_reward_see_the_same_whichever_stop_ended_a_row(kinds, 
     assert first.truncated == second.truncated and torch.equal(mask, other_mask)
     assert mask.sum(1).tolist() == [0.0 if t else len(c) for c, t in zip(first.completions, first.truncated)]
     texts = [tok.decode(c if t else c[:-1]) for c, t in zip(first.completions, first.truncated)]
-    assert torch.equal(reward, other_reward) and reward[:, 0].tolist() == [float(len(t)) for t in texts]
+    assert torch.equal(reward, other_reward) and reward[:, 1].tolist() == [float(len(t)) for t in texts]
+    ended = [c if t else c[:-1] + [tok.eos_id] for c, t in zip(first.completions, first.truncated)]
+    assert reward[:, 0].tolist() == rewards.rm.score_ids([p + c for p, c in zip(PROMPTS, ended)])

@@ -204,6 +204,13 @@ class TokenizerWrapper:
         so that a reward model, trained on rendered replies, scores every stop alike."""
         return completion[:-1] + [self.eos_id] if completion and completion[-1] in self.stop_ids else completion
 
+    def describe_stops(self) -> str:
+        """The log's line of stop ids: each with its token, and the generation config they were read from."""
+        names = [self._impl.decode([i]) if self.kind == "rustbpe" else self._impl.convert_ids_to_tokens(i)
+                 for i in self.stop_ids]
+        where = f" (eos and {self.generation_config})" if self.generation_config is not None else ""
+        return "stops: " + ", ".join(f"{name} ({i})" for name, i in zip(names, self.stop_ids)) + where
+
     def special(self, name: str) -> int:
         return self._special[name]
 

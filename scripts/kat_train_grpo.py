@@ -252,6 +252,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     loss_cfg = LossConfig(args.loss_agg, args.clip_eps, args.clip_eps_high, args.beta, args.max_new_tokens,
                           args.importance_level)
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
+    print0(tok.describe_stops())
 
     # ---- models, optimizer, resume ----------------------------------------------------------------
     dtype = compute_dtype(args.dtype, env.device)

@@ -100,6 +100,8 @@ def test_each_tokenizer_kind_says_where_a_turn_ends(kinds, assets, im_end_dir, t
     assert nano.stop_ids == (nano.special("<|assistant_end|>"), nano.special("<|bos|>"))
     im_end = hf._impl.convert_tokens_to_ids("<|im_end|>")
     assert hf.stop_ids == (hf.eos_id, im_end) and im_end != hf.eos_id
+    assert nano.describe_stops() == "stops: <|assistant_end|> (507), <|bos|> (503)"
+    assert hf.describe_stops() == f"stops: <|endoftext|> (0), <|im_end|> (512) (eos and {hf.generation_config})"
     assert load_tokenizer_for(hf_bb, assets["hf"]).stop_ids == (hf.eos_id, im_end)  # the model's config, not its
     assert TokenizerWrapper.load(assets["hf"]).stop_ids == (hf.eos_id,)
     one = tmp_path / "one"

@@ -96,8 +96,10 @@ def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     """--compile 1 with inductor on today's nanochat, greedy, rows stopping at different steps (the native Llama and
     sampling run compiled in the aot_eager test above, whose graphs are the same before code generation). The
     compiled tokens are eager's, each a re-forward's; a second call of the same batch shape reuses the state (the
-    same data_ptr for every buffer, each marked a static address for CUDA graphs) and adds no graph; a larger batch
-    gets its own."""
+    same data_ptr for every buffer, each marked a static address for CUDA graphs) and adds no graph. (That another row
+    count gets a state of its own is engine logic whatever the backend: test_grpo's
+    test_the_memory_model_counts_the_decode_states_a_compiled_evaluation_keeps holds it, under aot_eager; here it was
+    a second inductor compile of the decode step: 24.9 -> 21.1 s of CPU for this test.)"""
     bb = load_backbone(assets[name])
     torch._dynamo.reset()  # compiled here, whatever earlier tests compiled
     cfg = SamplingConfig(20, temperature, min_new_tokens=3)
@@ -116,8 +118,6 @@ def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     assert_sampled_from_reforward(bb, [p[1:] for p in PROMPTS], 3, cfg, stop, seeds(), second)
     if not temperature:
         assert len(eager.completions[0]) == 4 and True in eager.truncated and first == eager
-    engine.generate(PROMPTS, 4, cfg, stop, 0, seeds())
-    assert set(engine._states) == {9, 12}
 
 
 def test_a_reserved_state_serves_every_prompt_length_of_the_run(assets, aot_eager):

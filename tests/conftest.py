@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from nanochat_ext import synthetic
@@ -25,6 +26,13 @@ _cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default_cache_dir()
 _capability = f"cpu_{torch.backends.cpu.get_cpu_capability().lower()}"
 if os.path.basename(_cache) != _capability:  # a nested run inherits the parent's: no second suffix
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_cache, _capability)
+# Inductor compiles C++ kernels in a pool of one process per core, each importing torch: ~4 s of CPU per process
+# that compiles (measured: the inductor engine test 28.7 -> 24.9 s of CPU), where the suite's two workers already
+# keep both cores busy. In-process compiles instead, here and in the scripts the tests start; on a GPU machine
+# (the CUDA tests) Triton's compiles keep their pool.
+if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_available():
+    os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+    inductor_config.compile_threads = 1  # read at import, which came before this line
 # The longest tests start first (seconds of one worker, 2026-11-23/24; AVX2, a cold inductor cache): pytest-xdist
 # hands tests out in collection order, so one that starts late keeps its worker busy long after the other has finished
 # (the pipeline test alone is over a quarter of a worker's time). Longest first is the classic remedy.

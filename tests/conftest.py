@@ -38,9 +38,9 @@ if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_avail
 # (the pipeline test alone is over a quarter of a worker's time). Longest first is the classic remedy.
 LONGEST_FIRST = (
     "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 169
-    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 100 (inductor)
     "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 80 (inductor, cold)
     "tests/test_compiled.py::test_compiled_training_agrees_with_eager",  # 70 (inductor)
+    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 64 (2026-11-25, alone)
     "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 48
     "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 42
     "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 41

@@ -1,5 +1,5 @@
-"""The optimizers (AdamW over the trainable parameters; nanochat's Muon + AdamW split for nanochat policies), the
-learning-rate schedule and the guarded optimizer step the trainers share."""
+"""The optimizers (AdamW over the trainable parameters; nanochat's MuonAdamW, with its groups and rates, for nanochat
+policies), the learning-rate schedule and the guarded optimizer step the trainers share."""
 from __future__ import annotations
 
 import math
@@ -10,6 +10,7 @@ import torch.nn as nn
 from nanochat_ext.errors import InputError
 from nanochat_ext.gpt import GPT
 from nanochat_ext.guard import StepGuard
+from nanochat_ext.muon import MuonAdamW, orthogonalise_dtype
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -22,77 +23,49 @@ def make_adamw(params: list[torch.nn.Parameter] | list[dict], lr: float, weight_
                              fused=device.type in ("cuda", "cpu"))
 
 
-class MuonAdamW:
-    """nanochat's optimizer split made of torch's own optimizers: torch.optim.Muon on the transformer blocks'
-    matrices, torch.optim.AdamW on the embeddings, the LM head and the scalars, each group as nanochat's
-    scripts/chat_rl.py sets it (nanochat_groups). One object with what the trainers use of an optimizer: its
-    param_groups (both parts', the same dicts), step, zero_grad and a state dict holding both."""
-
-    def __init__(self, adamw_groups: list[dict], muon_groups: list[dict], device: torch.device):
-        self.adamw = make_adamw(adamw_groups, 0.0, 0.0, device)  # every group sets its own lr, betas, decay
-        self.muon = torch.optim.Muon(muon_groups, adjust_lr_fn="original")  # lr x max(1, rows / cols) ** 0.5
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.adamw.param_groups + self.muon.param_groups
-
-    def step(self) -> None:
-        self.adamw.step()
-        self.muon.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.adamw.zero_grad(set_to_none=set_to_none)
-        self.muon.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"adamw": self.adamw.state_dict(), "muon": self.muon.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        if set(state) != {"adamw", "muon"}:
-            raise InputError("the checkpoint's optimizer state is not --optimizer muon's")
-        self.adamw.load_state_dict(state["adamw"])
-        self.muon.load_state_dict(state["muon"])
-
-
 # nanochat's chat_rl.py: setup_optimizer(unembedding_lr=0.004, embedding_lr=0.2, matrix_lr=0.02, weight_decay=0.0)
 # with its own scalar_lr=0.5, every group's lr then times --init-lr-frac (0.05, here --lr under muon).
 NANOCHAT_LRS = {"unembedding": 0.004, "embedding": 0.2, "matrix": 0.02, "scalar": 0.5}
 
 
-def nanochat_groups(model: nn.Module, lr_frac: float) -> tuple[list[dict], list[dict]]:
-    """(AdamW groups, Muon groups) of a nanochat GPT as nanochat's setup_optimizer makes them (karpathy/nanochat
-    92d63d4, gpt.py), every lr times lr_frac. Groups a vintage has no parameters for are left out; every
-    parameter is in exactly one group."""
+def nanochat_groups(model: nn.Module, lr_frac: float, matrix_weight_decay: float = 0.0) -> list[dict]:
+    """The param groups of a nanochat GPT as nanochat's setup_optimizer makes them (karpathy/nanochat 92d63d4,
+    gpt.py; its weight_decay argument is the matrices' one, chat_rl's --weight-decay), every lr times lr_frac:
+    AdamW groups for the LM head, the token and value embeddings and the scalars, then one Muon group per shape of the
+    blocks' matrices, shapes in sorted order. Groups a vintage has no parameters for are left out; every parameter is
+    in exactly one group."""
     scale = (model.config.n_embd / 768) ** -0.5  # nanochat: AdamW lrs tuned at width 768, scaled by 1/sqrt(width)
     lr = {k: v * lr_frac for k, v in NANOCHAT_LRS.items()}
     get = lambda *names: [p for n in names if (p := getattr(model, n, None)) is not None]  # noqa: E731
     smear = [p for p in (getattr(getattr(model, "smear_gate", None), "weight", None),
                          getattr(model, "smear_lambda", None), getattr(model, "backout_lambda", None)) if p is not None]
     values = list(model.value_embeds.parameters()) if hasattr(model, "value_embeds") else []
-    adamw = [dict(params=list(model.lm_head.parameters()), lr=lr["unembedding"] * scale, betas=(0.8, 0.96),
-                  eps=1e-10, weight_decay=0.01),
-             dict(params=list(model.transformer.wte.parameters()), lr=lr["embedding"] * scale, betas=(0.8, 0.995),
-                  eps=1e-10, weight_decay=0.001),
-             dict(params=values, lr=lr["embedding"] * scale * 0.5, betas=(0.8, 0.995), eps=1e-10, weight_decay=0.01),
-             dict(params=get("resid_lambdas"), lr=lr["scalar"] * 0.01, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.05),
-             dict(params=get("x0_lambdas"), lr=lr["scalar"], betas=(0.96, 0.95), eps=1e-10, weight_decay=0.0),
-             dict(params=smear, lr=0.2 * lr_frac, betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)]  # nanochat's 0.2
-    muon = [dict(params=list(model.transformer.h.parameters()), lr=lr["matrix"], momentum=0.95, ns_steps=5,
-                 weight_decay=0.0)]
-    groups = [g for g in adamw + muon if g["params"]]
+    adamw = lambda params, lr, betas, wd: dict(kind="adamw", params=params, lr=lr, betas=betas, eps=1e-10,  # noqa: E731
+                                               weight_decay=wd)
+    groups = [adamw(list(model.lm_head.parameters()), lr["unembedding"] * scale, (0.8, 0.96), 0.01),
+              adamw(list(model.transformer.wte.parameters()), lr["embedding"] * scale, (0.8, 0.995), 0.001),
+              adamw(values, lr["embedding"] * scale * 0.5, (0.8, 0.995), 0.01),
+              adamw(get("resid_lambdas"), lr["scalar"] * 0.01, (0.8, 0.95), 0.05),
+              adamw(get("x0_lambdas"), lr["scalar"], (0.96, 0.95), 0.0),
+              adamw(smear, 0.2 * lr_frac, (0.8, 0.95), 0.0)]  # nanochat's fixed 0.2
+    matrices = list(model.transformer.h.parameters())
+    for shape in sorted({p.shape for p in matrices}):  # a group's matrices step as one stack
+        groups.append(dict(kind="muon", params=[p for p in matrices if p.shape == shape], lr=lr["matrix"],
+                           momentum=0.95, ns_steps=5, beta2=0.9, weight_decay=matrix_weight_decay))
+    groups = [g for g in groups if g["params"]]
     for g in groups:
         g["initial_lr"] = g["lr"]
     placed = [id(p) for g in groups for p in g["params"]]
     if sorted(placed) != sorted(id(p) for p in model.parameters()):
         raise ValueError("a parameter of this GPT is outside nanochat's optimizer groups, or in two")
-    return [g for g in adamw if g["params"]], [g for g in muon if g["params"]]
+    return groups
 
 
 def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float,
                    device: torch.device) -> torch.optim.AdamW | MuonAdamW:
-    """--optimizer: 'adamw' over params; 'muon' nanochat's split over a nanochat GPT (lr: the fraction of
-    nanochat's learning rates, its --init-lr-frac; weight decay per group as nanochat sets it, so --weight_decay is
-    refused). Every group's base lr is kept as 'initial_lr' for the schedule."""
+    """--optimizer: 'adamw' over params; 'muon' nanochat's MuonAdamW over a nanochat GPT (lr: the fraction of
+    nanochat's learning rates, its --init-lr-frac; weight_decay: the matrices', its --weight-decay; the AdamW groups
+    keep nanochat's own). Every group's base lr is kept as 'initial_lr' for the schedule."""
     if kind == "adamw":
         optimizer = make_adamw(params, lr, weight_decay, device)
         for g in optimizer.param_groups:
@@ -102,9 +75,7 @@ def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: 
     if not isinstance(model, GPT):
         raise InputError(f"--optimizer muon is nanochat's recipe for nanochat GPT policies; a "
                          f"{type(model).__name__} trains with --optimizer adamw")
-    if weight_decay:
-        raise InputError("--weight_decay is for --optimizer adamw; muon takes nanochat's per-group weight decay")
-    return MuonAdamW(*nanochat_groups(model, lr), device)
+    return MuonAdamW(nanochat_groups(model, lr, weight_decay), orthogonalise_dtype(device))
 
 
 LR_DECAYS = ("cosine", "linear")

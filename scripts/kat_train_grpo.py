@@ -145,9 +145,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="sequences " + MICRO_BATCH_HELP)
     g.add_argument("--max_steps", type=int, default=100, help="rollout steps (default: %(default)s)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
-                   help="adamw; or muon, nanochat's own recipe for nanochat policies: torch's Muon on the block "
-                        "matrices, AdamW on embeddings, LM head and scalars, each group at the learning rate "
-                        "nanochat's chat_rl.py gives it (default: adamw)")
+                   help="adamw; or muon, nanochat's own optimizer (MuonAdamW) for nanochat policies: its Muon on "
+                        "the block matrices, AdamW on embeddings, LM head and scalars, each group at the learning "
+                        "rate nanochat's chat_rl.py gives it; --weight_decay is then the matrices' (default: adamw)")
     g.add_argument("--lr", type=float, default=None,
                    help="peak learning rate (adamw; default 1e-5); with --optimizer muon the fraction of nanochat's "
                         "learning rates, its chat_rl.py --init-lr-frac (default 0.05)")

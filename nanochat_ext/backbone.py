@@ -1,6 +1,7 @@
 """One interface over every model we train or score (loader.py builds them): nanochat checkpoints and Hugging Face
 dirs of transformers' nanochat port on our GPT (gpt.py), Hugging Face dirs of the Llama family on our native Llama
-(llama.py), which is much cheaper per call, any other HF architecture on transformers' own module. Hidden states, logits, blocks, freezing, KV-cache decoding, save.
+(llama.py), which is much cheaper per call, any other HF architecture on transformers' own module. Hidden states,
+logits, blocks, freezing, KV-cache decoding, save.
 """
 from __future__ import annotations
 
@@ -48,9 +49,22 @@ class Backbone(nn.Module):
             self.vocab_size = model.get_input_embeddings().num_embeddings
             self.max_seq_len = getattr(model.config, "max_position_embeddings", 1 << 30)
         # What the model's own forward does after its LM head (a cap, a scale), so logits from hidden states are its
-        # own; a classifier (no output embeddings) never computes logits.
-        causal_lm = not self.native and model.get_output_embeddings() is not None
-        self.head_transform = probe(model, source) if causal_lm else HeadTransform()
+        # own; a classifier (no output embeddings) never computes logits. A head we cannot reproduce is refused where
+        # logits are asked for (head_transform), not here: a reward model reads hidden states only.
+        self._head, self._head_refused = HeadTransform(), None
+        if not self.native and model.get_output_embeddings() is not None:
+            try:
+                self._head = probe(model, source)
+            except InputError as e:
+                self._head_refused = e
+
+    @property
+    def head_transform(self) -> HeadTransform:
+        """What logits() applies to the LM head's output; raises the refusal of a head it cannot reproduce (read it
+        before training, as CompletionLogprobs does, to stop at start)."""
+        if self._head_refused is not None:
+            raise self._head_refused
+        return self._head
 
     @property
     def vintage(self) -> str | None:

@@ -24,7 +24,7 @@ from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.peers import EXIT_LOST_RANK, PROGRESS, failed_ranks, lost_rank_line, missing_ranks, says_the_line
 from nanochat_ext.resume import RESUME_HELP
 from nanochat_ext.tracking import report_targets
-from nanochat_ext.vintages import VINTAGES, VINTAGE_FLAG
+from nanochat_ext.vintages import NANOCHAT_WRITTEN, VINTAGE_FLAG
 
 EXIT_BAD_INPUT = 2
 
@@ -106,7 +106,7 @@ MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_
 
 def add_runtime_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("runtime")
-    g.add_argument(VINTAGE_FLAG, default=None, choices=list(VINTAGES),
+    g.add_argument(VINTAGE_FLAG, default=None, choices=NANOCHAT_WRITTEN,
                    help="which nanochat wrote the checkpoint, when its keys cannot tell (only the softcap-20 week "
                         "of March 2026 needs it: feb2026 vs mar2026a); default: read from the checkpoint")
     g.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")

@@ -406,6 +406,10 @@ def gpt_from_hf_state_dict(config: GPTConfig, sd: dict[str, torch.Tensor], path:
         parts = k.split(".")  # model.layers.<i>.<module>.<proj>.weight
         if parts[:2] == ["model", "layers"] and ".".join(parts[3:5]) in _HF_NAMES:
             ours[f"transformer.h.{parts[2]}.{_HF_NAMES['.'.join(parts[3:5])]}.{parts[5]}"] = t
+    unmapped = [k for k in sd if k not in ("model.embed_tokens.weight", "lm_head.weight")
+                and not (k.startswith("model.layers.") and ".".join(k.split(".")[3:5]) in _HF_NAMES)]
+    if unmapped:
+        raise InputError(f"weights transformers' nanochat port does not have: {_shorten(unmapped)}", path=path)
     model = GPT(config)
     check_layout(model, ours, path)
     model.load_state_dict({k: v.float() for k, v in ours.items()}, strict=True)

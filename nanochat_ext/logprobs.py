@@ -86,6 +86,7 @@ class CompletionLogprobs(nn.Module):
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
+        backbone.head_transform  # a model whose logits cannot be computed per chunk stops here, before training
         self.backbone = backbone
         self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
         self.temperature = temperature

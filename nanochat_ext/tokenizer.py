@@ -87,7 +87,8 @@ def load_tiktoken_pickle(path: Path):
 
 
 def generation_stops(path: Path) -> list[int]:
-    """The `eos_token_id` of a generation_config.json (a token id or a list of them; absent: none)."""
+    """The `eos_token_id` of a generation_config.json or a model's config.json (a token id or a list of them;
+    absent: none)."""
     try:
         ids = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError) as e:  # unreadable, not JSON, not an object
@@ -103,12 +104,16 @@ class TokenizerWrapper:
     """One interface over the two tokenizer kinds. `kind` is "rustbpe" or "hf".
     stop_ids: every token that ends a reply, so ends a sampled row (eos_id, which a rendered response ends with,
     first): nanochat's <|assistant_end|> and <|bos|> (as nanochat's Engine stops); a Hugging Face tokenizer's eos
-    and the `eos_token_id` of the generation config beside it (`generation_config`, kept when the tokenizer is
-    saved, so the next stage stops where this one did)."""
+    and the `eos_token_id` of the model's generation config (`generation_config`, kept when the tokenizer is saved, so
+    the next stage stops where this one did), or where there is none, of the model's config.json, as transformers'
+    generate takes it."""
 
-    def __init__(self, kind: str, impl, source: str, generation_config: Path | None = None):
+    def __init__(self, kind: str, impl, source: str, generation_config: Path | None = None,
+                 model_config: Path | None = None):
         self.kind, self._impl, self.source = kind, impl, source
         self.generation_config = generation_config
+        # Where there is no generation config, transformers' generate stops at the model config's eos_token_id.
+        self.stops_source = generation_config or model_config
         if kind == "rustbpe":
             self.vocab_size: int = impl.n_vocab
             special = {name: impl.encode_single_token(name) for name in SPECIAL_TOKENS}
@@ -125,7 +130,7 @@ class TokenizerWrapper:
                 raise InputError("Hugging Face tokenizer has neither an eos nor a pad token", path=source)
             self.pad_id = impl.pad_token_id if impl.pad_token_id is not None else self.eos_id
             self._special = {}
-            listed = generation_stops(generation_config) if generation_config is not None else []
+            listed = generation_stops(self.stops_source) if self.stops_source is not None else []
             self.stop_ids = tuple(dict.fromkeys([self.eos_id, *listed]))
 
     # ---- loading / training ------------------------------------------------------------------
@@ -146,7 +151,8 @@ class TokenizerWrapper:
                 tok = AutoTokenizer.from_pretrained(str(hf_dir), local_files_only=True)
             dirs = [Path(model_dir)] if model_dir is not None and Path(model_dir).is_dir() else []
             found = [d / GENERATION_CONFIG for d in [*dirs, hf_dir] if (d / GENERATION_CONFIG).is_file()]
-            return cls("hf", tok, str(hf_dir), found[0] if found else None)
+            configs = [d / "config.json" for d in [*dirs, hf_dir] if (d / "config.json").is_file()]
+            return cls("hf", tok, str(hf_dir), found[0] if found else None, configs[0] if configs else None)
         raise InputError(f"no tokenizer found: tried {p / 'tokenizer.pkl'} (nanochat/RustBPE) "
                          f"and {hf_dir / 'tokenizer.json'} (Hugging Face)", path=str(p))
 
@@ -208,7 +214,7 @@ class TokenizerWrapper:
         """The log's line of stop ids: each with its token, and the generation config they were read from."""
         names = [self._impl.decode([i]) if self.kind == "rustbpe" else self._impl.convert_ids_to_tokens(i)
                  for i in self.stop_ids]
-        where = f" (eos and {self.generation_config})" if self.generation_config is not None else ""
+        where = f" (eos and {self.stops_source})" if self.stops_source is not None else ""
         return "stops: " + ", ".join(f"{name} ({i})" for name, i in zip(names, self.stop_ids)) + where
 
     def special(self, name: str) -> int:

@@ -65,6 +65,7 @@ VINTAGES: dict[str, Vintage] = {v.name: v for v in [
     Vintage("transformers", "transformers' NanoChatForCausalLM (Hugging Face dirs of model_type nanochat)",
             pads_vocab=False, rotary_bf16=False, norm_eps=1e-6, rotary_bf16_on_cuda=False),
 ]}
+NANOCHAT_WRITTEN = [name for name in VINTAGES if name != "transformers"]  # what a nanochat checkpoint can be
 SMEAR_CHANNELS = 24
 VINTAGE_FLAG = "--nanochat_vintage"
 
@@ -105,8 +106,9 @@ def pick_vintage(state: dict[str, torch.Tensor], meta: dict, requested: str | No
     vocab_size = int(meta["model_config"].get("vocab_size", 0))
     candidates = layout_candidates(state, vocab_size)
     if requested is not None:
-        if requested not in VINTAGES:
-            raise InputError(f"{VINTAGE_FLAG} {requested!r} is not a nanochat vintage; known: {', '.join(VINTAGES)}")
+        if requested not in NANOCHAT_WRITTEN:
+            raise InputError(f"{VINTAGE_FLAG} {requested!r} is not a nanochat vintage; known: "
+                             f"{', '.join(NANOCHAT_WRITTEN)}")
         return requested  # the strict load below refuses it if the layout does not fit
     if len(candidates) == 1:
         return candidates[0]

@@ -94,7 +94,7 @@ def stopping_rows(bb: Backbone, tok: TokenizerWrapper, tools: ToolTokens | None 
 
 def test_each_tokenizer_kind_says_where_a_turn_ends(kinds, assets, im_end_dir, tmp_path):
     """nanochat: <|assistant_end|> and <|bos|>. Hugging Face: the eos and the generation config's eos_token_id (a
-    list or an int), the model's own where the tokenizer comes from elsewhere, just the eos without one; a saved
+    list or an int), the model's own where the tokenizer comes from elsewhere, the model config's without one; a saved
     policy keeps it for the next stage; a bad one is one line naming the file and the field."""
     (_, nano), (hf_bb, hf) = kinds["nanochat"], kinds["hf"]
     assert nano.stop_ids == (nano.special("<|assistant_end|>"), nano.special("<|bos|>"))
@@ -110,6 +110,10 @@ def test_each_tokenizer_kind_says_where_a_turn_ends(kinds, assets, im_end_dir, t
     assert TokenizerWrapper.load(one).stop_ids == (hf.eos_id, im_end)
     (one / "generation_config.json").unlink()
     assert TokenizerWrapper.load(one).stop_ids == (hf.eos_id,)
+    config = json.loads((one / "config.json").read_text())  # without a generation config: the model config's, as
+    (one / "config.json").write_text(json.dumps({**config, "eos_token_id": [hf.eos_id, im_end]}))  # transformers
+    assert TokenizerWrapper.load(one).stop_ids == (hf.eos_id, im_end)
+    (one / "config.json").write_text(json.dumps(config))
     saved = hf_bb.save(tmp_path / "out", 3, {"step": 3}, hf)  # the native Llama writes its own config only
     assert load_tokenizer_for(load_backbone(saved), None).stop_ids == (hf.eos_id, im_end)
     (one / "generation_config.json").write_text(json.dumps({"eos_token_id": ["<|im_end|>"]}))

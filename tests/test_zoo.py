@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 
+from nanochat_ext.backbone import Backbone
 from nanochat_ext.batching import TokenizedPair, collate_pairs
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
@@ -152,6 +153,10 @@ def test_a_head_transform_is_read_from_the_forward_or_refused():
     config = transformers.LlamaConfig(**LLAMA_LIKE, vocab_size=50)
     assert probe(transformers.LlamaForCausalLM(config), "llama").identity
     assert probe(HeadAfterScaledStates(config), "scaled") == HeadTransform(scale=0.5)
-    with pytest.raises(InputError, match="NormalisedLogits's forward transforms its LM head's output in a way this "
-                                         "trainer cannot reproduce per chunk"):
+    refused = "NormalisedLogits's forward transforms its LM head's output in a way this trainer cannot reproduce per chunk"
+    with pytest.raises(InputError, match=refused):
         probe(NormalisedLogits(config), "normalised")
+    bb = Backbone("hf", NormalisedLogits(config), "normalised")  # a reward model reads its hidden states alone
+    assert RewardModel(bb)(torch.tensor([[1, 2, 3]]), torch.tensor([3])).shape == (1,)
+    with pytest.raises(InputError, match=refused):  # log-probs are refused before any training
+        CompletionLogprobs(bb)

@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-GIVEN = ("rm", "score_rm", "policy_before", "policy_after", "policy", "eval_pairs", "eval_prompts", "tool_prompts")
+GIVEN = ("rm", "score_rm", "policy_before", "policy_after", "policy", "eval_pairs", "eval_prompts", "tool_prompts",
+         "reward_fn")
 
 
 def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
@@ -120,6 +121,10 @@ def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
     pairs = load_pairs(args.eval_pairs)[0] if args.rm and Path(args.eval_pairs).exists() else []
     rows = load_prompts(args.eval_prompts) if Path(args.eval_prompts).exists() else []
     tool_rows = load_prompts(args.tool_prompts) if rows and Path(args.tool_prompts).exists() else []
+    if tool_rows and not {"tool_prompts", "reward_fn"} & args.given:  # the demo's, whose answers gsm8k cannot score
+        print0(f"kat_eval: tool use not measured: {args.tool_prompts} needs its task reward as --reward_fn "
+               f"(the demo's: nanochat_ext.synthetic:task_reward)")
+        tool_rows = []
     task = args.reward_fn or ["gsm8k"]  # what pass@k and tool use score with
     if args.pass_k:
         check_references(task, rows, args.eval_prompts)

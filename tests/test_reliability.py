@@ -390,6 +390,21 @@ def test_kat_eval_checks_its_inputs_before_any_work(assets, tmp_path, capsys, ca
     assert not (tmp_path / "report.md").exists()
 
 
+def test_kat_eval_measures_the_demos_default_tool_prompts_only_with_their_reward(assets, tmp_path, capsys):
+    """The demo's tool prompts (answers as plain numbers, found by default) are not refused for want of gsm8k's
+    '#### ' line when no --reward_fn was given: tool use is left out, in one line; the report is written."""
+    (tmp_path / "demo").mkdir()
+    (tmp_path / "demo" / "eval_arithmetic.jsonl").write_text(json.dumps({"prompt": "What is 2 plus 2?", "answer": "4"}))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "What is 2 plus 2?"}) + "\n")
+    rc = kat_eval.main(["--base_dir", str(tmp_path), "--rm", "--policy_before", str(assets["gpt"]), "--eval_prompts",
+                        str(prompts), "--samples", "1", "--max_new_tokens", "2", "--out", str(tmp_path / "report.md"),
+                        "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert rc == 0 and (tmp_path / "report.md").exists()
+    assert "kat_eval: tool use not measured: " in out and "nanochat_ext.synthetic:task_reward" in out
+
+
 @pytest.mark.parametrize("case", ["truncated_model", "meta_not_json", "tokenizer_garbage", "pairs_utf16",
                                   "pairs_binary", "log_dir_unwritable"])
 def test_corrupt_inputs_end_in_one_line(assets, tmp_path, capsys, case):

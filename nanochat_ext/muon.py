@@ -109,7 +109,8 @@ def muon_update(params: torch.Tensor, grads: torch.Tensor, momentum_buffer: torc
 
 class MuonAdamW(torch.optim.Optimizer):
     """nanochat's MuonAdamW: param groups of kind 'adamw' (lr, betas, eps, weight_decay) or 'muon' (lr, momentum,
-    ns_steps, beta2, weight_decay; all matrices of one shape). A parameter without a gradient is left as it is.
+    ns_steps, beta2, weight_decay; all matrices of one shape). A parameter without a gradient is left as it is
+    (in a Muon group: all of them or none).
     State: per AdamW parameter step, exp_avg, exp_avg_sq; per Muon group, on its first parameter, the stacked
     momentum_buffer and second_momentum_buffer."""
 
@@ -143,28 +144,24 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def muon_step(self, group: dict) -> None:
         params = group["params"]
-        stepped = [k for k, p in enumerate(params) if p.grad is not None]
-        if not stepped:
+        with_grad = sum(p.grad is not None for p in params)
+        if with_grad == 0:
             return
+        if with_grad < len(params):  # the stacked state has no room to leave one out: never so under GRPO
+            raise ValueError(f"{len(params) - with_grad} of a Muon group's {len(params)} matrices got no gradient")
         state = self.state[params[0]]
         rows, cols = params[0].shape
         if not state:
-            state["momentum_buffer"] = torch.zeros(len(params), rows, cols, dtype=params[0].dtype,
-                                                   device=params[0].device)
+            like = dict(dtype=params[0].dtype, device=params[0].device)
+            state["momentum_buffer"] = torch.zeros(len(params), rows, cols, **like)
             factored = (len(params), rows, 1) if rows >= cols else (len(params), 1, cols)
-            state["second_momentum_buffer"] = torch.zeros(factored, dtype=params[0].dtype, device=params[0].device)
-        every = len(stepped) == len(params)
-        momentum = state["momentum_buffer"] if every else state["momentum_buffer"][stepped]  # a copy if some
-        second = state["second_momentum_buffer"] if every else state["second_momentum_buffer"][stepped]
-        stack = torch.stack([params[k] for k in stepped])
-        muon_update(stack, torch.stack([params[k].grad for k in stepped]), momentum, second,
-                    lr=group["lr"] * max(1.0, rows / cols) ** 0.5, weight_decay=group["weight_decay"],
-                    momentum=group["momentum"], beta2=group["beta2"], ns_steps=group["ns_steps"],
-                    dtype=self.orthogonalise_in)
-        torch._foreach_copy_([params[k] for k in stepped], list(stack.unbind(0)))
-        if not every:
-            state["momentum_buffer"][stepped] = momentum
-            state["second_momentum_buffer"][stepped] = second
+            state["second_momentum_buffer"] = torch.zeros(factored, **like)
+        stack = torch.stack(params)
+        muon_update(stack, torch.stack([p.grad for p in params]), state["momentum_buffer"],
+                    state["second_momentum_buffer"], lr=group["lr"] * max(1.0, rows / cols) ** 0.5,
+                    weight_decay=group["weight_decay"], momentum=group["momentum"], beta2=group["beta2"],
+                    ns_steps=group["ns_steps"], dtype=self.orthogonalise_in)
+        torch._foreach_copy_(params, list(stack.unbind(0)))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """A state saved by this optimizer only: --optimizer muon's earlier state (torch.optim.Muon + AdamW, saved

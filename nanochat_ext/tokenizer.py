@@ -131,6 +131,8 @@ class TokenizerWrapper:
             self.pad_id = impl.pad_token_id if impl.pad_token_id is not None else self.eos_id
             self._special = {}
             listed = generation_stops(self.stops_source) if self.stops_source is not None else []
+            if generation_config is None:  # a config's default eos (GPT-2's 50256 in a smaller vocabulary) is no stop
+                listed = [i for i in listed if i < self.vocab_size]
             self.stop_ids = tuple(dict.fromkeys([self.eos_id, *listed]))
 
     # ---- loading / training ------------------------------------------------------------------

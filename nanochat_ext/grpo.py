@@ -160,7 +160,8 @@ def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) 
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
               mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig, normaliser: float):
     """Clipped surrogate + beta * KL(k3) per token, aggregated as cfg.loss_agg and divided by the
-    global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens] on this rank.
+    global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens, pg objective] on this
+    rank, the last -sum(A logp) / normaliser aggregated as the loss (chat_rl's printed loss, normalised as ours).
 
     importance_level 'token': a ratio per token, pi(y_t) / pi_old(y_t) (GRPO). 'sequence' (GSPO): one
     ratio per completion, the geometric mean of its token ratios exp(mean_t log(pi / pi_old)), clipped
@@ -181,25 +182,32 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
         kl = torch.exp(delta) - delta - 1  # k3: unbiased, always >= 0
         per_token = per_token + cfg.beta * kl
     w = weights[:, None] * mask
-    if cfg.loss_agg == "sequence":
-        per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
-        loss = (weights * per_seq).sum() / normaliser
-    else:
-        loss = (per_token * w).sum() / normaliser
+
+    def aggregate(per_token: torch.Tensor) -> torch.Tensor:
+        if cfg.loss_agg == "sequence":
+            per_seq = (per_token * mask).sum(1) / mask.sum(1).clamp(min=1)
+            return (weights * per_seq).sum() / normaliser
+        return (per_token * w).sum() / normaliser
+
+    loss = aggregate(per_token)
     with torch.no_grad():
         clipped = ((ratio < 1 - cfg.clip_eps) & (adv < 0)) | ((ratio > 1 + high) & (adv > 0))
-        stats = torch.stack([(kl * mask).sum(), (clipped.float() * mask).sum(), mask.sum()]).double().cpu()
-    return loss, stats
+        # On-policy our loss is -sum(A)/N (the ratio is 1), whose gradient is this objective's: the same step, but
+        # only this one is the curve chat_rl prints
+        pg_objective = aggregate(-adv * logp.detach().float())
+        stats = torch.stack([(kl * mask).sum(), (clipped.float() * mask).sum(), mask.sum(), pg_objective])
+    return loss, stats.double().cpu()
 
 
-LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "entropy")  # what policy_backward returns, in order
+LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "pg_objective", "entropy")  # policy_backward's, in order
 
 
 def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
                     device: torch.device, autocast: contextlib.AbstractContextManager,
                     keep_old: bool = False) -> torch.Tensor:
     """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch
-    (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, entropy sum].
+    (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, pg objective, entropy
+    sum] (LOSS_STATS).
     pi_old is batch["old_logp"] where the batch has it, else this pass's own log-probs (the ratio is 1). keep_old
     (the first of --num_iterations updates): the batch keeps them as "old_logp" for its later updates. They are the
     training graph's log-probs, dropout included, not a separate no-grad pass's, which compiled (inductor fuses the

@@ -119,7 +119,9 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float,
     tokens = max(s["loss_tokens"], 1)
     m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
     m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
-    m.update({"train/loss": s["loss"] / steps, "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
+    # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
+    m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
+              "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
               "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
               # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
               # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)

@@ -378,7 +378,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                 batch["ref_logp"] = token_logprobs(reference, batch, micro, env.device, autocast)
         t1 = time.time()
         lr = trainer.set_lr(step)  # adamw: the lr; muon: the LM head's (its first group)
-        stats = torch.zeros(5, dtype=torch.float64)
+        stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
         for iteration in range(args.num_iterations):
             with doing(f"a training micro-batch of {micro} sequences",
                        (*smaller_micro(micro, seqs_per_rank), "--activation_checkpointing", FEWER_RANKS_STATE,

@@ -189,8 +189,8 @@ def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch
     # size-1 dimension that dynamo specialises: four more block graphs, half this test's ~100 s of CPU on 2 cores.)
     batch = grpo_batch(random.Random(2), 4, 4, policy.vocab_size)
     batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 8, device, autocast)
-    _, kl, clipped, tokens, _ = policy_backward(model, batch, 8, LossConfig(beta=0.04), device, autocast,
-                                                keep_old=True).tolist()
+    _, kl, clipped, tokens, *_ = policy_backward(model, batch, 8, LossConfig(beta=0.04), device, autocast,
+                                                 keep_old=True).tolist()
     gap = 0.0
     for a in range(0, batch["mask"].size(0), 8):  # the second update's log-probs (before its step), micro-batched
         b = {k: v.to(device) for k, v in slice_batch(batch, slice(a, a + 8)).items()}

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from nanochat_ext.attention import PrefixTree
-from nanochat_ext.grpo import LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser, zero_std_groups
+from nanochat_ext.grpo import (LOSS_STATS, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
+                               policy_backward, zero_std_groups)
 from nanochat_ext.loader import load_backbone
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch
+from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
 from nanochat_ext.sampling import SamplingConfig, sample_token
 
 
@@ -95,6 +96,29 @@ def test_gspo_takes_one_clipped_ratio_per_completion():
     loss, _ = grpo_loss(logp.detach(), old, None, adv, mask, w, LossConfig(clip_eps=10.0, importance_level="sequence"),
                         1.0)
     assert loss.item() == pytest.approx(-(4 * 1.0 + 4 * float(torch.exp(torch.tensor(0.5)))))
+
+
+@pytest.mark.parametrize("agg", ["token", "sequence"])
+def test_pg_objective_is_chat_rls_printed_loss_normalised_as_ours(assets, agg):
+    """train/pg_objective = -sum(A logp) / N, N our loss's normaliser, aggregated as our loss (two micro-batches, a
+    masked token, unequal weights); on-policy our loss is -sum(A) / N (the ratio is 1), another number."""
+    model = CompletionLogprobs(load_backbone(assets["gpt_modern"]))
+    batch = make_sequences([[5, 17, 42], [9, 3]], [[7, 8, 9, 10], [11, 12], [13], [14, 15, 16]], 2, 0)
+    batch["mask"][0, 1] = 0.0
+    batch["advantages"], batch["weights"] = torch.tensor([1.0, -0.5, 0.25, -2.0]), torch.tensor([1.0, 1.0, 3.0, 3.0])
+    cfg = LossConfig(loss_agg=agg, beta=0.0)
+    logp = token_logprobs(model, batch, 2, torch.device("cpu"), torch.autocast("cpu", enabled=False)).double()
+    mask, adv, w = batch["mask"].double(), batch["advantages"].double()[:, None], batch["weights"].double()
+    if agg == "token":
+        N = (w[:, None] * mask).sum()
+        want, ours = -(adv * logp * w[:, None] * mask).sum() / N, -(adv * w[:, None] * mask).sum() / N
+    else:
+        per_seq = lambda x: (x * mask).sum(1) / mask.sum(1)  # noqa: E731
+        want, ours = -(w * per_seq(adv * logp)).sum() / w.sum(), -(w * per_seq(adv.expand_as(mask))).sum() / w.sum()
+    stats = dict(zip(LOSS_STATS, policy_backward(model, batch, 2, cfg, torch.device("cpu"),
+                                                 torch.autocast("cpu", enabled=False)).tolist()))
+    assert stats["pg_objective"] == pytest.approx(want.item(), rel=1e-5)
+    assert stats["loss"] == pytest.approx(ours.item(), rel=1e-5) and abs(want - ours) > 0.1
 
 
 def test_overlong_penalty_is_dapos_soft_punishment():

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Callable
 
 from nanochat_ext.checkpoint import base_dir
-from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session, previous_ending, remember_ending
+from nanochat_ext.ddp_common import (DistEnv, detect_launcher, dist_session, previous_ending, print0,
+                                   remember_ending)
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
@@ -224,6 +225,7 @@ def run_plain(body: Callable[[], object], label: str) -> int:
 # flag -> (test, what it must be): checked by check_flags before anything is loaded.
 COMMON_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "max_steps": (lambda v: v >= 1, ">= 1"),
+    "num_epochs": (lambda v: v >= 1, ">= 1"),
     "lr": (lambda v: math.isfinite(v) and v > 0, "a finite number > 0"),
     "warmup_steps": (lambda v: v >= 0, ">= 0"),
     "weight_decay": (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0"),
@@ -247,6 +249,27 @@ def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[floa
             raise InputError(f"--{name} must be {want}, got {value!r}")
     if getattr(args, "report_to", None) is not None:
         report_targets(args.report_to)
+
+
+DEFAULT_MAX_STEPS = 100
+
+
+def steps_from_epochs(args: argparse.Namespace, n_train: int, per_step: int) -> int:
+    """Set --max_steps where it is not given: n_train // per_step x --num_epochs (nanochat's chat_rl counts its steps
+    so; the lr schedule and the evaluation cadence follow), else DEFAULT_MAX_STEPS. With --num_epochs, rank 0 prints
+    the line saying which. Returns --max_steps."""
+    epochs = getattr(args, "num_epochs", None)
+    if not epochs:
+        args.max_steps = args.max_steps or DEFAULT_MAX_STEPS
+    elif args.max_steps is not None:
+        print0(f"max_steps: {args.max_steps} as given (--num_epochs {epochs} not used)")
+    elif n_train < per_step:
+        raise InputError(f"--num_epochs {epochs}: {n_train} train prompts make no step of {per_step}; give fewer per "
+                         f"step (--batch_size), more prompts, or --max_steps")
+    else:
+        args.max_steps = n_train // per_step * epochs
+        print0(f"max_steps: {args.max_steps} = {n_train} train prompts // {per_step} per step x {epochs} epochs")
+    return args.max_steps
 
 
 def micro_batch(value: str) -> int | str:

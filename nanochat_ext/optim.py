@@ -61,6 +61,16 @@ def nanochat_groups(model: nn.Module, lr_frac: float, matrix_weight_decay: float
     return groups
 
 
+def check_optimizer(kind: str, lora: bool, parallel: str) -> None:
+    """Before anything loads: the combinations --optimizer muon cannot train, one line each."""
+    if kind == "muon" and lora:
+        raise InputError("--optimizer muon orthogonalises whole weight matrices; LoRA's adapters train with "
+                         "--optimizer adamw")
+    if kind == "muon" and parallel == "fsdp":
+        raise InputError("--optimizer muon orthogonalises whole matrices, which --parallel fsdp splits over ranks: "
+                         "train with --optimizer adamw under fsdp")
+
+
 def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float,
                    device: torch.device) -> torch.optim.AdamW | MuonAdamW:
     """--optimizer: 'adamw' over params; 'muon' nanochat's MuonAdamW over a nanochat GPT (lr: the fraction of

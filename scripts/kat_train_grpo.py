@@ -23,7 +23,7 @@ from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              given_flags, micro_batch, output_dirs, run_script, script_argv)
+                              micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
 from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
@@ -38,9 +38,10 @@ from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapte
                                describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
 from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
                                  grpo_memory, report_peak, smaller_micro)
-from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, guarded_step, make_optimizer
+from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step, make_optimizer
 from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.parallel import Parallel, checkpoint_activations
+from nanochat_ext.presets import PRESETS, apply_preset, preset_tag, print_preset
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.rewards import Rewards, check_references, check_rm_tokenizer
 from nanochat_ext.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
@@ -143,7 +144,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num_iterations", type=int, default=1, help="optimizer updates per rollout batch, mu (default: 1)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="sequences " + MICRO_BATCH_HELP)
-    g.add_argument("--max_steps", type=int, default=100, help="rollout steps (default: %(default)s)")
+    g.add_argument("--max_steps", type=int, default=None, help="rollout steps (default: --num_epochs's, else 100)")
+    g.add_argument("--num_epochs", type=int, help="--max_steps, where not given: train prompts // --batch_size x E")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw; or muon, nanochat's own optimizer (MuonAdamW) for nanochat policies: its Muon on "
                         "the block matrices, AdamW on embeddings, LM head and scalars, each group at the learning "
@@ -176,11 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_dashed_aliases(p)
     argv = script_argv(argv)
     args = p.parse_args(argv)
-    args.preset_values = {}
-    if args.preset:  # what the preset sets, but for the flags given
-        given = given_flags(p, argv)
-        args.preset_values = {k: v for k, v in PRESETS[args.preset].items() if k not in given}
-        vars(args).update(args.preset_values)
+    apply_preset(p, argv, args)
     if args.loss_type:
         args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
     if args.lr is None:
@@ -190,22 +188,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def train(args: argparse.Namespace, env: DistEnv) -> Path:
     seed_everything(args.seed)
-    if args.preset:
-        print0(f"preset {args.preset}: " + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                                   for k, v in args.preset_values.items()))
-    out_dir, log_dir = output_dirs(args, "chatrl_checkpoints")
+    print_preset(args)
     G = args.group_size
 
     # ---- validate every input before anything is trained or written ---------------------------
     check_flags(args, GRPO_RANGES)
     check_consolidate(args)
     lora = check_lora_args(args)
-    if lora and args.optimizer == "muon":
-        raise InputError("--optimizer muon orthogonalises whole weight matrices; LoRA's adapters train with "
-                         "--optimizer adamw")
-    if args.parallel == "fsdp" and args.optimizer == "muon":
-        raise InputError("--optimizer muon orthogonalises whole matrices, which --parallel fsdp splits over ranks: "
-                         "train with --optimizer adamw under fsdp")
+    check_optimizer(args.optimizer, bool(lora), args.parallel)
     prompts = load_prompts(args.prompts)
     if args.density:
         attach_density(prompts, load_density(args.density), args.density)
@@ -214,6 +204,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     else:
         train_rows, eval_rows = split_by_prefix(prompts, args.val_ratio)
     eval_rows = eval_rows[:args.eval_examples or None]
+    steps_from_epochs(args, len(train_rows), args.batch_size)
     check_references(args.reward_fn, train_rows, args.prompts)  # every row a built-in reward scores has its answer
     check_references(args.reward_fn, eval_rows, args.eval_prompts or args.prompts)
     plan = BatchPlan.make(args.batch_size, env.world_size, None)
@@ -224,8 +215,9 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
-    resume = resolve_resume(args.resume, out_dir, "grpo_policy")
     policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
+    out_dir, log_dir = output_dirs(args, "chatrl_checkpoints", preset_tag(args, len(policy.blocks)))
+    resume = resolve_resume(args.resume, out_dir, "grpo_policy")
     tok = load_tokenizer_for(policy, args.tokenizer)
     if lora:  # before anything is written: peft refuses targets it cannot find
         apply_lora(policy, lora)
@@ -448,16 +440,6 @@ GRPO_RANGES = {
     "eval_examples": (lambda v: v >= 0, ">= 0 (0: all)"),
     "reward_timeout": (lambda v: 0 < v < float("inf"), "a finite number > 0"),
 }
-
-# nanochat's RL recipe, scripts/chat_rl.py at 92d63d4: on-policy (one iteration, so no ratio and no clip), no KL,
-# advantage r - mean, token-level loss, Muon + AdamW at its rates x init-lr-frac 0.05 (--optimizer muon's default
-# --lr) decaying linearly to 0, no gradient clipping, 16 prompts x 16 samples of up to 256 tokens at temperature 1 and top-k 50, the
-# calculator on, GSM8K's reward, pass@1..8 (its --device-batch-size) on 400 eval prompts every 60 steps.
-PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none", "loss_agg": "token",
-                       "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 0.0,
-                       "batch_size": 16, "group_size": 16, "max_new_tokens": 256, "temperature": 1.0, "top_k": 50,
-                       "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
-                       "eval_examples": 400, "eval_pass_k": 8, "save_every": 60}}
 
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,

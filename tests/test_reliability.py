@@ -343,6 +343,7 @@ def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     (["--max_new_tokens", "0"], "--max_new_tokens must be >= 1"),
     (["--top_p", "0"], "--top_p must be in (0, 1]"),
     (["--reward_clip", "0"], "--reward_clip must be a finite number > 0"),
+    (["--num_epochs", "0"], "--num_epochs must be >= 1"),
     (["--parallel", "fsdp", "--optimizer", "muon"], "--optimizer muon orthogonalises whole matrices"),
     (["--consolidate", "somewhere"], "--consolidate DIR writes a checkpoint whole: give the one to write with --resume"),
     (["--lora_r", "8", "--parallel", "fsdp"], "train LoRA with --parallel ddp"),

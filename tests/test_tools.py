@@ -4,8 +4,10 @@ nanochat's Engine produced from it, greedy. Ours, eager and compiled, must force
 nanochat does, with the same tokens and masks."""
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,10 @@ from torch._dynamo.utils import counters
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext import synthetic
+from nanochat_ext.cli import steps_from_epochs
 from nanochat_ext.data import load_conversations
 from nanochat_ext.engine import Engine
+from nanochat_ext.errors import InputError
 from nanochat_ext.evaluation import pass_at_k
 from nanochat_ext.grpo import LossConfig, policy_backward
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
@@ -218,10 +222,31 @@ def test_the_demos_arithmetic_calls_the_calculator_in_nanochats_format(tmp_path)
     assert not synthetic.judge("arithmetic", f"{forced} The answer is 1{row['answer']}.", row["answer"])
 
 
-def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path, capsys):
+def nanochat_finds(checkpoints_dir: Path) -> Path:
+    """The model file nanochat's load_model_from_dir(checkpoints_dir, ...) loads given no tag and no step, by its own
+    rules (karpathy/nanochat 92d63d4, nanochat/checkpoint_manager.py): find_largest_model takes the d<N> tag with the
+    largest N (else the newest dir), find_last_step the largest N of model_<N>.pt there, and load_checkpoint opens
+    model_{N:06d}.pt and meta_{N:06d}.json."""
+    tags = [d.name for d in checkpoints_dir.iterdir() if d.is_dir()]
+    depths = sorted(((int(m.group(1)), t) for t in tags if (m := re.match(r"d(\d+)", t))), key=lambda x: -x[0])
+    tag = depths[0][1] if depths else max(tags, key=lambda t: (checkpoints_dir / t).stat().st_mtime)
+    d = checkpoints_dir / tag
+    step = max(int(f.split("_")[-1].split(".")[0]) for f in (p.name for p in d.iterdir())
+               if re.search(r"model_(\d+)\.pt$", f))
+    assert (d / f"meta_{step:06d}.json").is_file()
+    return d / f"model_{step:06d}.pt"
+
+
+def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path, capsys, monkeypatch):
     """--preset chat_rl: chat_rl's values, each printed at start; a flag given explicitly keeps its value (a given
-    --reward_fn replaces the preset's, not adds to it); the run trains with them (Muon, linear decay to 0)."""
-    args = grpo_with_tools(tmp_path, tmp_path / "preset", "--preset", "chat_rl", "--max_steps", "2")
+    --reward_fn replaces the preset's, not adds to it); the run trains with them (Muon, linear decay to 0) for
+    --num_epochs' steps (4 train prompts // 4 per step x 3), into $NANOCHAT_BASE_DIR/chatrl_checkpoints/d2 (the
+    policy's depth) with every checkpoint kept, where nanochat's rules for load_model("rl") find our newest."""
+    monkeypatch.setenv("NANOCHAT_BASE_DIR", str(tmp_path / "base"))
+    args = grpo_with_tools(tmp_path, tmp_path / "unused", "--preset", "chat_rl", "--num_epochs", "3",
+                           "--save_every", "1")
+    for flag in ("--out", "--max_steps"):
+        del args[args.index(flag):args.index(flag) + 2]
     parsed = kat_train_grpo.parse_args(args)
     assert (parsed.beta, parsed.num_iterations, parsed.scale_rewards, parsed.loss_agg, parsed.optimizer,
             parsed.lr, parsed.lr_decay, parsed.top_k, parsed.tools, parsed.eval_every) == \
@@ -229,13 +254,39 @@ def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path,
     assert (parsed.batch_size, parsed.group_size, parsed.max_new_tokens, parsed.eval_pass_k) == (4, 4, 40, 4)
     assert parsed.reward_fn == ["contains_answer", "rewards_for_tests:vowel_share"] and parsed.temperature == 2.0
     assert "group_size" not in parsed.preset_values and parsed.preset_values["top_k"] == 50
-    assert kat_train_grpo.parse_args(args[:2] + ["--prompts", "p", "--preset", "chat_rl"]).reward_fn == ["gsm8k"]
+    alone = kat_train_grpo.parse_args(args[:2] + ["--prompts", "p", "--preset", "chat_rl"])
+    assert alone.reward_fn == ["gsm8k"] and (alone.num_epochs, alone.max_steps, alone.keep_last) == (1, None, 0)
     assert kat_train_grpo.main(args) == 0
     out = capsys.readouterr().out
     assert "preset chat_rl: --num_iterations 1 --scale_rewards none" in out and "--top_k 50" in out  # --beta given
-    lrs = [json.loads(line)["train/lr"] for line in (tmp_path / "preset" / "logs" / "metrics.jsonl").read_text()
-           .splitlines() if "train/lr" in line]
-    assert len(lrs) == 2 and lrs[1] == pytest.approx(lrs[0] / 2)  # linear: 1, then 1/2 of 2 steps
+    assert "max_steps: 3 = 4 train prompts // 4 per step x 3 epochs" in out
+    logs = [json.loads(line) for line in (tmp_path / "base" / "chatrl_checkpoints" / "d2" / "logs" / "metrics.jsonl")
+            .read_text().splitlines()]
+    lrs = [r["train/lr"] for r in logs if "train/lr" in r]
+    assert lrs == pytest.approx([lrs[0], lrs[0] * 2 / 3, lrs[0] / 3])  # linear to 0 over the 3 steps
+    assert [r["step"] for r in logs if "eval/pass@1" in r] == [3]  # every 60 steps and at the end: at 3
+    final = Path(re.findall(r"^checkpoint: (.*)$", out, re.M)[-1])
+    assert final.parent == tmp_path / "base" / "chatrl_checkpoints" / "d2" and len(list(final.parent.glob("model_*.pt"))) == 3
+    assert nanochat_finds(tmp_path / "base" / "chatrl_checkpoints") == final
+    meta = json.loads(final.with_name(final.name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
+    assert meta["step"] == 3 and "model_config" in meta
+
+
+def test_num_epochs_sets_max_steps_from_the_data_unless_it_is_given(capsys):
+    """chat_rl's count: len(train) // examples per step x epochs (467 on GSM8K's 7473 train rows at 16 per step); a
+    --max_steps given wins; neither: 100. Too few prompts for one step is one line."""
+    def args(**kw):
+        return argparse.Namespace(**{"max_steps": None, "num_epochs": None, **kw})
+
+    assert steps_from_epochs(args(num_epochs=1), 7473, 16) == 467
+    assert "max_steps: 467 = 7473 train prompts // 16 per step x 1 epochs" in capsys.readouterr().out
+    assert steps_from_epochs(args(num_epochs=2), 7473, 16) == 934
+    given = args(num_epochs=1, max_steps=5)
+    assert steps_from_epochs(given, 7473, 16) == 5 == given.max_steps
+    assert "max_steps: 5 as given (--num_epochs 1 not used)" in capsys.readouterr().out
+    assert steps_from_epochs(args(), 7473, 16) == 100 and steps_from_epochs(args(max_steps=7), 10, 16) == 7
+    with pytest.raises(InputError, match="--num_epochs 1: 3 train prompts make no step of 16"):
+        steps_from_epochs(args(num_epochs=1), 3, 16)
 
 
 def test_kat_eval_pass_at_k_on_two_ranks_with_prompts_that_do_not_split_evenly(tmp_path):

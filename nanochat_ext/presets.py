@@ -1,0 +1,44 @@
+"""--preset: a recipe of flag values in one flag, set where the command line does not give the flag, and what a
+preset derives from the run itself (the tag of its default --out).
+
+chat_rl is nanochat's RL recipe, scripts/chat_rl.py at 92d63d4: on-policy (one iteration, so no ratio and no clip), no
+KL, advantage r - mean, token-level loss, Muon + AdamW at its rates x init-lr-frac 0.05 (--optimizer muon's default
+--lr) decaying linearly to 0 over one epoch of the train prompts, no gradient clipping, 16 prompts x 16 samples of up
+to 256 tokens at temperature 1 and top-k 50, the calculator on, GSM8K's reward, pass@1..8 (its --device-batch-size)
+on 400 eval prompts every 60 steps, a checkpoint every 60 steps, all kept, in chatrl_checkpoints/d<depth>.
+"""
+from __future__ import annotations
+
+import argparse
+
+from nanochat_ext.cli import given_flags
+from nanochat_ext.ddp_common import print0
+
+PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none", "loss_agg": "token",
+                       "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0,
+                       "grad_clip": 0.0, "batch_size": 16, "group_size": 16, "max_new_tokens": 256, "temperature": 1.0,
+                       "top_k": 50, "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
+                       "eval_examples": 400, "eval_pass_k": 8, "save_every": 60, "keep_last": 0, "num_epochs": 1}}
+
+
+def apply_preset(p: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
+    """Set args.preset's values but for the flags argv gives explicitly; args.preset_values holds what it set."""
+    args.preset_values = {}
+    if args.preset:
+        given = given_flags(p, argv)
+        args.preset_values = {k: v for k, v in PRESETS[args.preset].items() if k not in given}
+        vars(args).update(args.preset_values)
+
+
+def print_preset(args: argparse.Namespace) -> None:
+    """Rank 0's start line naming every value the preset set (none without a preset)."""
+    if args.preset:
+        print0(f"preset {args.preset}: " + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                                    for k, v in args.preset_values.items()))
+
+
+def preset_tag(args: argparse.Namespace, depth: int) -> str | None:
+    """The tag of the preset's default --out: chat_rl writes where nanochat's chat_rl does and its load_model("rl")
+    looks, chatrl_checkpoints/d<depth> (depth: the policy's layers, nanochat GPT's n_layer). None: the script's own
+    default. A --tag or --out given explicitly wins, as chat_rl's --model-tag does."""
+    return f"d{depth}" if args.preset == "chat_rl" else None

@@ -145,7 +145,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("optimisation")
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="sequences " + MICRO_BATCH_HELP)
     g.add_argument("--max_steps", type=int, default=None, help="rollout steps (default: --num_epochs's, else 100)")
-    g.add_argument("--num_epochs", type=int, help="--max_steps, where not given: train prompts // --batch_size x E")
+    g.add_argument("--num_epochs", type=int, help="--max_steps, where not given: train prompts // --batch_size x E "
+                                                   "(steps' worth of batches: dynamic sampling may draw more)")
     g.add_argument("--optimizer", choices=OPTIMIZERS, default="adamw",
                    help="adamw; or muon, nanochat's own optimizer (MuonAdamW) for nanochat policies: its Muon on "
                         "the block matrices, AdamW on embeddings, LM head and scalars, each group at the learning "

@@ -40,7 +40,7 @@ from nanochat_ext.gpt import GPT, GPTConfig, padded
 from nanochat_ext.grpo import LossConfig, group_advantages, policy_backward, reference_model
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 from nanochat_ext.lora import LoraSpec, WithoutAdapters, apply_lora
-from nanochat_ext.optim import make_adamw
+from nanochat_ext.optim import make_adamw, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward
 from nanochat_ext.sampling import SamplingConfig
@@ -361,6 +361,33 @@ class _NanochatTokens:
         return self.vocab_size - 1
 
 
+def bench_optimizer(shape: str, b: argparse.Namespace, device: torch.device) -> list[dict]:
+    """One optimizer step over the whole policy, --optimizer adamw against muon (nanochat's MuonAdamW, chat_rl's
+    rates), the gradients random and fixed: milliseconds per step and the state's memory."""
+    policy = make_backbone(shape_config(shape, b.vintage), device, 0)
+    params = list(policy.parameters())
+    g = torch.Generator(device=device).manual_seed(0)
+    grads = [torch.randn(p.shape, generator=g, device=device) * 1e-3 for p in params]
+    rows = []
+    for kind, lr in (("adamw", 1e-6), ("muon", 0.05)):
+        optimizer = make_optimizer(kind, policy.model, params, lr, 0.0, device)
+        times = []
+        for step in range(b.warmup + b.steps):
+            for p, grad in zip(params, grads):
+                p.grad = grad.clone()
+            with Clock(device) as clock:
+                optimizer.step()
+            if step >= b.warmup:
+                times.append(clock.s)
+            optimizer.zero_grad(set_to_none=True)
+        state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
+                    if isinstance(t, torch.Tensor))
+        rows.append({"bench": "gpu_optimizer", "shape": shape, "optimizer": kind, "params": sum(p.numel() for p in params),
+                     "ms_per_step": round(1e3 * sum(times) / len(times), 2), "state_gb": round(state / 2**30, 3)})
+        del optimizer
+    return rows
+
+
 def options(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's flags (argv: as on the command line; None: sys.argv), every one at its default unless given; the
     tests build their runs from it too."""
@@ -368,8 +395,9 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda")
     p.add_argument("--shapes", nargs="+", default=["d12", "d20"])
     p.add_argument("--vintage", default="current", help="nanochat architecture (vintages.VINTAGES; default: today's)")
-    p.add_argument("--only", choices=("rm", "grpo", "decode", "both", "all"), default="all",
-                   help="which benches (both: rm and grpo, as before the decode bench)")
+    p.add_argument("--only", choices=("rm", "grpo", "decode", "optim", "both", "all"), default="all",
+                   help="which benches (both: rm and grpo, as before the decode bench; optim: one step of "
+                        "--optimizer adamw and muon)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
@@ -417,6 +445,9 @@ def main() -> None:
                               "torch": torch.__version__}), flush=True)
         if b.only in ("decode", "all"):
             for row in bench_decode(shape, b, device):
+                print(json.dumps({**row, "device": device_name(device), "torch": torch.__version__}), flush=True)
+        if b.only in ("optim", "all") and b.par is None:
+            for row in bench_optimizer(shape, b, device):
                 print(json.dumps({**row, "device": device_name(device), "torch": torch.__version__}), flush=True)
 
 

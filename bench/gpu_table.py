@@ -11,7 +11,7 @@ from pathlib import Path
 
 HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
           "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | decode tok/s ours eager / +tools / "
-          "compiled / +tools / nanochat (MBU) |")
+          "compiled / +tools / nanochat (MBU) | optimizer step ms adamw / muon |")
 
 
 def pct(x: float | None) -> str:
@@ -43,7 +43,7 @@ def table(rows: list[dict]) -> str:
     """Markdown: the CUDA tests' summary, then a row per shape and setting in the order they were measured."""
     tests = [r["summary"] for r in rows if r.get("bench") == "cuda_tests"]
     shapes = list(dict.fromkeys(label(r) for r in rows if "shape" in r))
-    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 8 + "|"]
+    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 9 + "|"]
     for shape in shapes:
         rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and label(r) == shape}
         ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and label(r) == shape), None)
@@ -59,7 +59,9 @@ def table(rows: list[dict]) -> str:
         decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and label(r) == shape}
         decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours eager +tools", "ours compiled",
                                                                   "ours compiled +tools", "nanochat"))
-        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} |")
+        steps = {r["optimizer"]: r["ms_per_step"] for r in rows if r.get("bench") == "gpu_optimizer" and label(r) == shape}
+        optim = " / ".join(str(steps.get(k, "-")) for k in ("adamw", "muon"))
+        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} | {optim} |")
     return "\n".join(lines)
 
 

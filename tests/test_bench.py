@@ -70,6 +70,16 @@ def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():
     assert label(lora) == "tiny LoRA r16" and label(full) == "tiny"
 
 
+def test_the_gpu_bench_steps_both_optimizers():
+    """bench_gpu.py's optimizer rows (run_gpu.sh measures them at every shape): AdamW and nanochat's MuonAdamW each
+    take timed steps over the whole policy and keep state."""
+    from bench_gpu import bench_optimizer, options
+
+    rows = bench_optimizer("tiny", options(["--warmup", "1", "--steps", "1"]), torch.device("cpu"))
+    assert [r["optimizer"] for r in rows] == ["adamw", "muon"]
+    assert all(r["ms_per_step"] > 0 and r["state_gb"] > 0 and r["params"] == rows[0]["params"] for r in rows)
+
+
 def test_gpu_table_puts_ours_beside_trl():
     from gpu_table import table
 
@@ -81,10 +91,13 @@ def test_gpu_table_puts_ours_beside_trl():
     decode = [{"bench": "gpu_decode", "shape": "d20", "engine": "ours eager", "decode_tok_per_s": 9800.0,
                "decode_mbu": 0.1}, {"bench": "gpu_decode", "shape": "d20", "engine": "nanochat",
                                     "decode_tok_per_s": 10300.0, "decode_mbu": None}]
-    out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl, *decode])
+    optim = [{"bench": "gpu_optimizer", "shape": "d20", "optimizer": k, "ms_per_step": ms}
+             for k, ms in (("adamw", 12.5), ("muon", 40.0))]
+    out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl, *decode, *optim])
     assert out.splitlines()[0] == "CUDA tests: 5 passed in 9s"
     assert out.splitlines()[-1] == ("| d20 | 10.0 (25.0%) | 10.0 (25.0%) | 10.0 (25.0%, 50.0) | 30.0 / 20.0 (1.50x) | "
-                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 9800.0 (10.0%) / - / - / - / 10300.0 |")
+                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 9800.0 (10.0%) / - / - / - / 10300.0 | "
+                                    "12.5 / 40.0 |")
 
 
 def test_shapes_follow_nanochats_rule():

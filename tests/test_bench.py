@@ -32,13 +32,15 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["bench"] for r in rows] == ["cuda_tests"] + ["lm_head_chain"] * 4 + ["gpu_rm"] * 3 + \
-        ["gpu_grpo", "gpu_decode", "gpu_decode"] + ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and
+        ["gpu_grpo", "gpu_decode", "gpu_decode", "gpu_optimizer", "gpu_optimizer"] + \
+        ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and
     # with AC (LoRA's rows: the next test)
     head, rows = rows[1:5], rows[:1] + rows[5:]
     assert [(r["compiled"], r["mode"]) for r in head] == [(c, m) for c in ("eager", "inductor")
                                                           for m in ("forward", "forward_backward")]
     assert all(r["ms"] > 0 for r in head)
-    fsdp = rows[7:11]
+    optim, fsdp = rows[7:9], rows[9:13]
+    assert [r["optimizer"] for r in optim] == ["adamw", "muon"] and all(r["ms_per_step"] > 0 for r in optim)
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
@@ -53,6 +55,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
+    assert f"| {optim[0]['ms_per_step']} / {optim[1]['ms_per_step']} |" in proc.stdout
 
 
 def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():

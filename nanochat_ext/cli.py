@@ -162,7 +162,7 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         if code in ENDINGS_THAT_REPEAT:
             remember_ending(code, message, timeout)
         if said and (rank == 0 or everyone):
-            print(f"error: {message}{again}", file=sys.stderr, flush=True)
+            say(f"error: {message}{again}")
         return code
 
     if (ended := previous_ending(timeout)) is not None:
@@ -180,7 +180,7 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
         return end(EXIT_NONFINITE, str(e))
     except Interrupted as e:
         if rank == 0:
-            print(str(e), file=sys.stderr, flush=True)
+            say(str(e))
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or an environment failure: its traceback, then the one line
         if is_out_of_memory(e):  # bad input too (a model or batch too big): every rank that hit it says so
@@ -194,6 +194,20 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Dis
     finally:
         release_out_dirs()
         restore_signal_handlers()
+
+
+def say(line: str) -> None:
+    """One line on stderr in one write: ranks that share torchrun's stderr pipe then cannot interleave inside it (a
+    pipe's writes of up to PIPE_BUF bytes are atomic), as print's text and newline could (seen: two ranks' lines run
+    together). A stderr with no file descriptor (pytest's capsys) takes it as one write call."""
+    sys.stderr.flush()
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+        return
+    os.write(fd, (line + "\n").encode())
 
 
 def record_for_torchrun(line: str) -> None:
@@ -216,7 +230,7 @@ def run_plain(body: Callable[[], object], label: str) -> int:
     try:
         result = body()
     except InputError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        say(f"error: {e}")
         return EXIT_BAD_INPUT
     print(f"{label}: {result}", flush=True)
     return 0

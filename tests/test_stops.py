@@ -190,3 +190,29 @@ def test_the_loss_and_the_reward_see_the_same_whichever_stop_ended_a_row(kinds, 
     assert torch.equal(reward, other_reward) and reward[:, 1].tolist() == [float(len(t)) for t in texts]
     ended = [c if t else c[:-1] + [tok.eos_id] for c, t in zip(first.completions, first.truncated)]
     assert reward[:, 0].tolist() == rewards.rm.score_ids([p + c for p, c in zip(PROMPTS, ended)])
+
+
+def test_the_stops_are_where_transformers_generate_stops(im_end_dir, tmp_path):
+    """Oracle: the eos_token_id transformers' generate stops at (GenerationConfig.from_pretrained where the dir has a
+    generation config, else from_model_config of its config.json, transformers' own fallback), plus the tokenizer's
+    eos, which rendered replies end with: a list, an int, and no generation config."""
+    from transformers import AutoConfig
+
+    d = tmp_path / "model"
+    shutil.copytree(im_end_dir, d)
+    tok = AutoTokenizer.from_pretrained(d)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    cases = {"list": {"eos_token_id": [tok.eos_token_id, im_end]}, "int": {"eos_token_id": im_end}, "none": None}
+    for name, generation in cases.items():
+        (d / "generation_config.json").unlink(missing_ok=True)
+        config = json.loads((im_end_dir / "config.json").read_text())
+        if generation is None:  # only config.json says where a turn ends
+            config["eos_token_id"] = [im_end, tok.eos_token_id]
+        else:
+            GenerationConfig(**generation).save_pretrained(d)
+        (d / "config.json").write_text(json.dumps(config))
+        theirs = (GenerationConfig.from_pretrained(d) if generation is not None else
+                  GenerationConfig.from_model_config(AutoConfig.from_pretrained(d))).eos_token_id
+        theirs = {theirs} if isinstance(theirs, int) else set(theirs)
+        ours = load_tokenizer_for(load_backbone(d), None).stop_ids
+        assert set(ours) == theirs | {tok.eos_token_id} and ours[0] == tok.eos_token_id, name

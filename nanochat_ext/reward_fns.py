@@ -8,9 +8,10 @@ import re
 
 from nanochat_ext.gsm8k import extract_answer, reference_answer
 
-BUILT_IN = ("exact_match", "contains_answer", "gsm8k", "gsm8k_numeric")  # --reward_fn NAME
+BUILT_IN = ("exact_match", "contains_answer", "last_number", "gsm8k", "gsm8k_numeric")  # --reward_fn NAME
 REFERENCE = "answer"  # the row's field every built-in compares with
 _WORD = re.compile(r"[\w+\-.]+")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
 def _first_word(text: str) -> str:
@@ -29,6 +30,17 @@ def contains_answer(prompt: str, completion: str, row: dict) -> float:
     """1 if the row's answer appears anywhere in the completion as a whole word, else 0."""
     answer = str(row.get(REFERENCE, "")).strip()
     return float(bool(answer) and re.search(rf"(?<!\w){re.escape(answer)}(?!\w)", completion) is not None)
+
+
+def last_number(prompt: str, completion: str, row: dict) -> float:
+    """1 if the last number in the completion equals the row's answer by value (`81`, `81.0`, `1,024` and "is 81."
+    count), else 0: the check of a reply told to answer with the number only, which small instruct models still
+    wrap in words."""
+    found = _NUMBER.findall(completion)
+    try:
+        return float(bool(found) and abs(float(found[-1].replace(",", "")) - float(str(row.get(REFERENCE, "")))) < 1e-9)
+    except ValueError:  # a reference that is no number never matches
+        return 0.0
 
 
 def gsm8k(prompt: str, completion: str, row: dict) -> float:
@@ -53,6 +65,11 @@ def reference_problem(name: str, row: dict) -> str | None:
     answer = row.get(REFERENCE)
     if answer is None or not str(answer).strip():
         return f"missing or empty: --reward_fn {name} compares each completion with it"
+    if name == "last_number":
+        try:
+            float(str(answer))
+        except ValueError:
+            return f"{answer!r} is not a number, which --reward_fn {name} compares by value"
     if name in ("gsm8k", "gsm8k_numeric"):
         want = reference_answer(str(answer))
         if want is None:

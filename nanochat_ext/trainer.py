@@ -61,6 +61,7 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.guard: StepGuard | None = None
         self.t_log = time.time()
+        self.train_time = 0.0  # seconds in training steps so far, evaluations left out (perf/train_time_s)
 
     def resume(self, resume: tuple | None, keys: tuple[str, ...], load_whole: Callable[[dict], None],
                absent: dict | None = None) -> int:
@@ -76,6 +77,7 @@ class Trainer:
             load_whole(state)
             self.optimizer.load_state_dict(state["optimizer"])
         self.start_step = int(state["step"])
+        self.train_time = float(state.get("train_time_s", 0.0))
         print0(f"resume: from {path} at step {self.start_step}" + (f" (draw {state['draw']})" if "draw" in state else ""))
         return self.start_step
 
@@ -89,7 +91,7 @@ class Trainer:
             path = self.parallel.save(
                 into, self.model, self.optimizer, module=self.module, final=step == self.args.max_steps,
                 consolidate=consolidate, write_whole=saving.write_whole,
-                state={"step": step, "args": args, **saving.state},
+                state={"step": step, "args": args, "train_time_s": self.train_time, **saving.state},
                 meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
                                     "metrics": metrics, "args": args})
         if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last, self.kind)):
@@ -127,7 +129,10 @@ class Trainer:
         return time.time() - self.t_log
 
     def log(self, done: int, metrics: dict) -> None:
-        """The window's metrics, logged; the next window starts now."""
+        """The window's metrics, logged with the training time so far (a learning curve's x against wall-clock);
+        the next window starts now."""
+        self.train_time += self.elapsed()
+        metrics = {**metrics, "perf/train_time_s": self.train_time}
         self.tracker.log(done, metrics)
         self.metrics = metrics
         self.t_log = time.time()

@@ -100,6 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+BEFORE = "before (SFT)"  # the report's name for --policy_before
 GIVEN = ("rm", "score_rm", "policy_before", "policy_after", "policy", "eval_pairs", "eval_prompts", "tool_prompts",
          "reward_fn")
 
@@ -114,7 +115,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
     for flag, path in [("rm", d) for d in args.rm] + [("score_rm", args.score_rm)]:
         if flag in args.given and not Path(path).exists():
             raise InputError(f"--{flag}: not found", path=path)
-    for k, (name, path) in enumerate([("before (SFT)", args.policy_before)] + named_policies(args)):
+    for k, (name, path) in enumerate([(BEFORE, args.policy_before)] + named_policies(args)):
         flag = "policy_before" if k == 0 else "policy" if args.policy else "policy_after"
         if flag in args.given and not is_policy(path):
             raise InputError(f"--{flag}: no model checkpoint or Hugging Face model here", path=path)
@@ -221,9 +222,15 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     judgeable = all(t in synthetic.TOPIC_WORDS for t in topic_of)
     dense = dense_topics(Counter(topic_of)) if judgeable else set()
 
-    def judged(items, keep=lambda topic: True):
-        """Ground-truth task accuracy of the items whose prompt's topic passes keep (None: no ground truth)."""
-        marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in items if judgeable and keep(topic_of[i])]
+    def judged(items, keep=None):
+        """Task accuracy of the items whose prompt's topic passes keep (None: all): the demo's ground truth, else the
+        task reward's verdict (--reward_fn, 1: right), which has no topics; None where neither applies."""
+        if judgeable:
+            marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in items if keep is None or keep(topic_of[i])]
+        elif args.reward_fn and keep is None:
+            marks = [v == 1 for v in task.task_scores([rows[i] for i, *_ in items], [text for _, text, _, _ in items])]
+        else:
+            marks = []
         return sum(marks) / len(marks) if marks else None
 
     per_topic = [judged(sampled, lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
@@ -235,7 +242,7 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     accuracy = {f"task_accuracy_{mode}{suffix}": judged(items, keep)
                 for mode, items in (("greedy", greedy), ("sampled", sampled))
-                for suffix, keep in (("", lambda t: True), ("_dense", lambda t: t in dense),
+                for suffix, keep in (("", None), ("_dense", lambda t: t in dense),
                                      ("_rare", lambda t: t not in dense))}
     dense_acc, rare_acc = accuracy["task_accuracy_sampled_dense"], accuracy["task_accuracy_sampled_rare"]
     return {"checkpoint": policy.source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
@@ -245,15 +252,27 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
             if per_topic else None,
             **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
             **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
-            "examples": [text for _, text, _, _ in sampled[:4]]}
+            "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text} for i, text, _, _ in greedy[:4]]}
 
 
-def plot_curves(base: Path, out_dir: Path) -> list[tuple[str, Path]]:
-    """One PNG per training stage that logged metrics.jsonl."""
+def plot_curves(base: Path, out_dir: Path, task: str | None = None, start: dict | None = None) -> list[tuple[str, Path]]:
+    """One PNG per training stage that logged metrics.jsonl; for a GRPO run that evaluated the task reward `task`
+    on held-out prompts, also its learning curve against training seconds (perf/train_time_s, evaluations left
+    out), from the policy before training at 0 s (start: its task accuracy, greedy and sampled)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    def save(fig, ax, name: str, xlabel: str) -> None:
+        ax.set_xlabel(xlabel)
+        ax.set_title(name)
+        ax.legend()
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        plots.append((name, path))
 
     plots = []
     for stage_dir, (prefix, keys) in PLOT_KEYS.items():
@@ -265,14 +284,17 @@ def plot_curves(base: Path, out_dir: Path) -> list[tuple[str, Path]]:
                 pts = [(r["step"], r[key]) for r in rows if key in r]
                 if pts:
                     ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=key)
-            ax.set_xlabel("step")
-            ax.set_title(name)
-            ax.legend()
-            fig.tight_layout()
-            path = out_dir / f"{name}.png"
-            fig.savefig(path, dpi=80)
-            plt.close(fig)
-            plots.append((name, path))
+            save(fig, ax, name, "step")
+            seconds = {r["step"]: r["perf/train_time_s"] for r in rows if "perf/train_time_s" in r}
+            curves = {mode: [(seconds[r["step"]], r[f"eval/{task}_{mode}"]) for r in rows
+                             if f"eval/{task}_{mode}" in r and r["step"] in seconds] for mode in ("greedy", "sampled")}
+            if stage_dir == "chatrl_checkpoints" and task and any(curves.values()):
+                fig, ax = plt.subplots(figsize=(5, 3))
+                for mode, pts in curves.items():
+                    if start and start.get(mode) is not None:
+                        pts = [(0.0, start[mode])] + pts
+                    ax.plot(*zip(*pts), marker=".", label=f"held-out {task}, {mode}")
+                save(fig, ax, f"{name}_accuracy_vs_time", "training seconds (evaluations left out)")
     return plots
 
 
@@ -320,7 +342,7 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
                       for k in next(iter(uses.values()))]
             lines.append("")
         for name, p in policies.items():
-            lines += [f"Samples from {name} (`{p['checkpoint']}`):", ""] + [f"- {t}" for t in p["examples"]] + [""]
+            lines += [f"Greedy completions of the first held-out prompts, {name} (`{p['checkpoint']}`):", ""] + [f"- {e['prompt']!r} -> {e['completion']!r}" for e in p["examples"]] + [""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]
     return "\n".join(lines)
@@ -333,7 +355,7 @@ def eval_policies(rows, tool_rows, args: argparse.Namespace, env: DistEnv, dtype
     if scorer is not None:
         print0(compile_models(args.compile, env.device, scorer.model.backbone))
     policies = {}
-    for name, path in [("before (SFT)", args.policy_before)] + named_policies(args):
+    for name, path in [(BEFORE, args.policy_before)] + named_policies(args):
         if not is_policy(path):  # sft:d20 and checkpoint roots too
             print0(f"eval: no policy at {path}, skipped")
             continue
@@ -365,7 +387,9 @@ def evaluate(args: argparse.Namespace, env: DistEnv) -> Path:
         timings_file = base / "timings.tsv"
         timings = [(n, float(s)) for n, s in (line.split("\t") for line in timings_file.read_text().splitlines()
                                              if line.strip())] if timings_file.is_file() else []
-        plots = plot_curves(base, out.parent)
+        before = policies.get(BEFORE, {})
+        plots = plot_curves(base, out.parent, args.reward_fn[0].rsplit(":", 1)[-1] if args.reward_fn else None,
+                            {mode: before.get(f"task_accuracy_{mode}") for mode in ("greedy", "sampled")})
         passed = base / "stage_args.json"  # speedrun.sh's REGIME, SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS
         stage_args = json.loads(passed.read_text()) if passed.is_file() else {}
         out.with_suffix(".json").write_text(json.dumps({"reward_models": rms, "policies": policies,

@@ -310,6 +310,9 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     # The logs follow the checkpoint: what the first run logged of step 3 is gone, the resumed run's step 3 is there,
     # in metrics.jsonl, rollouts.jsonl and TensorBoard alike.
     assert [m["step"] for m in read_metrics(two) if "train/loss" in m] == [1, 2, 3]
+    # perf/train_time_s, a learning curve's x: the resumed step adds to the total its checkpoint saved
+    times = [m["perf/train_time_s"] for m in read_metrics(two) if "train/loss" in m]
+    assert 0 < times[0] < times[1] == state["train_time_s"] < times[2]
     assert [r["step"] for r in rollouts(two)] == [1] * 16 + [2] * 16 + [3] * 16
     events = EventAccumulator(str(two / "logs"))
     events.Reload()

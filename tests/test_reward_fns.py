@@ -7,8 +7,9 @@ import torch
 
 from nanochat_ext.data import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k
+from nanochat_ext.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
 from nanochat_ext.rewards import check_references
+from nanochat_ext.word_arithmetic import KINDS, make_questions
 from scripts.kat_compute_density import knn_distances
 
 
@@ -26,6 +27,37 @@ def test_contains_answer_needs_a_whole_word():
     assert contains_answer("q", "anything", {"answer": ""}) == 0.0
 
 
+def test_last_number_reads_the_replys_last_number_by_value():
+    """What a small instruct model told to answer with the number only still writes: a sentence, the sum worked out."""
+    row = {"answer": "81"}
+    for reply in ("81", "The answer is 81.", "81.0", "80 + 1 = 81", "58 plus 23 is **81**"):
+        assert last_number("q", reply, row) == 1.0, reply
+    for reply in ("81 - 1 = 80", "8 1", "eighty-one", "", "810"):
+        assert last_number("q", reply, row) == 0.0, reply
+    assert last_number("q", "It is 1,024", {"answer": "1024"}) == 1.0
+    assert last_number("q", "-3", {"answer": -3}) == 1.0 and last_number("q", "3", {"answer": "-3"}) == 0.0
+
+
+def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen():
+    train, held_out = make_questions(400, 64, seed=3)
+    assert (len(train), len(held_out)) == (400, 64)
+    number = re.compile(r"\d+")
+    for row in train + held_out:  # the operands read back from the prompt give the stored answer
+        phrasings, _, _, answer = KINDS[row["kind"]]
+        for phrasing in phrasings:
+            pattern = re.escape(phrasing).replace(r"\{a\}", r"(?P<a>\d+)").replace(r"\{b\}", r"(?P<b>\d+)")
+            if m := re.match(pattern, row["prompt"]):
+                assert row["answer"] == str(answer(int(m["a"]), int(m["b"])))
+                break
+        else:
+            raise AssertionError(f"no phrasing of {row['kind']} matches {row['prompt']!r}")
+        assert number.findall(row["prompt"])
+    assert {r["kind"] for r in held_out} == set(KINDS) and len({r["prompt"] for r in held_out}) == 64
+    questions = {(r["kind"], tuple(number.findall(r["prompt"]))) for r in held_out}
+    assert not questions & {(r["kind"], tuple(number.findall(r["prompt"]))) for r in train}
+    assert make_questions(400, 64, seed=3) == (train, held_out)
+
+
 def test_no_reference_is_never_a_match():
     """A row without a reference scores 0 whatever the completion (nanochat's GSM8K rule compares a missing reference
     equal to a missing answer, which scored every completion 1)."""
@@ -40,17 +72,18 @@ def test_no_reference_is_never_a_match():
     ("gsm8k_numeric", {"answer": "#### 1.2.3"}, "'1.2.3' is not a number"),
     ("nanochat_ext.reward_fns:exact_match", {"answer": ""}, "missing or empty"),
     ("contains_answer", {"topic": "x"}, "missing or empty"),
+    ("last_number", {"answer": "eighty-one"}, "'eighty-one' is not a number"),
 ])
 def test_a_built_in_reward_refuses_rows_without_its_reference_naming_file_row_and_field(tmp_path, name, row, expected):
     path = tmp_path / "prompts.jsonl"
-    good = {"prompt": "q", "answer": "She has <<3+2=5>>5 left.\n#### 5"}
+    good = {"prompt": "q", "answer": "5" if name == "last_number" else "She has <<3+2=5>>5 left.\n#### 5"}
     path.write_text("".join(json.dumps({"prompt": "q", **r}) + "\n" for r in (good, row)))
     rows = load_prompts(path)
     check_references(["rewards_for_tests:vowel_share"], rows, str(path))  # a user's function reads what it likes
     check_references([name], rows[:1], str(path))
     with pytest.raises(InputError, match=rf"^{re.escape(str(path))}:2: field 'answer': .*{re.escape(expected)}"):
         check_references(["rewards_for_tests:vowel_share", name], rows, str(path))
-    assert set(BUILT_IN) == {"gsm8k", "gsm8k_numeric", "exact_match", "contains_answer"}  # each checked above
+    assert set(BUILT_IN) == {"gsm8k", "gsm8k_numeric", "exact_match", "contains_answer", "last_number"}  # each above
 
 
 def test_isolated_points_are_farther_from_their_neighbours():

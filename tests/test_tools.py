@@ -17,11 +17,12 @@ from torch._dynamo.utils import counters
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext import synthetic
 from nanochat_ext.cli import steps_from_epochs
-from nanochat_ext.data import load_conversations
+from nanochat_ext.data import load_conversations, load_prompts
 from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
 from nanochat_ext.evaluation import pass_at_k
 from nanochat_ext.grpo import LossConfig, policy_backward
+from nanochat_ext.reward_fns import contains_answer
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.sampling import SamplingConfig
@@ -186,6 +187,11 @@ def test_kat_eval_reports_pass_at_k(tmp_path, monkeypatch):
                           "--max_new_tokens", "40", "--samples", "2", "--out", str(out), "--device", "cpu"]) == 0
     policy = json.loads(out.with_suffix(".json").read_text())["policies"]["before (SFT)"]
     assert 0 < policy["pass@1"] <= policy["pass@3"] == policy["pass@3_unbiased"] <= 1
+    # task accuracy without the demo's topics: the task reward's verdict on each greedy completion
+    rows = load_prompts(prompts)
+    assert [e["prompt"] for e in policy["examples"]] == [r.messages[-1]["content"] for r in rows]
+    marks = [contains_answer(e["prompt"], e["completion"], r.row) for e, r in zip(policy["examples"], rows)]
+    assert policy["task_accuracy_greedy"] == sum(marks) / len(marks) and policy["task_accuracy_sampled"] is not None
     assert "| pass@3 |" in out.read_text() and "| pass@3_unbiased |" in out.read_text()
 
 

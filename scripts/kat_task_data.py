@@ -1,0 +1,43 @@
+"""A verifiable task's prompts for a real instruct model (MODEL=smollm2 bash speedrun.sh): questions with answers,
+split into training and held-out rows, scored by a built-in --reward_fn.
+
+    <out>/train.jsonl, <out>/eval.jsonl   {prompt, answer, kind}; held-out (kind, operands) never occur in training
+
+    python -m scripts.kat_task_data [--task word_arithmetic] [--n_train 2000] [--n_eval 64] [--seed 0]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from nanochat_ext import word_arithmetic
+from nanochat_ext.cli import add_dashed_aliases, script_argv
+from nanochat_ext.synthetic import write_jsonl
+
+# task -> (its questions' maker, the --reward_fn that scores them)
+TASKS = {"word_arithmetic": (word_arithmetic.make_questions, "last_number")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kat_task_data", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--task", choices=list(TASKS), default="word_arithmetic")
+    p.add_argument("--out", default=None, help="default: $NANOCHAT_BASE_DIR/tasks/<task>")
+    p.add_argument("--n_train", type=int, default=2000, help="training prompts (default: %(default)s)")
+    p.add_argument("--n_eval", type=int, default=64, help="held-out prompts (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0)
+    add_dashed_aliases(p)
+    args = p.parse_args(script_argv(argv))
+    base = Path(os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")))
+    out = Path(args.out) if args.out else base / "tasks" / args.task
+    make, reward_fn = TASKS[args.task]
+    train, held_out = make(args.n_train, args.n_eval, args.seed)
+    write_jsonl(out / "eval.jsonl", held_out)
+    write_jsonl(out / "train.jsonl", train)  # last: speedrun.sh takes it as the stage's mark of completion
+    print(f"task: {args.task}, {len(train)} train / {len(held_out)} held-out prompts in {out}; --reward_fn {reward_fn}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -103,6 +103,48 @@ def test_gpu_table_puts_ours_beside_trl():
                                     "12.5 / 40.0 |")
 
 
+def test_real_model_table_reads_the_last_sitting(tmp_path):
+    """bench/real_model_table.py on bench_real_model.sh's rows: medians of completions/s and their ratio, the first
+    evaluation at or above each threshold, accuracy at the steps both evaluated; an earlier sitting is left out."""
+    from real_model_table import main
+
+    def curve(bench, points):
+        return [{"bench": bench, "step": s, "train_s": t, "greedy_accuracy": a, "sitting": "b"} for s, t, a in points]
+
+    rows = [{"bench": "nanochat_ext_grpo", "completions_per_s": 99.0, "sitting": "a"},
+            *({"bench": "nanochat_ext_grpo", "completions_per_s": c, "sitting": "b"} for c in (4.0, 2.0, 3.0)),
+            *({"bench": "trl_real_model_throughput", "completions_per_s": c, "sitting": "b"} for c in (1.0, 2.0, 1.5)),
+            *curve("ours_time_to_accuracy", [(0, 0.0, 0.1), (10, 40.0, 0.35), (20, 80.0, 0.5)]),
+            *curve("trl_time_to_accuracy", [(0, 0.0, 0.1), (10, 100.0, 0.2), (20, 200.0, 0.42), (25, 250.0, 0.45)])]
+    results = tmp_path / "real_model.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "real_model_table.py"), str(results)],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "| median | 3.00 (n=3) | 1.50 (n=3) | 2.00x |" in out
+    assert out[out.index("| accuracy reached | ours | TRL |") + 2:][:3] == [
+        "| >= 0.3 | 40.0 s (step 10) | 200.0 s (step 20) |", "| >= 0.4 | 80.0 s (step 20) | 200.0 s (step 20) |",
+        "| >= 0.5 | 80.0 s (step 20) | - |"]
+    assert out[-3:] == ["| 0 | 0.100 | 0.100 | 0.0 | 0.0 |", "| 10 | 0.350 | 0.200 | 40.0 | 100.0 |",
+                        "| 20 | 0.500 | 0.420 | 80.0 | 200.0 |"]
+    results.write_text("{\n")
+    assert main([str(results)]) == 2
+
+
+def test_our_curve_pairs_each_evaluation_with_its_steps_seconds():
+    """bench/ours_real_model.py reads kat_train_grpo's metrics.jsonl: each evaluation's greedy accuracy beside the
+    training seconds and lr logged at the same step, the final evaluation once."""
+    from ours_real_model import curve
+
+    logs = [{"step": 1, "perf/train_time_s": 5.0, "train/lr": 3e-5},
+            {"step": 2, "perf/train_time_s": 9.5, "train/lr": 2e-5},
+            {"step": 2, "eval/last_number_greedy": 0.25, "eval/last_number_sampled": 0.125},
+            {"step": 3, "perf/train_time_s": 14.0, "train/lr": 1e-5},
+            {"step": 3, "eval/last_number_greedy": 0.5, "eval/last_number_sampled": 0.25},
+            {"step": 3, "eval/last_number_greedy": 0.5, "eval/last_number_sampled": 0.25}]
+    assert [(r["step"], r["train_s"], r["greedy_accuracy"], r["sampled_accuracy"], r["lr"]) for r in curve(logs)] == \
+        [(2, 9.5, 0.25, 0.125, 2e-5), (3, 14.0, 0.5, 0.25, 1e-5)]
+
+
 def test_shapes_follow_nanochats_rule():
     """nanochat's base_train.py: model_dim = depth x 64 rounded up to a multiple of head_dim 128."""
     from bench_gpu import nanochat_dims, shape_config

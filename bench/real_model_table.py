@@ -1,0 +1,77 @@
+"""The markdown table of bench/bench_real_model.sh's JSON lines (its last sitting in the file): GRPO completions/s
+of ours and TRL's (medians over the repeats, and their ratio), then time to accuracy: for each threshold the
+training seconds (evaluations left out) at which each first reached that held-out greedy accuracy, and the accuracy
+of both at the steps both evaluated.
+
+    python bench/real_model_table.py bench/results/real_model_<date>.jsonl [--thresholds 0.3 0.4 0.5]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+SIDES = {"ours": ("nanochat_ext_grpo", "ours_time_to_accuracy"),
+         "TRL": ("trl_real_model_throughput", "trl_time_to_accuracy")}  # side -> (throughput bench, curve bench)
+
+
+def last_sitting(rows: list[dict]) -> list[dict]:
+    """The rows of the file's last sitting (bench_real_model.sh tags every row with its start time)."""
+    sitting = rows[-1].get("sitting") if rows else None
+    return [r for r in rows if r.get("sitting") == sitting]
+
+
+def first_reached(curve: list[dict], threshold: float) -> str:
+    """'seconds (step N)' of the first evaluation at or above threshold; '-' where none was."""
+    hit = next((r for r in curve if r["greedy_accuracy"] >= threshold), None)
+    return "-" if hit is None else f"{hit['train_s']:.1f} s (step {hit['step']})"
+
+
+def table(rows: list[dict], thresholds: list[float]) -> str:
+    rows = last_sitting(rows)
+    speed = {side: [r["completions_per_s"] for r in rows if r.get("bench") == bench]
+             for side, (bench, _) in SIDES.items()}
+    curves = {side: sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
+              for side, (_, bench) in SIDES.items()}
+    med = {side: statistics.median(v) if v else None for side, v in speed.items()}
+    cell = lambda side: "-" if med[side] is None else f"{med[side]:.2f} (n={len(speed[side])})"  # noqa: E731
+    ratio = f"{med['ours'] / med['TRL']:.2f}x" if med["ours"] and med["TRL"] else "-"
+    lines = ["GRPO throughput (1 prompt x 8 completions x 32 tokens, fp32), median over repeats", "",
+             "| completions/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
+             f"| median | {cell('ours')} | {cell('TRL')} | {ratio} |", "",
+             "Time to held-out greedy accuracy (training seconds, evaluations left out)", "",
+             "| accuracy reached | ours | TRL |", "|---|---|---|"]
+    lines += [f"| >= {t:g} | {first_reached(curves['ours'], t)} | {first_reached(curves['TRL'], t)} |"
+              for t in thresholds]
+    at = {side: {r["step"]: r for r in curve} for side, curve in curves.items()}
+    steps = sorted(set(at["ours"]) & set(at["TRL"]))
+    lines += ["", "| step | ours accuracy | TRL accuracy | ours train s | TRL train s |", "|---|---|---|---|---|"]
+    lines += [f"| {s} | {at['ours'][s]['greedy_accuracy']:.3f} | {at['TRL'][s]['greedy_accuracy']:.3f} | "
+              f"{at['ours'][s]['train_s']:.1f} | {at['TRL'][s]['train_s']:.1f} |" for s in steps]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", help="bench_real_model.sh's JSON lines")
+    p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
+    args = p.parse_args(argv)
+    path = Path(args.results)
+    if not path.is_file():
+        sys.stderr.write(f"error: {path}: not found\n")
+        return 2
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            sys.stderr.write(f"error: {path}:{n}: not a JSON line ({e.msg})\n")
+            return 2
+    print(table(rows, args.thresholds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

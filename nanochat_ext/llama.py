@@ -75,7 +75,9 @@ class Attention(nn.Module):
         qk = qk.view(B, T, self.n_head + self.n_kv_head, self.head_dim).transpose(1, 2)
         cos, sin = cos_sin
         qk = qk * cos + rotate_half(qk) * sin
-        q, k = qk.split([self.n_head, self.n_kv_head], dim=1)
+        # Contiguous: under inductor with symbolic lengths, the backward graph fixed the slices' strides at the first
+        # length's and failed its stride assert at the next (test_compiled_llama_trains_at_new_lengths_as_eager).
+        q, k = (t.contiguous() for t in qk.split([self.n_head, self.n_kv_head], dim=1))
         if at is not None:
             q = rows_at(q.transpose(1, 2), at).transpose(1, 2)  # (B, n_head, K, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)

@@ -174,6 +174,31 @@ def test_compiled_training_agrees_with_eager():
         torch.testing.assert_close(a, b, **close)
 
 
+def test_compiled_llama_trains_at_new_lengths_as_eager(tmp_path):
+    """Inductor on the native Llama (--compile 1 on a Hugging Face model, SmolLM2's family): forward and backward at
+    one length and then at others, as GRPO's steps come, give eager's hidden states and gradients. The second length
+    failed inductor's stride assert in the backward (`expected size 4==4, stride 35712==33984` on SmolLM2): the
+    backward graph fixed the stride of the queries, a slice of the fused q|k heads, while their sizes stayed
+    symbolic. q and k are made contiguous; nanochat's GPT, which projects them apart, never failed this."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                                 num_hidden_layers=1, vocab_size=64)).save_pretrained(tmp_path)
+    eager_bb, compiled_bb = load_backbone(tmp_path), load_backbone(tmp_path)
+    assert compile_blocks(compiled_bb)
+    for T in (9, 12, 7):
+        idx = torch.randint(0, 64, (4, T))
+        outs = []
+        for bb in (eager_bb, compiled_bb):
+            bb.zero_grad(set_to_none=True)
+            h = bb.model.hidden_states(idx)
+            h.square().mean().backward()
+            outs.append([h.detach()] + [p.grad for p in bb.parameters()])
+        for a, b in zip(*outs):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch.dtype | None) -> tuple[float, float,
                                                                                                      float]:
     """Step 1 of `--compile 1 --beta 0.04 --num_iterations 2` (inductor): the policy's training graph against its

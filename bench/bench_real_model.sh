@@ -5,13 +5,17 @@
 # prompts through the model's chat template); then time to held-out greedy accuracy, ours then TRL's
 # (bench/ours_real_model.py: kat_train_grpo with speedrun.sh's MODEL=smollm2 recipe; bench/trl_real_model.py --mode
 # time_to_accuracy: TRL set to the same recipe). JSON lines, each tagged with its run, repeat and the sitting's
-# start, are appended to OUT; the table (bench/real_model_table.py) is printed at the end.
+# start, are appended to OUT; then the reward model's pairs/s, REPEATS runs a side, alternating (ours:
+# bench/bench_rm.py --unfreeze_last all; TRL: bench/trl_real_rm.py's RewardTrainer; both a full fine-tune on the
+# task's pairs.jsonl, RM_PAIRS pairs a step, max length 128, fp32, AdamW lr 1e-4, grad clip 1). The table
+# (bench/real_model_table.py) is printed at the end. PARTS="grpo rm" (default: both) runs some parts alone.
 #
 #   bash bench/bench_real_model.sh MODEL_DIR TASK_DIR [OUT.jsonl]
 #   MODEL_DIR: python -m scripts.kat_fetch_model --model smollm2 | tail -n 1
-#   TASK_DIR:  python -m scripts.kat_task_data --out TASK_DIR
+#   TASK_DIR:  python -m scripts.kat_task_data --out TASK_DIR  (train, eval and pairs)
 #
-# Knobs: STEPS (time-to-accuracy steps, 40), EVAL_EVERY (10), REPEATS (throughput runs a side, 3), TPUT_STEPS (40)
+# Knobs: PARTS, RM_PAIRS (8), RM_STEPS (20: RM steps a run, TPUT_WARMUP of them untimed), STEPS (time-to-accuracy
+# steps, 40), EVAL_EVERY (10), REPEATS (throughput runs a side, 3), TPUT_STEPS (40)
 # and TPUT_WARMUP (5: left out of the timing), THREADS (torch threads of each run, 2), SEED (0),
 # TRL_PY (/tmp/anchor-venv/bin/python: TRL 1.16, ../shared/anchor-bench/README.md). Default OUT:
 # bench/results/real_model_<date>.jsonl; both trainers' logs go to OUT with .log for .jsonl.
@@ -32,8 +36,8 @@ if [ $# -lt 2 ] || [ $# -gt 3 ]; then
     echo "usage: bash bench/bench_real_model.sh MODEL_DIR TASK_DIR [OUT.jsonl]" >&2; exit 2
 fi
 [ -f "$1/config.json" ] || { echo "error: $1: no config.json (a Hugging Face model dir)" >&2; exit 2; }
-for f in train.jsonl eval.jsonl; do
-    [ -f "$2/$f" ] || { echo "error: $2: no $f (python -m scripts.kat_task_data --out DIR writes both)" >&2; exit 2; }
+for f in train.jsonl eval.jsonl pairs.jsonl; do
+    [ -f "$2/$f" ] || { echo "error: $2: no $f (python -m scripts.kat_task_data --out DIR writes them)" >&2; exit 2; }
 done
 MODEL_DIR=$(cd "$1" && pwd)
 TASK_DIR=$(cd "$2" && pwd)
@@ -47,6 +51,7 @@ OUT=${OUT:-$PWD/bench/results/real_model_$(date +%F).jsonl}
 LOG="${OUT%.jsonl}.log"
 STEPS=${STEPS:-40} EVAL_EVERY=${EVAL_EVERY:-10} REPEATS=${REPEATS:-3} TPUT_STEPS=${TPUT_STEPS:-40}
 TPUT_WARMUP=${TPUT_WARMUP:-5} THREADS=${THREADS:-2} SEED=${SEED:-0} TRL_PY=${TRL_PY:-/tmp/anchor-venv/bin/python}
+PARTS=${PARTS:-grpo rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20}
 "$TRL_PY" -c "import trl" 2>/dev/null || { echo "error: TRL_PY=$TRL_PY does not import trl" >&2; exit 2; }
 SITTING=$(date +%Y-%m-%dT%H:%M:%S)
 trap 'echo "error: a run failed; its output is at the end of $LOG" >&2' ERR
@@ -71,6 +76,8 @@ with open(out, "a") as f:
 last = records[-1]
 if "completions_per_s" in last:
     said = "%s completions/s" % last["completions_per_s"]
+elif "pairs_per_s" in last:
+    said = "%s pairs/s" % last["pairs_per_s"]
 else:
     said = "greedy accuracy %.3f after %d steps, %.1f s" % (last["final_greedy_accuracy"], last["steps"],
                                                              last["train_s"])
@@ -90,17 +97,28 @@ trl_throughput() {
         --task "$TASK_DIR" --threads "$THREADS" --steps "$TPUT_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED"
 }
 
-echo "sitting $SITTING: $MODEL_DIR on $TASK_DIR -> $OUT (logs: $LOG)"
-for r in $(seq "$REPEATS"); do  # alternate which side runs first, so that a drift of the machine falls on both
-    if [ $((r % 2)) -eq 1 ]; then
-        ours_throughput "$r"; trl_throughput "$r"
-    else
-        trl_throughput "$r"; ours_throughput "$r"
-    fi
-done
-run ours_time_to_accuracy 1 python bench/ours_real_model.py --model "$MODEL_DIR" --task "$TASK_DIR" \
-    --steps "$STEPS" --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$SEED"
-run trl_time_to_accuracy 1 "$TRL_PY" bench/trl_real_model.py --mode time_to_accuracy --model "$MODEL_DIR" \
-    --task "$TASK_DIR" --steps "$STEPS" --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$SEED"
+ours_rm() {
+    run ours_rm "$1" python bench/bench_rm.py --backbone "$MODEL_DIR" --pairs "$TASK_DIR/pairs.jsonl" \
+        --unfreeze_last all --pairs_per_proc "$RM_PAIRS" --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP"
+}
+trl_rm() {
+    run trl_rm "$1" "$TRL_PY" bench/trl_real_rm.py --model "$MODEL_DIR" --task "$TASK_DIR" --pairs "$RM_PAIRS" \
+        --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED"
+}
+alternate() {  # alternate OURS TRL: REPEATS runs a side, which side goes first alternating, so that a drift of the
+    for r in $(seq "$REPEATS"); do  # machine falls on both
+        if [ $((r % 2)) -eq 1 ]; then "$1" "$r"; "$2" "$r"; else "$2" "$r"; "$1" "$r"; fi
+    done
+}
+
+echo "sitting $SITTING: $MODEL_DIR on $TASK_DIR -> $OUT (logs: $LOG); parts: $PARTS"
+if [[ " $PARTS " == *" grpo "* ]]; then
+    alternate ours_throughput trl_throughput
+    run ours_time_to_accuracy 1 python bench/ours_real_model.py --model "$MODEL_DIR" --task "$TASK_DIR" \
+        --steps "$STEPS" --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$SEED"
+    run trl_time_to_accuracy 1 "$TRL_PY" bench/trl_real_model.py --mode time_to_accuracy --model "$MODEL_DIR" \
+        --task "$TASK_DIR" --steps "$STEPS" --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$SEED"
+fi
+[[ " $PARTS " == *" rm "* ]] && alternate ours_rm trl_rm
 echo
 python bench/real_model_table.py "$OUT"

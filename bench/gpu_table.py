@@ -65,10 +65,23 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def real_model(rows: list[dict]) -> list[str]:
+    """run_gpu.sh's REAL_SHAPE figures: GRPO on SmolLM2's shape, ours beside TRL's, where measured."""
+    ours = next((r for r in rows if r.get("bench") == "nanochat_ext_grpo"), None)
+    trl = next((r for r in rows if r.get("bench") == "trl_real_model_throughput"), None)
+    if ours is None and trl is None:
+        return []
+    cell = lambda r: "-" if r is None else f"{r['completions_per_s']}"  # noqa: E731
+    ratio = f"{ours['completions_per_s'] / trl['completions_per_s']:.2f}x" if ours and trl else "-"
+    return ["", "SmolLM2-135M's shape, random weights (GRPO, 1 prompt x 8 completions x 32 tokens):", "",
+            "| completions/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
+            f"| GRPO | {cell(ours)} | {cell(trl)} | {ratio} |"]
+
+
 def main() -> None:
     path = Path(sys.argv[1])
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.startswith('{"bench"')]
-    print(table(rows))
+    print("\n".join([table(rows)] + real_model(rows)))
 
 
 if __name__ == "__main__":

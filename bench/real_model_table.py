@@ -1,7 +1,7 @@
-"""The markdown table of bench/bench_real_model.sh's JSON lines (its last sitting in the file): GRPO completions/s
-of ours and TRL's (medians over the repeats, and their ratio), then time to accuracy: for each threshold the
-training seconds (evaluations left out) at which each first reached that held-out greedy accuracy, and the accuracy
-of both at the steps both evaluated.
+"""The markdown table of bench/bench_real_model.sh's JSON lines (for each part, its last sitting in the file): GRPO
+completions/s of ours and TRL's (medians over the repeats, and their ratio), then time to accuracy: for each
+threshold the training seconds (evaluations left out) at which each first reached that held-out greedy accuracy,
+and the accuracy of both at the steps both evaluated; then the RM's pairs/s, ours and TRL's.
 
     python bench/real_model_table.py bench/results/real_model_<date>.jsonl [--thresholds 0.3 0.4 0.5]
 """
@@ -15,12 +15,26 @@ from pathlib import Path
 
 SIDES = {"ours": ("nanochat_ext_grpo", "ours_time_to_accuracy"),
          "TRL": ("trl_real_model_throughput", "trl_time_to_accuracy")}  # side -> (throughput bench, curve bench)
+RM = {"ours": "nanochat_ext_rm", "TRL": "trl_real_rm"}  # side -> the RM's bench
 
 
-def last_sitting(rows: list[dict]) -> list[dict]:
-    """The rows of the file's last sitting (bench_real_model.sh tags every row with its start time)."""
-    sitting = rows[-1].get("sitting") if rows else None
+def last_sitting(rows: list[dict], benches: set[str]) -> list[dict]:
+    """The rows of the last sitting that ran any of these benches (bench_real_model.sh tags every row with its
+    start time; PARTS runs some parts alone)."""
+    sitting = next((r.get("sitting") for r in reversed(rows) if r.get("bench") in benches), None)
     return [r for r in rows if r.get("sitting") == sitting]
+
+
+def medians(rows: list[dict], benches: dict[str, str], key: str) -> tuple[dict, str]:
+    """{side: (median, n) or None} of `key` over each side's rows, and the ours / TRL ratio."""
+    values = {side: [r[key] for r in rows if r.get("bench") == bench] for side, bench in benches.items()}
+    med = {side: (statistics.median(v), len(v)) if v else None for side, v in values.items()}
+    ratio = f"{med['ours'][0] / med['TRL'][0]:.2f}x" if med["ours"] and med["TRL"] else "-"
+    return med, ratio
+
+
+def cell(m: tuple[float, int] | None) -> str:
+    return "-" if m is None else f"{m[0]:.2f} (n={m[1]})"
 
 
 def first_reached(curve: list[dict], threshold: float) -> str:
@@ -29,18 +43,14 @@ def first_reached(curve: list[dict], threshold: float) -> str:
     return "-" if hit is None else f"{hit['train_s']:.1f} s (step {hit['step']})"
 
 
-def table(rows: list[dict], thresholds: list[float]) -> str:
-    rows = last_sitting(rows)
-    speed = {side: [r["completions_per_s"] for r in rows if r.get("bench") == bench]
-             for side, (bench, _) in SIDES.items()}
+def table(all_rows: list[dict], thresholds: list[float]) -> str:
+    rows = last_sitting(all_rows, {b for pair in SIDES.values() for b in pair})
+    med, ratio = medians(rows, {side: bench for side, (bench, _) in SIDES.items()}, "completions_per_s")
     curves = {side: sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
               for side, (_, bench) in SIDES.items()}
-    med = {side: statistics.median(v) if v else None for side, v in speed.items()}
-    cell = lambda side: "-" if med[side] is None else f"{med[side]:.2f} (n={len(speed[side])})"  # noqa: E731
-    ratio = f"{med['ours'] / med['TRL']:.2f}x" if med["ours"] and med["TRL"] else "-"
     lines = ["GRPO throughput (1 prompt x 8 completions x 32 tokens, fp32), median over repeats", "",
              "| completions/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
-             f"| median | {cell('ours')} | {cell('TRL')} | {ratio} |", "",
+             f"| median | {cell(med['ours'])} | {cell(med['TRL'])} | {ratio} |", "",
              "Time to held-out greedy accuracy (training seconds, evaluations left out)", "",
              "| accuracy reached | ours | TRL |", "|---|---|---|"]
     lines += [f"| >= {t:g} | {first_reached(curves['ours'], t)} | {first_reached(curves['TRL'], t)} |"
@@ -50,6 +60,11 @@ def table(rows: list[dict], thresholds: list[float]) -> str:
     lines += ["", "| step | ours accuracy | TRL accuracy | ours train s | TRL train s |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {at['ours'][s]['greedy_accuracy']:.3f} | {at['TRL'][s]['greedy_accuracy']:.3f} | "
               f"{at['ours'][s]['train_s']:.1f} | {at['TRL'][s]['train_s']:.1f} |" for s in steps]
+    rm, rm_ratio = medians(last_sitting(all_rows, set(RM.values())), RM, "pairs_per_s")
+    if rm["ours"] or rm["TRL"]:
+        lines += ["", "Reward model, full fine-tune on the task's pairs (fp32, max length 128), median over repeats", "",
+                  "| pairs/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
+                  f"| median | {cell(rm['ours'])} | {cell(rm['TRL'])} | {rm_ratio} |"]
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 # (no venv, nothing downloaded), in one sitting: the CUDA-marked tests, then ours (bench_gpu.py) and Hugging
 # Face TRL (trl_gpu.py) shape by shape. Every figure is a JSON line in one file; a table ends the output.
 #   bash bench/run_gpu.sh                  # SHAPES="d12 d20 d24:32768" (d24:32768: nanochat's speedrun model)
+#                                          # and SmolLM2's shape where its config is carried (REAL_SHAPE, below)
 # What the machine lacks (our pins of transformers, tokenizers and rustbpe; TRL and its dependencies) comes as
 # wheels in $WHEELS (default .whl, ignored by git): `bash bench/fetch_gpu_wheels.sh` makes them on a machine
 # with pip access; carry .whl with the checkout. Results: $RESULTS (default bench/results/gpu_<UTC time>.jsonl,
@@ -16,7 +17,7 @@
 # call is limited to 10 minutes (the lent H100s), split it: `SHAPES= FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`
 # (the tests and the LM head), then `CUDA_TESTS=0 LM_HEAD=0 SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`,
 # `CUDA_TESTS=0 LM_HEAD=0 SHAPES="d20 d24:32768" FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`, then
-# `CUDA_TESTS=0 LM_HEAD=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24).
+# `CUDA_TESTS=0 LM_HEAD=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24, SmolLM2's shape).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
@@ -100,6 +101,30 @@ for shape in ${LORA_SHAPES-d20 d24:32768}; do
   python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" --only grpo --lora_r 16 ${BENCH_ARGS:-} |
     tee -a "$RESULTS" || status=1
 done
+# The real model (MODEL=smollm2): SmolLM2-135M-Instruct's shape, carried without its weights in $REAL_SHAPE (default
+# .smollm2, ignored by git: `python bench/model_shape.py strip $NANOCHAT_BASE_DIR/models/smollm2-135m-instruct .smollm2`
+# writes its config and tokenizer, 4 MB; the weights, 538 MB, exceed what a call carries), given random weights
+# here: GRPO completions/s on the task's prompts (1 prompt x 8 completions of exactly 32 tokens, beta 0.04), ours and
+# TRL's, bf16 on CUDA both, as bench/bench_real_model.sh measures them on CPU. REAL_ARGS: more bench_grpo.py flags.
+REAL_SHAPE=${REAL_SHAPE-.smollm2}
+if [ -f "$REAL_SHAPE/config.json" ]; then
+  real=$(mktemp -d)
+  if python3 bench/model_shape.py fill "$REAL_SHAPE" "$real/model" >/dev/null &&
+      python3 -m scripts.kat_task_data --out "$real/task" >/dev/null; then
+    # shellcheck disable=SC2086
+    python3 bench/bench_grpo.py --policy "$real/model" --prompts "$real/task/train.jsonl" --device "$DEVICE" \
+        ${REAL_ARGS:-} | grep '^{"bench"' | tee -a "$RESULTS" || status=1
+    if python3 -c "import trl" 2>/dev/null; then
+      python3 bench/trl_real_model.py --mode throughput --model "$real/model" --task "$real/task" --device "$DEVICE" |
+        grep '^{"bench"' | tee -a "$RESULTS" || status=1
+    fi
+  else
+    status=1
+  fi
+  rm -rf "$real"
+elif [ -n "$REAL_SHAPE" ]; then
+  echo "run_gpu: no $REAL_SHAPE/config.json: the real model's figures are not measured (bench/model_shape.py strip)" >&2
+fi
 python3 bench/gpu_table.py "$RESULTS" || status=1
 echo "run_gpu: figures in $RESULTS$([ $status = 0 ] || echo '; a step failed, see above')" >&2
 exit $status

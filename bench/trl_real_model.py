@@ -66,6 +66,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--eval_batch", type=int, default=32, help="eval prompts per generate call (ours: a rollout's rows)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: bf16 mixed precision, as ours computes on CUDA (bench/run_gpu.sh); cpu: fp32")
     args = p.parse_args()
     for name in ("train.jsonl", "eval.jsonl"):
         if not (Path(args.task) / name).is_file():
@@ -200,12 +202,12 @@ class GreedyAccuracy(TrainerCallback):
 
 
 def config(settings: dict, args: argparse.Namespace) -> GRPOConfig:
-    """TRL's config around `settings`, the mode's own: fp32, no activation checkpointing (TRL defaults to bf16 and
-    to checkpointing), generate() without vLLM, no logging, saving or TRL evaluation."""
+    """TRL's config around `settings`, the mode's own: fp32 on CPU and bf16 on CUDA, no activation checkpointing
+    (TRL defaults to bf16 and to checkpointing), generate() without vLLM, no logging, saving or TRL evaluation."""
     return GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl_real_model_"), max_steps=args.steps, use_vllm=False,
-                      bf16=False, activation_checkpointing=False, logging_strategy="no", save_strategy="no",
-                      eval_strategy="no", report_to="none", disable_tqdm=True, dataloader_pin_memory=False,
-                      seed=args.seed, use_cpu=True, **settings)
+                      bf16=args.device == "cuda", activation_checkpointing=False, logging_strategy="no",
+                      save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
+                      dataloader_pin_memory=False, seed=args.seed, use_cpu=args.device == "cpu", **settings)
 
 
 def versions() -> dict:
@@ -239,7 +241,8 @@ def main() -> None:
         secs, gen_s = clock.t[-1] - clock.t[w], sum(trainer.gen_s[w:])
         completions = n * GROUP
         print(json.dumps({
-            "bench": "trl_real_model_throughput", "model": args.model, "threads": torch.get_num_threads(),
+            "bench": "trl_real_model_throughput", "model": args.model, "device": args.device,
+            "threads": torch.get_num_threads(),
             "steps_timed": n, "completions_per_step": GROUP, "timed_s": round(secs, 3),
             "completions_per_s": round(completions / secs, 3), "ms_per_step": round(1000 * secs / n, 1),
             "ms_gen_per_step": round(1000 * gen_s / n, 1),

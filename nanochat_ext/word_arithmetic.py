@@ -52,3 +52,18 @@ def make_questions(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], li
         if q not in held_out:
             train_rows.append(row(*q))
     return train_rows, eval_rows
+
+
+def make_pairs(rows: list[dict], seed: int) -> list[dict]:
+    """Preference pairs in the conversational format TRL and our readers share: each question, its right answer
+    chosen and a near miss (off by 1 to 10) rejected, as a sentence, so a reward model must read the number."""
+    rng = random.Random(seed)
+    pairs = []
+    for r in rows:
+        right = int(r["answer"])
+        wrong = right + rng.choice([-1, 1]) * rng.randint(1, 10)
+        reply = rng.choice(["The answer is {}.", "{}", "It is {}."])
+        pairs.append({"prompt": [{"role": "user", "content": r["prompt"]}],
+                      "chosen": [{"role": "assistant", "content": reply.format(right)}],
+                      "rejected": [{"role": "assistant", "content": reply.format(wrong)}]})
+    return pairs

@@ -2,6 +2,8 @@
 split into training and held-out rows, scored by a built-in --reward_fn.
 
     <out>/train.jsonl, <out>/eval.jsonl   {prompt, answer, kind}; held-out (kind, operands) never occur in training
+    <out>/pairs.jsonl                     the training questions as preference pairs (the right answer chosen, a
+                                          near miss rejected), for a reward model or bench/bench_real_model.sh
 
     python -m scripts.kat_task_data [--task word_arithmetic] [--n_train 2000] [--n_eval 64] [--seed 0]
 """
@@ -15,8 +17,8 @@ from nanochat_ext import word_arithmetic
 from nanochat_ext.cli import add_dashed_aliases, script_argv
 from nanochat_ext.synthetic import write_jsonl
 
-# task -> (its questions' maker, the --reward_fn that scores them)
-TASKS = {"word_arithmetic": (word_arithmetic.make_questions, "last_number")}
+# task -> (its questions' maker, its pairs' maker, the --reward_fn that scores them)
+TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(script_argv(argv))
     base = Path(os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")))
     out = Path(args.out) if args.out else base / "tasks" / args.task
-    make, reward_fn = TASKS[args.task]
+    make, make_pairs, reward_fn = TASKS[args.task]
     train, held_out = make(args.n_train, args.n_eval, args.seed)
     write_jsonl(out / "eval.jsonl", held_out)
+    write_jsonl(out / "pairs.jsonl", make_pairs(train, args.seed + 1))
     write_jsonl(out / "train.jsonl", train)  # last: speedrun.sh takes it as the stage's mark of completion
     print(f"task: {args.task}, {len(train)} train / {len(held_out)} held-out prompts in {out}; --reward_fn {reward_fn}")
     return 0

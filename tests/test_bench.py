@@ -17,23 +17,29 @@ from conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 
-def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
+def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     """bash bench/run_gpu.sh, as a GPU machine runs it (python3 as found, no venv), on CPU at a tiny shape:
-    the CUDA tests' summary, our RM and GRPO benches as JSON lines in one file, and the table."""
-    results = tmp_path / "gpu.jsonl"
+    the CUDA tests' summary, our RM and GRPO benches as JSON lines in one file, and the table; the real model's row
+    from a shape carried without weights (a tiny Hugging Face Llama's here)."""
+    from model_shape import strip
+
+    results, shape = tmp_path / "gpu.jsonl", tmp_path / "shape"
+    strip(assets["hf"], shape)
+    assert (shape / "config.json").is_file() and not list(shape.glob("*.safetensors"))
     small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
              "--rm_len 32 --micro 4")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
            "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results),
            "WHEELS": str(tmp_path / "none"), "LM_HEAD_ARGS": "--rows 64 --vocab 512 --hidden 32 --repeats 1",
            "NANOCHAT_SRC": str(tmp_path / "none"),  # no nanochat beside ours (a checkout may carry .nanochat)
-           "CUDA_VISIBLE_DEVICES": ""}  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
+           "CUDA_VISIBLE_DEVICES": "",  # the CUDA tests skip here even on a GPU machine (they run in -m cuda)
+           "REAL_SHAPE": str(shape), "REAL_ARGS": "--steps 2 --warmup 1 --new_tokens 4"}
     proc = subprocess.run(["bash", "bench/run_gpu.sh"], cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["bench"] for r in rows] == ["cuda_tests"] + ["lm_head_chain"] * 4 + ["gpu_rm"] * 3 + \
         ["gpu_grpo", "gpu_decode", "gpu_decode", "gpu_optimizer", "gpu_optimizer"] + \
-        ["gpu_rm", "gpu_grpo"] * 2  # then FSDP on one rank, without and
+        ["gpu_rm", "gpu_grpo"] * 2 + ["nanochat_ext_grpo"]  # then FSDP on one rank, without and
     # with AC (LoRA's rows: the next test)
     head, rows = rows[1:5], rows[:1] + rows[5:]
     assert [(r["compiled"], r["mode"]) for r in head] == [(c, m) for c in ("eager", "inductor")
@@ -56,6 +62,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(tmp_path):
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
     assert f"| {optim[0]['ms_per_step']} / {optim[1]['ms_per_step']} |" in proc.stdout
+    assert f"| GRPO | {rows[-1]['completions_per_s']} | - | - |" in proc.stdout and rows[-1]["completions_per_s"] > 0
 
 
 def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():
@@ -115,7 +122,10 @@ def test_real_model_table_reads_the_last_sitting(tmp_path):
             *({"bench": "nanochat_ext_grpo", "completions_per_s": c, "sitting": "b"} for c in (4.0, 2.0, 3.0)),
             *({"bench": "trl_real_model_throughput", "completions_per_s": c, "sitting": "b"} for c in (1.0, 2.0, 1.5)),
             *curve("ours_time_to_accuracy", [(0, 0.0, 0.1), (10, 40.0, 0.35), (20, 80.0, 0.5)]),
-            *curve("trl_time_to_accuracy", [(0, 0.0, 0.1), (10, 100.0, 0.2), (20, 200.0, 0.42), (25, 250.0, 0.45)])]
+            *curve("trl_time_to_accuracy", [(0, 0.0, 0.1), (10, 100.0, 0.2), (20, 200.0, 0.42), (25, 250.0, 0.45)]),
+            # the RM alone in a later sitting (PARTS=rm): its own table, the GRPO one still from sitting b
+            *({"bench": "nanochat_ext_rm", "pairs_per_s": p, "sitting": "c"} for p in (6.0, 5.0)),
+            {"bench": "trl_real_rm", "pairs_per_s": 2.0, "sitting": "c"}]
     results = tmp_path / "real_model.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "real_model_table.py"), str(results)],
@@ -124,8 +134,10 @@ def test_real_model_table_reads_the_last_sitting(tmp_path):
     assert out[out.index("| accuracy reached | ours | TRL |") + 2:][:3] == [
         "| >= 0.3 | 40.0 s (step 10) | 200.0 s (step 20) |", "| >= 0.4 | 80.0 s (step 20) | 200.0 s (step 20) |",
         "| >= 0.5 | 80.0 s (step 20) | - |"]
-    assert out[-3:] == ["| 0 | 0.100 | 0.100 | 0.0 | 0.0 |", "| 10 | 0.350 | 0.200 | 40.0 | 100.0 |",
-                        "| 20 | 0.500 | 0.420 | 80.0 | 200.0 |"]
+    at = out.index("| step | ours accuracy | TRL accuracy | ours train s | TRL train s |")
+    assert out[at + 2:at + 5] == ["| 0 | 0.100 | 0.100 | 0.0 | 0.0 |", "| 10 | 0.350 | 0.200 | 40.0 | 100.0 |",
+                                  "| 20 | 0.500 | 0.420 | 80.0 | 200.0 |"]
+    assert out[-1] == "| median | 5.50 (n=2) | 2.00 (n=1) | 2.75x |"
     results.write_text("{\n")
     assert main([str(results)]) == 2
 

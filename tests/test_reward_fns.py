@@ -5,11 +5,11 @@ import re
 import pytest
 import torch
 
-from nanochat_ext.data import load_prompts
+from nanochat_ext.data import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
 from nanochat_ext.rewards import check_references
-from nanochat_ext.word_arithmetic import KINDS, make_questions
+from nanochat_ext.word_arithmetic import KINDS, make_pairs, make_questions
 from scripts.kat_compute_density import knn_distances
 
 
@@ -38,7 +38,7 @@ def test_last_number_reads_the_replys_last_number_by_value():
     assert last_number("q", "-3", {"answer": -3}) == 1.0 and last_number("q", "3", {"answer": "-3"}) == 0.0
 
 
-def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen():
+def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen(tmp_path):
     train, held_out = make_questions(400, 64, seed=3)
     assert (len(train), len(held_out)) == (400, 64)
     number = re.compile(r"\d+")
@@ -56,6 +56,13 @@ def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen():
     questions = {(r["kind"], tuple(number.findall(r["prompt"]))) for r in held_out}
     assert not questions & {(r["kind"], tuple(number.findall(r["prompt"]))) for r in train}
     assert make_questions(400, 64, seed=3) == (train, held_out)
+    pairs_file = tmp_path / "pairs.jsonl"  # the task's pairs: our reader takes TRL's conversational format
+    pairs_file.write_text("".join(json.dumps(p) + "\n" for p in make_pairs(train, seed=4)))
+    pairs = load_pairs(pairs_file)[0]
+    assert len(pairs) == 400
+    for pair, row in zip(pairs, train):
+        assert pair.prompt == [{"role": "user", "content": row["prompt"]}]
+        assert last_number("", pair.chosen, row) == 1.0 and last_number("", pair.rejected, row) == 0.0
 
 
 def test_no_reference_is_never_a_match():

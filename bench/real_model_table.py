@@ -3,7 +3,9 @@ completions/s of ours and TRL's (medians over the repeats, and their ratio), the
 threshold the training seconds (evaluations left out) at which each first reached that held-out greedy accuracy,
 and the accuracy of both at the steps both evaluated; then the RM's pairs/s, ours and TRL's.
 
-    python bench/real_model_table.py bench/results/real_model_<date>.jsonl [--thresholds 0.3 0.4 0.5]
+    python bench/real_model_table.py bench/results/real_model_<date>.jsonl [--thresholds 0.3 0.4 0.5] [--plot PNG]
+
+--plot: both learning curves, held-out greedy accuracy against training seconds.
 """
 from __future__ import annotations
 
@@ -68,10 +70,31 @@ def table(all_rows: list[dict], thresholds: list[float]) -> str:
     return "\n".join(lines)
 
 
+def plot(all_rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = last_sitting(all_rows, {b for pair in SIDES.values() for b in pair})
+    fig, ax = plt.subplots(figsize=(5, 3))
+    for side, (_, bench) in SIDES.items():
+        curve = sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
+        if curve:
+            ax.plot([r["train_s"] for r in curve], [r["greedy_accuracy"] for r in curve], marker=".", label=side)
+    ax.set_xlabel("training seconds (evaluations left out)")
+    ax.set_ylabel("held-out greedy accuracy")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="bench_real_model.sh's JSON lines")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
+    p.add_argument("--plot", default=None, metavar="PNG", help="write both learning curves there")
     args = p.parse_args(argv)
     path = Path(args.results)
     if not path.is_file():
@@ -85,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stderr.write(f"error: {path}:{n}: not a JSON line ({e.msg})\n")
             return 2
     print(table(rows, args.thresholds))
+    if args.plot:
+        plot(rows, Path(args.plot))
     return 0
 
 

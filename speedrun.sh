@@ -161,7 +161,7 @@ if [ -n "${MODEL:-}" ]; then
     MODEL_DIR=$(python -m scripts.kat_fetch_model --model "$MODEL" | tee /dev/stderr | tail -n 1)  # cached after the first run
     record_time fetch_model $((SECONDS - s))
     TASK="$B/tasks/word_arithmetic"
-    if skip "$TASK/train.jsonl"; then echo "== task_data: skipped (done: $TASK)"; else
+    if skip "$TASK/.complete"; then echo "== task_data: skipped (done: $TASK)"; else
         echo "== task_data"; python -m scripts.kat_task_data --out "$TASK" --seed "$SEED"; fi
     POLICY="$B/chatrl_checkpoints/$MODEL"
     train "grpo_$MODEL" "the model ($MODEL_DIR, made by fetch_model) and the task's prompts ($TASK)" "$POLICY" \

@@ -55,18 +55,20 @@ def main() -> None:
             return
         logs = [json.loads(line) for line in open(Path(out) / "logs" / "metrics.jsonl")]
         windows = [r for r in logs if "perf/completions_per_s" in r and r["step"] > b.warmup]
-        completions = b.warmup * b.prompts_per_proc * b.group_size * world
-        secs = sum(completions / r["perf/completions_per_s"] for r in windows)
-        gen_tokens = completions * b.new_tokens
-        gen_secs = sum(gen_tokens / r["perf/gen_tokens_per_s"] for r in windows)
+        # each window's steps: --steps need not be a multiple of --warmup (the log interval), so the last may be short
+        sizes = [r["step"] - prev for r, prev in zip(windows, [b.warmup] + [r["step"] for r in windows])]
+        per_step = b.prompts_per_proc * b.group_size * world
+        secs = sum(n * per_step / r["perf/completions_per_s"] for n, r in zip(sizes, windows))
+        gen_secs = sum(n * per_step * b.new_tokens / r["perf/gen_tokens_per_s"] for n, r in zip(sizes, windows))
         train_tokens_s = sum(r["perf/train_tokens_per_s"] for r in windows) / len(windows)
-        steps = len(windows) * b.warmup
+        steps = sum(sizes)
+        completions, gen_tokens = steps * per_step, steps * per_step * b.new_tokens
         compile_s = sum(r.get("perf/compile_s", 0.0) for r in logs)  # the first step's is in the untimed warmup
         print(json.dumps({
             "bench": "nanochat_ext_grpo", "compile": b.compile, "world_size": env.world_size, "threads_per_proc": torch.get_num_threads(),
             "completions_per_step_global": b.prompts_per_proc * b.group_size * world, "steps_timed": steps,
-            "timed_s": round(secs, 3), "completions_per_s": round(completions * len(windows) / secs, 2),
-            "gen_tokens_per_s": round(gen_tokens * len(windows) / gen_secs, 1),
+            "timed_s": round(secs, 3), "completions_per_s": round(completions / secs, 2),
+            "gen_tokens_per_s": round(gen_tokens / gen_secs, 1),
             "train_tokens_per_s": round(train_tokens_s, 1), "ms_per_step": round(1000 * secs / steps, 1),
             "ms_gen_per_step": round(1000 * gen_secs / steps, 1), "compile_s": round(compile_s, 1),
             "peak_rss_mb_max_proc": round(rss_mb, 1),

@@ -14,7 +14,8 @@
 #   MODEL_DIR: python -m scripts.kat_fetch_model --model smollm2 | tail -n 1
 #   TASK_DIR:  python -m scripts.kat_task_data --out TASK_DIR  (train, eval and pairs)
 #
-# Knobs: PARTS, RM_PAIRS (8), RM_STEPS (20: RM steps a run, TPUT_WARMUP of them untimed), STEPS (time-to-accuracy
+# Knobs: PARTS, RM_PAIRS (8), RM_STEPS (20: RM steps a run, TPUT_WARMUP of them untimed), RM_DTYPE (float32, or
+# bfloat16: ours --dtype bfloat16, TRL's bf16 mixed precision, for a CPU that computes bf16 natively), STEPS (time-to-accuracy
 # steps, 40), EVAL_EVERY (10), REPEATS (throughput runs a side, 3), TPUT_STEPS (40)
 # and TPUT_WARMUP (5: left out of the timing), THREADS (torch threads of each run, 2), SEED (0),
 # TRL_PY (/tmp/anchor-venv/bin/python: TRL 1.16, ../shared/anchor-bench/README.md). Default OUT:
@@ -51,7 +52,7 @@ OUT=${OUT:-$PWD/bench/results/real_model_$(date +%F).jsonl}
 LOG="${OUT%.jsonl}.log"
 STEPS=${STEPS:-40} EVAL_EVERY=${EVAL_EVERY:-10} REPEATS=${REPEATS:-3} TPUT_STEPS=${TPUT_STEPS:-40}
 TPUT_WARMUP=${TPUT_WARMUP:-5} THREADS=${THREADS:-2} SEED=${SEED:-0} TRL_PY=${TRL_PY:-/tmp/anchor-venv/bin/python}
-PARTS=${PARTS:-grpo rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20}
+PARTS=${PARTS:-grpo rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20} RM_DTYPE=${RM_DTYPE:-float32}
 "$TRL_PY" -c "import trl" 2>/dev/null || { echo "error: TRL_PY=$TRL_PY does not import trl" >&2; exit 2; }
 SITTING=$(date +%Y-%m-%dT%H:%M:%S)
 trap 'echo "error: a run failed; its output is at the end of $LOG" >&2' ERR
@@ -99,11 +100,13 @@ trl_throughput() {
 
 ours_rm() {
     run ours_rm "$1" python bench/bench_rm.py --backbone "$MODEL_DIR" --pairs "$TASK_DIR/pairs.jsonl" \
-        --unfreeze_last all --pairs_per_proc "$RM_PAIRS" --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP"
+        --unfreeze_last all --pairs_per_proc "$RM_PAIRS" --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP" \
+        --dtype "$RM_DTYPE"
 }
 trl_rm() {
     run trl_rm "$1" "$TRL_PY" bench/trl_real_rm.py --model "$MODEL_DIR" --task "$TASK_DIR" --pairs "$RM_PAIRS" \
-        --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED"
+        --threads "$THREADS" --steps "$RM_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED" \
+        $([ "$RM_DTYPE" = bfloat16 ] && echo --bf16)
 }
 alternate() {  # alternate OURS TRL: REPEATS runs a side, which side goes first alternating, so that a drift of the
     for r in $(seq "$REPEATS"); do  # machine falls on both

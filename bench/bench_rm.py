@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="kat_train_rm --dtype")
     b = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(b.threads)
     import torch
@@ -49,7 +50,7 @@ def main() -> None:
     argv = ["--backbone", b.backbone, "--pairs", b.pairs, "--batch_size", str(b.pairs_per_proc * world),
             "--max_steps", str(b.steps), "--log_every", str(b.warmup), "--eval_every", "0", "--val_ratio", "0",
             "--max_len", "128", "--lr", "1e-4", "--grad_clip", "1.0", "--unfreeze_last", b.unfreeze_last,
-            "--device", b.device, "--out", out]
+            "--device", b.device, "--dtype", b.dtype, "--out", out]
     if b.tokenizer:
         argv += ["--tokenizer", b.tokenizer]
     if b.device_batch_size:
@@ -62,22 +63,24 @@ def main() -> None:
             return
         logs = [json.loads(line) for line in open(Path(out) / "logs" / "metrics.jsonl")]
         windows = [r for r in logs if "perf/pairs_per_s" in r and r["step"] > b.warmup]
-        pairs_per_window = b.warmup * b.pairs_per_proc * world
-        secs = sum(pairs_per_window / r["perf/pairs_per_s"] for r in windows)
-        tokens, computed = (sum(r[key] * pairs_per_window / r["perf/pairs_per_s"] for r in windows)
+        # each window's steps: --steps need not be a multiple of --warmup (the log interval), so the last may be short
+        sizes = [r["step"] - prev for r, prev in zip(windows, [b.warmup] + [r["step"] for r in windows])]
+        per_window = [n * b.pairs_per_proc * world for n in sizes]
+        secs = sum(p / r["perf/pairs_per_s"] for p, r in zip(per_window, windows))
+        tokens, computed = (sum(r[key] * p / r["perf/pairs_per_s"] for p, r in zip(per_window, windows))
                             for key in ("perf/tokens_per_s", "perf/computed_tokens_per_s"))
-        pairs = pairs_per_window * len(windows)
+        pairs = sum(per_window)
         from nanochat_ext.loader import load_backbone
 
         blocks = load_backbone(b.backbone).blocks
         matmul_params = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))
         print(json.dumps({
-            "bench": "nanochat_ext_rm", "unfreeze_last": b.unfreeze_last, "world_size": env.world_size,
+            "bench": "nanochat_ext_rm", "unfreeze_last": b.unfreeze_last, "dtype": b.dtype, "world_size": env.world_size,
             "threads_per_proc": torch.get_num_threads(), "pairs_per_step_global": b.pairs_per_proc * world,
-            "steps_timed": len(windows) * b.warmup, "timed_s": round(secs, 3),
+            "steps_timed": sum(sizes), "timed_s": round(secs, 3),
             "pairs_per_s": round(pairs / secs, 2), "tokens_per_s": round(tokens / secs, 1),
             "computed_tokens_per_s": round(computed / secs, 1),
-            "mean_seq_len": round(tokens / (2 * pairs), 1), "ms_per_step": round(1000 * secs / (len(windows) * b.warmup), 2),
+            "mean_seq_len": round(tokens / (2 * pairs), 1), "ms_per_step": round(1000 * secs / sum(sizes), 2),
             "gflops_full_ft_nominal": round(6 * matmul_params * computed / secs / 1e9, 2)
             if b.unfreeze_last == "all" else None,
             "peak_rss_mb_max_proc": round(rss_mb, 1), "torch": torch.__version__,

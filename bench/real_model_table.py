@@ -62,9 +62,11 @@ def table(all_rows: list[dict], thresholds: list[float]) -> str:
     lines += ["", "| step | ours accuracy | TRL accuracy | ours train s | TRL train s |", "|---|---|---|---|---|"]
     lines += [f"| {s} | {at['ours'][s]['greedy_accuracy']:.3f} | {at['TRL'][s]['greedy_accuracy']:.3f} | "
               f"{at['ours'][s]['train_s']:.1f} | {at['TRL'][s]['train_s']:.1f} |" for s in steps]
-    rm, rm_ratio = medians(last_sitting(all_rows, set(RM.values())), RM, "pairs_per_s")
+    rm_rows = last_sitting(all_rows, set(RM.values()))
+    rm, rm_ratio = medians(rm_rows, RM, "pairs_per_s")
+    dtype = next((r.get("dtype") for r in rm_rows if r.get("bench") == RM["ours"]), None) or "float32"
     if rm["ours"] or rm["TRL"]:
-        lines += ["", "Reward model, full fine-tune on the task's pairs (fp32, max length 128), median over repeats", "",
+        lines += ["", f"Reward model, full fine-tune on the task's pairs ({dtype}, max length 128), median over repeats", "",
                   "| pairs/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
                   f"| median | {cell(rm['ours'])} | {cell(rm['TRL'])} | {rm_ratio} |"]
     return "\n".join(lines)

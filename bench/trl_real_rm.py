@@ -1,6 +1,7 @@
 """TRL 1.16's RewardTrainer on a real model and a task's preference pairs: pairs/s, as bench/bench_rm.py measures
 ours (run with the TRL venv, ../shared/anchor-bench/README.md). A full fine-tune, fp32, no activation checkpointing,
-PAIRS pairs a step in one right-padded forward of chosen and rejected, max length 128, AdamW lr 1e-4, grad clip 1;
+PAIRS pairs a step in one right-padded forward of chosen and rejected, max length 128, AdamW lr 1e-4, grad clip 1
+(--bf16: bf16 mixed precision, as ours runs with --dtype bfloat16);
 the pairs are conversational (scripts/kat_task_data's pairs.jsonl), so both sides render them with the model's
 chat template. The last stdout line is one JSON record.
 
@@ -22,6 +23,7 @@ p.add_argument("--steps", type=int, default=20)
 p.add_argument("--warmup", type=int, default=3, help="leading steps left out of the timing")
 p.add_argument("--threads", type=int, default=2)
 p.add_argument("--seed", type=int, default=0)
+p.add_argument("--bf16", action="store_true", help="bf16 mixed precision (TRL's default; fp32 without)")
 args = p.parse_args()
 for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # before torch loads
     os.environ[var] = str(args.threads)
@@ -57,7 +59,7 @@ def main() -> None:
     rows = [json.loads(line) for line in (Path(args.task) / "pairs.jsonl").read_text().splitlines()]
     cfg = RewardConfig(output_dir=tempfile.mkdtemp(prefix="trl_real_rm_"), per_device_train_batch_size=args.pairs,
                        gradient_accumulation_steps=1, max_steps=args.steps, max_length=128, learning_rate=1e-4,
-                       max_grad_norm=1.0, bf16=False, activation_checkpointing=False, logging_strategy="no",
+                       max_grad_norm=1.0, bf16=args.bf16, activation_checkpointing=False, logging_strategy="no",
                        save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
                        dataloader_pin_memory=False, seed=args.seed, use_cpu=True)
     timer = StepTimes()
@@ -67,7 +69,7 @@ def main() -> None:
     w = args.warmup
     secs = timer.ends[-1] - timer.ends[w - 1] if w else timer.ends[-1] - timer.begin
     n = args.steps - w
-    print(json.dumps({"bench": "trl_real_rm", "model": args.model, "pairs_per_step": args.pairs, "steps_timed": n,
+    print(json.dumps({"bench": "trl_real_rm", "model": args.model, "pairs_per_step": args.pairs, "bf16": args.bf16, "steps_timed": n,
                       "pairs_per_s": round(n * args.pairs / secs, 3), "ms_per_step": round(1000 * secs / n, 1),
                       "threads": args.threads,
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

@@ -4,6 +4,7 @@ can be named alone (`--reward_fn gsm8k`); each needs a reference, the row's REFE
 one (reference_problem says what is missing, so that a run refuses such rows before it starts)."""
 from __future__ import annotations
 
+import math
 import re
 
 from nanochat_ext.gsm8k import extract_answer, reference_answer
@@ -11,7 +12,8 @@ from nanochat_ext.gsm8k import extract_answer, reference_answer
 BUILT_IN = ("exact_match", "contains_answer", "last_number", "gsm8k", "gsm8k_numeric")  # --reward_fn NAME
 REFERENCE = "answer"  # the row's field every built-in compares with
 _WORD = re.compile(r"[\w+\-.]+")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# a number: thousands grouped by commas (1,024) or not, a sign only where no digit precedes it ("63-59" ends in 59)
+_NUMBER = re.compile(r"(?<!\d)-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
 def _first_word(text: str) -> str:
@@ -67,8 +69,10 @@ def reference_problem(name: str, row: dict) -> str | None:
         return f"missing or empty: --reward_fn {name} compares each completion with it"
     if name == "last_number":
         try:
-            float(str(answer))
+            finite = math.isfinite(float(str(answer)))
         except ValueError:
+            finite = False
+        if not finite:
             return f"{answer!r} is not a number, which --reward_fn {name} compares by value"
     if name in ("gsm8k", "gsm8k_numeric"):
         want = reference_answer(str(answer))

@@ -223,12 +223,12 @@ class Rewards:
                              "--reward_fn (e.g. gsm8k)")
         return self.names.index(self.fns[0][0])
 
-    def task_scores(self, rows: list[PromptRow], texts: list[str]) -> list[float]:
-        """The task reward (the first reward function) of each text, a completion of the row beside it."""
+    def task_scores(self, rows: list[PromptRow], indices: list[int], texts: list[str]) -> list[float]:
+        """The task reward (the first reward function) of each text, a completion of rows[indices[k]]."""
         self.task_column()  # one line where there is no reward function
         name, fn = self.fns[0]
-        return self._call(name, fn, [r.messages[-1]["content"] for r in rows], texts, [r.row for r in rows],
-                          list(range(len(rows))), 1)
+        return self._call(name, fn, [rows[i].messages[-1]["content"] for i in indices], texts,
+                          [rows[i].row for i in indices], indices, 1)
 
     def total(self, per_reward: torch.Tensor) -> torch.Tensor:
         return per_reward @ torch.tensor(self.weights, dtype=torch.float64)

@@ -61,7 +61,9 @@ class Trainer:
         self.tracker: Tracker | None = None
         self.guard: StepGuard | None = None
         self.t_log = time.time()
-        self.train_time = 0.0  # seconds in training steps so far, evaluations left out (perf/train_time_s)
+        # seconds in training so far, evaluations left out (perf/train_time_s): counted up to t_count at every log,
+        # save and evaluation, whatever --log_every is
+        self.train_time, self.t_count = 0.0, time.time()
 
     def resume(self, resume: tuple | None, keys: tuple[str, ...], load_whole: Callable[[dict], None],
                absent: dict | None = None) -> int:
@@ -91,7 +93,7 @@ class Trainer:
             path = self.parallel.save(
                 into, self.model, self.optimizer, module=self.module, final=step == self.args.max_steps,
                 consolidate=consolidate, write_whole=saving.write_whole,
-                state={"step": step, "args": args, "train_time_s": self.train_time, **saving.state},
+                state={"step": step, "args": args, "train_time_s": self.count_train_time(), **saving.state},
                 meta=lambda stamp: {"kind": self.kind, "stamp": stamp, "step": step, **saving.meta, "world_size": world,
                                     "metrics": metrics, "args": args})
         if into == self.out_dir and self.env.is_main and (removed := prune(into, self.args.keep_last, self.kind)):
@@ -110,7 +112,7 @@ class Trainer:
         self.tracker = Tracker(log_dir, self.env.is_main, a.max_steps, self.start_step, name, a.report_to, vars(a),
                                a.wandb_project)
         self.guard = StepGuard(a.skip_nonfinite)
-        self.t_log = time.time()
+        self.t_log = self.t_count = time.time()
         PROGRESS.done = self.start_step
 
     def set_lr(self, step: int) -> float:
@@ -124,6 +126,13 @@ class Trainer:
     def log_due(self, done: int) -> bool:
         return due(done, self.args.log_every) or done == self.args.max_steps
 
+    def count_train_time(self) -> float:
+        """The training seconds so far, counted up to now."""
+        now = time.time()
+        self.train_time += now - self.t_count
+        self.t_count = now
+        return self.train_time
+
     def elapsed(self) -> float:
         """Wall-clock seconds of this log window (evaluation left out)."""
         return time.time() - self.t_log
@@ -131,8 +140,7 @@ class Trainer:
     def log(self, done: int, metrics: dict) -> None:
         """The window's metrics, logged with the training time so far (a learning curve's x against wall-clock);
         the next window starts now."""
-        self.train_time += self.elapsed()
-        metrics = {**metrics, "perf/train_time_s": self.train_time}
+        metrics = {**metrics, "perf/train_time_s": self.count_train_time()}
         self.tracker.log(done, metrics)
         self.metrics = metrics
         self.t_log = time.time()
@@ -146,6 +154,7 @@ class Trainer:
         After the last step the final checkpoint is written first (running out of memory in the final evaluation
         must not lose it, and the line says it is saved); finish() then records the evaluation's metrics in its meta."""
         last = done == self.args.max_steps
+        self.count_train_time()  # the evaluation's own seconds are not (evaluated() restarts the count)
         if last and self.final is None:
             self.final = self.save(done)
         with doing(what, hints, saved=last):
@@ -156,7 +165,7 @@ class Trainer:
         if metrics:
             self.tracker.log(done, metrics)
             self.metrics.update(metrics)
-        self.t_log = time.time()
+        self.t_log = self.t_count = time.time()
 
     def end_step(self, done: int) -> None:
         """After step `done`: stop with a checkpoint if the guard says so, or save if --save_every is due."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+from nanochat_ext.errors import InputError
+
 ASK = " Answer with the number only."
 # kind -> (phrasings, operand ranges, the answer)
 KINDS = {
@@ -28,6 +30,10 @@ KINDS = {
 def make_questions(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(train rows, held-out rows), each {prompt, answer, kind}, the kinds in turn so that each split holds every kind
     in equal measure. Held-out questions are distinct, and no training question has a held-out (kind, a, b)."""
+    fewest = min((a_hi - a_lo + 1) * (b_hi - b_lo + 1) for _, (a_lo, a_hi), (b_lo, b_hi), _ in KINDS.values())
+    if -(-n_eval // len(KINDS)) > fewest // 2:  # held-out questions are distinct, and training needs the rest
+        raise InputError(f"--n_eval {n_eval}: at most {fewest // 2 * len(KINDS)} held-out questions (each of the "
+                         f"{len(KINDS)} kinds holds only {fewest} distinct ones, half kept for training)")
     rng = random.Random(seed)
     held_out: set[tuple[str, int, int]] = set()
 

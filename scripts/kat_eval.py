@@ -215,33 +215,35 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
             tool_use.update({k.removeprefix("eval/"): v for k, v in evaluate_pass_k(
                 engine, tool_rows, tool_ids, task, tok, cfg, args.pass_k, args.seed, env, autocast,
                 per_rank * args.pass_k).items()})
-    if not env.is_main:
-        return {}
-
     topic_of = [r.row.get("topic") for r in rows]
     judgeable = all(t in synthetic.TOPIC_WORDS for t in topic_of)
+    # Without the demo's topics, the task reward's verdicts (--reward_fn, 1: right), on every rank: a reward function
+    # that fails stops every rank alike.
+    completions = {"greedy": greedy, "sampled": sampled}
+    verdicts = {mode: [v == 1 for v in task.task_scores(rows, [i for i, *_ in items], [t for _, t, _, _ in items])]
+                for mode, items in completions.items()} if args.reward_fn and not judgeable else {}
+    if not env.is_main:
+        return {}
     dense = dense_topics(Counter(topic_of)) if judgeable else set()
 
-    def judged(items, keep=None):
-        """Task accuracy of the items whose prompt's topic passes keep (None: all): the demo's ground truth, else the
-        task reward's verdict (--reward_fn, 1: right), which has no topics; None where neither applies."""
+    def judged(mode: str, keep=None):
+        """Task accuracy of the mode's completions whose prompt's topic passes keep (None: all): the demo's ground
+        truth, else the task reward's verdicts, which have no topics; None where neither applies."""
         if judgeable:
-            marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in items if keep is None or keep(topic_of[i])]
-        elif args.reward_fn and keep is None:
-            marks = [v == 1 for v in task.task_scores([rows[i] for i, *_ in items], [text for _, text, _, _ in items])]
+            marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in completions[mode]
+                     if keep is None or keep(topic_of[i])]
         else:
-            marks = []
+            marks = verdicts.get(mode, []) if keep is None else []
         return sum(marks) / len(marks) if marks else None
 
-    per_topic = [judged(sampled, lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
+    per_topic = [judged("sampled", lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
     per_topic = [a for a in per_topic if a is not None]
 
     texts_by_prompt = defaultdict(list)
     for i, text, _, _ in sampled:
         texts_by_prompt[i].append(text)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    accuracy = {f"task_accuracy_{mode}{suffix}": judged(items, keep)
-                for mode, items in (("greedy", greedy), ("sampled", sampled))
+    accuracy = {f"task_accuracy_{mode}{suffix}": judged(mode, keep) for mode in completions
                 for suffix, keep in (("", None), ("_dense", lambda t: t in dense),
                                      ("_rare", lambda t: t not in dense))}
     dense_acc, rare_acc = accuracy["task_accuracy_sampled_dense"], accuracy["task_accuracy_sampled_rare"]
@@ -252,7 +254,8 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
             if per_topic else None,
             **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
             **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
-            "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text} for i, text, _, _ in greedy[:4]]}
+            "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text}
+                         for i, text, _, _ in sorted(greedy, key=lambda item: item[0])[:4]]}
 
 
 def plot_curves(base: Path, out_dir: Path, task: str | None = None, start: dict | None = None) -> list[tuple[str, Path]]:
@@ -342,7 +345,8 @@ def write_report(args, rms: dict, policies: dict, timings: list[tuple[str, float
                       for k in next(iter(uses.values()))]
             lines.append("")
         for name, p in policies.items():
-            lines += [f"Greedy completions of the first held-out prompts, {name} (`{p['checkpoint']}`):", ""] + [f"- {e['prompt']!r} -> {e['completion']!r}" for e in p["examples"]] + [""]
+            lines += [f"Greedy completions of the first held-out prompts, {name} (`{p['checkpoint']}`):", ""]
+            lines += [f"- {e['prompt']!r} -> {e['completion']!r}" for e in p["examples"]] + [""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]
     return "\n".join(lines)

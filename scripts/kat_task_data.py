@@ -14,9 +14,11 @@ import os
 from pathlib import Path
 
 from nanochat_ext import word_arithmetic
-from nanochat_ext.cli import add_dashed_aliases, script_argv
+from nanochat_ext.cli import EXIT_BAD_INPUT, add_dashed_aliases, say, script_argv
+from nanochat_ext.errors import InputError
 from nanochat_ext.synthetic import write_jsonl
 
+COMPLETE = ".complete"
 # task -> (its questions' maker, its pairs' maker, the --reward_fn that scores them)
 TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number")}
 
@@ -34,10 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     base = Path(os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")))
     out = Path(args.out) if args.out else base / "tasks" / args.task
     make, make_pairs, reward_fn = TASKS[args.task]
-    train, held_out = make(args.n_train, args.n_eval, args.seed)
+    try:
+        train, held_out = make(args.n_train, args.n_eval, args.seed)
+    except InputError as e:
+        say(f"error: {e}")
+        return EXIT_BAD_INPUT
+    (out / COMPLETE).unlink(missing_ok=True)
     write_jsonl(out / "eval.jsonl", held_out)
     write_jsonl(out / "pairs.jsonl", make_pairs(train, args.seed + 1))
-    write_jsonl(out / "train.jsonl", train)  # last: speedrun.sh takes it as the stage's mark of completion
+    write_jsonl(out / "train.jsonl", train)
+    (out / COMPLETE).touch()  # last: speedrun.sh's mark that the files are whole
     print(f"task: {args.task}, {len(train)} train / {len(held_out)} held-out prompts in {out}; --reward_fn {reward_fn}")
     return 0
 

@@ -312,7 +312,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     assert [m["step"] for m in read_metrics(two) if "train/loss" in m] == [1, 2, 3]
     # perf/train_time_s, a learning curve's x: the resumed step adds to the total its checkpoint saved
     times = [m["perf/train_time_s"] for m in read_metrics(two) if "train/loss" in m]
-    assert 0 < times[0] < times[1] == state["train_time_s"] < times[2]
+    assert 0 < times[0] < times[1] <= state["train_time_s"] < min(times[1] + 1, times[2])
     assert [r["step"] for r in rollouts(two)] == [1] * 16 + [2] * 16 + [3] * 16
     events = EventAccumulator(str(two / "logs"))
     events.Reload()

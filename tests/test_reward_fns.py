@@ -32,10 +32,11 @@ def test_last_number_reads_the_replys_last_number_by_value():
     row = {"answer": "81"}
     for reply in ("81", "The answer is 81.", "81.0", "80 + 1 = 81", "58 plus 23 is **81**"):
         assert last_number("q", reply, row) == 1.0, reply
-    for reply in ("81 - 1 = 80", "8 1", "eighty-one", "", "810"):
+    for reply in ("81 - 1 = 80", "8 1", "eighty-one", "", "810", "1,2,81,1"):
         assert last_number("q", reply, row) == 0.0, reply
     assert last_number("q", "It is 1,024", {"answer": "1024"}) == 1.0
     assert last_number("q", "-3", {"answer": -3}) == 1.0 and last_number("q", "3", {"answer": "-3"}) == 0.0
+    assert last_number("q", "63-59", {"answer": "59"}) == 1.0 and last_number("q", "1,2,3", {"answer": "3"}) == 1.0
 
 
 def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen(tmp_path):
@@ -80,6 +81,7 @@ def test_no_reference_is_never_a_match():
     ("nanochat_ext.reward_fns:exact_match", {"answer": ""}, "missing or empty"),
     ("contains_answer", {"topic": "x"}, "missing or empty"),
     ("last_number", {"answer": "eighty-one"}, "'eighty-one' is not a number"),
+    ("last_number", {"answer": "nan"}, "'nan' is not a number"),
 ])
 def test_a_built_in_reward_refuses_rows_without_its_reference_naming_file_row_and_field(tmp_path, name, row, expected):
     path = tmp_path / "prompts.jsonl"

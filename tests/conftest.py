@@ -46,7 +46,6 @@ LONGEST_FIRST = (
     "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 41
     "tests/test_compiled.py::test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients[grpo_grad_worker]",  # 40
     "tests/test_compiled.py::test_ragged_steps_add_no_graphs_after_warm_up",  # 34
-    "tests/test_compiled.py::test_compiled_llama_trains_at_new_lengths_as_eager",  # 27 (inductor, cold, alone)
     "tests/test_nanochat_vintages.py::test_grpo_two_ranks_match_one_rank_on_ragged_prompts",  # 33
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 31
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 28

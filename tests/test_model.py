@@ -6,9 +6,10 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from nanochat_ext import synthetic
-from nanochat_ext.attention import NO_WINDOW, PrefixTree, attn_masks
+from nanochat_ext.attention import NO_WINDOW, PrefixTree, attend, attn_masks
 from nanochat_ext.backbone import hold_frozen_in
 from nanochat_ext.batching import TokenizedPair, collate_pairs, prefix_tree_rows
 from nanochat_ext.checkpoint import find_checkpoint, new_stamp, save_checkpoint
@@ -317,3 +318,21 @@ def test_matmuls_only_holds_linear_weights_in_bf16_but_not_a_tied_embedding():
     assert trained.weight.dtype == torch.float32
     hold_frozen_in(model, torch.bfloat16)  # the RM's and eval's rule: every frozen weight
     assert embed.weight.dtype == torch.bfloat16 and trained.weight.dtype == torch.float32
+
+
+def test_cpu_attention_that_trains_runs_in_fp32_under_bf16_autocast():
+    """torch's CPU attention takes 2-4x as long in bf16 (forward and backward) as in fp32: under CPU bf16 autocast,
+    attention whose inputs require grad is torch's fp32 SDPA of them (and trains: fp32 gradients); attention that does
+    not train is what autocast computes (bf16), as before."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, h, 7, 8, generator=g) for h in (4, 2, 2))  # GQA, as the Llama family's
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        trained = attend(*leaves, None)
+        frozen, frozen_want = attend(q, k, v, None), F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                                    enable_gqa=True)
+    assert trained.dtype == torch.float32 and frozen.dtype == frozen_want.dtype == torch.bfloat16
+    assert torch.equal(trained, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    assert torch.equal(frozen, frozen_want)
+    trained.sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)

@@ -8,7 +8,8 @@
 # start, are appended to OUT; then the reward model's pairs/s, REPEATS runs a side, alternating (ours:
 # bench/bench_rm.py --unfreeze_last all; TRL: bench/trl_real_rm.py's RewardTrainer; both a full fine-tune on the
 # task's pairs.jsonl, RM_PAIRS pairs a step, max length 128, fp32, AdamW lr 1e-4, grad clip 1). The table
-# (bench/real_model_table.py) is printed at the end. PARTS="grpo rm" (default: both) runs some parts alone.
+# (bench/real_model_table.py) is printed at the end. PARTS (default "grpo accuracy rm": GRPO throughput, time to
+# accuracy, the RM) runs some parts alone.
 #
 #   bash bench/bench_real_model.sh MODEL_DIR TASK_DIR [OUT.jsonl]
 #   MODEL_DIR: python -m scripts.kat_fetch_model --model smollm2 | tail -n 1
@@ -52,7 +53,7 @@ OUT=${OUT:-$PWD/bench/results/real_model_$(date +%F).jsonl}
 LOG="${OUT%.jsonl}.log"
 STEPS=${STEPS:-40} EVAL_EVERY=${EVAL_EVERY:-10} REPEATS=${REPEATS:-3} TPUT_STEPS=${TPUT_STEPS:-40}
 TPUT_WARMUP=${TPUT_WARMUP:-5} THREADS=${THREADS:-2} SEED=${SEED:-0} TRL_PY=${TRL_PY:-/tmp/anchor-venv/bin/python}
-PARTS=${PARTS:-grpo rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20} RM_DTYPE=${RM_DTYPE:-float32}
+PARTS=${PARTS:-grpo accuracy rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20} RM_DTYPE=${RM_DTYPE:-float32}
 "$TRL_PY" -c "import trl" 2>/dev/null || { echo "error: TRL_PY=$TRL_PY does not import trl" >&2; exit 2; }
 SITTING=$(date +%Y-%m-%dT%H:%M:%S)
 trap 'echo "error: a run failed; its output is at the end of $LOG" >&2' ERR
@@ -115,8 +116,8 @@ alternate() {  # alternate OURS TRL: REPEATS runs a side, which side goes first 
 }
 
 echo "sitting $SITTING: $MODEL_DIR on $TASK_DIR -> $OUT (logs: $LOG); parts: $PARTS"
-if [[ " $PARTS " == *" grpo "* ]]; then
-    alternate ours_throughput trl_throughput
+[[ " $PARTS " == *" grpo "* ]] && alternate ours_throughput trl_throughput
+if [[ " $PARTS " == *" accuracy "* ]]; then
     run ours_time_to_accuracy 1 python bench/ours_real_model.py --model "$MODEL_DIR" --task "$TASK_DIR" \
         --steps "$STEPS" --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$SEED"
     run trl_time_to_accuracy 1 "$TRL_PY" bench/trl_real_model.py --mode time_to_accuracy --model "$MODEL_DIR" \

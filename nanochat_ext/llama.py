@@ -161,8 +161,7 @@ class Llama(nn.Module):
         return self.logits(F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return (F.linear(hidden, self.embed.weight) if self.lm_head is None else self.lm_head(hidden)).float()
 
     def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:

@@ -30,6 +30,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", default="0", choices=("0", "1"), help="kat_train_grpo --compile")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="kat_train_grpo --dtype")
     b = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(b.threads)
     import torch
@@ -44,7 +45,8 @@ def main() -> None:
             "--batch_size", str(b.prompts_per_proc * world), "--group_size", str(b.group_size),
             "--max_new_tokens", str(b.new_tokens), "--min_new_tokens", str(b.new_tokens), "--temperature", "1.0",
             "--beta", "0.04", "--loss_agg", "token", "--clip_eps", "0.2", "--lr", "1e-6", "--max_steps", str(b.steps),
-            "--log_every", str(b.warmup), "--val_ratio", "0", "--device", b.device, "--out", out, "--compile", b.compile]
+            "--log_every", str(b.warmup), "--val_ratio", "0", "--device", b.device, "--out", out,
+            "--compile", b.compile, "--dtype", b.dtype]
     if b.tokenizer:
         argv += ["--tokenizer", b.tokenizer]
     args = kat_train_grpo.parse_args(argv)
@@ -65,7 +67,8 @@ def main() -> None:
         completions, gen_tokens = steps * per_step, steps * per_step * b.new_tokens
         compile_s = sum(r.get("perf/compile_s", 0.0) for r in logs)  # the first step's is in the untimed warmup
         print(json.dumps({
-            "bench": "nanochat_ext_grpo", "compile": b.compile, "world_size": env.world_size, "threads_per_proc": torch.get_num_threads(),
+            "bench": "nanochat_ext_grpo", "compile": b.compile, "dtype": b.dtype, "world_size": env.world_size,
+            "threads_per_proc": torch.get_num_threads(),
             "completions_per_step_global": b.prompts_per_proc * b.group_size * world, "steps_timed": steps,
             "timed_s": round(secs, 3), "completions_per_s": round(completions / secs, 2),
             "gen_tokens_per_s": round(gen_tokens / gen_secs, 1),

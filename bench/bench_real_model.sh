@@ -15,10 +15,11 @@
 #   MODEL_DIR: python -m scripts.kat_fetch_model --model smollm2 | tail -n 1
 #   TASK_DIR:  python -m scripts.kat_task_data --out TASK_DIR  (train, eval and pairs)
 #
-# Knobs: PARTS, RM_PAIRS (8), RM_STEPS (20: RM steps a run, TPUT_WARMUP of them untimed), RM_DTYPE (float32, or
-# bfloat16: ours --dtype bfloat16, TRL's bf16 mixed precision, for a CPU that computes bf16 natively), STEPS (time-to-accuracy
-# steps, 40), EVAL_EVERY (10), REPEATS (throughput runs a side, 3), TPUT_STEPS (40)
-# and TPUT_WARMUP (5: left out of the timing), THREADS (torch threads of each run, 2), SEED (0),
+# Knobs: PARTS, GRPO_DTYPE (float32, or bfloat16: GRPO throughput in bf16 as RM_DTYPE below), RM_PAIRS (8), RM_STEPS
+# (20: RM steps a run, TPUT_WARMUP of them untimed), RM_DTYPE (float32, or bfloat16: ours --dtype bfloat16, TRL's bf16
+# mixed precision, for a CPU that computes bf16 natively), STEPS (time-to-accuracy steps, 40), EVAL_EVERY (10), REPEATS
+# (throughput runs a side, 3), TPUT_STEPS (40) and TPUT_WARMUP (5: left out of the timing), THREADS (torch threads of
+# each run, 2), SEED (0),
 # TRL_PY (/tmp/anchor-venv/bin/python: TRL 1.16, ../shared/anchor-bench/README.md). Default OUT:
 # bench/results/real_model_<date>.jsonl; both trainers' logs go to OUT with .log for .jsonl.
 #
@@ -53,7 +54,8 @@ OUT=${OUT:-$PWD/bench/results/real_model_$(date +%F).jsonl}
 LOG="${OUT%.jsonl}.log"
 STEPS=${STEPS:-40} EVAL_EVERY=${EVAL_EVERY:-10} REPEATS=${REPEATS:-3} TPUT_STEPS=${TPUT_STEPS:-40}
 TPUT_WARMUP=${TPUT_WARMUP:-5} THREADS=${THREADS:-2} SEED=${SEED:-0} TRL_PY=${TRL_PY:-/tmp/anchor-venv/bin/python}
-PARTS=${PARTS:-grpo accuracy rm} RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20} RM_DTYPE=${RM_DTYPE:-float32}
+PARTS=${PARTS:-grpo accuracy rm} GRPO_DTYPE=${GRPO_DTYPE:-float32}
+RM_PAIRS=${RM_PAIRS:-8} RM_STEPS=${RM_STEPS:-20} RM_DTYPE=${RM_DTYPE:-float32}
 "$TRL_PY" -c "import trl" 2>/dev/null || { echo "error: TRL_PY=$TRL_PY does not import trl" >&2; exit 2; }
 SITTING=$(date +%Y-%m-%dT%H:%M:%S)
 trap 'echo "error: a run failed; its output is at the end of $LOG" >&2' ERR
@@ -92,11 +94,12 @@ run() {  # run NAME REPEAT CMD...: CMD's stderr to the log, its records to OUT
 }
 ours_throughput() {
     run ours_throughput "$1" python bench/bench_grpo.py --policy "$MODEL_DIR" --prompts "$TASK_DIR/train.jsonl" \
-        --threads "$THREADS" --steps "$TPUT_STEPS" --warmup "$TPUT_WARMUP"
+        --threads "$THREADS" --steps "$TPUT_STEPS" --warmup "$TPUT_WARMUP" --dtype "$GRPO_DTYPE"
 }
 trl_throughput() {
     run trl_throughput "$1" "$TRL_PY" bench/trl_real_model.py --mode throughput --model "$MODEL_DIR" \
-        --task "$TASK_DIR" --threads "$THREADS" --steps "$TPUT_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED"
+        --task "$TASK_DIR" --threads "$THREADS" --steps "$TPUT_STEPS" --warmup "$TPUT_WARMUP" --seed "$SEED" \
+        $([ "$GRPO_DTYPE" = bfloat16 ] && echo --bf16)
 }
 
 ours_rm() {

@@ -50,7 +50,9 @@ def table(all_rows: list[dict], thresholds: list[float]) -> str:
     med, ratio = medians(rows, {side: bench for side, (bench, _) in SIDES.items()}, "completions_per_s")
     curves = {side: sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
               for side, (_, bench) in SIDES.items()}
-    lines = ["GRPO throughput (1 prompt x 8 completions x 32 tokens, fp32), median over repeats", "",
+    dtype = next((r["dtype"] for r in rows if r.get("bench") == SIDES["ours"][0] and r.get("dtype", "auto") != "auto"),
+                 "float32")  # auto: fp32 on CPU
+    lines = [f"GRPO throughput (1 prompt x 8 completions x 32 tokens, {dtype}), median over repeats", "",
              "| completions/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
              f"| median | {cell(med['ours'])} | {cell(med['TRL'])} | {ratio} |", "",
              "Time to held-out greedy accuracy (training seconds, evaluations left out)", "",

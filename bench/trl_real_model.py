@@ -68,6 +68,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: bf16 mixed precision, as ours computes on CUDA (bench/run_gpu.sh); cpu: fp32")
+    p.add_argument("--bf16", action="store_true", help="bf16 mixed precision on CPU too (ours: --dtype bfloat16)")
     args = p.parse_args()
     for name in ("train.jsonl", "eval.jsonl"):
         if not (Path(args.task) / name).is_file():
@@ -202,10 +203,11 @@ class GreedyAccuracy(TrainerCallback):
 
 
 def config(settings: dict, args: argparse.Namespace) -> GRPOConfig:
-    """TRL's config around `settings`, the mode's own: fp32 on CPU and bf16 on CUDA, no activation checkpointing
-    (TRL defaults to bf16 and to checkpointing), generate() without vLLM, no logging, saving or TRL evaluation."""
+    """TRL's config around `settings`, the mode's own: fp32 on CPU (bf16 with --bf16) and bf16 on CUDA, no activation
+    checkpointing (TRL defaults to bf16 and to checkpointing), generate() without vLLM, no logging, saving or TRL
+    evaluation."""
     return GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl_real_model_"), max_steps=args.steps, use_vllm=False,
-                      bf16=args.device == "cuda", activation_checkpointing=False, logging_strategy="no",
+                      bf16=args.device == "cuda" or args.bf16, activation_checkpointing=False, logging_strategy="no",
                       save_strategy="no", eval_strategy="no", report_to="none", disable_tqdm=True,
                       dataloader_pin_memory=False, seed=args.seed, use_cpu=args.device == "cpu", **settings)
 
@@ -241,7 +243,7 @@ def main() -> None:
         secs, gen_s = clock.t[-1] - clock.t[w], sum(trainer.gen_s[w:])
         completions = n * GROUP
         print(json.dumps({
-            "bench": "trl_real_model_throughput", "model": args.model, "device": args.device,
+            "bench": "trl_real_model_throughput", "model": args.model, "device": args.device, "bf16": args.bf16,
             "threads": torch.get_num_threads(),
             "steps_timed": n, "completions_per_step": GROUP, "timed_s": round(secs, 3),
             "completions_per_s": round(completions / secs, 3), "ms_per_step": round(1000 * secs / n, 1),

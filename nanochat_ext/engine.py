@@ -190,7 +190,7 @@ class Engine:
         self.model = model
         self.pack = pack if pack is not None else model.native and model.adapters is None
         self._packed: tuple[Backbone, Backbone] | None = None  # (the decoder it packs, its packed copy)
-        self._packed_of: list[nn.Parameter] = []  # the decoder's parameters it packed: one replaced is packed anew
+        self._packed_of: tuple[int, ...] = ()  # ids of the decoder's parameters it packed: one replaced, all anew
         self.reserve = reserve
         self.tools = tools
         self._python = (tools.python_start, tools.python_end) if tools is not None else None
@@ -403,14 +403,14 @@ class Engine:
         return lowered
 
     def _packed_for(self, decoder: Backbone, rows: int) -> Backbone:
-        """The packed copy of decoder, its changed weights packed anew for `rows` rows, where packing pays and no
-        autocast would cast what the packed op takes as it is; else decoder."""
+        """decoder's packed copy, changed weights packed anew, where packing pays and no autocast is on, or decoder."""
         device = next(decoder.parameters()).device
         if (not self.pack or not packing_pays(device, matmul_params(decoder)[0].dtype)
                 or torch.is_autocast_enabled(device.type)):
             return decoder
-        if self._packed is None or self._packed[0] is not decoder or self._packed_of != [*decoder.parameters()]:
-            self._packed, self._packed_of = (decoder, packed_copy(decoder)), [*decoder.parameters()]
+        params = tuple(map(id, decoder.parameters()))  # ids stay unique: the packed copy holds every one
+        if self._packed is None or self._packed[0] is not decoder or self._packed_of != params:
+            self._packed, self._packed_of = (decoder, packed_copy(decoder)), params
         repack(self._packed[1], rows)
         return self._packed[1]
 

@@ -43,8 +43,8 @@ def test_packed_weights_decode_the_plain_weights_tokens(assets, tmp_path, name):
         assert_same_but_a_tie(got, plain.generate(PROMPTS, 3, cfg, 1, 0, seeds()))
         assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, 1, seeds(), got)
         with torch.no_grad():
-            torch.testing.assert_close(decoder.prefill(one_token_rows, None, 2)[0], bb.prefill(one_token_rows, None, 2)[0],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(decoder.prefill(one_token_rows, None, 2)[0],
+                                       bb.prefill(one_token_rows, None, 2)[0], rtol=1e-5, atol=1e-5)
             held = [m.packed for m in layers]
             packed.generate(PROMPTS, 3, cfg, 1, 0, seeds())
             assert all(m.packed is h for m, h in zip(layers, held))  # unchanged weights: not packed again

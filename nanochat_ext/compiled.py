@@ -68,7 +68,7 @@ def _without_cache(eager, compiled):
             return eager(*args, kv_cache=kv_cache, **kwargs)
         return compiled(*args, **kwargs)
 
-    forward.wraps_block = True  # decode_weights.copy_sharing drops it from its copies, which must run its own weights
+    forward.wraps_block = True  # engine.lowered_copy drops it from its copy, which must run its own weights
     return forward
 
 

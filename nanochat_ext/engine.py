@@ -12,8 +12,11 @@ Two ways to decode:
   in place. A second call of the same shape then adds no graph, and on CUDA (mode reduce-overhead) the step is
   captured once as a CUDA graph and replayed: nothing it touches moves or is allocated between steps.
 
-Under a lower-precision autocast the engine decodes from its own lower-precision copy of the matmul weights, and on
-CPU in fp32 from weights packed for MKL: decode_weights.py.
+Under a lower-precision autocast (bf16 on CUDA) the engine decodes from its own copy of the policy's matmul
+weights in that dtype, refreshed from the fp32 masters at every call (a rollout, an evaluation). Autocast would
+cast the masters to the same values at every matmul, so the tokens are bitwise those of the masters under
+autocast, but a step reads half the weight bytes and casts nothing (but an LM head tied to the embedding,
+which stays the policy's own tensor).
 
 A policy about to be sharded (--parallel fsdp) gives the engine `whole_in`: it keeps a whole copy of the policy, every
 floating tensor in that dtype (the dtype FSDP gathers the weights in), and refreshes it at every call by gathering
@@ -22,6 +25,7 @@ reads plain tensors that stay where they are.
 """
 from __future__ import annotations
 
+import copy
 import shutil
 import time
 from dataclasses import dataclass, fields
@@ -33,8 +37,6 @@ import torch.nn as nn
 from nanochat_ext.attention import KVCache
 from nanochat_ext.backbone import Backbone, matmul_params
 from nanochat_ext.compiled import allow_recompiles, compile_stats
-from nanochat_ext.decode_weights import (PackedLinear, lowered_copy, packed_copy, packing_pays, repack,
-                                           weight_bytes)
 from nanochat_ext.ddp_common import is_sharded, whole
 from nanochat_ext.sampling import SamplingConfig, take_tokens
 from nanochat_ext.tools import ToolState, ToolTokens
@@ -181,16 +183,11 @@ class Engine:
     call of the run will need; a compiled state is made that long at once, so a longer batch later does not
     rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
     steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
-    with tools the host reads every step, to answer a block the step closed. pack: decode from fp32 weights packed
-    for MKL (decode_weights.py) wherever packing_pays; None: our models without LoRA adapters."""
+    with tools the host reads every step, to answer a block the step closed."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
-                 tools: ToolTokens | None = None, reserve: int = 0, end_check_every: int | None = None,
-                 pack: bool | None = None):
+                 tools: ToolTokens | None = None, reserve: int = 0, end_check_every: int | None = None):
         self.model = model
-        self.pack = pack if pack is not None else model.native and model.adapters is None
-        self._packed: tuple[Backbone, Backbone] | None = None  # (the decoder it packs, its packed copy)
-        self._packed_of: tuple[int, ...] = ()  # ids of the decoder's parameters it packed: one replaced, all anew
         self.reserve = reserve
         self.tools = tools
         self._python = (tools.python_start, tools.python_end) if tools is not None else None
@@ -227,21 +224,20 @@ class Engine:
         ids, key_mask = ids.to(device), key_mask.to(device)
         uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
         decoder = self._decoder(device)
-        stepper = self._packed_for(decoder, n * G)
         self._tool_calls = [0, 0]
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
         if self.compiled:
-            state = self._prefill_state(stepper, ids, key_mask, G, uniforms, cfg, stops, pad_id)
+            state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
             sync(device)
             t1 = time.perf_counter()
-            steps = self._decode_compiled(stepper, state, cfg, pad_id)
+            steps = self._decode_compiled(decoder, state, cfg, pad_id)
             out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
         else:
-            logits, cache, key_mask = self._prefill_eager(stepper, ids, key_mask, G, cfg.max_new_tokens)
+            logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
-            out, lengths, done, tools, steps = self._decode_eager(stepper, logits, cache, key_mask, uniforms, cfg,
+            out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
                                                                   stops, pad_id)
         sync(device)
         t2 = time.perf_counter()
@@ -402,32 +398,36 @@ class Engine:
             low.copy_(whole(master.to(low.dtype) if is_sharded(master) else master))
         return lowered
 
-    def _packed_for(self, decoder: Backbone, rows: int) -> Backbone:
-        """decoder's packed copy, changed weights packed anew, where packing pays and no autocast is on, or decoder."""
-        device = next(decoder.parameters()).device
-        if (not self.pack or not packing_pays(device, matmul_params(decoder)[0].dtype)
-                or torch.is_autocast_enabled(device.type)):
-            return decoder
-        params = tuple(map(id, decoder.parameters()))  # ids stay unique: the packed copy holds every one
-        if self._packed is None or self._packed[0] is not decoder or self._packed_of != params:
-            self._packed, self._packed_of = (decoder, packed_copy(decoder)), params
-        repack(self._packed[1], rows)
-        return self._packed[1]
-
     @property
     def reserved_slots(self) -> int:
         """The cache positions of a compiled state made for the reserve (and any call that fits it)."""
         return -(-self.reserve // SLOT_BUCKET) * SLOT_BUCKET
 
     def kept_bytes(self) -> int:
-        """Bytes the engine holds between calls: the compiled decode states, the lower-precision weights and the
-        packed ones (counted as the weights they pack: MKL's buffer is allocated larger than it fills)."""
+        """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""
         held = [t for s in self._states.values() for t in s.tensors()]
         if self._lowered is not None:
             held += [low for _, low in self._lowered[1]]
-        if self._packed is not None:
-            held += [m.weight for m in self._packed[1].modules() if isinstance(m, PackedLinear)]
         return sum(t.numel() * t.element_size() for t in held)
+
+
+def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtype
+                 ) -> tuple[Backbone, list[tuple[str, torch.Tensor]]]:
+    """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master's name, copy)
+    pairs."""
+    lowering = {id(p) for p in masters}
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
+    memo.update({id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in masters})  # no fp32 copy
+    lowered = copy.deepcopy(model, memo=memo)
+    for m in lowered.modules():  # a forward set on the instance (compiled, checkpointed) calls the original's
+        if getattr(m.__dict__.get("forward"), "wraps_block", False):
+            del m.forward
+    return lowered.eval(), [(name, memo[id(p)]) for name, p in model.named_parameters() if id(p) in lowering]
+
+
+def weight_bytes(decoder: Backbone) -> int:
+    """Bytes of matmul weights a decode step reads (embeddings are read by the row, and not counted)."""
+    return sum(p.numel() * p.element_size() for p in matmul_params(decoder))
 
 
 def kv_bytes(decoder: Backbone, context: float) -> float:

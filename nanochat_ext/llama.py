@@ -161,7 +161,8 @@ class Llama(nn.Module):
         return self.logits(F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return (F.linear(hidden, self.embed.weight) if self.lm_head is None else self.lm_head(hidden)).float()
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
 
     def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:

@@ -190,9 +190,8 @@ def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, vintage
     return save_checkpoint(directory, step, model.state_dict(), meta)
 
 
-def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512, tied: bool = False) -> Path:
-    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally; tied: its LM head is
-    its embedding (as SmolLM2's)."""
+def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
+    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -210,7 +209,7 @@ def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 5
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                      tie_word_embeddings=tied, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     d = Path(directory)
     LlamaForCausalLM(cfg).save_pretrained(d)

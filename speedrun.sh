@@ -166,8 +166,7 @@ if [ -n "${MODEL:-}" ]; then
     POLICY="$B/chatrl_checkpoints/$MODEL"
     train "grpo_$MODEL" "the model ($MODEL_DIR, made by fetch_model) and the task's prompts ($TASK)" "$POLICY" \
         scripts.kat_train_grpo --policy "$MODEL_DIR" --prompts "$TASK/train.jsonl" --eval_prompts "$TASK/eval.jsonl" \
-        --reward_fn last_number --max_steps "$GRPO_STEPS" --batch_size 4 --group_size 8 --max_new_tokens 16 \
-        --lr 3e-5 --beta 0 --eval_every 10 --seed "$SEED" "${EXTRA_GRPO[@]}"
+        --preset word_arithmetic --max_steps "$GRPO_STEPS" --seed "$SEED" "${EXTRA_GRPO[@]}"
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     launch eval "the GRPO policy ($POLICY) and the task's held-out prompts" scripts.kat_eval \
         --policy_before "$MODEL_DIR" --policy "GRPO $MODEL=$POLICY" --eval_prompts "$TASK/eval.jsonl" \

@@ -6,8 +6,8 @@
 Step 0: the starting model's held-out accuracy from nanochat_ext.evaluation.evaluate_rewards, the function
 kat_train_grpo's own --eval_every evaluations call, with the same engine, rows per call, sampling settings and seed.
 Then scripts/kat_train_grpo with the real-model recipe of speedrun.sh (MODEL=smollm2), in this process:
---reward_fn last_number --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0 --eval_every N, every
-other flag at its default. Its metrics.jsonl gives each evaluation's eval/last_number_greedy (and _sampled) and
+--preset word_arithmetic (--reward_fn last_number --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0)
+--eval_every N, every other flag at its default. Its metrics.jsonl gives each evaluation's eval/last_number_greedy (and _sampled) and
 perf/train_time_s at that step (training seconds so far, evaluations left out). Stdout: one JSON line per evaluation
 ({"bench": "ours_time_to_accuracy", "step", "train_s", "greedy_accuracy", ...}), then a summary line.
 """
@@ -25,8 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-RECIPE = ["--reward_fn", "last_number", "--batch_size", "4", "--group_size", "8", "--max_new_tokens", "16",
-          "--lr", "3e-5", "--beta", "0"]
+RECIPE = ["--preset", "word_arithmetic"]  # speedrun.sh's MODEL=smollm2 recipe (nanochat_ext/presets.py)
 TASK_REWARD = "last_number"
 
 

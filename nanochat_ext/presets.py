@@ -6,6 +6,10 @@ KL, advantage r - mean, token-level loss, Muon + AdamW at its rates x init-lr-fr
 --lr) decaying linearly to 0 over one epoch of the train prompts, no gradient clipping, 16 prompts x 16 samples of up
 to 256 tokens at temperature 1 and top-k 50, the calculator on, GSM8K's reward, pass@1..8 (its --device-batch-size)
 on 400 eval prompts every 60 steps, a checkpoint every 60 steps, all kept, in chatrl_checkpoints/d<depth>.
+
+word_arithmetic is the real model's recipe (`MODEL=smollm2 bash speedrun.sh`, bench/ours_real_model.py) on
+scripts/kat_task_data.py's questions: the last number of a reply against the answer, 4 questions x 8 samples of up to 16
+tokens, lr 3e-5, no KL, an evaluation every 10 steps.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none"
                        "optimizer": "muon", "lr_decay": "linear", "warmup_steps": 0, "weight_decay": 0.0,
                        "grad_clip": 0.0, "batch_size": 16, "group_size": 16, "max_new_tokens": 256, "temperature": 1.0,
                        "top_k": 50, "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
-                       "eval_examples": 400, "eval_pass_k": 8, "save_every": 60, "keep_last": 0, "num_epochs": 1}}
+                       "eval_examples": 400, "eval_pass_k": 8, "save_every": 60, "keep_last": 0, "num_epochs": 1},
+           "word_arithmetic": {"reward_fn": ["last_number"], "batch_size": 4, "group_size": 8, "max_new_tokens": 16,
+                               "lr": 3e-5, "beta": 0.0, "eval_every": 10}}
 
 
 def apply_preset(p: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:

@@ -262,6 +262,9 @@ def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path,
     assert "group_size" not in parsed.preset_values and parsed.preset_values["top_k"] == 50
     alone = kat_train_grpo.parse_args(args[:2] + ["--prompts", "p", "--preset", "chat_rl"])
     assert alone.reward_fn == ["gsm8k"] and (alone.num_epochs, alone.max_steps, alone.keep_last) == (1, None, 0)
+    smollm2 = kat_train_grpo.parse_args(args[:2] + ["--prompts", "p", "--preset", "word_arithmetic"])  # speedrun's
+    assert (smollm2.reward_fn, smollm2.batch_size, smollm2.group_size, smollm2.max_new_tokens, smollm2.lr, smollm2.beta,
+            smollm2.eval_every) == (["last_number"], 4, 8, 16, 3e-5, 0.0, 10)
     assert kat_train_grpo.main(args) == 0
     out = capsys.readouterr().out
     assert "preset chat_rl: --num_iterations 1 --scale_rewards none" in out and "--top_k 50" in out  # --beta given

@@ -197,14 +197,16 @@ def static_masks(key_valid: torch.Tensor, slot: torch.Tensor, window_sizes: list
     return [by_window[w] for w in window_sizes]
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | TreeAttention | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | TreeAttention | None,
+           cached: bool = False) -> torch.Tensor:
     """SDPA over (B, H, T, D) with GQA; mask None: causal when T > 1, all keys for a single query;
-    a TreeAttention: prefix-tree rows (see PrefixTree). On CPU, attention over several queries a row (training, the
-    reference's and pi_old's log-probs, scoring, a prefill) runs in fp32 whatever its inputs' dtype and autocast:
-    torch's CPU attention takes 2-4x as long forward and backward in bf16 as in fp32 on these shapes. It does so
-    whether or not it trains, so that a no-grad pass gives the training pass's log-probs (a reference equal to the
-    policy: KL 0). A decode step's one query stays as autocast casts it: there bf16 is the faster."""
-    if q.size(2) > 1 and q.device.type == "cpu" and (q.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
+    a TreeAttention: prefix-tree rows (see PrefixTree). cached: k and v come from a KV cache (decoding).
+    On CPU, attention outside decoding (training, the reference's and pi_old's log-probs, scoring) runs in fp32
+    whatever its inputs' dtype and autocast: torch's CPU attention takes 2-4x as long forward and backward in bf16 as
+    in fp32 on these shapes. It does so whether or not it trains, so that a no-grad pass gives the training pass's
+    log-probs (a reference equal to the policy: KL 0). Decoding stays as autocast casts it: its forward alone is the
+    faster in bf16, and it reads a bf16 cache as it would an fp32 one."""
+    if not cached and q.device.type == "cpu" and (q.dtype != torch.float32 or torch.is_autocast_enabled("cpu")):
         with torch.autocast("cpu", enabled=False):  # contiguous, as autocast's casts were: inductor's backward
             # graph otherwise fixes a view's strides at the first length's (test_compiled_step_one_starts_at_its_...)
             return attend_in(*(t.float().contiguous() for t in (q, k, v)), mask).to(q.dtype)

@@ -107,7 +107,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
-        y = attend(q, k, v, attn_mask)
+        y = attend(q, k, v, attn_mask, cached=kv_cache is not None)
         return self.c_proj(y.transpose(1, 2).reshape(B, q.size(2), -1))
 
 

@@ -83,7 +83,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if kv_cache is not None:
             k, v = kv_cache.insert(layer_idx, k, v)
-        return self.o(attend(q, k, v, mask).transpose(1, 2).reshape(B, q.size(2), -1))
+        return self.o(attend(q, k, v, mask, cached=kv_cache is not None).transpose(1, 2).reshape(B, q.size(2), -1))
 
 
 class Block(nn.Module):

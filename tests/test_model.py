@@ -320,22 +320,25 @@ def test_matmuls_only_holds_linear_weights_in_bf16_but_not_a_tied_embedding():
     assert embed.weight.dtype == torch.bfloat16 and trained.weight.dtype == torch.float32
 
 
-def test_cpu_attention_over_several_queries_runs_in_fp32_under_bf16_autocast():
+def test_cpu_attention_outside_decoding_runs_in_fp32_under_bf16_autocast():
     """torch's CPU attention takes 2-4x as long in bf16 (forward and backward) as in fp32: under CPU bf16 autocast,
-    attention over several queries a row is torch's fp32 SDPA of its inputs, trained (fp32 gradients) or not (the same
-    values: a reference equal to the policy gives KL 0), and a decode step's single query is what autocast computes
-    (bf16), as before."""
+    attention outside decoding is torch's fp32 SDPA of its inputs, trained (fp32 gradients) or not (the same values: a
+    reference equal to the policy gives KL 0), and attention over a KV cache's keys and values (a prefill, a decode
+    step) is what autocast computes (bf16), as before."""
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, h, 7, 8, generator=g) for h in (4, 2, 2))  # GQA, as the Llama family's
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     mask = torch.rand(2, 1, 1, 7, generator=g) > 0.3
     with torch.autocast("cpu", dtype=torch.bfloat16):
         trained, frozen = attend(*leaves, None), attend(q, k, v, None)
-        step, step_want = attend(q[:, :, -1:], k, v, mask), F.scaled_dot_product_attention(q[:, :, -1:], k, v,
-                                                                                           attn_mask=mask,
-                                                                                           enable_gqa=True)
+        prefill, prefill_want = attend(q, k, v, None, cached=True), F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=True)
+        step, step_want = attend(q[:, :, -1:], k, v, mask, cached=True), F.scaled_dot_product_attention(
+            q[:, :, -1:], k, v, attn_mask=mask, enable_gqa=True)
     want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    assert trained.dtype == frozen.dtype == torch.float32 and step.dtype == step_want.dtype == torch.bfloat16
-    assert torch.equal(trained, want) and torch.equal(frozen, want) and torch.equal(step, step_want)
+    assert trained.dtype == frozen.dtype == torch.float32
+    assert prefill.dtype == step.dtype == step_want.dtype == prefill_want.dtype == torch.bfloat16
+    assert torch.equal(trained, want) and torch.equal(frozen, want)
+    assert torch.equal(prefill, prefill_want) and torch.equal(step, step_want)
     trained.sum().backward()
     assert all(t.grad is not None and t.grad.dtype == torch.float32 for t in leaves)

@@ -138,21 +138,41 @@ def matmuls_in_bf16(s: ModelShape) -> float:
     return 2 * (s.params - s.root_params + s.lm_head) + 4 * (s.root_params - s.lm_head)
 
 
-def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
-                new_tokens: int, rows: int, accum: int = 1, reference: bool = True, rm: ModelShape | None = None,
-                device: str, lora: int = 0, kept_rows: tuple[int, ...] = (), slots: int = 0) -> StepMemory:
-    """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
-    sequences, `accum` of them per step. lora: the adapters' parameter count under --lora_r (lora.adapter_params):
-    they alone train; the base is held as the reference would be, and the reference is the base itself.
-    kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
-    rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
-    step's logits buffers (on CUDA the graph pool's): held, not only while decoding."""
+def policy_memory(s: ModelShape, parallel: str, ranks: int, accum: int, reference: bool, lora: int) -> StepMemory:
+    """What a policy's fine-tune holds before its activations: the trained state, and the frozen base (LoRA) or the
+    reference (matmul weights in bf16; under fsdp, gathered in bf16, every weight, to compute as the policy)."""
     held, training = trained_state(s, lora or s.params, parallel, ranks, accum)
     m = StepMemory(held, training)
     if lora:
         m.parts["frozen_base"] = matmuls_in_bf16(s)
-    elif reference:  # matmul weights in bf16; under fsdp (gathered in bf16) every weight, to compute as the policy
+    elif reference:
         m.parts["reference"] = 2 * s.params if parallel == "fsdp" else matmuls_in_bf16(s)
+    return m
+
+
+def dpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, row_len: int,
+               scored: int, pairs: int, reference: bool = True, device: str, lora: int = 0,
+               accum: int | None = None) -> StepMemory:
+    """DPO's fine-tune of a policy of shape s: micro-batches of `micro` pairs, each a row of up to row_len tokens
+    (its prompt once, then both responses) with `scored` response tokens, `accum` micro-batches per step (None: all
+    of the rank's `pairs`)."""
+    m = policy_memory(s, parallel, ranks, pairs // micro if accum is None else accum, reference, lora)
+    m.training["activations"] = activations(s, micro * row_len, micro * scored, checkpointing,
+                                            parallel == "ddp" and not lora, device)
+    return m
+
+
+def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
+                new_tokens: int, rows: int, accum: int | None = 1, reference: bool = True,
+                rm: ModelShape | None = None, device: str, lora: int = 0, kept_rows: tuple[int, ...] = (),
+                slots: int = 0) -> StepMemory:
+    """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
+    sequences, `accum` of them per step (None: all of them, rows // micro). lora: the adapters' parameter count under --lora_r (lora.adapter_params):
+    they alone train; the base is held as the reference would be, and the reference is the base itself.
+    kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
+    rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
+    step's logits buffers (on CUDA the graph pool's): held, not only while decoding."""
+    m = policy_memory(s, parallel, ranks, rows // micro if accum is None else accum, reference, lora)
     if rm is not None:
         m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
     # the engine decodes from bf16 copies of the fp32 weights: under LoRA the adapters' only

@@ -12,35 +12,32 @@ The last line printed on success names the checkpoint written.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import hold_frozen_in
 from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, encode_prompts
-from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
-from nanochat_ext.compiled import compile_models
 from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
-from nanochat_ext.ddp_common import DistEnv, compute_dtype, peak_memory_gb, precision, print0, seed_everything
+from nanochat_ext.ddp_common import DistEnv, peak_memory_gb, print0, seed_everything
 from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
 from nanochat_ext.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               LossConfig, group_advantages, policy_backward, reference_model)
-from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, WithoutAdapters, adapter_state, apply_lora, check_lora_args,
-                               describe as describe_lora, dropout_active, load_adapter_state, merge_now, save_adapters)
-from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
-                                 grpo_memory, report_peak, smaller_micro)
-from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step, make_optimizer
+                               LossConfig, group_advantages, policy_backward)
+from nanochat_ext.loader import load_reward_model
+from nanochat_ext.logprobs import make_sequences, token_logprobs
+from nanochat_ext.lora import BEFORE_LORA, RESUME_KEYS, check_lora_args, dropout_active
+from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, auto_pick, backbone_shape, describe, doing, grpo_memory,
+                                 report_peak, smaller_micro)
+from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step
 from nanochat_ext.outdir import claim_out_dir
-from nanochat_ext.parallel import Parallel, checkpoint_activations
+from nanochat_ext.policy import PolicyTraining
 from nanochat_ext.presets import PRESETS, apply_preset, preset_tag, print_preset
 from nanochat_ext.resume import resolve_resume
 from nanochat_ext.rewards import Rewards, check_references, check_rm_tokenizer
@@ -49,7 +46,6 @@ from nanochat_ext.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.tools import TOOLS, tool_tokens
 from nanochat_ext.tracking import Tracker
-from nanochat_ext.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -216,12 +212,10 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {G} = {seqs_per_rank} sequences per step, "
                          f"which --device_batch_size {micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, args.seed)
-    policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
+    training = PolicyTraining(args, env, lora)
+    policy, tok = training.policy, training.tok
     out_dir, log_dir = output_dirs(args, "chatrl_checkpoints", preset_tag(args, len(policy.blocks)))
     resume = resolve_resume(args.resume, out_dir, "grpo_policy")
-    tok = load_tokenizer_for(policy, args.tokenizer)
-    if lora:  # before anything is written: peft refuses targets it cannot find
-        apply_lora(policy, lora)
     rm = None
     if args.rm:
         rm = load_reward_model(args.rm, env.device, backbone=args.rm_backbone)
@@ -248,72 +242,22 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     print0(tok.describe_stops())
 
     # ---- models, optimizer, resume ----------------------------------------------------------------
-    dtype = compute_dtype(args.dtype, env.device)
-    if lora:  # the adapters train; the frozen base's matmul weights are held as the reference's would be
-        hold_frozen_in(policy, dtype, matmuls_only=True)
-        print0(describe_lora(policy))
-    else:
-        policy.set_trainable("all")
-    parallel = Parallel(args.parallel, env, dtype)
-    reference = None
-    if args.beta > 0 and not lora:  # computes as the policy does: under fsdp on CUDA every weight is gathered in bf16
-        reference = reference_model(load_backbone(args.policy, env.device, vintage=args.nanochat_vintage), dtype,
-                                    temperature=args.temperature, matmuls_only=parallel.gathers_in is None)
-    print0(compile_models(args.compile, env.device, policy, reference.backbone if reference else None,
-                          rm.model.backbone if rm else None))
-    if args.activation_checkpointing:
-        checkpoint_activations(policy.blocks)
-    model = CompletionLogprobs(policy, temperature=args.temperature)
-    if args.beta > 0 and lora:  # the policy itself with its adapters off: no second copy
-        reference = WithoutAdapters(model, policy)
+    model = training.build(args.beta > 0, args.temperature, (rm.model.backbone,) if rm else ())
+    reference, parallel, dtype, autocast = training.reference, training.parallel, training.dtype, training.autocast
     # The engine copies the policy before it is sharded (under fsdp it decodes from a whole copy)
     engine = Engine(policy, compile=compile_decode,
                     whole_in=(parallel.gathers_in or torch.float32) if parallel.sharded else None, tools=tools,
                     reserve=max(map(len, prompt_ids + eval_ids)) + args.max_new_tokens)
-    ddp_model = parallel.wrap(model, policy.blocks)
-    print0(parallel.describe(model))
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = make_optimizer(args.optimizer, policy.model, trainable, args.lr, args.weight_decay, env.device)
-    autocast = precision(dtype, env.device)
-    source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
+    training.wrap()
+    ddp_model, trainable, optimizer = training.ddp_model, training.trainable, training.optimizer
     window = grpo_window(rewards.names)
     rollouts = Rollouts(engine, rewards, loader, train_rows, prompt_ids, tok, sampling, args, env, autocast, window)
-
-    def saving(step: int, into: Path, consolidate: bool) -> Saving:
-        merge = merge_now(args, step, consolidate)
-        base = lora and {**portable_paths(policy.source, into), "fingerprint": source_print, "vintage": policy.vintage}
-
-        def write_whole(d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None) -> Path:
-            if not lora:
-                return policy.save(d, stamp, meta, tok, state, weights)
-            state = state and {**state, "adapters": adapter_state(policy)}
-            if merge:  # the base with the adapters merged, in its own layout
-                return policy.save(d, stamp, meta, tok, state, merged_weights(policy), masters=False)
-            return save_checkpoint(d, stamp, lambda tmp: save_adapters(policy, tmp, tok, base), meta, state)
-
-        return Saving({"source_policy": str(Path(policy.source).resolve()), "source_fingerprint": source_print,
-                       "lora": lora and {**lora.to_meta(), "base": base, "merged": merge}}, write_whole,
-                      {"draw": rollouts.drawn, "source_fingerprint": source_print, "device_batch_size": micro})
-
-    def load_whole(state: dict) -> None:
-        if lora:  # the base is the input's; the resume state holds the adapters
-            load_adapter_state(policy, state["adapters"], resume[0])
-        else:
-            policy.restore(state, saved=load_backbone(resume[0], env.device))
-
-    trainer = Trainer(args, env, parallel, model, optimizer, module=policy.model, kind="grpo_policy",
-                      out_dir=out_dir, saving=saving)
+    trainer = training.trainer(out_dir, "grpo_policy", resume,
+                               RESUME_FLAGS + (("max_draws",) if args.filter_zero_std else ()),
+                               {**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
     if resume is not None:
-        if resume[2].get("source_fingerprint", source_print) != source_print:
-            raise InputError(f"--policy {policy.source} is not the policy this run started from: its weights changed "
-                             f"since (fingerprint); resume with the original policy or start a new --out",
-                             path=str(resume[0]))
-        trainer.resume(resume, RESUME_FLAGS + (("max_draws",) if args.filter_zero_std else ()), load_whole,
-                       absent={**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
         rollouts.drawn = int(resume[2].get("draw", resume[2]["step"]))  # before dynamic sampling: one draw a step
-    print0(f"model: {policy.kind} policy {policy.source}, {sum(p.numel() for p in trainable):,} params; "
-           f"reference {'off (beta 0)' if not reference else 'the base, adapters off' if lora else 'loaded'}"
-           + (" (the reference and the reward model are held whole on every rank)" if parallel.sharded else ""))
+    print0(training.describe())
     peak_bw = peak_bandwidth(env.device)
     copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else
             "a bf16 copy of the matmul weights, refreshed per rollout" if dtype == torch.bfloat16 else "")
@@ -332,28 +276,29 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     kept_rows = tuple(sorted({seqs_per_rank, *eval_decode_rows(len(eval_ids), env.world_size, seqs_per_rank,
                                                               args.eval_pass_k)})) if engine.compiled else ()
 
-    def estimate_for(micro: int) -> StepMemory:  # at the longest prompt and every completion at --max_new_tokens
-        return grpo_memory(policy_shape, parallel=args.parallel, ranks=env.world_size,
-                           checkpointing=args.activation_checkpointing, micro=micro,
-                           prompt_len=max(map(len, prompt_ids)), new_tokens=args.max_new_tokens, rows=seqs_per_rank,
-                           accum=seqs_per_rank // micro if getattr(model, "accumulate_unsharded", True) else 1,
-                           reference=reference is not None, rm=rm_shape,
-                           lora=sum(p.numel() for p in trainable) if lora else 0, device=env.device.type,
-                           kept_rows=kept_rows, slots=engine.reserved_slots)
+    estimate_for = functools.partial(
+        grpo_memory, policy_shape, parallel=args.parallel, ranks=env.world_size,
+        checkpointing=args.activation_checkpointing, prompt_len=max(map(len, prompt_ids)),
+        new_tokens=args.max_new_tokens, rows=seqs_per_rank,  # at the longest prompt, every completion at its longest
+        accum=None if getattr(model, "accumulate_unsharded", True) else 1, reference=reference is not None,
+        rm=rm_shape, lora=sum(p.numel() for p in trainable) if lora else 0, device=env.device.type,
+        kept_rows=kept_rows, slots=engine.reserved_slots)
 
     if auto:
-        micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)
+        micro, line = auto_pick(seqs_per_rank, lambda m: estimate_for(micro=m), env.device, resume, prefer=G)
         print0(line)
+    training.state["device_batch_size"] = micro
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
     # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
     share_prompt = micro % G == 0
     print0(f"batch: {args.batch_size} prompts x {G} completions global = {env.world_size} ranks x "
            f"{seqs_per_rank} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
-    estimate = estimate_for(micro)
+    estimate = estimate_for(micro=micro)
     print0(describe(estimate, micro))
     trainer.start(log_dir, "grpo")
     for step in range(trainer.start_step, args.max_steps):
         ro = rollouts.next()
+        training.state["draw"] = rollouts.drawn
         done = step + 1
         total = rewards.total(ro.rewards)
         if args.log_rollouts:

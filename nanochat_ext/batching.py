@@ -59,6 +59,8 @@ class TokenizedPair:
     chosen: list[int]
     rejected: list[int]
     weight: float
+    prompt_len: int = 0  # tokens of the prompt both sequences start with
+    ref: tuple[float, float] | None = None  # the reference's log-probs of the two responses, once computed (DPO)
 
     @property
     def row_length(self) -> int:
@@ -82,7 +84,7 @@ def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int,
                 continue
             p, _ = cut_to_fit(p, longer, max_len, tok.bos_id)
             chosen, rejected = chosen[:max_len - len(p)], rejected[:max_len - len(p)]
-        out.append(TokenizedPair(p + chosen, p + rejected, r.weight))
+        out.append(TokenizedPair(p + chosen, p + rejected, r.weight, len(p)))
     return out, n_long
 
 

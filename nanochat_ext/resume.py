@@ -37,7 +37,7 @@ def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path,
 
 # A checkpoint's meta 'kind' -> the trainer that writes it
 TRAINERS = {"sft": "kat_sft (an SFT model)", "reward_model": "kat_train_rm (a reward model)",
-            "grpo_policy": "kat_train_grpo (a GRPO policy)"}
+            "grpo_policy": "kat_train_grpo (a GRPO policy)", "dpo_policy": "kat_train_dpo (a DPO policy)"}
 
 
 def check_kind(meta: dict, kind: str, meta_path: Path, in_out: bool) -> None:

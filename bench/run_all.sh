@@ -4,6 +4,7 @@
 #   ANCHOR_VENV=/tmp/anchor-venv ANCHOR_ASSETS=/tmp/anchor-assets ROUNDS=2 bash bench/run_all.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$PWD
 source scripts/setup_env.sh
 ANCHOR=${ANCHOR:-../shared/anchor-bench}
 ANCHOR_VENV=${ANCHOR_VENV:-/tmp/anchor-venv}
@@ -24,6 +25,10 @@ for _ in $(seq "$ROUNDS"); do
   ours python bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 --unfreeze_last all | tag ours_rm_full_1x1
   trl torchrun --standalone --nproc_per_node 2 trl_rm.py --threads 1 | tag trl_rm_2x1
   ours python $TR bench/bench_rm.py --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 --unfreeze_last all | tag ours_rm_full_2x1
+  trl python "$ROOT/bench/trl_dpo.py" --threads 2 | tag trl_dpo_1x2
+  ours python bench/bench_rm.py --trainer dpo --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 2 | tag ours_dpo_1x2
+  trl torchrun --standalone --nproc_per_node 2 "$ROOT/bench/trl_dpo.py" --threads 1 | tag trl_dpo_2x1
+  ours python $TR bench/bench_rm.py --trainer dpo --backbone $A/tiny-llama --pairs $A/pairs.jsonl --threads 1 | tag ours_dpo_2x1
   trl python trl_grpo.py --threads 2 | tag trl_grpo_1x2
   ours python bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 2 | tag ours_grpo_1x2
   ours python bench/bench_grpo.py --policy $A/tiny-llama --prompts $A/prompts.jsonl --threads 2 --compile 1 | tag ours_grpo_compiled_1x2

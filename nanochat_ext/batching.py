@@ -10,7 +10,8 @@ from typing import Callable
 import torch
 from torch.utils.data import DistributedSampler
 
-from nanochat_ext.data import PairRow, PromptRow
+from nanochat_ext.data import PairRow, PromptRow, attach_density, load_density, load_pairs, split_by_prefix
+from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -86,6 +87,42 @@ def tokenize_pairs(rows: list[PairRow], tok: TokenizerWrapper, max_len: int,
             chosen, rejected = chosen[:max_len - len(p)], rejected[:max_len - len(p)]
         out.append(TokenizedPair(p + chosen, p + rejected, r.weight, len(p)))
     return out, n_long
+
+
+def read_pairs(path: str, density: str | None, val_ratio: float,
+               skip_bad: bool = False) -> tuple[list[PairRow], list[PairRow], list[PairRow]]:
+    """--pairs read and checked (the rows --skip_bad_rows skipped are counted in the log), --density's weights
+    attached, split by prompt: (all rows, train, held out)."""
+    rows, skipped = load_pairs(path, skip_bad=skip_bad)
+    if skipped:
+        print0(f"data: skipped {skipped} bad rows of {path}")
+    if density:
+        attach_density(rows, load_density(density), density)
+    return rows, *split_by_prefix(rows, val_ratio)
+
+
+def fit_max_len(max_len: int | None, context: int, model: str) -> int:
+    """--max_len, by default the model's context up to 1024; one line where it exceeds the context."""
+    if max_len is None:
+        return min(1024, context)
+    if max_len > context:
+        raise InputError(f"--max_len {max_len} exceeds the {model}'s context of {context}")
+    return max_len
+
+
+def tokenize_splits(train_rows: list[PairRow], val_rows: list[PairRow], tok: TokenizerWrapper, max_len: int,
+                    long_pairs: str, path: str) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
+    """Both splits tokenized (tokenize_pairs), the pairs that did not fit counted in the log; one line when no
+    training pair is left."""
+    train, long_train = tokenize_pairs(train_rows, tok, max_len, long_pairs)
+    val, long_val = tokenize_pairs(val_rows, tok, max_len, long_pairs)
+    if long_train or long_val:
+        print0(f"data: {long_train} of {len(train_rows)} train and {long_val} of {len(val_rows)} val pairs are longer "
+               f"than --max_len {max_len}: {'dropped' if long_pairs == 'drop' else 'truncated'}")
+    if not train:
+        raise InputError(f"no training pairs left: every pair is longer than --max_len {max_len} (--long_pairs drop)",
+                         path=path)
+    return train, val
 
 
 @dataclass

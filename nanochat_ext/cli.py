@@ -14,6 +14,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+from nanochat_ext.batching import LONG_PAIRS
 from nanochat_ext.checkpoint import base_dir
 from nanochat_ext.ddp_common import (DistEnv, detect_launcher, dist_session, previous_ending, print0,
                                    remember_ending)
@@ -24,6 +25,7 @@ from nanochat_ext.outdir import KEEP_LAST_HELP, release_out_dirs
 from nanochat_ext.parallel import PARALLEL_MODES
 from nanochat_ext.peers import EXIT_LOST_RANK, PROGRESS, failed_ranks, lost_rank_line, missing_ranks, says_the_line
 from nanochat_ext.resume import RESUME_HELP
+from nanochat_ext.reward import WEIGHT_MODES
 from nanochat_ext.tracking import report_targets
 from nanochat_ext.vintages import NANOCHAT_WRITTEN, VINTAGE_FLAG
 
@@ -97,6 +99,31 @@ def add_lora_args(parser: argparse.ArgumentParser) -> None:
                    help="write the final checkpoint with the adapters merged into the base, in the input's own layout "
                         "(nanochat model_<N>.pt, an HF dir, an RM checkpoint), which nanochat and every stage load; "
                         "without it checkpoints hold the adapters (peft's adapter dir)")
+
+
+def add_pairs_args(parser: argparse.ArgumentParser, model: str) -> None:
+    """The flags of a trainer on preference pairs (kat_train_rm, kat_train_dpo; `model`: what it trains): the pairs,
+    their weights and how the loss uses them, how a pair is cut to fit, the share held out."""
+    g = parser.add_argument_group("pairs")
+    g.add_argument("--pairs", required=True, help="preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk dir "
+                                                  "(formats: README.md, \"Data formats\")")
+    g.add_argument("--density", default=None,
+                   help="density weights: JSONL {prefix_id, weight}, or the fork's prefixes_all.jsonl + "
+                        "density_weights.npy (either file or their dir). Rare prompts should carry larger weights")
+    g.add_argument("--skip_bad_rows", action="store_true",
+                   help="skip malformed pair rows (and report how many) instead of stopping at the first")
+    g.add_argument("--weight_mode", choices=WEIGHT_MODES, default="mean",
+                   help="mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs (weights keep "
+                        "their scale); none: ignore weights (default: %(default)s)")
+    g.add_argument("--weight_cap", type=float, default=None, help="clip each pair's weight to at most this")
+    g.add_argument("--max_len", type=int, default=None,
+                   help="tokens per sequence; prompts are cut from the left, responses from the right "
+                        f"(default: the {model}'s context, at most 1024)")
+    g.add_argument("--long_pairs", choices=LONG_PAIRS, default="truncate",
+                   help="a pair longer than --max_len: truncate (both sides keep the same prompt window, the "
+                        "responses are cut from the right) or drop it, as TRL does (default: %(default)s)")
+    g.add_argument("--val_ratio", type=float, default=0.1,
+                   help="share of prompts (by prefix_id) held out for validation (default: %(default)s)")
 
 
 MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "

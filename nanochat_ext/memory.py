@@ -234,10 +234,10 @@ def free_memory(device) -> int | None:
     return int(all_reduce_min(float(free)))
 
 
-def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free: int | None,
+def pick_micro_batch(per_rank: int, estimate: Callable[..., StepMemory], free: int | None,
                      margin: float = AUTO_MARGIN, prefer: int = 1) -> tuple[int, str]:
     """--device_batch_size auto: the largest micro-batch that divides this rank's share of the global batch and whose
-    estimated peak (the memory model, at the run's longest sequences; `estimate(size)`) is at most (1 - margin) of
+    estimated peak (the memory model, at the run's longest sequences; `estimate(micro=size)`) is at most (1 - margin) of
     the memory a rank may hold: all of the share where no limit is known; 1, said so, where none fits. Multiples of
     `prefer` first (GRPO's group size: whole groups share their prompt). The same on every rank (free is the least
     over ranks). Returns (size, the log line with the figures it used)."""
@@ -245,7 +245,7 @@ def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free:
     if free is None:
         return per_rank, f"micro-batch: auto: {per_rank} (no memory limit known on this device)"
     budget = (1 - margin) * free
-    peaks = {m: estimate(m).peak() for m in sizes}
+    peaks = {m: estimate(micro=m).peak() for m in sizes}
     order = [m for m in sizes if m % prefer == 0] + [m for m in sizes if m % prefer]
     m = next((m for m in order if peaks[m] <= budget), None)
     tried = ", ".join(f"{k}: {peaks[k] / GiB:.3g}" for k in sizes)
@@ -254,7 +254,7 @@ def pick_micro_batch(per_rank: int, estimate: Callable[[int], StepMemory], free:
                     f"{free / GiB:.3g} GiB, the least over ranks, less a {margin:.0%} margin: {budget / GiB:.3g})")
 
 
-def auto_pick(per_rank: int, estimate: Callable[[int], StepMemory], device, resume: tuple | None,
+def auto_pick(per_rank: int, estimate: Callable[..., StepMemory], device, resume: tuple | None,
               prefer: int = 1) -> tuple[int, str]:
     """Collective: --device_batch_size auto for a run: the size the run it resumes picked (the same micro-batches: an
     exact resume, whatever memory is free now), else pick_micro_batch's over the memory free now."""

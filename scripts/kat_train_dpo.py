@@ -16,11 +16,10 @@ import functools
 import sys
 from pathlib import Path
 
-from nanochat_ext.batching import LONG_PAIRS, BatchPlan, GlobalBatchLoader, by_length, tokenize_pairs
+from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, by_length, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
-                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
-from nanochat_ext.data import attach_density, load_density, load_pairs, split_by_prefix
+                              add_pairs_args, add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate,
+                              check_flags, micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
 from nanochat_ext.ddp_common import DistEnv, peak_memory_gb, print0, seed_everything
 from nanochat_ext.dpo import (DPO_LOSSES, DPO_STATS, DPOConfig, dpo_backward, dpo_evaluate, dpo_metrics,
                               precompute_reference, reference_logps, pair_sequences)
@@ -32,7 +31,6 @@ from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_s
 from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.policy import PolicyTraining
 from nanochat_ext.resume import resolve_resume
-from nanochat_ext.reward import WEIGHT_MODES
 from nanochat_ext.tracking import WindowSums
 
 
@@ -45,12 +43,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the frozen reference, a checkpoint of the policy's architecture (default: the policy as it "
                         "starts; with --lora_r, the policy with its adapters off)")
     g.add_argument("--tokenizer", default=None, help="default: found beside the policy, else $NANOCHAT_BASE_DIR/tokenizer")
-    g.add_argument("--pairs", required=True, help="preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk "
-                                                  "dir (formats: README.md, \"Data formats\")")
-    g.add_argument("--density", default=None,
-                   help="density weights (as for kat_train_rm): scale each pair's share of the loss")
-    g.add_argument("--skip_bad_rows", action="store_true",
-                   help="skip malformed pair rows (and report how many) instead of stopping at the first")
     g = p.add_argument_group("loss")
     g.add_argument("--loss_type", choices=DPO_LOSSES, default="sigmoid",
                    help="sigmoid: DPO; ipo: IPO (log-ratios averaged per token, as TRL); hinge: SLiC's; simpo: SimPO "
@@ -63,10 +55,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--precompute_ref_logps", action="store_true",
                    help="the reference's log-probs of every pair once before training, then the reference is freed "
                         "(worth it from one epoch on); default: computed with each step's pairs, as TRL does")
-    g.add_argument("--weight_mode", choices=WEIGHT_MODES, default="mean",
-                   help="mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs; none: ignore "
-                        "weights (default: %(default)s)")
-    g.add_argument("--weight_cap", type=float, default=None, help="clip each pair's weight to at most this")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL pairs per optimizer step (default: %(default)s)")
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="pairs " + MICRO_BATCH_HELP)
@@ -83,15 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm (0: off)")
     g.add_argument("--seed", type=int, default=0, help="data order (default: %(default)s)")
-    g.add_argument("--max_len", type=int, default=None,
-                   help="tokens per sequence, cut as the reward model's (default: the policy's context, at most 1024)")
-    g.add_argument("--long_pairs", choices=LONG_PAIRS, default="truncate",
-                   help="a pair longer than --max_len: truncate or drop it, as TRL does (default: %(default)s)")
     g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--val_ratio", type=float, default=0.1,
-                   help="share of prompts (by prefix_id) held out for validation (default: %(default)s)")
     g.add_argument("--eval_every", type=int, default=50, help="validate every N steps, and at the end (0: end only)")
     g.add_argument("--log_every", type=int, default=10, help="log train metrics every N steps")
+    add_pairs_args(p, "policy")
     add_output_args(p, "dpo_checkpoints")
     add_parallel_args(p)
     add_lora_args(p)
@@ -125,12 +108,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     check_optimizer(args.optimizer, bool(lora), args.parallel)
     cfg = DPOConfig(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma, args.weight_mode,
                     args.weight_cap)
-    rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
-    if skipped:
-        print0(f"data: skipped {skipped} bad rows of {args.pairs}")
-    if args.density:
-        attach_density(rows, load_density(args.density), args.density)
-    train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
+    rows, train_rows, val_rows = read_pairs(args.pairs, args.density, args.val_ratio, args.skip_bad_rows)
     steps_from_epochs(args, len(train_rows), args.batch_size)
     auto = auto_micro_batch(args, env.device)
     plan = BatchPlan.make(args.batch_size, env.world_size, None if auto else args.device_batch_size)
@@ -138,18 +116,8 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     policy, tok = training.policy, training.tok
     out_dir, log_dir = output_dirs(args, "dpo_checkpoints")
     resume = resolve_resume(args.resume, out_dir, "dpo_policy")
-    if args.max_len is None:
-        args.max_len = min(1024, policy.max_seq_len)
-    if args.max_len > policy.max_seq_len:
-        raise InputError(f"--max_len {args.max_len} exceeds the policy's context of {policy.max_seq_len}")
-    train_pairs, long_train = tokenize_pairs(train_rows, tok, args.max_len, args.long_pairs)
-    val_pairs, long_val = tokenize_pairs(val_rows, tok, args.max_len, args.long_pairs)
-    if long_train or long_val:
-        print0(f"data: {long_train} of {len(train_rows)} train and {long_val} of {len(val_rows)} val pairs are longer "
-               f"than --max_len {args.max_len}: {'dropped' if args.long_pairs == 'drop' else 'truncated'}")
-    if not train_pairs:
-        raise InputError(f"no training pairs left: every pair is longer than --max_len {args.max_len} "
-                         f"(--long_pairs drop)", path=args.pairs)
+    args.max_len = fit_max_len(args.max_len, policy.max_seq_len, "policy")
+    train_pairs, val_pairs = tokenize_splits(train_rows, val_rows, tok, args.max_len, args.long_pairs, args.pairs)
     loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
     claim_out_dir(out_dir, log_dir)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
@@ -174,7 +142,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         reference=reference is not None, device=env.device.type,
         lora=sum(p.numel() for p in training.trainable) if lora else 0)
     if auto:
-        pairs, line = auto_pick(plan.per_rank, lambda m: estimate_for(micro=m), env.device, resume)
+        pairs, line = auto_pick(plan.per_rank, estimate_for, env.device, resume)
         print0(line)
         plan = BatchPlan.make(args.batch_size, env.world_size, pairs)
         loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)

@@ -285,7 +285,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         kept_rows=kept_rows, slots=engine.reserved_slots)
 
     if auto:
-        micro, line = auto_pick(seqs_per_rank, lambda m: estimate_for(micro=m), env.device, resume, prefer=G)
+        micro, line = auto_pick(seqs_per_rank, estimate_for, env.device, resume, prefer=G)
         print0(line)
     training.state["device_batch_size"] = micro
     # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold

@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in
-from nanochat_ext.batching import LONG_PAIRS, BatchPlan, GlobalBatchLoader, by_length, collate_pairs, tokenize_pairs
+from nanochat_ext.batching import (BatchPlan, GlobalBatchLoader, by_length, collate_pairs, fit_max_len, read_pairs,
+                                   tokenize_splits)
 from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
-                              add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
-                              micro_batch, output_dirs, run_script, script_argv)
+                              add_pairs_args, add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate,
+                              check_flags, micro_batch, output_dirs, run_script, script_argv)
 from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import attach_density, load_density, load_pairs, split_by_prefix
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                      seed_everything)
 from nanochat_ext.errors import InputError
@@ -35,7 +35,7 @@ from nanochat_ext.optim import guarded_step, make_optimizer
 from nanochat_ext.outdir import claim_out_dir
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.resume import resolve_resume
-from nanochat_ext.reward import RM_STATS, WEIGHT_MODES, RewardModel, rm_backward, trainable_state
+from nanochat_ext.reward import RM_STATS, RewardModel, rm_backward, trainable_state
 from nanochat_ext.tracking import WindowSums
 from nanochat_ext.trainer import Saving, Trainer
 
@@ -48,18 +48,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--tokenizer", default=None,
                    help="tokenizer dir (tokenizer.pkl or tokenizer.json); default: found beside the backbone, "
                         "else $NANOCHAT_BASE_DIR/tokenizer")
-    g.add_argument("--pairs", required=True, help="preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk dir "
-                                                  "(formats: README.md, \"Data formats\")")
-    g.add_argument("--density", default=None,
-                   help="density weights: JSONL {prefix_id, weight}, or the fork's prefixes_all.jsonl + "
-                        "density_weights.npy (either file or their dir). Rare prompts should carry larger weights")
-    g.add_argument("--skip_bad_rows", action="store_true",
-                   help="skip malformed pair rows (and report how many) instead of stopping at the first")
-    g = p.add_argument_group("loss")
-    g.add_argument("--weight_mode", choices=WEIGHT_MODES, default="mean",
-                   help="mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs (weights keep "
-                        "their scale); none: ignore weights (default: %(default)s)")
-    g.add_argument("--weight_cap", type=float, default=None, help="clip each pair's weight to at most this")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL pairs per optimizer step (default: %(default)s)")
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="pairs " + MICRO_BATCH_HELP)
@@ -69,19 +57,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--weight_decay", type=float, default=0.0)
     g.add_argument("--grad_clip", type=float, default=1.0, help="clip the global grad norm to this (0: off)")
     g.add_argument("--seed", type=int, default=0, help="data order and head init (default: %(default)s)")
-    g.add_argument("--max_len", type=int, default=None,
-                   help="tokens per sequence; prompts are cut from the left, responses from the right "
-                        "(default: the backbone's context, at most 1024)")
-    g.add_argument("--long_pairs", choices=LONG_PAIRS, default="truncate",
-                   help="a pair longer than --max_len: truncate (both sides keep the same prompt window, the "
-                        "responses are cut from the right) or drop it, as TRL does (default: %(default)s)")
     g.add_argument("--unfreeze_last", default="0",
                    help="train the last N backbone blocks too, or 'all' for a full fine-tune (default: 0)")
     g = p.add_argument_group("evaluation and logging")
-    g.add_argument("--val_ratio", type=float, default=0.1,
-                   help="share of prompts (by prefix_id) held out for validation (default: %(default)s)")
     g.add_argument("--eval_every", type=int, default=50, help="validate every N steps, and at the end (0: end only)")
     g.add_argument("--log_every", type=int, default=10, help="print/log train metrics every N steps")
+    add_pairs_args(p, "backbone")
     add_output_args(p, "rm_checkpoints")
     add_parallel_args(p)
     add_lora_args(p)
@@ -103,21 +84,13 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     lora = check_lora_args(args)
     if lora and args.unfreeze_last != "0":
         raise InputError("--unfreeze_last trains whole blocks and --lora_r adapters on every block: give one of them")
-    rows, skipped = load_pairs(args.pairs, skip_bad=args.skip_bad_rows)
-    if skipped:
-        print0(f"data: skipped {skipped} bad rows of {args.pairs}")
-    if args.density:
-        attach_density(rows, load_density(args.density), args.density)
-    train_rows, val_rows = split_by_prefix(rows, args.val_ratio)
+    rows, train_rows, val_rows = read_pairs(args.pairs, args.density, args.val_ratio, args.skip_bad_rows)
     auto = auto_micro_batch(args, env.device)
     plan = BatchPlan.make(args.batch_size, env.world_size, None if auto else args.device_batch_size)
     resume = resolve_resume(args.resume, out_dir, "reward_model")
     backbone = load_backbone(args.backbone, env.device, vintage=args.nanochat_vintage)
     tokenizer = load_tokenizer_for(backbone, args.tokenizer)
-    if args.max_len is None:
-        args.max_len = min(1024, backbone.max_seq_len)
-    if args.max_len > backbone.max_seq_len:
-        raise InputError(f"--max_len {args.max_len} exceeds the backbone's context of {backbone.max_seq_len}")
+    args.max_len = fit_max_len(args.max_len, backbone.max_seq_len, "backbone")
     backbone.set_trainable(args.unfreeze_last)
     for p in backbone.output_head_params():  # the RM reads hidden states; the LM head gets no gradient
         p.requires_grad_(False)
@@ -129,14 +102,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
     dtype = compute_dtype(args.dtype, env.device)
     hold_frozen_in(backbone, dtype)
-    train_pairs, long_train = tokenize_pairs(train_rows, tokenizer, args.max_len, args.long_pairs)
-    val_pairs, long_val = tokenize_pairs(val_rows, tokenizer, args.max_len, args.long_pairs)
-    if long_train or long_val:
-        print0(f"data: {long_train} of {len(train_rows)} train and {long_val} of {len(val_rows)} val pairs are longer "
-               f"than --max_len {args.max_len}: {'dropped' if args.long_pairs == 'drop' else 'truncated'}")
-    if not train_pairs:
-        raise InputError(f"no training pairs left: every pair is longer than --max_len {args.max_len} "
-                         f"(--long_pairs drop)", path=args.pairs)
+    train_pairs, val_pairs = tokenize_splits(train_rows, val_rows, tokenizer, args.max_len, args.long_pairs, args.pairs)
     loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
            f"{len({r.prefix_id for r in rows})} prompts; {loader.steps_per_epoch} steps per epoch")

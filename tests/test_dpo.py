@@ -151,8 +151,9 @@ def test_two_ranks_ddp_and_fsdp_with_density_weights_train_as_one_rank(assets, t
 
 
 def test_resume_continues_exactly_and_lora_starts_at_log_2(assets, tmp_path, capsys):
-    """A run resumed from its step-2 checkpoint ends bitwise where the straight run does; under --lora_r the reference
-    is the policy with its adapters off, so the first step's loss is exactly log 2 (every log-ratio 0)."""
+    """A run resumed from its step-2 checkpoint ends bitwise where the straight run does. The first step's loss is
+    log 2 (every log-ratio 0): the reference computes as the policy does, a loaded copy or, under --lora_r, the policy
+    with its adapters off."""
     args = ("--max_steps", "4")
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     assert kat_train_dpo.main(dpo_args(assets, straight, *args)) == 0
@@ -163,6 +164,7 @@ def test_resume_continues_exactly_and_lora_starts_at_log_2(assets, tmp_path, cap
     assert kat_train_dpo.main(dpo_args(assets, crashed, *args, "--resume", "latest")) == 0
     assert "resume: from" in capsys.readouterr().out
     assert_bitwise(load_backbone(crashed).model.state_dict(), load_backbone(straight).model.state_dict())
+    assert metrics(straight)[0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # the reference is the policy
     lora = tmp_path / "lora"
     assert kat_train_dpo.main(dpo_args(assets, lora, "--max_steps", "2", "--lora_r", "4")) == 0
     assert "reference the base, adapters off" in capsys.readouterr().out

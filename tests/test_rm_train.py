@@ -266,8 +266,8 @@ def test_auto_micro_batch_picks_what_fits_and_trains_as_that_size_given_by_hand(
 
 
 def test_pick_micro_batch_takes_the_largest_divisor_that_fits():
-    def estimate(m):
-        return memory.StepMemory({"weights": 2**30}, {"activations": m * 2**30})  # 1 GiB held + 1 GiB a row
+    def estimate(micro):
+        return memory.StepMemory({"weights": 2**30}, {"activations": micro * 2**30})  # 1 GiB held + 1 GiB a row
 
     assert memory.pick_micro_batch(12, estimate, None)[0] == 12  # no limit known
     assert memory.pick_micro_batch(12, estimate, int(5.5 * 2**30), margin=0)[0] == 4  # 4 fits (5 GiB), 6 does not

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline, one torchrun call per stage:
-#   demo data -> SFT -> density weights -> reward models (uniform, density) -> GRPO -> evaluation report
+#   demo data -> SFT -> density weights -> reward models (uniform, density) -> GRPO (and DPO) -> evaluation report
 # Every artifact goes to $NANOCHAT_BASE_DIR (default ~/.cache/nanochat). A finished stage is skipped
 # (FORCE=1 re-runs everything); an interrupted one resumes from its last checkpoint, so re-running
 # after a crash or Ctrl-C finishes the pipeline with no cleanup.
@@ -9,6 +9,7 @@
 #   BACKBONE=/path/sft_ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
 #   ARMS="uniform density" bash speedrun.sh                # GRPO against each RM, both policies evaluated
+#   ARMS="uniform dpo dpo_density" bash speedrun.sh        # RM + GRPO beside DPO on the same pairs (DPO: off by default)
 #   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment: every seed, both arms,
 #                                                          # paired differences with 95% intervals (experiment.md)
 #   EXPERIMENT=density REGIME=collapse SEEDS="$(seq -s ' ' 0 9)" bash speedrun.sh  # the same where GRPO collapses
@@ -16,27 +17,29 @@
 #                                                          # and converted once) taught arithmetic in words by GRPO
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
 # this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
-# SFT_STEPS, RM_STEPS, GRPO_STEPS, EVAL_SAMPLES,
+# SFT_STEPS, RM_STEPS, GRPO_STEPS, DPO_STEPS, EVAL_SAMPLES,
 # EVAL_PAIRS / EVAL_PROMPTS (held-out sets for your own assets),
 # DEMO_ARGS (extra flags for scripts.kat_demo_data, e.g. smaller data sets), SEED (data and training),
 # BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
 # cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
 # NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
-# SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS: more flags for that stage's script (split on spaces), after the stage's
+# SFT_ARGS, RM_ARGS, GRPO_ARGS, DPO_ARGS, EVAL_ARGS: more flags for that stage's script (split on spaces), after the stage's
 # own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"; a kl_<beta> arm's --beta comes after
 # them); each stage's meta records its args, the report these strings, REGIME and the step counts. --out and
 # --resume stay the pipeline's. A finished stage is skipped whatever these say: change them in a new
 # NANOCHAT_BASE_DIR, or re-run with FORCE=1.
 # ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM
 # with the fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform
-# RM with --beta <beta>, a control that fights collapse with the KL term instead of the RM; default: uniform, or
-# density with DENSITY=1.
+# RM with --beta <beta>, a control that fights collapse with the KL term instead of the RM; dpo: DPO of the SFT
+# policy on the pairs themselves, no RM; dpo_density: the same with each pair's density weight (as the density RM's);
+# default: uniform, or density with DENSITY=1.
 # REGIME: default, or collapse: "--lr 1e-3 --beta 0" before GRPO_ARGS, where the demo's GRPO hacks its RM (one
 # template answer for every prompt); recorded in the report.
 # EXPERIMENT=density: SEEDS (default 0..4) each run the whole pipeline in $NANOCHAT_BASE_DIR/experiment/seed_<s>
 # (experiment_collapse/ for REGIME=collapse) with ARMS (uniform and the arms it is compared with; default
 # "uniform density", "uniform density kl_0.2" for REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then
-# scripts.kat_experiment_report writes experiment.md/json there, comparing each arm of ARMS with uniform.
+# scripts.kat_experiment_report writes experiment.md/json there, comparing each arm of ARMS with uniform
+# (dpo_density with dpo: ARMS="uniform dpo dpo_density" asks the question in its DPO form).
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -67,17 +70,19 @@ EXPERIMENT_SFT_STEPS="${SFT_STEPS:-400}"  # the density experiment's (it has no 
 SFT_STEPS="${SFT_STEPS:-1000}"  # the arithmetic topic's copying (prompt -> call, answer -> reply) needs them
 RM_STEPS="${RM_STEPS:-150}"
 GRPO_STEPS="${GRPO_STEPS:-$([ -n "${MODEL:-}" ] && echo 40 || echo 200)}"
+DPO_STEPS="${DPO_STEPS:-100}"
 EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
 check_arms() {  # before any stage runs: a bad arm would otherwise stop the pipeline after SFT and the RMs
     for arm in $1; do
-        [[ $arm =~ ^(uniform|density|fork|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
-            { echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork, kl_<beta> such as kl_0.2)" >&2; exit 2; }
+        [[ $arm =~ ^(uniform|density|fork|dpo|dpo_density|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
+            { echo "speedrun: unknown arm '$arm' in ARMS (uniform, density, fork, dpo, dpo_density, kl_<beta> such as kl_0.2)" >&2; exit 2; }
     done
 }
 read -r -a EXTRA_SFT <<< "${SFT_ARGS:-}"
 read -r -a EXTRA_RM <<< "${RM_ARGS:-}"
 read -r -a EXTRA_GRPO <<< "$REGIME_GRPO ${GRPO_ARGS:-}"  # the regime's first: yours win
+read -r -a EXTRA_DPO <<< "${DPO_ARGS:-}"
 read -r -a EXTRA_EVAL <<< "${EVAL_ARGS:-}"
 RUNTIME=()  # flags every stage that runs models takes
 [ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
@@ -90,6 +95,8 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
     else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
     check_arms "$ARMS"
     [[ " $ARMS " == *" uniform "* ]] || { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
+    [[ " $ARMS " != *" dpo_density "* || " $ARMS " == *" dpo "* ]] ||
+        { echo "speedrun: the experiment compares dpo_density with dpo: add it to ARMS" >&2; exit 2; }
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
@@ -108,9 +115,10 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
 fi
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
 check_arms "$ARMS"
-export REGIME SFT_STEPS RM_STEPS GRPO_STEPS EVAL_SAMPLES
+export REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
-    "$B/stage_args.json" REGIME SFT_STEPS RM_STEPS GRPO_STEPS EVAL_SAMPLES SFT_ARGS RM_ARGS GRPO_ARGS EVAL_ARGS  # for the report
+    "$B/stage_args.json" REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES SFT_ARGS RM_ARGS GRPO_ARGS DPO_ARGS \
+    EVAL_ARGS  # for the report
 
 record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
     { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
@@ -233,12 +241,21 @@ if [[ " $ARMS " == *" fork "* ]]; then train rm_fork "$NEEDS_RM and fork weights
 GRPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS"
            --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
            --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
+DPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$DPO_STEPS" --seed "$SEED" --batch_size 32
+           --lr 1e-4 --beta 0.1 --eval_every 50 --save_every 50)
+arm_dir() { case $1 in dpo*) echo "$B/dpo_checkpoints/$1" ;; *) echo "$B/chatrl_checkpoints/$1" ;; esac; }
 EVAL_POLICIES=()
 # Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
-# so a difference between the policies is the RM's doing.
+# so a difference between the policies is the RM's doing. A DPO arm trains the same policy on the pairs themselves.
 for arm in $ARMS; do
     case $arm in  # (checked by check_arms)
         kl_*) rm_name=uniform; ARM_FLAGS=(--beta "${arm#kl_}") ;;  # after GRPO_ARGS: the arm is its beta
+        dpo|dpo_density)
+            weights=(); [ "$arm" = dpo_density ] && weights=(--density "$WEIGHTS")
+            train "$arm" "the policy $BACKBONE and pairs ($PAIRS)${weights:+ and density weights (made by the density stage)}" \
+                "$(arm_dir "$arm")" scripts.kat_train_dpo "${DPO_FLAGS[@]}" "${weights[@]}" "${EXTRA_DPO[@]}"
+            EVAL_POLICIES+=(--policy "DPO $([ "$arm" = dpo ] && echo uniform || echo density)=$(arm_dir "$arm")")
+            continue ;;
         *) rm_name=$arm; ARM_FLAGS=() ;;
     esac
     train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$rm_name (made by the rm_$rm_name stage)" \
@@ -250,7 +267,7 @@ done
 # ---- evaluation report ---------------------------------------------------------------------------
 eval_fresh() {  # the report is newer than every arm's policy
     skip "$B/report.md" || return 1
-    for arm in $ARMS; do [ "$B/report.md" -nt "$B/chatrl_checkpoints/$arm/.complete" ] || return 1; done
+    for arm in $ARMS; do [ "$B/report.md" -nt "$(arm_dir "$arm")/.complete" ] || return 1; done
 }
 if eval_fresh; then
     echo "== eval: skipped (done: $B/report.md)"

@@ -1,5 +1,6 @@
 """The density experiment's report: does inverse-density weighting give a reward model that is better
-on rare prompts and, through GRPO, a policy that is better there and collapses less?
+on rare prompts and, through GRPO, a policy that is better there and collapses less? And, in its DPO form, does
+weighting the pairs help when they train the policy directly?
 
 Reads <root>/seed_<s>/report.json (written by kat_eval for each seed, every arm evaluated on the same
 held-out data) and writes <root>/experiment.md, experiment.json and one plot per headline metric.
@@ -9,7 +10,9 @@ and the smallest true difference 5% / 80%-power testing could detect with this m
 
 The regime (speedrun.sh's REGIME, recorded in each seed's report) heads the report, and a table shows
 whether GRPO collapsed: each arm's diversity and mode shares beside the SFT policy's. An arm without an
-RM of its own (kl_<beta>: the uniform RM with the KL term on) is compared on the policy metrics only.
+RM of its own (kl_<beta>: the uniform RM with the KL term on) is compared on the policy metrics only. The DPO arms
+train the SFT policy on the pairs themselves: dpo (uniform) is compared with GRPO's uniform arm (RM + GRPO against
+DPO on the same pairs), dpo_density (each pair weighted as the density RM's) with dpo.
 
     EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh        # runs this at the end
     EXPERIMENT=density REGIME=collapse SEEDS="0 1 2 3 4 5 6 7 8 9" bash speedrun.sh
@@ -50,13 +53,32 @@ COLLAPSE = ["rm_score_sampled", "task_accuracy_sampled", "task_accuracy_sampled_
             "mode_share", "top_completion_share"]
 
 
+DPO_ARMS = {"dpo": "DPO uniform", "dpo_density": "DPO density"}  # arm -> its policy's name in kat_eval's report
+BASELINES = {"dpo_density": "dpo"}  # what an arm is compared with, where not the uniform GRPO arm
+
+
+def policy_name(arm: str) -> str:
+    """The arm's policy in a seed's report (speedrun.sh names them so); "SFT" is the policy before training."""
+    return "before (SFT)" if arm == "SFT" else DPO_ARMS.get(arm, f"GRPO {arm}")
+
+
+def arm_of(name: str) -> str | None:
+    """policy_name's inverse; None for a policy that is no arm."""
+    found = [a for a, n in DPO_ARMS.items() if n == name]
+    return found[0] if found else name.split(" ", 1)[1] if name.startswith("GRPO ") else None
+
+
+def baseline(arm: str) -> str:
+    return BASELINES.get(arm, "uniform")
+
+
 def metric_value(report: dict, arm: str, source: tuple) -> float | None:
     """arm's metric in one seed's report; the arm "SFT" is the policy before GRPO."""
     if source[0] == "rm":
         rms = {Path(d).name: r for d, r in report["reward_models"].items()}
         group = rms.get(arm, {}).get(source[1])
         return None if group is None else group[source[2]]
-    value = report["policies"].get("before (SFT)" if arm == "SFT" else f"GRPO {arm}", {}).get(source[1])
+    value = report["policies"].get(policy_name(arm), {}).get(source[1])
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
 
 
@@ -84,17 +106,18 @@ def settings_of(reports: dict[int, dict]) -> dict[str, str]:
 
 
 def analyse(reports: dict[int, dict], arms: list[str]) -> dict:
-    """{arm: {metric: {"uniform": [...], arm: [...], "diff": PairedDifference fields, "higher_is_better"}}}."""
+    """{arm: {metric: {baseline: [...], arm: [...], "diff": PairedDifference fields, "higher_is_better"}}}, the
+    baseline uniform (GRPO's) or the arm's own (BASELINES)."""
     out = {}
     for arm in arms:
         rows = {}
         for name, source, higher in RM_METRICS + POLICY_METRICS:
-            base = [metric_value(r, "uniform", source) for r in reports.values()]
+            base = [metric_value(r, baseline(arm), source) for r in reports.values()]
             mine = [metric_value(r, arm, source) for r in reports.values()]
             if any(v is None for v in base + mine):
                 continue
             d = paired_difference(mine, base)
-            rows[name] = {"uniform": base, arm: mine, "higher_is_better": higher,
+            rows[name] = {baseline(arm): base, arm: mine, "higher_is_better": higher,
                           "diff": {k: getattr(d, k) for k in ("diffs", "mean", "low", "high", "half_width", "detectable")}}
         out[arm] = rows
     return out
@@ -118,7 +141,7 @@ def verdict(arm: str, rows: dict) -> str:
         elif name in HEADLINE and not math.isnan(d["low"]):
             unresolved.append(f"{name} ({d['mean']:+.3f}, interval [{d['low']:+.3f}, {d['high']:+.3f}], "
                               f"detectable with 80% power: about +-{d['detectable']:.3f})")
-    text = f"**{arm} vs uniform.** "
+    text = f"**{arm} vs {baseline(arm)}.** "
     if not rows:
         return text + "No metric that both arms have in every seed."
     if math.isnan(next(iter(rows.values()))["diff"]["low"]):
@@ -151,16 +174,19 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
         arms = [a for a in analysis if name in analysis[a]]
         if not arms:
             continue
-        fig, ax = plt.subplots(figsize=(4 + len(arms), 3.2))
-        labels = ["uniform"] + arms
-        values = [analysis[arms[0]][name]["uniform"]] + [analysis[a][name][a] for a in arms]
+        values = {}  # each arm and baseline's per-seed values, baselines first
+        for a in arms:
+            values.setdefault(baseline(a), analysis[a][name][baseline(a)])
+        values.update({a: analysis[a][name][a] for a in arms})
+        labels = list(values)
+        fig, ax = plt.subplots(figsize=(3 + len(labels), 3.2))
         for k in range(len(seeds)):  # one line per seed: the pairing
-            ax.plot(range(len(labels)), [v[k] for v in values], color="0.75", marker="o", zorder=1)
-        for x, a in enumerate(arms, start=1):
+            ax.plot(range(len(labels)), [v[k] for v in values.values()], color="0.75", marker="o", zorder=1)
+        for n, a in enumerate(arms):
             d = analysis[a][name]["diff"]
-            base_mean = mean(values[0])
-            ax.errorbar(x + 0.12, base_mean + d["mean"], yerr=d["half_width"], color="C3", marker="s", capsize=4,
-                        zorder=2, label="uniform mean + mean difference, 95% t interval" if x == 1 else None)
+            ax.errorbar(labels.index(a) + 0.12, mean(values[baseline(a)]) + d["mean"], yerr=d["half_width"],
+                        color="C3", marker="s", capsize=4, zorder=2,
+                        label="baseline mean + mean difference, 95% t interval" if n == 0 else None)
         ax.set_xticks(range(len(labels)), labels)
         ax.set_title(f"{name} ({len(seeds)} seeds)")
         ax.legend(fontsize=7, loc="best")
@@ -180,22 +206,26 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
              + (" Settings: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()) + "." if passed else "")
              + (" A kl_<beta> arm is GRPO against the uniform RM with the KL term on (`--beta <beta>`): a control that "
                 "fights collapse by holding the policy near the SFT model instead of changing the RM."
-                if any(a.startswith("kl_") for a in analysis) else ""), "",
+                if any(a.startswith("kl_") for a in analysis) else "")
+             + (" A DPO arm trains the SFT policy by DPO on the pairs themselves, no RM (dpo_density: each pair "
+                "weighted by its density weight, as the density RM's pairs are); dpo is compared with GRPO's uniform "
+                "arm, dpo_density with dpo." if any(a in DPO_ARMS for a in analysis) else ""), "",
              f"Seeds {', '.join(map(str, seeds))}; every seed runs the whole pipeline (its own demo data, SFT model and "
              "density weights), then each arm trains its GRPO policy against its RM (a kl_<beta> arm: the uniform "
              "RM) on the same prompts with the same budget and seed, and every policy is evaluated on the same "
              "held-out prompts. Differences are arm "
-             "minus uniform per seed; the interval is the 95% Student-t interval of the mean difference over seeds "
+             "minus its baseline (uniform; dpo for dpo_density) per seed; the interval is the 95% Student-t interval of the mean difference over seeds "
              "(paired by seed, n - 1 degrees of freedom). 'detectable' is the smallest true difference a 5%-level "
              "test would find with 80% power at this spread and number of seeds. Policy RM scores come from the "
              "uniform RM for every arm (one judge); task accuracy is the demo's ground truth.", ""]
     for arm, rows in analysis.items():
-        lines += [f"## {arm} minus uniform", "", "| metric | uniform (mean) | " + arm + " (mean) | mean diff | 95% interval | "
+        base = baseline(arm)
+        lines += [f"## {arm} minus {base}", "", f"| metric | {base} (mean) | {arm} (mean) | mean diff | 95% interval | "
                   "detectable | per seed |", "|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             d = r["diff"]
             label = {True: "", False: " (lower is better)", None: " (neither way is better)"}[r["higher_is_better"]]
-            lines.append(f"| {name}{label} | {mean(r['uniform']):.3f} | "
+            lines.append(f"| {name}{label} | {mean(r[base]):.3f} | "
                          f"{mean(r[arm]):.3f} | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | "
                          f"{d['detectable']:.3f} | {', '.join(f'{x:+.3f}' for x in d['diffs'])} |")
         lines += ["", verdict(arm, rows), ""]
@@ -208,7 +238,7 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
               f"to fix. Uniform RM accuracy, dense minus rare topics, per seed: "
               f"{', '.join(f'{g:+.3f}' for g in uniform_gaps)}.", ""]
     means = {arm: {name: mean_of(reports, arm, ("policy", name)) for name in COLLAPSE}
-             for arm in ["SFT", "uniform", *analysis]}
+             for arm in dict.fromkeys(["SFT", "uniform", *map(baseline, analysis), *analysis])}
     lines += ["## Does GRPO collapse here?", "",
               "Mean over seeds of each policy's measures on held-out prompts (SFT: the policy before GRPO; RM score "
               "from the uniform RM). Reward hacking: the RM's score rises while task accuracy and diversity fall.",
@@ -240,13 +270,13 @@ def main(argv: list[str] | None = None) -> int:
 def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     reports = load_reports(root, seeds)
     settings = settings_of(reports)  # one experiment, or stop before any arithmetic
-    present = [{name.split(" ", 1)[1] for name in r["policies"] if name.startswith("GRPO ")} for r in reports.values()]
-    for arm in ["uniform", *(arms or [])]:  # every arm is compared with uniform
+    present = [{arm_of(name) for name in r["policies"]} - {None} for r in reports.values()]
+    arms = [a for a in arms if a != "uniform"] if arms else sorted(set.intersection(*present) - {"uniform"})
+    for arm in dict.fromkeys(["uniform", *map(baseline, arms), *arms]):  # each arm and what it is compared with
         missing = [s for s, names in zip(reports, present) if arm not in names]
         if missing:
-            raise InputError(f"seed {missing[0]}'s report has no policy 'GRPO {arm}'",
+            raise InputError(f"seed {missing[0]}'s report has no policy '{policy_name(arm)}'",
                              path=str(root / f"seed_{missing[0]}" / "report.json"))
-    arms = [a for a in arms if a != "uniform"] if arms else sorted(set.intersection(*present) - {"uniform"})
     if not arms:
         raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
     return write(root, seeds, analyse(reports, arms), reports, settings)

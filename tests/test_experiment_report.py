@@ -83,3 +83,29 @@ def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path, c
     (tmp_path / "seed_1" / "report.json").write_text(json.dumps(seed_report(1, regime="default")))
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1"]) == 2
     assert "different settings: REGIME is 'collapse' in seed 0 and 'default' in seed 1" in capsys.readouterr().err
+
+
+def test_dpo_arms_compare_dpo_with_grpo_and_weighted_dpo_with_dpo(tmp_path, capsys):
+    """The DPO form of the question: dpo_density against uniform DPO, dpo against RM + GRPO (uniform), on policy
+    metrics only (no RM of their own); a seed without the uniform DPO policy cannot answer it."""
+    for s in range(3):
+        report = fake_report(s, 0.5, 0.6)
+        base = report["policies"]["GRPO uniform"]
+        report["policies"]["DPO uniform"] = {**base, "task_accuracy_sampled_rare": 0.4}
+        report["policies"]["DPO density"] = {**base, "task_accuracy_sampled_rare": 0.45 + 0.01 * s}
+        (tmp_path / f"seed_{s}").mkdir()
+        (tmp_path / f"seed_{s}" / "report.json").write_text(json.dumps(report))
+    args = ["--root", str(tmp_path), "--seeds", "0", "1", "2", "--arms", "uniform", "dpo", "dpo_density"]
+    assert kat_experiment_report.main(args) == 0
+    out = json.loads((tmp_path / "experiment.json").read_text())
+    rows = out["arms"]["dpo_density"]["task_accuracy_sampled_rare"]
+    assert rows["dpo"] == [0.4] * 3 and [round(d, 3) for d in rows["diff"]["diffs"]] == [0.05, 0.06, 0.07]
+    assert [round(d, 3) for d in out["arms"]["dpo"]["task_accuracy_sampled_rare"]["diff"]["diffs"]] == [-0.1] * 3
+    assert not any(name.startswith("rm_") for name in out["arms"]["dpo_density"])
+    md = (tmp_path / "experiment.md").read_text()
+    assert "## dpo_density minus dpo" in md and "## dpo minus uniform" in md and "**dpo_density vs dpo.**" in md
+    report = json.loads((tmp_path / "seed_1" / "report.json").read_text())
+    del report["policies"]["DPO uniform"]
+    (tmp_path / "seed_1" / "report.json").write_text(json.dumps(report))
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "2", "--arms", "dpo_density"]) == 2
+    assert "seed 1's report has no policy 'DPO uniform'" in capsys.readouterr().err

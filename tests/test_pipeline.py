@@ -15,7 +15,7 @@ from conftest import REPO
 
 # OMP_NUM_THREADS=1 whatever the caller's: 2 ranks of 2 threads each would oversubscribe 2 cores.
 TINY = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "SFT_STEPS": "8", "RM_STEPS": "4", "GRPO_STEPS": "4",
-        "EVAL_SAMPLES": "2", "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
+        "DPO_STEPS": "4", "EVAL_SAMPLES": "2", "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
 
 
 def speedrun(base, **env) -> subprocess.CompletedProcess:
@@ -24,25 +24,27 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
-    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three arms (a KL control too), each
-    seed's report and the experiment's; a second seed (on 1 rank) while every finished stage of the first is skipped,
+    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three GRPO arms (a KL control too) and
+    both DPO arms (uniform, density-weighted), each seed's report and the experiment's; a second seed (on 1 rank) while every finished stage of the first is skipped,
     and the two seeds' intervals; an interrupted GRPO stage resumes, with flags passed through to it (GRPO_ARGS); the
     fork's arm computes its weights, and a bad flag passed to its RM stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1",
+    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1 dpo dpo_density",
                EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = base / "experiment_collapse"
     seed = root / "seed_0"
     for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "grpo_density",
-                  "grpo_kl_0.1", "eval"):
+                  "grpo_kl_0.1", "dpo", "dpo_density", "eval"):
         assert f"== {stage}" in first.stdout
     report = json.loads((seed / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO kl_0.1"}
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO kl_0.1", "DPO uniform",
+                                       "DPO density"}
+    assert {"task_accuracy_sampled", "rm_score_sampled", "mode_share"} <= set(report["policies"]["DPO density"])
     assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread", "mode_share",
             "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO density"])
     assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
@@ -58,25 +60,30 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert (grpo_args("uniform")["lr"], grpo_args("uniform")["beta"]) == (5e-4, 0)
     assert (grpo_args("kl_0.1")["lr"], grpo_args("kl_0.1")["beta"]) == (5e-4, 0.1)
     assert grpo_args("kl_0.1")["rm"] == str(seed / "rm_checkpoints" / "uniform")
+    dpo = [json.loads(max((seed / "dpo_checkpoints" / arm).glob("meta_*.json"),
+                          key=lambda p: int(p.stem.split("_")[1])).read_text())["args"] for arm in ("dpo", "dpo_density")]
+    assert dpo[0]["density"] is None and dpo[1]["density"] == str(seed / "density" / "weights.jsonl")
     md = (seed / "report.md").read_text()
     assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
     assert "REGIME=`collapse`" in md and "GRPO_STEPS=`4`" in md
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["regime"] == "collapse"
+    assert set(experiment["arms"]) == {"density", "kl_0.1", "dpo", "dpo_density"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
     assert "One seed: differences only" in (root / "experiment.md").read_text()
     # A second seed, on 1 rank (the 2-rank pipeline is seed 0's): every stage of seed 0 is skipped, seed 1 runs them
     # all, and the report has intervals over the two.
     two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1"})
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert two.stdout.count(": skipped") == 9, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, eval
+    assert two.stdout.count(": skipped") == 11, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, 2 DPO, eval
     assert "== grpo_kl_0.1 (1 ranks)" in two.stdout
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["seeds"] == [0, 1]
-    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share")):
+    assert set(experiment["arms"]) == {"density", "kl_0.1", "dpo", "dpo_density"} and experiment["seeds"] == [0, 1]
+    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share"),
+                        ("dpo_density", "task_accuracy_sampled_rare")):
         d = experiment["arms"][arm][metric]["diff"]
         assert len(d["diffs"]) == 2 and d["low"] <= d["mean"] <= d["high"], (arm, metric, d)
     assert "rm_accuracy_rare" not in experiment["arms"]["kl_0.1"]  # the kl arm has no RM of its own
+    assert "## dpo_density minus dpo" in (root / "experiment.md").read_text()
     md = (root / "experiment.md").read_text()
     assert md.startswith("# The density experiment, regime collapse") and "## Does GRPO collapse here?" in md
 
@@ -110,7 +117,8 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
 @pytest.mark.parametrize("env,line", [
     ({"ARMS": "uniform kl_abc"}, "speedrun: unknown arm 'kl_abc' in ARMS"),
     ({"REGIME": "wild"}, "speedrun: unknown REGIME 'wild' (default, collapse)"),
-    ({"EXPERIMENT": "density", "ARMS": "density kl_0.2"}, "compares each arm with uniform: add it to ARMS")])
+    ({"EXPERIMENT": "density", "ARMS": "density kl_0.2"}, "compares each arm with uniform: add it to ARMS"),
+    ({"EXPERIMENT": "density", "ARMS": "uniform dpo_density"}, "compares dpo_density with dpo: add it to ARMS")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
     proc = speedrun(tmp_path / "base", **env)
     assert proc.returncode == 2 and line in proc.stderr and "==" not in proc.stdout, proc.stdout + proc.stderr

@@ -1,4 +1,5 @@
-"""CPU throughput of TRL's DPOTrainer on the anchor bench's tiny Llama: the peer of bench/bench_dpo.py, set as
+"""CPU throughput of TRL's DPOTrainer on the anchor bench's tiny Llama: the peer of `bench/bench_rm.py --trainer dpo`,
+set as
 ../shared/anchor-bench/trl_rm.py sets the reward trainer (fp32, 16 pairs a process a step, max_length 128, no
 activation checkpointing), with DPO's own defaults otherwise (sigmoid loss, beta 0.1, the reference a frozen copy
 of the policy computed on the fly with each batch, as ours does by default). Run it with the venv TRL is installed

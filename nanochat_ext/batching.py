@@ -180,6 +180,13 @@ class GlobalBatchLoader:
         return [mine[i:i + d] for i in range(0, len(mine), d)]
 
 
+def rank_chunks(n: int, world: int, rank: int, size: int) -> list[list[int]]:
+    """This rank's share of n items (rank, rank + world, ...) in chunks of `size`, as many chunks on every rank (an
+    empty one where a rank has fewer): a forward of a DDP or FSDP model is collective, so each rank runs as many."""
+    mine = list(range(rank, n, world))
+    return [mine[i:i + size] for i in range(0, -(-n // world), size)]
+
+
 def shared_prefix(seqs: list[list[int]]) -> int:
     """Length of the longest common prefix of seqs, leaving each at least one token of its own."""
     n = 0

@@ -81,11 +81,11 @@ def add_parallel_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_lora_args(parser: argparse.ArgumentParser) -> None:
-    """--lora_r, --lora_alpha, --lora_dropout, --lora_targets and --merge_lora (lora.py), for the RM and GRPO."""
+    """--lora_r, --lora_alpha, --lora_dropout, --lora_targets and --merge_lora (lora.py), for the RM, GRPO and DPO."""
     g = parser.add_argument_group("LoRA (peft)")
     g.add_argument("--lora_r", type=int, default=0,
                    help="train LoRA adapters of this rank (peft) instead of the weights: no gradients or optimizer "
-                        "state for the base, and GRPO's reference is the base with the adapters off, no second copy "
+                        "state for the base, and GRPO's and DPO's reference is the base with the adapters off, no second copy "
                         "(default 0: no LoRA)")
     g.add_argument("--lora_alpha", type=float, default=None, help="LoRA's alpha: updates scaled by alpha / r "
                                                                   "(default: 2 x --lora_r)")
@@ -295,21 +295,21 @@ def check_flags(args: argparse.Namespace, ranges: dict[str, tuple[Callable[[floa
 DEFAULT_MAX_STEPS = 100
 
 
-def steps_from_epochs(args: argparse.Namespace, n_train: int, per_step: int) -> int:
+def steps_from_epochs(args: argparse.Namespace, n_train: int, per_step: int, unit: str = "prompts") -> int:
     """Set --max_steps where it is not given: n_train // per_step x --num_epochs (nanochat's chat_rl counts its steps
     so; the lr schedule and the evaluation cadence follow), else DEFAULT_MAX_STEPS. With --num_epochs, rank 0 prints
-    the line saying which. Returns --max_steps."""
+    the line saying which. `unit`: what is counted (prompts, pairs). Returns --max_steps."""
     epochs = getattr(args, "num_epochs", None)
     if not epochs:
         args.max_steps = args.max_steps or DEFAULT_MAX_STEPS
     elif args.max_steps is not None:
         print0(f"max_steps: {args.max_steps} as given (--num_epochs {epochs} not used)")
     elif n_train < per_step:
-        raise InputError(f"--num_epochs {epochs}: {n_train} train prompts make no step of {per_step}; give fewer per "
-                         f"step (--batch_size), more prompts, or --max_steps")
+        raise InputError(f"--num_epochs {epochs}: {n_train} train {unit} make no step of {per_step}; give fewer per "
+                         f"step (--batch_size), more {unit}, or --max_steps")
     else:
         args.max_steps = n_train // per_step * epochs
-        print0(f"max_steps: {args.max_steps} = {n_train} train prompts // {per_step} per step x {epochs} epochs")
+        print0(f"max_steps: {args.max_steps} = {n_train} train {unit} // {per_step} per step x {epochs} epochs")
     return args.max_steps
 
 

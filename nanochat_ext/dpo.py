@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.batching import TokenizedPair
+from nanochat_ext.batching import TokenizedPair, rank_chunks
 from nanochat_ext.ddp_common import all_reduce_sum
 from nanochat_ext.logprobs import accumulate_backward, make_sequences, token_logprobs
 from nanochat_ext.reward import effective_weights, loss_normaliser
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCE_FREE = ("simpo",)  # losses that never read a reference
-# what dpo_backward and dpo_evaluate return, in order: sums over this rank's pairs (margins: reward margins)
+# what dpo_backward returns, in order: the loss, then sums over this rank's pairs
 DPO_STATS = ("loss", "pairs", "correct", "reward_chosen", "reward_rejected", "logp_chosen", "logp_rejected", "tokens",
              "computed")
 
@@ -120,21 +121,18 @@ def dpo_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, c
     return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
 
 
-def rank_chunks(n: int, world: int, rank: int, size: int) -> list[list[int]]:
-    """This rank's share of n items (rank, rank + world, ...) in chunks of `size`, as many chunks on every rank (an
-    empty one where a rank has fewer): a forward of a DDP or FSDP model is collective."""
-    mine = list(range(rank, n, world))
-    return [mine[i:i + size] for i in range(0, -(-n // world), size)]
-
-
 @torch.no_grad()
 def over_ranks(model: nn.Module, pairs: list[TokenizedPair], pad_id: int, pairs_per_forward: int, world: int,
-               rank: int, device: torch.device, autocast: contextlib.AbstractContextManager):
+               rank: int, device: torch.device, autocast: contextlib.AbstractContextManager,
+               reference: nn.Module | None = None) -> Iterator[tuple[list[int], dict[str, torch.Tensor], torch.Tensor]]:
     """Collective: yields (indices, batch, token log-probs) for this rank's share of `pairs` under `model`,
-    without grad, the same number of forwards on every rank."""
+    without grad, the same number of forwards on every rank (a rank with fewer pairs runs a pair it then leaves
+    out); with `reference`, each batch's "ref" too, where the pairs do not carry it, as many forwards alike."""
     for chunk in rank_chunks(len(pairs), world, rank, pairs_per_forward):
         batch = pair_sequences([pairs[i] for i in chunk or [0]], pad_id)
         logp = token_logprobs(model, batch, batch["mask"].size(0), device, autocast)
+        if reference is not None and "ref" not in batch:
+            batch["ref"] = reference_logps(reference, batch, batch["mask"].size(0), device, autocast)
         if chunk:
             yield chunk, batch, logp
 
@@ -159,11 +157,11 @@ def reference_logps(reference: nn.Module, batch: dict[str, torch.Tensor], micro:
 def dpo_evaluate(model: nn.Module, reference: nn.Module | None, pairs: list[TokenizedPair], pad_id: int,
                  pairs_per_forward: int, cfg: DPOConfig, world: int, rank: int, device: torch.device,
                  autocast: contextlib.AbstractContextManager) -> dict[str, float]:
-    """Collective: held-out pairs' loss (unweighted mean) and DPO metrics over all ranks (dpo_metrics, val/)."""
+    """Collective: held-out pairs' loss and DPO metrics over all ranks (dpo_metrics, val/), each pair counted once:
+    unweighted, where the training loss carries the density weights."""
     stats = torch.zeros(len(DPO_STATS), dtype=torch.float64)
-    for _, batch, logp in over_ranks(model, pairs, pad_id, pairs_per_forward, world, rank, device, autocast):
-        if cfg.uses_reference and "ref" not in batch:
-            batch["ref"] = reference_logps(reference, batch, batch["mask"].size(0), device, autocast)
+    for _, batch, logp in over_ranks(model, pairs, pad_id, pairs_per_forward, world, rank, device, autocast,
+                                     reference if cfg.uses_reference else None):
         logps, n_tokens = sequence_logps(logp, batch["mask"])
         losses, rewards = dpo_losses(logps, batch["ref"].view(-1, 2) if cfg.uses_reference else None, n_tokens, cfg)
         stats += torch.cat([losses.sum().double().cpu().view(1), pair_stats(rewards, logps, batch)])

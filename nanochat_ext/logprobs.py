@@ -1,4 +1,4 @@
-"""Completion log-probs, what SFT and GRPO share: prompts and completions batched as the trainers batch them (a
+"""Completion log-probs, what SFT, GRPO and DPO share: prompts and completions batched as the trainers batch them (a
 prompt's completions as one prefix tree, or one row each), the log-prob of every completion token (the LM head in
 chunks of CHUNK_TOKENS rows, recomputed in backward, so the whole logits tensor never exists), and the backward
 over a step's micro-batches with the loss normalised over the global batch.

@@ -1,4 +1,4 @@
-"""--lora_r: LoRA through peft (the library's own layers, merge and adapter files), for the RM and GRPO.
+"""--lora_r: LoRA through peft (the library's own layers, merge and adapter files), for the RM, GRPO and DPO.
 
 peft injects its LoRA layers into the backbone's own module in place (`get_peft_model`), so every forward we have
 (hidden states at scored positions, prefix trees, the KV-cache decoder, compiled blocks) runs through them
@@ -172,7 +172,7 @@ def dropout_active(backbone: Backbone) -> Iterator[None]:
 
 
 class WithoutAdapters(nn.Module):
-    """GRPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's disable_adapter),
+    """GRPO's and DPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's disable_adapter),
     that is the base model's, from the policy's own weights and code."""
 
     def __init__(self, logprobs: nn.Module, backbone: Backbone):

@@ -71,6 +71,13 @@ def check_optimizer(kind: str, lora: bool, parallel: str) -> None:
                          "train with --optimizer adamw under fsdp")
 
 
+def check_muon_model(kind: str, model: nn.Module) -> None:
+    """--optimizer muon trains a nanochat GPT only: one line for any other model, as soon as it is loaded."""
+    if kind == "muon" and not isinstance(model, GPT):
+        raise InputError(f"--optimizer muon is nanochat's recipe for nanochat GPT policies; a "
+                         f"{type(model).__name__} trains with --optimizer adamw")
+
+
 def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float,
                    device: torch.device) -> torch.optim.AdamW | MuonAdamW:
     """--optimizer: 'adamw' over params; 'muon' nanochat's MuonAdamW over a nanochat GPT (lr: the fraction of
@@ -82,9 +89,7 @@ def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: 
             g["initial_lr"] = lr
         return optimizer
 
-    if not isinstance(model, GPT):
-        raise InputError(f"--optimizer muon is nanochat's recipe for nanochat GPT policies; a "
-                         f"{type(model).__name__} trains with --optimizer adamw")
+    check_muon_model(kind, model)
     return MuonAdamW(nanochat_groups(model, lr, weight_decay), orthogonalise_dtype(device))
 
 

@@ -22,7 +22,7 @@ from nanochat_ext.loader import load_backbone, load_tokenizer_for, merged_weight
 from nanochat_ext.logprobs import CompletionLogprobs
 from nanochat_ext.lora import (LoraSpec, WithoutAdapters, adapter_state, apply_lora, describe as describe_lora,
                                load_adapter_state, merge_now, save_adapters)
-from nanochat_ext.optim import make_optimizer
+from nanochat_ext.optim import check_muon_model, make_optimizer
 from nanochat_ext.parallel import Parallel, checkpoint_activations
 from nanochat_ext.trainer import Saving, Trainer
 
@@ -32,23 +32,30 @@ class PolicyTraining:
     args.compile, args.activation_checkpointing, args.optimizer, args.lr, args.weight_decay), set up in three
     steps around what a trainer does between them: the constructor loads it (and adds adapters), build() makes
     its reference and its log-prob model, wrap() shards or replicates it and makes the optimizer.
-    `state`: what a checkpoint's resume state holds beyond the Trainer's (the trainer keeps it current)."""
+    `state`: what a checkpoint's resume state holds beyond the Trainer's; the script keeps it current from before
+    anything can save (--consolidate, a resumed run with no step left) to the loop's every step. The reference is
+    the policy as it starts, or args.reference where a trainer has that flag (DPO: another checkpoint of the same
+    architecture, such as the SFT model the policy came from)."""
 
     def __init__(self, args: argparse.Namespace, env: DistEnv, lora: LoraSpec | None):
         self.args, self.env, self.lora = args, env, lora
         self.policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
+        check_muon_model(args.optimizer, self.policy.model)
         self.tok = load_tokenizer_for(self.policy, args.tokenizer)
         self.other_reference = None  # args.reference, loaded and checked before anything is written
+        self.reference_print = None  # its fingerprint: a resumed run must read the same reference
         if getattr(args, "reference", None):
             self.other_reference = load_backbone(args.reference, env.device, vintage=args.nanochat_vintage)
             want, got = parameter_shapes(self.policy.model), parameter_shapes(self.other_reference.model)
             if got != want:
                 raise InputError(f"--reference is not --policy's architecture: {describe_difference(want, got)}",
                                  path=args.reference)
+            self.reference_print = fingerprint(args.reference)
         if lora:  # before anything is written: peft refuses targets it cannot find
             apply_lora(self.policy, lora)
         self.state: dict = {}
         self.resume_path: Path | None = None
+        self.reference: torch.nn.Module | None = None  # build() makes it and the model, wrap() the rest
 
     def build(self, reference: bool, temperature: float = 1.0, also_compile: tuple = ()) -> CompletionLogprobs:
         """Hold the policy in the compute dtype (a LoRA base as the reference would be), make its frozen
@@ -63,8 +70,7 @@ class PolicyTraining:
         else:
             policy.set_trainable("all")
         self.parallel = Parallel(args.parallel, env, self.dtype)
-        self.reference = None
-        other = self.other_reference
+        other, self.other_reference = self.other_reference, None  # held by the reference alone, which may be freed
         if reference and (other or not self.lora):  # computes as the policy does (under fsdp on CUDA in bf16)
             backbone = other or load_backbone(args.policy, env.device, vintage=args.nanochat_vintage)
             self.reference = reference_model(backbone, self.dtype, temperature=temperature,
@@ -104,7 +110,8 @@ class PolicyTraining:
         meta = {"source_policy": str(Path(policy.source).resolve()), "source_fingerprint": self.source_print,
                 "lora": lora and {**lora.to_meta(), "base": base, "merged": merge}}
         return Saving(meta, functools.partial(self.write_whole, merge=merge, base=base),
-                      {**self.state, "source_fingerprint": self.source_print})
+                      {**self.state, "source_fingerprint": self.source_print,
+                       **({"reference_fingerprint": self.reference_print} if self.reference_print else {})})
 
     def write_whole(self, d: Path, stamp: int, meta: dict, state: dict | None, weights: dict | None, *,
                     merge: bool, base: dict | None) -> Path:
@@ -134,6 +141,10 @@ class PolicyTraining:
             if resume[2].get("source_fingerprint", self.source_print) != self.source_print:
                 raise InputError(f"--policy {self.policy.source} is not the policy this run started from: its weights "
                                  f"changed since (fingerprint); resume with the original policy or start a new --out",
+                                 path=str(resume[0]))
+            if resume[2].get("reference_fingerprint") != self.reference_print:
+                raise InputError(f"--reference {self.args.reference} is not the reference this run started from: its "
+                                 f"weights changed since (fingerprint); resume with the original or start a new --out",
                                  path=str(resume[0]))
             self.resume_path = resume[0]
             trainer.resume(resume, flags, self.load_whole, absent=absent)

@@ -54,7 +54,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--simpo_gamma", type=float, default=0.5, help="SimPO's target reward margin (default: %(default)s)")
     g.add_argument("--precompute_ref_logps", action="store_true",
                    help="the reference's log-probs of every pair once before training, then the reference is freed "
-                        "(worth it from one epoch on); default: computed with each step's pairs, as TRL does")
+                        "(worth it for a run of one epoch or more); default: computed with each step's pairs, as TRL "
+                        "does")
     g = p.add_argument_group("optimisation")
     g.add_argument("--batch_size", type=int, default=32, help="GLOBAL pairs per optimizer step (default: %(default)s)")
     g.add_argument("--device_batch_size", type=micro_batch, default=None, help="pairs " + MICRO_BATCH_HELP)
@@ -101,15 +102,15 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     check_flags(args, DPO_RANGES)
     if args.label_smoothing and args.loss_type not in ("sigmoid", "simpo"):
         raise InputError(f"--label_smoothing applies to --loss_type sigmoid and simpo, not {args.loss_type}")
-    if args.reference and args.loss_type == "simpo":
-        raise InputError("--reference: --loss_type simpo uses no reference; leave --reference out")
+    if args.loss_type == "simpo" and (args.reference or args.precompute_ref_logps):
+        flag = "--reference" if args.reference else "--precompute_ref_logps"
+        raise InputError(f"{flag}: --loss_type simpo uses no reference; leave {flag} out")
     check_consolidate(args)
     lora = check_lora_args(args)
     check_optimizer(args.optimizer, bool(lora), args.parallel)
     cfg = DPOConfig(args.loss_type, args.beta, args.label_smoothing, args.simpo_gamma, args.weight_mode,
                     args.weight_cap)
     rows, train_rows, val_rows = read_pairs(args.pairs, args.density, args.val_ratio, args.skip_bad_rows)
-    steps_from_epochs(args, len(train_rows), args.batch_size)
     auto = auto_micro_batch(args, env.device)
     plan = BatchPlan.make(args.batch_size, env.world_size, None if auto else args.device_batch_size)
     training = PolicyTraining(args, env, lora)
@@ -118,6 +119,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     resume = resolve_resume(args.resume, out_dir, "dpo_policy")
     args.max_len = fit_max_len(args.max_len, policy.max_seq_len, "policy")
     train_pairs, val_pairs = tokenize_splits(train_rows, val_rows, tok, args.max_len, args.long_pairs, args.pairs)
+    steps_from_epochs(args, len(train_pairs), args.batch_size, "pairs")
     loader = GlobalBatchLoader(len(train_pairs), plan, env.rank, args.seed)
     claim_out_dir(out_dir, log_dir)
     print0(f"data: {len(train_pairs)} train / {len(val_pairs)} val pairs from {args.pairs}, "
@@ -126,6 +128,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
     # ---- models, optimizer, resume ----------------------------------------------------------------
     model = training.build(cfg.uses_reference)
     training.wrap()
+    training.state["device_batch_size"] = plan.device_batch_size  # what a save before any step records
     trainer = training.trainer(out_dir, "dpo_policy", resume, RESUME_FLAGS, BEFORE_LORA)
     print0(training.describe())
     if args.consolidate:
@@ -139,7 +142,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
         checkpointing=args.activation_checkpointing, row_len=max(p.row_length for p in train_pairs),
         scored=max(len(p.chosen) + len(p.rejected) - 2 * p.prompt_len for p in train_pairs),
         pairs=plan.per_rank, accum=None if getattr(model, "accumulate_unsharded", True) else 1,
-        reference=reference is not None, device=env.device.type,
+        reference=reference is not None and not args.precompute_ref_logps, device=env.device.type,
         lora=sum(p.numel() for p in training.trainable) if lora else 0)
     if auto:
         pairs, line = auto_pick(plan.per_rank, estimate_for, env.device, resume)
@@ -202,7 +205,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
 
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "seed", "loss_type", "beta", "label_smoothing", "simpo_gamma", "weight_mode",
-                "weight_cap", "max_len", "long_pairs", "optimizer", "reference", *RESUME_KEYS)
+                "weight_cap", "max_len", "long_pairs", "optimizer", "reference", "precompute_ref_logps", *RESUME_KEYS)
 
 
 def main(argv: list[str] | None = None) -> int:

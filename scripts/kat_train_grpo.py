@@ -257,6 +257,7 @@ def train(args: argparse.Namespace, env: DistEnv) -> Path:
                                {**PRE_DAPO_DEFAULTS, **BEFORE_LORA})
     if resume is not None:
         rollouts.drawn = int(resume[2].get("draw", resume[2]["step"]))  # before dynamic sampling: one draw a step
+    training.state.update(draw=rollouts.drawn, device_batch_size=micro)  # what a save before any step records
     print0(training.describe())
     peak_bw = peak_bandwidth(env.device)
     copy = ("a whole copy gathered from the shards per rollout" if parallel.sharded else

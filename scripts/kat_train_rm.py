@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.backbone import hold_frozen_in
-from nanochat_ext.batching import (BatchPlan, GlobalBatchLoader, by_length, collate_pairs, fit_max_len, read_pairs,
-                                   tokenize_splits)
+from nanochat_ext.batching import (BatchPlan, GlobalBatchLoader, by_length, collate_pairs, fit_max_len, rank_chunks,
+                                   read_pairs, tokenize_splits)
 from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_pairs_args, add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate,
@@ -216,11 +216,9 @@ def evaluate(model: RewardModel, pairs: list, env: DistEnv, batch: int, pad_id: 
     """Validation accuracy / margin / loss over all ranks: each rank scores every W-th pair. Every rank runs as
     many forwards as the rank with the most (one with fewer scores a pair it then leaves out): under --parallel fsdp
     each forward gathers the weights from every rank."""
-    mine = pairs[env.rank::env.world_size]
     stats = torch.zeros(4, dtype=torch.float64)  # correct, margin, loss, n
-    for i in range(0, -(-len(pairs) // env.world_size), batch):
-        chunk = mine[i:i + batch]
-        b = collate_pairs(chunk or pairs[:1], pad_id)
+    for chunk in rank_chunks(len(pairs), env.world_size, env.rank, batch):
+        b = collate_pairs([pairs[i] for i in chunk or [0]], pad_id)
         n = b["weights"].numel()
         with autocast:
             r = model(b["input_ids"].to(env.device), b["lengths"].to(env.device)).float()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,21 +130,21 @@ def test_weighted_loss_over_micro_batches_is_the_global_formula(assets):
 
 
 def test_two_ranks_ddp_and_fsdp_with_density_weights_train_as_one_rank(assets, tmp_path):
-    """1 rank, 2 DDP ranks in micro-batches, and 2 FSDP ranks with the reference's log-probs computed before training
-    (--precompute_ref_logps), density weights on: the same update."""
+    """1 rank, 2 DDP ranks in micro-batches with the reference's log-probs computed before training
+    (--precompute_ref_logps), and 2 FSDP ranks with them computed each step, density weights on: the same update."""
     rows = load_pairs(assets["pairs"])[0]
     density = synthetic.write_jsonl(tmp_path / "density.jsonl", [
         {"prefix_id": p, "weight": 0.25 + (k % 5)} for k, p in enumerate(sorted({r.prefix_id for r in rows}))])
     common = ("--max_steps", "3", "--density", str(density), "--max_len", "48")
     assert kat_train_dpo.main(dpo_args(assets, tmp_path / "one", *common)) == 0
     env = {"OMP_NUM_THREADS": "1"}
-    ddp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "ddp", *common, "--device_batch_size", "2"),
-                     nproc=2, env=env)
+    ddp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "ddp", *common, "--device_batch_size", "2",
+                                                       "--precompute_ref_logps"), nproc=2, env=env)
     assert ddp.returncode == 0, ddp.stderr
-    fsdp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "fsdp", *common, "--parallel", "fsdp",
-                                                        "--precompute_ref_logps"), nproc=2, env=env)
+    assert "reference: log-probs of " in ddp.stdout
+    fsdp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "fsdp", *common, "--parallel", "fsdp"),
+                      nproc=2, env=env)
     assert fsdp.returncode == 0, fsdp.stderr
-    assert "reference: log-probs of " in fsdp.stdout
     init = load_backbone(assets["gpt"]).model.state_dict()
     want = load_backbone(tmp_path / "one").model.state_dict()
     for run in ("ddp", "fsdp"):
@@ -177,14 +178,31 @@ def test_resume_continues_exactly_and_lora_starts_at_log_2(assets, tmp_path, cap
     (("--label_smoothing", "0.5"), "--label_smoothing must be in [0, 0.5)"),
     (("--reference", "SMALL"), "--reference is not --policy's architecture: its "),
     (("--loss_type", "simpo", "--reference", "GPT"), "--loss_type simpo uses no reference"),
+    (("--loss_type", "simpo", "--precompute_ref_logps"), "--precompute_ref_logps: --loss_type simpo uses no reference"),
+    (("--optimizer", "muon", "--policy", "HF"), "--optimizer muon is nanochat's recipe for nanochat GPT policies"),
     (("--pairs", "NO_CHOSEN"), ":2: field 'chosen': missing"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(assets, tmp_path, capsys, extra, line):
     no_chosen = tmp_path / "pairs.jsonl"
     no_chosen.write_text('{"prompt": "Hi?", "chosen": "Yes.", "rejected": "No."}\n{"prompt": "Hi?", "rejected": "No."}\n')
-    names = {"SMALL": assets["gpt_small_vocab"], "GPT": assets["gpt"], "NO_CHOSEN": no_chosen}
+    names = {"SMALL": assets["gpt_small_vocab"], "GPT": assets["gpt"], "HF": assets["hf"], "NO_CHOSEN": no_chosen}
     args = dpo_args(assets, tmp_path / "out", "--max_steps", "1", *(str(names.get(x, x)) for x in extra))
     assert kat_train_dpo.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and line in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_resumed_run_refuses_a_reference_whose_weights_changed(assets, tmp_path, capsys):
+    ref = tmp_path / "ref"
+    shutil.copytree(assets["gpt"], ref)
+    args = dpo_args(assets, tmp_path / "out", "--max_steps", "1", "--reference", str(ref))
+    assert kat_train_dpo.main(args) == 0
+    weights = torch.load(ref / "model_0.pt", weights_only=True)
+    first = next(iter(weights))
+    weights[first] = weights[first] + 0.01  # the same architecture, other weights
+    torch.save(weights, ref / "model_0.pt")
+    capsys.readouterr()
+    assert kat_train_dpo.main([*args, "--resume", "latest", "--max_steps", "2", "--resume_extend"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "is not the reference this run started from" in err, err

@@ -70,20 +70,20 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert set(experiment["arms"]) == {"density", "kl_0.1", "dpo", "dpo_density"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
     assert "One seed: differences only" in (root / "experiment.md").read_text()
-    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's): every stage of seed 0 is skipped, seed 1 runs them
-    # all, and the report has intervals over the two.
-    two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1"})
+    assert "## dpo_density minus dpo" in (root / "experiment.md").read_text()
+    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's), with the GRPO arms (the DPO arms' report with
+    # intervals: test_experiment_report): every stage of seed 0 is skipped, seed 1 runs them all, and the report has
+    # intervals over the two.
+    two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1", "ARMS": "uniform density kl_0.1"})
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert two.stdout.count(": skipped") == 11, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, 2 DPO, eval
+    assert two.stdout.count(": skipped") == 9, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, eval
     assert "== grpo_kl_0.1 (1 ranks)" in two.stdout
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "kl_0.1", "dpo", "dpo_density"} and experiment["seeds"] == [0, 1]
-    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share"),
-                        ("dpo_density", "task_accuracy_sampled_rare")):
+    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["seeds"] == [0, 1]
+    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share")):
         d = experiment["arms"][arm][metric]["diff"]
         assert len(d["diffs"]) == 2 and d["low"] <= d["mean"] <= d["high"], (arm, metric, d)
     assert "rm_accuracy_rare" not in experiment["arms"]["kl_0.1"]  # the kl arm has no RM of its own
-    assert "## dpo_density minus dpo" in (root / "experiment.md").read_text()
     md = (root / "experiment.md").read_text()
     assert md.startswith("# The density experiment, regime collapse") and "## Does GRPO collapse here?" in md
 

@@ -95,7 +95,8 @@ class PolicyTraining:
 
     def describe(self) -> str:
         """The model line: the policy, what trains, and where its reference comes from."""
-        ref = ("off" if self.reference is None else "the base, adapters off" if self.lora else "loaded")
+        ref = ("off" if self.reference is None else "the base, adapters off"
+               if isinstance(self.reference, WithoutAdapters) else "loaded")
         return (f"model: {self.policy.kind} policy {self.policy.source}, {sum(p.numel() for p in self.trainable):,} "
                 f"params; reference {ref}" + (" (the reference and any reward model are held whole on every rank)"
                                               if self.parallel.sharded else ""))

@@ -58,6 +58,37 @@ def test_loss_and_gradient_equal_trls(case):
             assert ours[name] == pytest.approx(value, abs=1e-6), name
 
 
+
+def test_pair_logps_on_a_hugging_face_llama_equal_transformers_forward(assets):
+    """The sequence log-probs DPO trains on, computed as kat_train_dpo computes them (each pair one prefix-tree row,
+    the native Llama), against transformers' own LlamaForCausalLM on each prompt + response alone, on ragged pairs;
+    and the loss from them against the TRL-checked formula applied to transformers' log-probs."""
+    from transformers import AutoModelForCausalLM
+
+    policy = load_backbone(assets["hf"])
+    assert policy.native
+    tok = load_tokenizer_for(policy, None)
+    pairs, _ = tokenize_pairs(load_pairs(assets["pairs"])[0][:6], tok, 64)
+    assert len({len(p.chosen) for p in pairs}) > 2 and len({p.prompt_len for p in pairs}) > 1  # ragged
+    batch = pair_sequences(pairs, tok.pad_id)
+    with torch.no_grad():
+        logp, _ = CompletionLogprobs(policy)(batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
+    ours, n_tokens = sequence_logps(logp, batch["mask"])
+    hf = AutoModelForCausalLM.from_pretrained(str(assets["hf"]), dtype=torch.float32).eval()
+    want = []
+    with torch.no_grad():
+        for p in pairs:
+            for seq in (p.chosen, p.rejected):
+                ids = torch.tensor([seq])
+                token_logp = torch.log_softmax(hf(ids).logits[0, :-1].float(), -1).gather(1, ids[0, 1:, None])[:, 0]
+                want.append(token_logp[p.prompt_len - 1:].sum())
+    want = torch.stack(want).view(-1, 2)
+    torch.testing.assert_close(ours, want, atol=1e-4, rtol=1e-5)
+    ref = want.flip(1)  # any reference: the rejected's log-probs as the chosen's and back
+    cfg = DPOConfig("sigmoid", beta=0.5)
+    torch.testing.assert_close(dpo_losses(ours, ref, n_tokens, cfg)[0], dpo_losses(want, ref, n_tokens, cfg)[0],
+                               atol=1e-5, rtol=0)
+
 # ---- the trainer --------------------------------------------------------------------------------
 def dpo_args(assets, out, *extra) -> list[str]:
     return ["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--pairs", str(assets["pairs"]),

@@ -7,10 +7,7 @@ metadata) and is the oracle the conversion is checked against: before the dir is
 through our own loader (load_backbone: the Llama family on our native Llama) and its logits on a few ragged rows must
 match transformers' GGUF-loaded model, and our tokenizer must render the same chat prompts to the same ids as the
 GGUF's. The dir is written under <out>.tmp and renamed into place only when both hold, with MARKER the last file in
-it: a dir with MARKER is a complete, checked conversion.
-
-Only the standard library is imported at the top: scripts.kat_fetch_model's cached call (is_converted) then
-answers in milliseconds, where importing torch alone takes a second warm and several cold.
+it: a dir with MARKER is a complete, checked conversion (converted.is_converted).
 """
 from __future__ import annotations
 
@@ -23,11 +20,16 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
+from nanochat_ext.converted import MARKER
+from nanochat_ext.errors import InputError, from_outside
+from nanochat_ext.loader import load_backbone, quiet_transformers
+from nanochat_ext.tokenizer import TokenizerWrapper
+
 if TYPE_CHECKING:
-    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-MARKER = "gguf_conversion.json"  # written last: what was converted and what the check measured
 GGUF_PACKAGE = "gguf==0.19.0"  # the version requirements.txt pins
 
 # Both sides compute in fp32 with the same weights; only the kernels and the order of the sums differ (our fused
@@ -47,15 +49,8 @@ CONVERSATIONS = [
 ]
 
 
-def is_converted(out_dir: str | os.PathLike) -> bool:
-    """Whether out_dir holds a complete, checked conversion (its MARKER is written last)."""
-    return (Path(out_dir) / MARKER).is_file()
-
-
 def require_gguf_package() -> None:
     """transformers reads GGUF files through the gguf package: one line saying how to install it."""
-    from nanochat_ext.errors import InputError
-
     try:
         import gguf  # noqa: F401
     except ImportError:
@@ -66,16 +61,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     """Convert the GGUF file into a Hugging Face dir at out_dir (new or empty), checked against transformers'
     reading of the GGUF (logits through our loader, chat-prompt ids through our tokenizer) before it is renamed into
     place; on any failure nothing is left at out_dir. Returns out_dir."""
-    from nanochat_ext.errors import InputError, from_outside
-    from nanochat_ext.loader import quiet_transformers
-
     src, out = Path(gguf_path), Path(out_dir)
     if not src.is_file():
         raise InputError("GGUF file does not exist", path=str(src))
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise InputError("out dir exists and is not empty: remove it to convert again", path=str(out))
     require_gguf_package()
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
@@ -113,7 +104,6 @@ def write_hf_dir(gguf_model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", 
     """Save the GGUF-loaded model as a plain fp32 Hugging Face dir. transformers refuses save_pretrained on a
     GGUF-loaded model, so its weights go into a fresh model of the same config, less the quantization_config that
     would make every later load read them as GGUF again."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(gguf_model.config)
@@ -129,9 +119,6 @@ def check_tokenizer(tok: "PreTrainedTokenizerBase", staging: Path, src: Path) ->
     """Our tokenizer on the converted dir renders CONVERSATIONS' prompts to the ids the GGUF's own tokenizer gives
     (through its chat template; without one, the plain texts): one line naming the GGUF otherwise. Returns those
     ids (the logit check's rows)."""
-    from nanochat_ext.errors import InputError
-    from nanochat_ext.tokenizer import TokenizerWrapper
-
     ours = TokenizerWrapper.load(staging, model_dir=staging)
     rows = []
     for conversation in CONVERSATIONS:
@@ -157,11 +144,6 @@ def check_logits(gguf_model: "PreTrainedModel", staging: Path, prompts: list[lis
     """Our loader's logits on the converted dir against transformers' GGUF-loaded model, on the prompts as one
     right-padded batch (as our Backbone takes rows; transformers with the attention mask), at every real token:
     within LOGIT_TOLERANCE of the logits' scale, else one line naming the GGUF. Returns what was measured."""
-    import torch
-
-    from nanochat_ext.errors import InputError
-    from nanochat_ext.loader import load_backbone
-
     ours = load_backbone(staging)
     prompts = [p[:ours.max_seq_len] for p in prompts]  # a model of a short context: its first positions
     lengths = torch.tensor([len(p) for p in prompts])

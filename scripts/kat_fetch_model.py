@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanochat_ext.gguf_import import MARKER, is_converted  # the standard library only, so the cached call is instant
+from nanochat_ext.converted import MARKER, is_converted  # the standard library only: the cached call is instant
 
 
 @dataclass(frozen=True)

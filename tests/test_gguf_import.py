@@ -18,7 +18,8 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from conftest import REPO
 from nanochat_ext import gguf_import
 from nanochat_ext.errors import InputError
-from nanochat_ext.gguf_import import LOGIT_TOLERANCE, MARKER, convert_gguf
+from nanochat_ext.converted import MARKER
+from nanochat_ext.gguf_import import LOGIT_TOLERANCE, convert_gguf
 from nanochat_ext.loader import load_backbone, load_tokenizer_for
 from scripts import kat_fetch_model
 

@@ -12,12 +12,15 @@
 # git: a nanochat checkout's root, whose Engine then decodes beside ours; make it where a nanochat clone is, e.g.
 # `mkdir .nanochat && git -C ~/nanochat archive HEAD nanochat | tar -x -C .nanochat`, and carry it like .whl).
 # The test suite runs it on CPU: DEVICE=cpu SHAPES=tiny BENCH_ARGS="...". It starts with an import check of every
-# carried wheel, then the CUDA tests (each cut at CUDA_TEST_TIMEOUT seconds, default 300: one hung test fails alone) and
-# the LM head's log-prob chain eager and compiled (LM_HEAD=0 skips it; LM_HEAD_ARGS for bench_lm_head.py). Where one
-# call is limited to 10 minutes (the lent H100s), split it: `SHAPES= FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`
-# (the tests and the LM head), then `CUDA_TESTS=0 LM_HEAD=0 SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`,
+# carried wheel, then the CUDA tests (each cut at CUDA_TEST_TIMEOUT seconds, default 300: one hung test fails alone;
+# their log, a line per test as it ends, beside $RESULTS) and the LM head's log-prob chain eager and compiled (LM_HEAD=0
+# skips it; LM_HEAD_ARGS for bench_lm_head.py). Where one call is limited to 10 minutes (the lent H100s), split it:
+# `SHAPES= FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh` (the tests and the LM head), then
+# `CUDA_TESTS=0 LM_HEAD=0 SHAPES=d12 FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`,
 # `CUDA_TESTS=0 LM_HEAD=0 SHAPES="d20 d24:32768" FSDP_SHAPES= LORA_SHAPES= bash bench/run_gpu.sh`, then
-# `CUDA_TESTS=0 LM_HEAD=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24, SmolLM2's shape).
+# `CUDA_TESTS=0 LM_HEAD=0 SHAPES= bash bench/run_gpu.sh` (FSDP at d20, LoRA at d20, d24, SmolLM2's shape). Seen on an
+# H100 (2026-11-27): the LM head ~30 s; d12's RM and GRPO rows ~370 s (its decode rows and TRL's did not fit in 378 s);
+# the CUDA tests over 270 s. A lease of 15 minutes in all (machine start included) holds about two of these parts.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}
@@ -59,11 +62,12 @@ sys.exit(1 if failed else 0)
 PY
 fi
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
-  tests=$(CUDA_TEST_TIMEOUT=${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider -m cuda tests 2>&1) ||
-    status=1
-  printf '%s\n' "$tests" >&2
+  # Streamed, a line per test, into a log beside the results: a call cut short still tells which tests passed.
+  tests_log="${RESULTS%.jsonl}_cuda_tests.log"
+  CUDA_TEST_TIMEOUT=${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -v --durations=0 -p no:cacheprovider -m cuda tests 2>&1 |
+    tee "$tests_log" >&2 || status=1
   python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' \
-      "$(tail -n 1 <<<"$tests")" >> "$RESULTS"
+      "$(tail -n 1 "$tests_log")" >> "$RESULTS"
 fi
 if [ "${LM_HEAD:-1}" = 1 ]; then
   # shellcheck disable=SC2086

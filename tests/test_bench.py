@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
+    tests_log = (tmp_path / "gpu_cuda_tests.log").read_text()  # streamed a line per test: a cut call keeps it
+    assert "test_cuda.py::test_pipeline_on_one_gpu_with_nccl SKIPPED" in tests_log
     rm, grpo, decode, tools = rows[1:4], rows[4], rows[5], rows[6]
     assert [r["unfreeze_last"] for r in rm] == ["0", "2", "all"]
     assert rm[0]["trainable"] < rm[1]["trainable"] < rm[2]["trainable"]
@@ -63,6 +66,22 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
     assert f"| {optim[0]['ms_per_step']} / {optim[1]['ms_per_step']} |" in proc.stdout
     assert f"| GRPO | {rows[-1]['completions_per_s']} | - | - |" in proc.stdout and rows[-1]["completions_per_s"] > 0
+
+
+def test_every_pinned_requirement_reaches_the_gpu_machine():
+    """Each pin of requirements.txt is carried as a wheel by bench/fetch_gpu_wheels.sh at the pinned version, or named
+    there as in the GPU image or not needed: a new pin left out stopped the CUDA tests at collection (gguf, 2026-11-27)."""
+    script = (REPO / "bench" / "fetch_gpu_wheels.sh").read_text()
+    fetched = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", script.split("pip download", 1)[1]))
+    named = set()
+    for variable in ("IMAGE_HAS", "NOT_CARRIED"):
+        named |= set(re.search(rf'^{variable}="([^"]*)"', script, re.M).group(1).split())
+    pins = dict(re.findall(r"^([A-Za-z0-9_.-]+)==(\S+)", (REPO / "requirements.txt").read_text(), re.M))
+    assert pins and "gguf" in pins
+    for name, version in pins.items():
+        assert fetched.get(name, version) == version, f"{name}: fetched at {fetched[name]}, pinned at {version}"
+        assert name in fetched or name in named, f"requirements.txt pins {name}: fetch_gpu_wheels.sh neither " \
+            "fetches it nor names it in IMAGE_HAS or NOT_CARRIED"
 
 
 def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():

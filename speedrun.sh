@@ -281,7 +281,7 @@ else
           --score_rm "$B/rm_checkpoints/uniform" --samples "$EVAL_SAMPLES")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
     # The demo's tool use (demo/eval_arithmetic.jsonl): judged by its ground truth, with and without the calculator
-    [ -f "$B/demo/eval_arithmetic.jsonl" ] && EVAL+=(--reward_fn nanochat_ext.synthetic:task_reward --pass_k 4)
+    [ -f "$B/demo/eval_arithmetic.jsonl" ] && EVAL+=(--reward_fn nanochat_ext.tasks.synthetic:task_reward --pass_k 4)
     launch eval "the reward models, the GRPO policy and held-out data" scripts.kat_eval "${EVAL[@]}" "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
 fi

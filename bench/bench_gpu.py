@@ -32,19 +32,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanochat_ext.backbone import Backbone, hold_frozen_in
-from nanochat_ext.compiled import compile_models, compile_stats
+from nanochat_ext.algorithms.grpo import LossConfig, group_advantages, policy_backward
 from nanochat_ext.ddp_common import init_dist
-from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
-from nanochat_ext.gpt import GPT, GPTConfig, padded
-from nanochat_ext.grpo import LossConfig, group_advantages, policy_backward, reference_model
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
-from nanochat_ext.lora import LoraSpec, WithoutAdapters, apply_lora
-from nanochat_ext.optim import make_adamw, make_optimizer
-from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.reward import RewardModel, RewardScorer, rm_backward
-from nanochat_ext.sampling import SamplingConfig
-from nanochat_ext.tools import ToolTokens
+from nanochat_ext.generation.decode_cost import peak_bandwidth
+from nanochat_ext.generation.engine import Engine, decode_compiled
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.generation.tools import ToolTokens
+from nanochat_ext.models.backbone import Backbone, hold_frozen_in
+from nanochat_ext.models.compiled import compile_models, compile_stats
+from nanochat_ext.models.gpt import GPT, GPTConfig, padded
+from nanochat_ext.models.lora import LoraSpec, WithoutAdapters, apply_lora
+from nanochat_ext.models.reward_model import RewardModel, RewardScorer, rm_backward
+from nanochat_ext.runtime.parallel import Parallel, checkpoint_activations
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, reference_model, token_logprobs
+from nanochat_ext.training.optim import make_adamw, make_optimizer
 
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 

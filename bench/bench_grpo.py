@@ -41,7 +41,7 @@ def main() -> None:
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     out = tempfile.mkdtemp(prefix="bench_grpo_")
-    argv = ["--policy", b.policy, "--prompts", b.prompts, "--reward_fn", "nanochat_ext.reward_fns:exact_match",
+    argv = ["--policy", b.policy, "--prompts", b.prompts, "--reward_fn", "nanochat_ext.tasks.reward_fns:exact_match",
             "--batch_size", str(b.prompts_per_proc * world), "--group_size", str(b.group_size),
             "--max_new_tokens", str(b.new_tokens), "--min_new_tokens", str(b.new_tokens), "--temperature", "1.0",
             "--beta", "0.04", "--loss_agg", "token", "--clip_eps", "0.2", "--lr", "1e-6", "--max_steps", str(b.steps),

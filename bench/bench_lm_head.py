@@ -30,7 +30,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(b.threads)
-    from nanochat_ext.logprobs import token_logprobs_chunked
+    from nanochat_ext.training.logprobs import token_logprobs_chunked
 
     device = torch.device(b.device)
     g = torch.Generator(device=device).manual_seed(0)

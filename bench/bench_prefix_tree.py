@@ -29,8 +29,8 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(b.threads)
-    from nanochat_ext.loader import load_backbone
-    from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
+    from nanochat_ext.models.loader import load_backbone
+    from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
 
     backbone = load_backbone(b.backbone)
     backbone.set_trainable("all")

@@ -78,7 +78,7 @@ def main() -> None:
         tokens, computed = (sum(r[key] * p / r["perf/pairs_per_s"] for p, r in zip(per_window, windows))
                             for key in ("perf/tokens_per_s", "perf/computed_tokens_per_s"))
         pairs = sum(per_window)
-        from nanochat_ext.loader import load_backbone
+        from nanochat_ext.models.loader import load_backbone
 
         blocks = load_backbone(b.backbone).blocks
         matmul_params = sum(m.weight.numel() for m in blocks.modules() if isinstance(m, torch.nn.Linear))

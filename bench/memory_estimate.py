@@ -8,7 +8,7 @@ a few percent. "before" is the code before the GPU work (frozen weights fp32, KV
 head's log-softmax over the whole batch at once); "after" is today's.
 
 Beside each fake-tensor GRPO run (today's code, with and without --activation_checkpointing) it prints the
-arithmetic of nanochat_ext/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
+arithmetic of nanochat_ext/training/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
 --model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing, with
 --lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table the README's "which setting for
 which model and GPUs" table.
@@ -39,14 +39,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gpu import shape_config  # noqa: E402
-from nanochat_ext.backbone import Backbone, hold_frozen_in
-from nanochat_ext.gpt import GPT
-from nanochat_ext.grpo import LossConfig, grpo_loss, reference_model
-from nanochat_ext.logprobs import CompletionLogprobs
-from nanochat_ext.lora import LoraSpec, adapter_params
-from nanochat_ext.memory import GiB, grpo_memory, model_shape, rm_memory
-from nanochat_ext.optim import make_adamw
-from nanochat_ext.reward import RewardModel
+from nanochat_ext.algorithms.grpo import LossConfig, grpo_loss
+from nanochat_ext.models.backbone import Backbone, hold_frozen_in
+from nanochat_ext.models.gpt import GPT
+from nanochat_ext.models.lora import LoraSpec, adapter_params
+from nanochat_ext.models.reward_model import RewardModel
+from nanochat_ext.training.logprobs import CompletionLogprobs, reference_model
+from nanochat_ext.training.memory import GiB, grpo_memory, model_shape, rm_memory
+from nanochat_ext.training.optim import make_adamw
 
 
 class LiveBytes(TorchDispatchMode):
@@ -118,7 +118,7 @@ def grpo_step(cfg, after: bool, prompts: int, G: int, P: int, L: int, micro: int
             for block in policy.blocks:
                 block.forward = under_cuda_rules(block.forward)
         if ac:
-            from nanochat_ext.parallel import checkpoint_activations
+            from nanochat_ext.runtime.parallel import checkpoint_activations
 
             checkpoint_activations(policy.blocks)
         model = CompletionLogprobs(policy, chunk)
@@ -205,7 +205,7 @@ def autocast_rules(device: str):
 
 
 def _fp32_cache(model: GPT):
-    from nanochat_ext.attention import KVCache
+    from nanochat_ext.models.attention import KVCache
 
     def new_kv_cache(batch: int, max_len: int) -> KVCache:
         c = model.config
@@ -215,14 +215,14 @@ def _fp32_cache(model: GPT):
 
 
 def shape_of(name: str):
-    """nanochat_ext.memory's ModelShape of nanochat shape `name` (bench_gpu.shape_config), built on the meta device."""
+    """nanochat_ext.training.memory's ModelShape of nanochat shape `name` (bench_gpu.shape_config), built on the meta device."""
     with torch.device("meta"):
         return model_shape(GPT(shape_config(name)))
 
 
 def lora_params(name: str, r: int) -> int:
     """Adapter parameters of --lora_r r on every linear layer of the blocks of nanochat shape `name` (the default
-    targets), counted as nanochat_ext.lora counts them."""
+    targets), counted as nanochat_ext.models.lora counts them."""
     with torch.device("meta"):
         bb = Backbone("nanochat", GPT(shape_config(name)), "meta")
     return adapter_params(bb, LoraSpec(r, 2.0 * r))

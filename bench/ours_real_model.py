@@ -3,7 +3,7 @@
 
     python bench/ours_real_model.py --model MODEL_DIR --task TASK_DIR [--steps 40 --eval_every 10 --threads 2]
 
-Step 0: the starting model's held-out accuracy from nanochat_ext.evaluation.evaluate_rewards, the function
+Step 0: the starting model's held-out accuracy from nanochat_ext.algorithms.evaluation.evaluate_rewards, the function
 kat_train_grpo's own --eval_every evaluations call, with the same engine, rows per call, sampling settings and seed.
 Then scripts/kat_train_grpo with the real-model recipe of speedrun.sh (MODEL=smollm2), in this process:
 --preset word_arithmetic (--reward_fn last_number --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0)
@@ -58,14 +58,14 @@ def train_args(args: argparse.Namespace, out: str) -> list[str]:
 def step0(gargs: argparse.Namespace, env) -> dict:
     """The starting model's eval/<reward>_{greedy,sampled} as kat_train_grpo's evaluate() measures them after a step:
     its engine on the policy, --eval_prompts encoded for its --max_new_tokens, a rollout's rows per generate call."""
-    from nanochat_ext.batching import encode_prompts
-    from nanochat_ext.data import load_prompts
+    from nanochat_ext.data.batching import encode_prompts
+    from nanochat_ext.data.rows import load_prompts
     from nanochat_ext.ddp_common import compute_dtype, precision
-    from nanochat_ext.engine import Engine
-    from nanochat_ext.evaluation import evaluate_rewards
-    from nanochat_ext.loader import load_backbone, load_tokenizer_for
-    from nanochat_ext.rewards import Rewards
-    from nanochat_ext.sampling import SamplingConfig
+    from nanochat_ext.generation.engine import Engine
+    from nanochat_ext.algorithms.evaluation import evaluate_rewards
+    from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+    from nanochat_ext.algorithms.rewards import Rewards
+    from nanochat_ext.generation.sampling import SamplingConfig
 
     policy = load_backbone(gargs.policy, env.device)
     tok = load_tokenizer_for(policy, gargs.tokenizer)

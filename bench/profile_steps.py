@@ -44,7 +44,7 @@ def main() -> None:
                                             "--max_len", "128", "--unfreeze_last", "all", "--eval_every", "0",
                                             "--val_ratio", "0"]),
         "grpo": (kat_train_grpo, ["--policy", b.backbone, "--prompts", b.prompts, "--reward_fn",
-                                  "nanochat_ext.reward_fns:exact_match", "--batch_size", "1", "--group_size", "8",
+                                  "nanochat_ext.tasks.reward_fns:exact_match", "--batch_size", "1", "--group_size", "8",
                                   "--max_new_tokens", "32", "--min_new_tokens", "32", "--beta", "0.04",
                                   "--val_ratio", "0"]),
     }

@@ -7,7 +7,7 @@ with the venv TRL is installed in (../shared/anchor-bench/README.md), not ours:
 
 TASK_DIR holds train.jsonl and eval.jsonl ({prompt, answer}, as scripts/kat_task_data writes them); every prompt goes
 through the model's chat template (TRL's conversational format), and completions are scored by our `last_number`
-(nanochat_ext/reward_fns.py, imported: one definition for both trainers).
+(nanochat_ext/tasks/reward_fns.py, imported: one definition for both trainers).
 
 throughput: per step 1 prompt x 8 completions of exactly 32 new tokens (min_new_tokens), temperature 1, beta 0.04
   with a frozen reference, lr 1e-6, fp32: ../shared/anchor-bench/trl_grpo.py's settings, which bench/bench_grpo.py
@@ -34,7 +34,7 @@ GROUP = 8  # completions per prompt in both modes
 # time_to_accuracy: kat_train_grpo --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0 in TRL's
 # words. Our defaults it matches: loss_agg token (TRL's "dapo": over the batch's completion tokens), scale_rewards
 # group with the sample std, clip_eps 0.2 both sides, one update per rollout, temperature 1, top_k/top_p off;
-# AdamW (fused on CPU) betas (0.9, 0.95), eps 1e-8, weight decay 0, grad clip 1.0 (nanochat_ext/optim.py); no warmup,
+# AdamW (fused on CPU) betas (0.9, 0.95), eps 1e-8, weight decay 0, grad clip 1.0 (nanochat_ext/training/optim.py); no warmup,
 # cosine from the peak lr to 0.1x at the last step (optim.lr_multiplier: transformers' cosine_with_min_lr with
 # min_lr_rate 0.1 computes the same multiplier at every step when warmup is 0).
 SETTINGS = dict(per_device_train_batch_size=4 * GROUP, num_generations=GROUP, gradient_accumulation_steps=1,
@@ -100,7 +100,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig,
                           set_seed)
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from nanochat_ext.reward_fns import last_number  # noqa: E402
+from nanochat_ext.tasks.reward_fns import last_number
 
 torch.set_num_threads(ARGS.threads)
 datasets.disable_progress_bars()

@@ -14,20 +14,21 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
-from nanochat_ext.batching import LONG_PAIRS
-from nanochat_ext.checkpoint import base_dir
-from nanochat_ext.ddp_common import (DistEnv, detect_launcher, dist_session, previous_ending, print0,
-                                   remember_ending)
+from nanochat_ext.data.batching import LONG_PAIRS
+from nanochat_ext.ddp_common import DistEnv, detect_launcher, dist_session, previous_ending, print0, remember_ending
 from nanochat_ext.errors import InputError, first_line
-from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError, restore_signal_handlers
-from nanochat_ext.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
-from nanochat_ext.outdir import KEEP_LAST_HELP, release_out_dirs
-from nanochat_ext.parallel import PARALLEL_MODES
-from nanochat_ext.peers import EXIT_LOST_RANK, PROGRESS, failed_ranks, lost_rank_line, missing_ranks, says_the_line
-from nanochat_ext.resume import RESUME_HELP
-from nanochat_ext.reward import WEIGHT_MODES
-from nanochat_ext.tracking import report_targets
-from nanochat_ext.vintages import NANOCHAT_WRITTEN, VINTAGE_FLAG
+from nanochat_ext.models.reward_model import WEIGHT_MODES
+from nanochat_ext.models.vintages import NANOCHAT_WRITTEN, VINTAGE_FLAG
+from nanochat_ext.runtime.checkpoint import base_dir
+from nanochat_ext.runtime.guard import (EXIT_INTERRUPTED, EXIT_NONFINITE, Interrupted, NonFiniteError,
+                                        restore_signal_handlers)
+from nanochat_ext.runtime.outdir import KEEP_LAST_HELP, release_out_dirs
+from nanochat_ext.runtime.parallel import PARALLEL_MODES
+from nanochat_ext.runtime.peers import (EXIT_LOST_RANK, PROGRESS, failed_ranks, lost_rank_line, missing_ranks,
+                                        says_the_line)
+from nanochat_ext.runtime.resume import RESUME_HELP
+from nanochat_ext.training.memory import EXIT_OUT_OF_MEMORY, is_out_of_memory, out_of_memory_line
+from nanochat_ext.training.tracking import report_targets
 
 EXIT_BAD_INPUT = 2
 

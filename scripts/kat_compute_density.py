@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanochat_ext.batching import right_pad
-from nanochat_ext.outdir import check_writable
 from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
-from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import load_pairs, load_prompts
+from nanochat_ext.data.batching import right_pad
+from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.models.compiled import compile_models
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.runtime.outdir import check_writable
 
 
 WEIGHTINGS = ("inverse_density", "fork")

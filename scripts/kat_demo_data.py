@@ -1,5 +1,5 @@
 """Demo stage: make the synthetic chat domain's assets in $NANOCHAT_BASE_DIR when no real ones are
-given (see nanochat_ext/synthetic.py for the domain and its ground truth):
+given (see nanochat_ext/tasks/synthetic.py for the domain and its ground truth):
 
     tokenizer/tokenizer.pkl           RustBPE tokenizer trained on the domain's text
     base_checkpoints/demo/            a randomly initialised tiny nanochat GPT (SFT starts here)
@@ -18,8 +18,8 @@ import argparse
 import os
 from pathlib import Path
 
-from nanochat_ext import synthetic
 from nanochat_ext.cli import add_dashed_aliases, script_argv
+from nanochat_ext.tasks import synthetic
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,7 +3,7 @@
 - Each reward model: held-out pair accuracy and mean margin, overall, per topic, and for dense vs
   rare topics (when pairs carry a "topic" field; dense = at least an equal share of the pairs).
 - The policy before and after GRPO on held-out prompts: mean RM score, task accuracy by ground truth
-  (demo prompts carry a "topic", judged by nanochat_ext.synthetic.judge; dense minus rare topics),
+  (demo prompts carry a "topic", judged by nanochat_ext.tasks.synthetic.judge; dense minus rare topics),
   diversity (distinct-1/2 within each prompt's samples, bigram entropy over all samples), reward
   hacking (the share of a prompt's samples equal to its most common one, the share of all samples
   equal to the most common completion), completion length; one greedy completion and --samples
@@ -25,22 +25,22 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext import synthetic
-from nanochat_ext.batching import encode_prompts, truncate
-from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
+from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_use
+from nanochat_ext.algorithms.rewards import Rewards, check_references
 from nanochat_ext.cli import add_dashed_aliases, add_runtime_args, run_script, script_argv
-from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import load_pairs, load_prompts, read_rows
+from nanochat_ext.data.batching import encode_prompts, truncate
+from nanochat_ext.data.rows import load_pairs, load_prompts, read_rows
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, gather_objects, precision, print0
-from nanochat_ext.engine import Engine
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import evaluate_pass_k, evaluate_tool_use
-from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
-from nanochat_ext.reward import RewardScorer
-from nanochat_ext.rewards import Rewards, check_references
-from nanochat_ext.sampling import SamplingConfig, sample_seed
-from nanochat_ext.stats import sample_diversity
-from nanochat_ext.tools import TOOLS, tool_tokens
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.generation.tools import TOOLS, tool_tokens
+from nanochat_ext.models.compiled import compile_models
+from nanochat_ext.models.loader import load_backbone, load_reward_model, load_tokenizer_for
+from nanochat_ext.models.reward_model import RewardScorer
+from nanochat_ext.runtime.checkpoint import find_checkpoint, resolve_model_path
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.tasks.stats import sample_diversity
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
 PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]), "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
@@ -124,7 +124,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
     tool_rows = load_prompts(args.tool_prompts) if rows and Path(args.tool_prompts).exists() else []
     if tool_rows and not {"tool_prompts", "reward_fn"} & args.given:  # the demo's, whose answers gsm8k cannot score
         print0(f"kat_eval: tool use not measured: {args.tool_prompts} needs its task reward as --reward_fn "
-               f"(the demo's: nanochat_ext.synthetic:task_reward)")
+               f"(the demo's: nanochat_ext.tasks.synthetic:task_reward)")
         tool_rows = []
     task = args.reward_fn or ["gsm8k"]  # what pass@k and tool use score with
     if args.pass_k:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
 from nanochat_ext.errors import InputError
-from nanochat_ext.stats import paired_difference
+from nanochat_ext.tasks.stats import paired_difference
 
 # (metric name, where it comes from, better when higher? None: neither way is better)
 RM_GROUPS = ("overall", "dense topics", "rare topics")

@@ -14,7 +14,7 @@ import argparse
 import sys
 
 from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
-from nanochat_ext.loader import export_hf_classifier, export_reward_model
+from nanochat_ext.models.loader import export_hf_classifier, export_reward_model
 
 
 def main(argv: list[str] | None = None) -> int:

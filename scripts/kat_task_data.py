@@ -13,10 +13,10 @@ import argparse
 import os
 from pathlib import Path
 
-from nanochat_ext import word_arithmetic
 from nanochat_ext.cli import EXIT_BAD_INPUT, add_dashed_aliases, say, script_argv
 from nanochat_ext.errors import InputError
-from nanochat_ext.synthetic import write_jsonl
+from nanochat_ext.tasks import word_arithmetic
+from nanochat_ext.tasks.synthetic import write_jsonl
 
 COMPLETE = ".complete"
 # task -> (its questions' maker, its pairs' maker, the --reward_fn that scores them)

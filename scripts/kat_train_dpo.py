@@ -16,22 +16,22 @@ import functools
 import sys
 from pathlib import Path
 
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, by_length, fit_max_len, read_pairs, tokenize_splits
+from nanochat_ext.algorithms.dpo import (DPO_LOSSES, DPO_STATS, DPOConfig, dpo_backward, dpo_evaluate, dpo_metrics,
+                                         precompute_reference, reference_logps, pair_sequences)
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_pairs_args, add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate,
                               check_flags, micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
+from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, by_length, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.ddp_common import DistEnv, peak_memory_gb, print0, seed_everything
-from nanochat_ext.dpo import (DPO_LOSSES, DPO_STATS, DPOConfig, dpo_backward, dpo_evaluate, dpo_metrics,
-                              precompute_reference, reference_logps, pair_sequences)
 from nanochat_ext.errors import InputError
-from nanochat_ext.lora import BEFORE_LORA, RESUME_KEYS, check_lora_args, dropout_active
-from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, auto_pick, backbone_shape, describe, doing, dpo_memory,
-                                 report_peak, smaller_micro)
-from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step
-from nanochat_ext.outdir import claim_out_dir
-from nanochat_ext.policy import PolicyTraining
-from nanochat_ext.resume import resolve_resume
-from nanochat_ext.tracking import WindowSums
+from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS, check_lora_args, dropout_active
+from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.resume import resolve_resume
+from nanochat_ext.training.memory import (FEWER_RANKS_STATE, LORA_STATE, auto_pick, backbone_shape, describe, doing,
+                                          dpo_memory, report_peak, smaller_micro)
+from nanochat_ext.training.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step
+from nanochat_ext.training.policy import PolicyTraining
+from nanochat_ext.training.tracking import WindowSums
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

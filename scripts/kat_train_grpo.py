@@ -19,33 +19,34 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, encode_prompts
+from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
+from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES,
+                                          TRL_LOSS_TYPES, LossConfig, group_advantages, policy_backward)
+from nanochat_ext.algorithms.rewards import Rewards, check_references, check_rm_tokenizer
+from nanochat_ext.algorithms.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate, check_flags,
                               micro_batch, output_dirs, run_script, script_argv, steps_from_epochs)
-from nanochat_ext.data import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
+from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
+from nanochat_ext.data.rows import PromptRow, attach_density, load_density, load_prompts, split_by_prefix
 from nanochat_ext.ddp_common import DistEnv, peak_memory_gb, print0, seed_everything
-from nanochat_ext.engine import Engine, decode_compiled, peak_bandwidth
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
-from nanochat_ext.grpo import (IMPORTANCE_LEVELS, LOSS_AGGS, LOSS_STATS, SCALE_REWARDS, STD_MODES, TRL_LOSS_TYPES,
-                               LossConfig, group_advantages, policy_backward)
-from nanochat_ext.loader import load_reward_model
-from nanochat_ext.logprobs import make_sequences, token_logprobs
-from nanochat_ext.lora import BEFORE_LORA, RESUME_KEYS, check_lora_args, dropout_active
-from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, auto_pick, backbone_shape, describe, doing, grpo_memory,
-                                 report_peak, smaller_micro)
-from nanochat_ext.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step
-from nanochat_ext.outdir import claim_out_dir
-from nanochat_ext.policy import PolicyTraining
+from nanochat_ext.generation.decode_cost import peak_bandwidth
+from nanochat_ext.generation.engine import Engine, decode_compiled
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.generation.tools import TOOLS, tool_tokens
+from nanochat_ext.models.loader import load_reward_model
+from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS, check_lora_args, dropout_active
 from nanochat_ext.presets import PRESETS, apply_preset, preset_tag, print_preset
-from nanochat_ext.resume import resolve_resume
-from nanochat_ext.rewards import Rewards, check_references, check_rm_tokenizer
-from nanochat_ext.rollouts import Rollouts, grpo_window, log_rollouts, window_metrics
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
-from nanochat_ext.tools import TOOLS, tool_tokens
-from nanochat_ext.tracking import Tracker
+from nanochat_ext.training.logprobs import make_sequences, token_logprobs
+from nanochat_ext.training.memory import (FEWER_RANKS_STATE, LORA_STATE, auto_pick, backbone_shape, describe, doing,
+                                          grpo_memory, report_peak, smaller_micro)
+from nanochat_ext.training.optim import LR_DECAYS, OPTIMIZERS, check_optimizer, guarded_step
+from nanochat_ext.training.policy import PolicyTraining
+from nanochat_ext.training.tracking import Tracker
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -15,29 +15,29 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.backbone import hold_frozen_in
-from nanochat_ext.batching import (BatchPlan, GlobalBatchLoader, by_length, collate_pairs, fit_max_len, rank_chunks,
-                                   read_pairs, tokenize_splits)
-from nanochat_ext.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
 from nanochat_ext.cli import (MICRO_BATCH_HELP, MODEL_HELP, add_dashed_aliases, add_lora_args, add_output_args,
                               add_pairs_args, add_parallel_args, add_runtime_args, auto_micro_batch, check_consolidate,
                               check_flags, micro_batch, output_dirs, run_script, script_argv)
-from nanochat_ext.compiled import compile_models
+from nanochat_ext.data.batching import (BatchPlan, GlobalBatchLoader, by_length, collate_pairs, fit_max_len,
+                                        rank_chunks, read_pairs, tokenize_splits)
 from nanochat_ext.ddp_common import (DistEnv, all_reduce_sum, compute_dtype, peak_memory_gb, precision, print0,
                                      seed_everything)
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_backbone, load_tokenizer_for, merged_weights
-from nanochat_ext.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, describe as describe_lora,
-                               dropout_active, merge_now)
-from nanochat_ext.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape, describe, doing,
-                                 report_peak, rm_memory, smaller_micro)
-from nanochat_ext.optim import guarded_step, make_optimizer
-from nanochat_ext.outdir import claim_out_dir
-from nanochat_ext.parallel import Parallel, checkpoint_activations
-from nanochat_ext.resume import resolve_resume
-from nanochat_ext.reward import RM_STATS, RewardModel, rm_backward, trainable_state
-from nanochat_ext.tracking import WindowSums
-from nanochat_ext.trainer import Saving, Trainer
+from nanochat_ext.models.backbone import hold_frozen_in
+from nanochat_ext.models.compiled import compile_models
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for, merged_weights
+from nanochat_ext.models.lora import (BEFORE_LORA, RESUME_KEYS, apply_lora, check_lora_args, describe as describe_lora,
+                                      dropout_active, merge_now)
+from nanochat_ext.models.reward_model import RM_STATS, RewardModel, rm_backward, trainable_state
+from nanochat_ext.runtime.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
+from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.parallel import Parallel, checkpoint_activations
+from nanochat_ext.runtime.resume import resolve_resume
+from nanochat_ext.training.memory import (FEWER_RANKS_STATE, LORA_STATE, StepMemory, auto_pick, backbone_shape,
+                                          describe, doing, report_peak, rm_memory, smaller_micro)
+from nanochat_ext.training.optim import guarded_step, make_optimizer
+from nanochat_ext.training.tracking import WindowSums
+from nanochat_ext.training.trainer import Saving, Trainer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

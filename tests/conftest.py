@@ -13,9 +13,9 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from nanochat_ext import synthetic
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.reward import RewardModel
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.models.reward_model import RewardModel
+from nanochat_ext.tasks import synthetic
 
 REPO = Path(__file__).resolve().parents[1]
 # Inductor's on-disk cache does not key its generated code by the kernels torch was told to use: C++

@@ -189,7 +189,7 @@ def test_shapes_follow_nanochats_rule():
 
 def test_block_flops_follow_the_written_formula():
     from bench_gpu import block_fwd_flops, shape_config
-    from nanochat_ext.gpt import GPT
+    from nanochat_ext.models.gpt import GPT
 
     cfg = shape_config("d20", "dec2025")
     with FakeTensorMode():
@@ -239,7 +239,7 @@ def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing, device):
-    """nanochat_ext.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
+    """nanochat_ext.training.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
     128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own modules, whose
     live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing, by CPU's autocast
     rules and by CUDA's (pow and rms_norm in fp32: 13.2 GiB against CPU's 11.8 without checkpointing, which the
@@ -294,7 +294,7 @@ def test_cuda_autocast_rules_are_torchs_own(assets):
     from torch.overrides import TorchFunctionMode
 
     from memory_estimate import CUDA_FP32_OPS, CudaAutocastRules
-    from nanochat_ext.loader import load_backbone
+    from nanochat_ext.models.loader import load_backbone
 
     class Record(TorchFunctionMode):
         def __init__(self):

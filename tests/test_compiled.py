@@ -1,4 +1,4 @@
-"""--compile (nanochat_ext/compiled.py): every block under torch.compile, held to torch's own counters (graphs
+"""--compile (nanochat_ext/models/compiled.py): every block under torch.compile, held to torch's own counters (graphs
 compiled, graph breaks) and to the eager path and nanochat's own logits."""
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import REPO, run_worker
-from nanochat_ext.batching import TokenizedPair, collate_pairs
-from nanochat_ext.compiled import blocks_compiled, compile_blocks
-from nanochat_ext.grpo import LossConfig, policy_backward
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
-from nanochat_ext.reward import RewardModel, rm_backward
+from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.data.batching import TokenizedPair, collate_pairs
+from nanochat_ext.models.compiled import blocks_compiled, compile_blocks
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.models.reward_model import RewardModel, rm_backward
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
@@ -118,7 +118,7 @@ def test_compile_log_says_what_compiled_why_and_what_runs_eager():
     left eager."""
     from torch._dynamo.utils import clear_compilation_metrics
 
-    from nanochat_ext.compiled import CompileLog
+    from nanochat_ext.models.compiled import CompileLog
 
     torch._dynamo.reset()  # Block.forward's first graph here, not a recompile of an earlier test's
     clear_compilation_metrics()

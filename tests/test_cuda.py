@@ -25,10 +25,10 @@ def test_pipeline_on_one_gpu_with_nccl(tmp_path):
 
 def test_cuda_precision_rules(assets, tmp_path):
     """bf16 autocast, TF32, fused AdamW, and frozen weights held in bf16 on CUDA."""
-    from nanochat_ext.backbone import hold_frozen_in
-    from nanochat_ext.loader import load_backbone
+    from nanochat_ext.models.backbone import hold_frozen_in
+    from nanochat_ext.models.loader import load_backbone
     from nanochat_ext.ddp_common import compute_dtype, precision
-    from nanochat_ext.optim import make_adamw
+    from nanochat_ext.training.optim import make_adamw
 
     device = torch.device("cuda")
     assert compute_dtype("auto", device) == torch.bfloat16
@@ -62,8 +62,8 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import REPO
-    from nanochat_ext.engine import Engine
-    from nanochat_ext.sampling import SamplingConfig
+    from nanochat_ext.generation.engine import Engine
+    from nanochat_ext.generation.sampling import SamplingConfig
 
     sys.path.insert(0, str(REPO / "bench"))
     import bench_gpu
@@ -91,8 +91,8 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
 def test_reward_head_inits_on_the_gpu_as_on_cpu(assets):
     """A seed gives the same RM head on CUDA as on CPU (drawing into the CUDA tensor with the CPU generator
     crashed bench_gpu.py's RM bench)."""
-    from nanochat_ext.loader import load_backbone
-    from nanochat_ext.reward import RewardModel
+    from nanochat_ext.models.loader import load_backbone
+    from nanochat_ext.models.reward_model import RewardModel
 
     heads = []
     for device in ("cpu", "cuda"):
@@ -136,7 +136,7 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     rounding of a training graph and an inference graph that inductor fuses differently (the CPU twin:
     test_lora.test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges); the merged final checkpoint loads
     as a model."""
-    from nanochat_ext.loader import load_backbone
+    from nanochat_ext.models.loader import load_backbone
     from test_lora import starts_at_its_reference_and_merges_onto_the_source
 
     starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",

@@ -5,10 +5,10 @@ import hashlib
 
 import pytest
 
-from nanochat_ext.batching import BatchPlan, GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, truncate
-from nanochat_ext.data import load_pairs, parse_pair, prefix_id_of, split_by_prefix
+from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, truncate
+from nanochat_ext.data.rows import load_pairs, parse_pair, prefix_id_of, split_by_prefix
 from nanochat_ext.errors import InputError
-from nanochat_ext.synthetic import make_pairs, write_jsonl
+from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
 
 USER = [{"role": "user", "content": "What is  rain?"}]
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from nanochat_ext.checkpoint import find_checkpoint, torch_load
-from nanochat_ext.data import load_pairs, load_prompts
+from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
+from nanochat_ext.runtime.checkpoint import find_checkpoint, torch_load
 from scripts import kat_train_rm
 
 FIX = REPO / "tests" / "fixtures" / "datasets"

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import REPO, ulps
+from nanochat_ext.algorithms.grpo import group_advantages
 from nanochat_ext.ddp_common import (all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, free_port,
                                      init_dist)
-from nanochat_ext.grpo import group_advantages
 from workers.dist_worker import REWARDS
 
 LAUNCHER_ENVS = {

@@ -1,4 +1,4 @@
-"""DPO (scripts/kat_train_dpo.py, nanochat_ext/dpo.py): its losses and their gradients against TRL 1.16's own code
+"""DPO (scripts/kat_train_dpo.py, nanochat_ext/algorithms/dpo.py): its losses and their gradients against TRL 1.16's own code
 (tests/fixtures/trl-golden/make_dpo_golden.py) on ragged pairs, and the metrics TRL's DPOTrainer logs."""
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from conftest import assert_bitwise, assert_same_update, run_script, ulps
-from nanochat_ext import synthetic
-from nanochat_ext.batching import tokenize_pairs
-from nanochat_ext.checkpoint import find_checkpoint
-from nanochat_ext.data import load_pairs
-from nanochat_ext.dpo import (DPO_STATS, DPOConfig, dpo_backward, dpo_losses, dpo_metrics, pair_sequences, pair_stats,
-                              sequence_logps)
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
+from nanochat_ext.algorithms.dpo import (DPO_STATS, DPOConfig, dpo_backward, dpo_losses, dpo_metrics, pair_sequences,
+                                         pair_stats, sequence_logps)
+from nanochat_ext.data.batching import tokenize_pairs
+from nanochat_ext.data.rows import load_pairs
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.runtime.checkpoint import find_checkpoint
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
 from scripts import kat_train_dpo
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "dpo_golden.pt", weights_only=True)

@@ -9,12 +9,12 @@ import torch
 from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from nanochat_ext import engine as engine_module
-from nanochat_ext.backbone import matmul_params
-from nanochat_ext.compiled import allow_recompiles, compile_blocks, compile_stats
-from nanochat_ext.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
+from nanochat_ext.generation import engine as engine_module
+from nanochat_ext.generation.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
+from nanochat_ext.generation.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
+from nanochat_ext.models.backbone import matmul_params
+from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats
+from nanochat_ext.models.loader import load_backbone
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 from test_sampling import assert_sampled_from_reforward, is_tie
 

@@ -1,4 +1,4 @@
-"""GGUF files converted into Hugging Face dirs (nanochat_ext.gguf_import, scripts/kat_fetch_model), with no download: a
+"""GGUF files converted into Hugging Face dirs (nanochat_ext.models.gguf_import, scripts/kat_fetch_model), with no download: a
 tiny Llama GGUF is written here by the gguf package's own GGUFWriter (F32 tensors, a byte-level BPE vocabulary with
 merges, control tokens, a chat template, bos/eos/pad ids), and transformers' own reading of it is the oracle."""
 from __future__ import annotations
@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from conftest import REPO
-from nanochat_ext import gguf_import
 from nanochat_ext.errors import InputError
-from nanochat_ext.converted import MARKER
-from nanochat_ext.gguf_import import LOGIT_TOLERANCE, convert_gguf
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.models import gguf_import
+from nanochat_ext.models.converted import MARKER
+from nanochat_ext.models.gguf_import import LOGIT_TOLERANCE, convert_gguf
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from scripts import kat_fetch_model
 
 TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

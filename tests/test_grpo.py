@@ -12,16 +12,19 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
-from nanochat_ext import engine, grpo, memory, synthetic
-from nanochat_ext.data import load_prompts
+from nanochat_ext.algorithms import grpo
+from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
+from nanochat_ext.algorithms.grpo import group_advantages
+from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
-from nanochat_ext.grpo import group_advantages
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.resume import check_resume_args
-from nanochat_ext.rewards import Rewards
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.generation import engine
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.runtime.resume import check_resume_args
+from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.training import memory
 from scripts import kat_train_grpo, kat_train_rm
 from test_engine import aot_eager  # noqa: F401  (a fixture)
 
@@ -436,7 +439,7 @@ def test_bad_prompt_files(assets, grpo_assets, tmp_path, capsys, content, expect
 
 def test_chunked_lm_head_logprobs_equal_one_chunk():
     """The LM head in chunks (with recompute in backward) gives the one-chunk values and gradients."""
-    from nanochat_ext.logprobs import token_logprobs_chunked
+    from nanochat_ext.training.logprobs import token_logprobs_chunked
 
     torch.manual_seed(0)
     weight = torch.randn(300, 16, requires_grad=True)
@@ -462,7 +465,7 @@ def test_compiled_lm_head_chain_equals_eager_in_chunks_and_whole():
     specialises sizes 0 and 1)."""
     from torch._dynamo.utils import counters
 
-    from nanochat_ext.logprobs import token_logprobs_chunked
+    from nanochat_ext.training.logprobs import token_logprobs_chunked
 
     torch.manual_seed(0)
     weight = torch.randn(300, 16, requires_grad=True)

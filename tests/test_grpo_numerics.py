@@ -4,12 +4,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.attention import PrefixTree
-from nanochat_ext.grpo import (LOSS_STATS, LossConfig, Rollout, SignalFilter, in_global_order, loss_normaliser,
-                               policy_backward, zero_std_groups)
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
-from nanochat_ext.sampling import SamplingConfig, sample_token
+from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, loss_normaliser, policy_backward
+from nanochat_ext.algorithms.rollouts import Rollout, SignalFilter, in_global_order, zero_std_groups
+from nanochat_ext.generation.sampling import SamplingConfig, sample_token
+from nanochat_ext.models.attention import PrefixTree
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
 
 
 def test_logprobs_are_taken_at_the_sampling_temperature(assets):
@@ -50,9 +50,9 @@ def test_masked_completions_keep_their_place_in_the_denominator(agg):
 
 
 def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(assets, tmp_path):
-    from nanochat_ext import synthetic
-    from nanochat_ext.data import load_pairs
-    from nanochat_ext.batching import tokenize_pairs
+    from nanochat_ext.tasks import synthetic
+    from nanochat_ext.data.rows import load_pairs
+    from nanochat_ext.data.batching import tokenize_pairs
     from nanochat_ext.tokenizer import TokenizerWrapper
 
     tok = TokenizerWrapper.load(assets["tokenizer"])
@@ -76,7 +76,7 @@ def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(as
 def test_gspo_takes_one_clipped_ratio_per_completion():
     """Sequence level: every token of a completion carries exp(mean_t log ratio), and the clip keeps
     or drops a completion whole. Token level clips token by token."""
-    from nanochat_ext.grpo import grpo_loss
+    from nanochat_ext.algorithms.grpo import grpo_loss
 
     logp = torch.zeros(2, 4, requires_grad=True)
     # completion 0: token ratios e^0.3, e^-0.3, e^0.3, e^-0.3 -> geometric mean 1; completion 1: all e^0.5
@@ -122,7 +122,7 @@ def test_pg_objective_is_chat_rls_printed_loss_normalised_as_ours(assets, agg):
 
 
 def test_overlong_penalty_is_dapos_soft_punishment():
-    from nanochat_ext.rewards import overlong_penalty
+    from nanochat_ext.algorithms.rewards import overlong_penalty
 
     got = overlong_penalty(torch.tensor([10, 12, 14, 16]), max_new_tokens=16, buffer=4, penalty=0.5)
     torch.testing.assert_close(got, torch.tensor([0.0, 0.0, -0.25, -0.5], dtype=torch.float64))

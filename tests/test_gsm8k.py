@@ -8,13 +8,13 @@ import json
 import pytest
 
 from conftest import REPO
-from nanochat_ext import reward_fns
-from nanochat_ext.data import load_conversations, load_prompts
+from nanochat_ext.algorithms.rewards import load_reward_fn
+from nanochat_ext.data.gsm8k import answer_parts, extract_answer, reference_answer
+from nanochat_ext.data.rows import load_conversations, load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.gsm8k import answer_parts, extract_answer, reference_answer
-from nanochat_ext.logprobs import make_sequences
-from nanochat_ext.rewards import load_reward_fn
+from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.training.logprobs import make_sequences
 from scripts import kat_sft
 
 TOOL_USE = REPO / "tests" / "fixtures" / "nanochat-tool-use"

@@ -9,8 +9,8 @@ import shutil
 import pytest
 import torch
 
-from nanochat_ext import synthetic
-from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for
+from nanochat_ext.models.loader import load_backbone, load_reward_model, load_tokenizer_for
+from nanochat_ext.tasks import synthetic
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 
 # Ragged: prompts of different lengths, one sequence ending in the tokenizer's EOS, one a single token.

@@ -1,5 +1,7 @@
-"""The package's layers: the README's Layout lists every module of nanochat_ext, lowest first, and each module
-imports only modules listed above it (imports inside functions and under TYPE_CHECKING included)."""
+"""The package's layers: the README's Layout lists every module of nanochat_ext, lowest first, in job folders
+(runtime/, data/, models/, ...) below the few modules that stand beside them; each module imports only modules listed
+above it (imports inside functions and under TYPE_CHECKING included), so a folder imports nothing from a folder
+listed after it and there is no import circle."""
 from __future__ import annotations
 
 import ast
@@ -7,32 +9,54 @@ import re
 
 from conftest import REPO
 
+PACKAGE = REPO / "nanochat_ext"
+MAX_LINES = 450
+
 
 def layers() -> list[str]:
-    """The modules as the README's Layout lists them, lowest first."""
+    """The modules as the README's Layout lists them, lowest first: 'errors', 'runtime.guard', ..."""
     readme = (REPO / "README.md").read_text()
     block = readme[readme.index("## Layout"):].split("```")[1]
-    return re.findall(r"^  ([a-z0-9_]+) ", block, flags=re.MULTILINE)
+    listed, folder = [], None
+    for line in block.splitlines():
+        if m := re.match(r"^  ([a-z0-9_]+)/ ", line):
+            folder = m.group(1)
+        elif m := re.match(r"^    ([a-z0-9_]+) ", line):
+            listed.append(f"{folder}.{m.group(1)}")
+        elif m := re.match(r"^  ([a-z0-9_]+) ", line):
+            folder = None
+            listed.append(m.group(1))
+    return listed
+
+
+def modules() -> list[str]:
+    """Every module of the package, dotted below it ('runtime.guard'), its folders' __init__ left out."""
+    return sorted(".".join(p.relative_to(PACKAGE).with_suffix("").parts) for p in PACKAGE.rglob("*.py")
+                  if p.name != "__init__.py")
 
 
 def imports(module: str) -> set[str]:
     """Every nanochat_ext module `module` imports, wherever the import statement stands."""
-    tree = ast.parse((REPO / "nanochat_ext" / f"{module}.py").read_text())
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
     found = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module == "nanochat_ext":
-            found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("nanochat_ext."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "nanochat_ext":
+            below = node.module.split(".")[1:]
+            if not below:  # from nanochat_ext import errors
+                found.update(a.name for a in node.names)
+            elif below[0] in folders and len(below) == 1:  # from nanochat_ext.runtime import guard
+                found.update(f"{below[0]}.{a.name}" for a in node.names)
+            else:
+                found.add(".".join(below))
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("nanochat_ext."))
+            found.update(a.name.split(".", 1)[1] for a in node.names if a.name.startswith("nanochat_ext."))
     return found
 
 
 def test_the_layout_lists_every_module_once():
     listed = layers()
-    package = sorted(p.stem for p in (REPO / "nanochat_ext").glob("*.py") if p.stem != "__init__")
-    assert sorted(listed) == package and len(set(listed)) == len(listed), (listed, package)
+    assert sorted(listed) == modules() and len(set(listed)) == len(listed), (listed, modules())
 
 
 def test_every_import_goes_down_the_layers():
@@ -40,3 +64,15 @@ def test_every_import_goes_down_the_layers():
     upward = [f"{m} imports {other}, which the README's Layout lists after it" for m in order
               for other in sorted(imports(m)) if order[other] >= order[m]]
     assert not upward, upward
+
+
+def test_a_folders_modules_stand_together():
+    """A folder is one layer: its modules are listed one after another, never between another folder's."""
+    folders = [m.split(".")[0] for m in layers() if "." in m]
+    assert all(a == b or b not in folders[:k] for k, (a, b) in enumerate(zip(folders, folders[1:]))), folders
+
+
+def test_no_module_is_over_450_lines():
+    long = {m: n for m in modules() if (n := len((PACKAGE / f"{m.replace('.', '/')}.py").read_text().splitlines()))
+            > MAX_LINES}
+    assert not long, f"over {MAX_LINES} lines, a module with two jobs: {long}"

@@ -15,16 +15,16 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script, ulps
-from nanochat_ext import synthetic
-from nanochat_ext.batching import right_pad
-from nanochat_ext.checkpoint import complete_checkpoints, find_checkpoint
-from nanochat_ext.compiled import compile_blocks
+from nanochat_ext.data.batching import right_pad
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT
-from nanochat_ext.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
-from nanochat_ext.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, save_adapters
-from nanochat_ext.memory import grpo_memory, model_shape
+from nanochat_ext.models.compiled import compile_blocks
+from nanochat_ext.models.gpt import GPT
+from nanochat_ext.models.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.models.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, save_adapters
+from nanochat_ext.runtime.checkpoint import complete_checkpoints, find_checkpoint
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
+from nanochat_ext.training.memory import grpo_memory, model_shape
 from scripts import kat_train_grpo, kat_train_rm
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden" / "current"
@@ -87,7 +87,7 @@ def test_peft_adapters_switch_off_to_the_base_merge_as_peft_does_and_round_trip_
 
 def test_lora_dropout_drops_in_training_micro_batches_only(assets):
     """--lora_dropout: the rollout, the reference and scoring are deterministic; a training micro-batch drops."""
-    from nanochat_ext.lora import dropout_active
+    from nanochat_ext.models.lora import dropout_active
 
     bb = load_backbone(assets["hf"])
     apply_lora(bb, LoraSpec(4, 8.0, dropout=0.5))
@@ -141,8 +141,8 @@ def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
 
 def test_the_memory_model_counts_adapters_and_no_reference_copy_under_lora():
     """Under LoRA only the adapters hold gradients and AdamW's moments, and the reference is the base itself."""
-    from nanochat_ext.backbone import Backbone
-    from nanochat_ext.gpt import GPTConfig
+    from nanochat_ext.models.backbone import Backbone
+    from nanochat_ext.models.gpt import GPTConfig
 
     with torch.device("meta"):  # nanochat's d20 of today: its value-embedding gates have n_kv_head = 10 outputs
         model = GPT(GPTConfig(sequence_len=2048, vocab_size=32768, n_layer=20, n_head=10, n_kv_head=10, n_embd=1280))

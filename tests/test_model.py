@@ -8,18 +8,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext import synthetic
-from nanochat_ext.attention import NO_WINDOW, PrefixTree, attend, attn_masks
-from nanochat_ext.backbone import hold_frozen_in
-from nanochat_ext.batching import TokenizedPair, collate_pairs, prefix_tree_rows
-from nanochat_ext.checkpoint import find_checkpoint, new_stamp, save_checkpoint
-from nanochat_ext.outdir import check_writable
+from nanochat_ext.data.batching import TokenizedPair, collate_pairs, prefix_tree_rows
 from nanochat_ext.errors import InputError
-from nanochat_ext.gpt import GPT, GPTConfig
-from nanochat_ext.loader import default_tokenizer_path, load_backbone, load_tokenizer_for
-from nanochat_ext.reward import RewardModel, RewardScorer
+from nanochat_ext.models.attention import NO_WINDOW, PrefixTree, attend, attn_masks
+from nanochat_ext.models.backbone import hold_frozen_in
+from nanochat_ext.models.gpt import GPT, GPTConfig
+from nanochat_ext.models.loader import default_tokenizer_path, load_backbone, load_tokenizer_for
+from nanochat_ext.models.reward_model import RewardModel, RewardScorer
+from nanochat_ext.models.vintages import VINTAGES
+from nanochat_ext.runtime.checkpoint import find_checkpoint, new_stamp, save_checkpoint
+from nanochat_ext.runtime.outdir import check_writable
+from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
-from nanochat_ext.vintages import VINTAGES
 
 
 def test_rustbpe_tokenizer_roundtrip_and_chat_rendering(assets):

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from conftest import REPO, assert_same_update, run_script
-from nanochat_ext import synthetic
-from nanochat_ext.attention import PrefixTree
-from nanochat_ext.checkpoint import find_checkpoint, resolve_model_path
-from nanochat_ext.engine import compile_for
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.vintages import VINTAGES
+from nanochat_ext.generation.engine import compile_for
+from nanochat_ext.models.attention import PrefixTree
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.models.vintages import VINTAGES
+from nanochat_ext.runtime.checkpoint import find_checkpoint, resolve_model_path
+from nanochat_ext.tasks import synthetic
 from scripts import kat_train_grpo
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"

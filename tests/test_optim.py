@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from conftest import REPO, assert_same_update, run_script
-from nanochat_ext.optim import lr_multiplier, make_adamw
-from nanochat_ext.synthetic import make_pairs, write_jsonl
+from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
+from nanochat_ext.training.optim import lr_multiplier, make_adamw
 from scripts import kat_train_grpo
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
@@ -60,9 +60,9 @@ def test_muon_steps_as_nanochats_own_optimizer(setting):
     fp64 is further from nanochat's numbers (2.6e-5 to 1.4e-4); chat_rl's steps are so small beside the weights
     that rounding the weights to fp32 is a visible part of them. torch's Muon (the optimizer before this one) fails
     it: up to 2.3 times nanochat's update apart (the ve_gate matrices; 1.1 to 1.5 on the others)."""
-    from nanochat_ext.loader import load_backbone
-    from nanochat_ext.muon import MuonAdamW
-    from nanochat_ext.optim import make_optimizer
+    from nanochat_ext.models.loader import load_backbone
+    from nanochat_ext.training.muon import MuonAdamW
+    from nanochat_ext.training.optim import make_optimizer
 
     golden = torch.load(GOLDEN_OPTIM, weights_only=True)
     cfg = golden["settings"][setting]
@@ -105,8 +105,8 @@ def test_muon_groups_hold_every_parameter_of_every_vintage(name):
     """Older vintages lack the lambdas, value embeddings or smear: their groups are left out, every parameter is in
     exactly one group (nanochat_groups refuses otherwise), and the blocks' matrices are in Muon groups of one shape
     each, as nanochat stacks them."""
-    from nanochat_ext.loader import load_backbone
-    from nanochat_ext.optim import nanochat_groups
+    from nanochat_ext.models.loader import load_backbone
+    from nanochat_ext.training.optim import nanochat_groups
 
     model = load_backbone(fixture_dir(name), vintage=vintage_of(name)).model
     groups = nanochat_groups(model, 0.05)
@@ -134,7 +134,7 @@ def test_muon_on_two_ranks_trains_as_one_rank_and_resumes_exactly(assets, tmp_pa
                      nproc=2, env=env)
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
-    from nanochat_ext.loader import load_backbone
+    from nanochat_ext.models.loader import load_backbone
 
     a, b = load_backbone(tmp_path / "one").model.state_dict(), load_backbone(tmp_path / "two").model.state_dict()
     init = load_backbone(GOLDEN_D4).model.state_dict()

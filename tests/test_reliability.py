@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise, assert_stopped, run_script
-from nanochat_ext import checkpoint
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.errors import InputError
-from nanochat_ext.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
-from nanochat_ext.resume import resolve_resume
+from nanochat_ext.runtime import checkpoint
+from nanochat_ext.runtime.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
+from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_eval, kat_train_grpo, kat_train_rm
 
@@ -78,7 +78,7 @@ def test_a_non_finite_rm_score_stops_grpo_naming_the_prompt(assets, tmp_path, ca
 
 
 # ---- crash-safe resume ----------------------------------------------------------------------------
-KILL_AT_SECOND_STATE = ("import os, sys; from nanochat_ext import checkpoint; n = []\n"
+KILL_AT_SECOND_STATE = ("import os, sys; from nanochat_ext.runtime import checkpoint; n = []\n"
                         "def hook(name):\n"
                         "    n.append(name)\n"
                         "    if sum(x.startswith('state_') for x in n) == 2: os._exit(9)\n"
@@ -201,7 +201,7 @@ def test_sigint_on_one_process_exits_with_the_interrupted_code(assets, tmp_path)
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted at step ")
 
 
-SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext import guard; guard.install_signal_handlers()\n"
+SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext.runtime import guard; guard.install_signal_handlers()\n"
                 "os.kill(os.getpid(), signal.SIGINT); time.sleep(float(sys.argv[1])); os.kill(os.getpid(), signal.SIGINT)\n"
                 "time.sleep(0.2); print('still running', flush=True)")
 
@@ -220,7 +220,7 @@ def test_a_second_signal_stops_at_once_unless_it_is_the_same_event(gap, code):
 def test_a_second_run_on_a_locked_out_dir_stops_naming_the_holder(assets, tmp_path, capsys):
     out = tmp_path / "locked"
     out.mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys; from nanochat_ext import outdir; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys; from nanochat_ext.runtime import outdir; "
                                "outdir._lock(__import__('pathlib').Path(sys.argv[1])); print('held', flush=True); "
                                "sys.stdin.read()", str(out)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -262,8 +262,7 @@ def test_a_full_disk_in_a_sharded_save_removes_its_shards_and_keeps_the_previous
                                                                                             monkeypatch):
     """--parallel fsdp (one rank, in this process): the step-4 shards run out of space mid-write. One line, and
     the step-2 sharded checkpoint stays the newest; --resume latest continues from it."""
-    from nanochat_ext import parallel
-
+    from nanochat_ext.runtime import parallel
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the one-rank group this process makes, scoped to this test
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
     out, real_save, calls = tmp_path / "full", parallel.Parallel.save_shards, []
@@ -404,7 +403,7 @@ def test_kat_eval_measures_the_demos_default_tool_prompts_only_with_their_reward
                         "--device", "cpu"])
     out = capsys.readouterr().out
     assert rc == 0 and (tmp_path / "report.md").exists()
-    assert "kat_eval: tool use not measured: " in out and "nanochat_ext.synthetic:task_reward" in out
+    assert "kat_eval: tool use not measured: " in out and "nanochat_ext.tasks.synthetic:task_reward" in out
 
 
 @pytest.mark.parametrize("case", ["truncated_model", "meta_not_json", "tokenizer_garbage", "pairs_utf16",

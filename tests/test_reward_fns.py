@@ -5,11 +5,11 @@ import re
 import pytest
 import torch
 
-from nanochat_ext.data import load_pairs, load_prompts
+from nanochat_ext.algorithms.rewards import check_references
+from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
-from nanochat_ext.rewards import check_references
-from nanochat_ext.word_arithmetic import KINDS, make_pairs, make_questions
+from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
+from nanochat_ext.tasks.word_arithmetic import KINDS, make_pairs, make_questions
 from scripts.kat_compute_density import knn_distances
 
 
@@ -78,7 +78,7 @@ def test_no_reference_is_never_a_match():
     ("gsm8k", {"answer": "She has <<3+2=5>>5 left."}, "has no '#### <number>' line"),
     ("gsm8k_numeric", {}, "missing or empty"),
     ("gsm8k_numeric", {"answer": "#### 1.2.3"}, "'1.2.3' is not a number"),
-    ("nanochat_ext.reward_fns:exact_match", {"answer": ""}, "missing or empty"),
+    ("nanochat_ext.tasks.reward_fns:exact_match", {"answer": ""}, "missing or empty"),
     ("contains_answer", {"topic": "x"}, "missing or empty"),
     ("last_number", {"answer": "eighty-one"}, "'eighty-one' is not a number"),
     ("last_number", {"answer": "nan"}, "'nan' is not a number"),

@@ -13,7 +13,7 @@ import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.ddp_common import free_port
-from nanochat_ext.loader import load_backbone
+from nanochat_ext.models.loader import load_backbone
 from rewards_for_tests import echoes
 from scripts import kat_train_grpo
 from test_grpo import grpo_args, grpo_assets  # noqa: F401  (a fixture)

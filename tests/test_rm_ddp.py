@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from conftest import assert_stopped, rm_init, run_script, run_worker
-from nanochat_ext.batching import collate_pairs, tokenize_pairs
-from nanochat_ext.data import load_pairs
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.reward import RewardModel
+from nanochat_ext.data.batching import collate_pairs, tokenize_pairs
+from nanochat_ext.data.rows import load_pairs
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 

@@ -7,10 +7,10 @@ import shutil
 
 import pytest
 
-from nanochat_ext import synthetic
-from nanochat_ext.checkpoint import find_checkpoint
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_reward_model
+from nanochat_ext.models.loader import load_reward_model
+from nanochat_ext.runtime.checkpoint import find_checkpoint
+from nanochat_ext.tasks import synthetic
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 
 

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import run_script
-from nanochat_ext import memory, synthetic
-from nanochat_ext.checkpoint import find_checkpoint
-from nanochat_ext.data import load_pairs
-from nanochat_ext.loader import load_reward_model
+from nanochat_ext.data.rows import load_pairs
+from nanochat_ext.models.loader import load_reward_model
+from nanochat_ext.runtime.checkpoint import find_checkpoint
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.training import memory
 from scripts import kat_train_rm
 
 
@@ -220,8 +221,8 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     assert params["head.weight"].dtype == torch.float32
     # Score the validation pairs as the run did (same batches of 16 pairs: in bf16 the matmul shapes
     # change the rounding), through the reloaded RM and its own precision: the logged numbers come back.
-    from nanochat_ext.data import split_by_prefix
-    from nanochat_ext.batching import collate_pairs, tokenize_pairs
+    from nanochat_ext.data.rows import split_by_prefix
+    from nanochat_ext.data.batching import collate_pairs, tokenize_pairs
     from nanochat_ext.ddp_common import precision
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
     val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.engine import Engine
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.sampling import SamplingConfig, filter_logits, sample_token
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig, filter_logits, sample_token
+from nanochat_ext.models.loader import load_backbone
 
 
 # Two computations of the same logits (cached or re-forward, compiled or eager, another batch) agree to a

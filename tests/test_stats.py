@@ -3,7 +3,7 @@ import math
 
 import pytest
 
-from nanochat_ext.stats import paired_difference, sample_diversity, t_cdf, t_quantile
+from nanochat_ext.tasks.stats import paired_difference, sample_diversity, t_cdf, t_quantile
 
 
 @pytest.mark.parametrize("df,q975,q80", [(1, 12.7062, 1.3764), (4, 2.7764, 0.9410), (9, 2.2622, 0.8834),

@@ -15,18 +15,18 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-from nanochat_ext.backbone import Backbone
-from nanochat_ext.compiled import compile_stats
-from nanochat_ext.data import PromptRow
-from nanochat_ext.engine import Engine
+from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.errors import InputError
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.logprobs import make_sequences
-from nanochat_ext.reward import RewardModel, RewardScorer
-from nanochat_ext.rewards import Rewards
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.generation.tools import ToolTokens
+from nanochat_ext.models.backbone import Backbone
+from nanochat_ext.models.compiled import compile_stats
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.models.reward_model import RewardModel, RewardScorer
 from nanochat_ext.tokenizer import TokenizerWrapper
-from nanochat_ext.tools import ToolTokens
+from nanochat_ext.training.logprobs import make_sequences
 from test_engine import aot_eager, seeds  # noqa: F401  (a fixture)
 from test_sampling import assert_sampled_from_reforward
 

@@ -15,18 +15,18 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import REPO, assert_same_update, run_script
-from nanochat_ext import synthetic
+from nanochat_ext.algorithms.evaluation import pass_at_k
+from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.cli import steps_from_epochs
-from nanochat_ext.data import load_conversations, load_prompts
-from nanochat_ext.engine import Engine
+from nanochat_ext.data.rows import load_conversations, load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.evaluation import pass_at_k
-from nanochat_ext.grpo import LossConfig, policy_backward
-from nanochat_ext.reward_fns import contains_answer
-from nanochat_ext.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences
-from nanochat_ext.sampling import SamplingConfig
-from nanochat_ext.tools import ToolTokens
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.generation.tools import ToolTokens
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.tasks.reward_fns import contains_answer
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
 from scripts import kat_eval, kat_train_grpo
 from test_engine import aot_eager  # noqa: F401  (a fixture)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, group_advantages, grpo_loss,
-                               loss_normaliser)
-from nanochat_ext.logprobs import token_logprobs_chunked
+from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, group_advantages, grpo_loss,
+                                          loss_normaliser)
+from nanochat_ext.training.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)
 

@@ -13,8 +13,10 @@ import os
 import signal
 import sys
 
-from nanochat_ext import checkpoint, optim
+from nanochat_ext.runtime import checkpoint
+
 from nanochat_ext.ddp_common import detect_launcher, restart_attempt
+from nanochat_ext.training import optim
 
 module, faults = sys.argv[1], [f.split(":") for f in sys.argv[2].split(",")]
 _, rank, _, world_size = detect_launcher()

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat_ext import ddp_common as dc
-from nanochat_ext.grpo import group_advantages
+from nanochat_ext.algorithms.grpo import group_advantages
 
 # Two groups of 4 rewards per rank, rank 1's spread far wider than rank 0's: --scale_rewards batch divides every
 # rank's advantages by the std of the whole global batch, which neither rank's own rewards give.

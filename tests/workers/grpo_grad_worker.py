@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 
-from nanochat_ext.compiled import compile_blocks, compile_stats
+from nanochat_ext.algorithms.grpo import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig, group_advantages, policy_backward
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
-from nanochat_ext.engine import Engine
-from nanochat_ext.grpo import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig, group_advantages, policy_backward
-from nanochat_ext.loader import load_backbone
-from nanochat_ext.logprobs import CompletionLogprobs, make_sequences, token_logprobs
-from nanochat_ext.sampling import SamplingConfig
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.models.compiled import compile_blocks, compile_stats
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 
 N_PROMPTS, G = 4, 4
 TEMPERATURE = 0.8

@@ -1,0 +1,244 @@
+"""GRPO's rewards: the reward model's score, rule-based reward functions and a remote reward service, each
+weighted, with DAPO's overlong penalty; checked and logged per reward.
+
+A reward function is `module:function` (or a built-in's name: `gsm8k`, `exact_match`, ...), called f(prompt, completion, row) -> float per completion, in a thread
+pool of --reward_workers (it must then be thread-safe); or, with an attribute `batched = True`, once per step with
+this rank's lists, f(prompts, completions, rows) -> a sequence of floats (batched, as TRL's reward functions are). A reward service (--reward_url)
+gets a rank's completions of a step as one JSON POST, {"prompts": [...], "completions": [...], "rows": [...]},
+and answers {"rewards": [...]} (as OpenRLHF's remote RM does), within a timeout, retried with backoff. Every
+value passes the same checks (a real, finite number within --reward_clip), and any failure is one line naming
+the function or the URL and the prompt, raised on every rank.
+"""
+from __future__ import annotations
+
+import http.client
+import importlib
+import json
+import math
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from nanochat_ext.data.batching import truncate
+from nanochat_ext.data.rows import PromptRow
+from nanochat_ext.ddp_common import raise_if_any
+from nanochat_ext.errors import InputError, first_line
+from nanochat_ext.models.reward_model import RewardScorer
+from nanochat_ext.tasks import reward_fns
+from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
+from nanochat_ext.tokenizer import TokenizerWrapper
+
+RewardFn = Callable[[str, str, dict], float]
+URL_RETRIES = 3  # tries of a reward service call, 1 s then 2 s apart
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable. Any failure to import
+    the module (an ImportError, a SyntaxError, an exception its top level raises) is one line."""
+    if spec in BUILT_IN:
+        return getattr(reward_fns, spec)
+    module_name, _, fn_name = spec.partition(":")
+    if not module_name or not fn_name:
+        raise InputError(f"--reward_fn {spec!r} must look like 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: whatever importing it raises
+        raise InputError(f"--reward_fn {spec!r}: cannot import {module_name!r} ({first_line(e)})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise InputError(f"--reward_fn {spec!r}: {module_name} has no function {fn_name!r}")
+    return fn
+
+
+def built_in_name(spec: str) -> str | None:
+    """The built-in reward a --reward_fn spec names (`gsm8k`, or `nanochat_ext.tasks.reward_fns:gsm8k`), else None."""
+    module, _, name = spec.rpartition(":")
+    return name if name in BUILT_IN and module in ("", reward_fns.__name__) else None
+
+
+def check_references(specs: list[str], rows: list[PromptRow], path: str | None) -> None:
+    """Before any rollout: every built-in reward among the --reward_fn specs finds its reference in every row it will
+    score (rows: as data.load_prompts read them from path); the first row without one is one line naming the file,
+    the row and the field. A user's function reads what it likes and is not checked."""
+    for name in dict.fromkeys(filter(None, map(built_in_name, specs))):
+        for r in rows:
+            if (why := reference_problem(name, r.row)) is not None:
+                raise InputError(why, path=path, line=r.line, field=REFERENCE)
+
+
+def checked(value, where: str, clip: float | None) -> float:
+    """value as a float, or one line saying what is wrong with it: something other than a real number (a bool or
+    a string included), a NaN/inf, or a value outside [-clip, clip]."""
+    if isinstance(value, (bool, str, bytes)) or not hasattr(value, "__float__"):
+        raise InputError(f"{where} returned {value!r} ({type(value).__name__}), not a real number")
+    value = float(value)
+    if not math.isfinite(value):
+        raise InputError(f"{where} returned {value}")
+    if clip is not None and abs(value) > clip:
+        raise InputError(f"{where} returned {value}, outside --reward_clip {clip}")
+    return value
+
+
+def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int,
+                   clip: float | None = None) -> float:
+    """fn's value for one completion, checked; when it raises, one line naming the function and the prompt."""
+    where = f"reward function {name} on prompt {prompt_index}"
+    try:
+        value = fn(prompt, completion, row)
+    except Exception as e:  # the user's code: any failure becomes the run's one line
+        raise InputError(f"{where} raised {first_line(e)}") from None
+    return checked(value, where, clip)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, penalty: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment: 0 up to max_new_tokens - buffer tokens, then falling linearly to
+    -penalty at max_new_tokens (a completion cut there gets the full -penalty)."""
+    start = max_new_tokens - buffer
+    return -penalty * ((lengths.double() - start) / buffer).clamp(min=0.0, max=1.0)
+
+
+def post_rewards(url: str, prompts: list[str], completions: list[str], rows: list[dict], timeout: float) -> list:
+    """One reward-service call: the completions as JSON, their rewards back (unchecked). Tries URL_RETRIES times,
+    1 s then 2 s apart, on a connection failure, a timeout or a 5xx; one line naming the URL otherwise."""
+    body = json.dumps({"prompts": prompts, "completions": completions, "rows": rows}, default=str).encode()  # a
+    # table's row can hold dates or decimals: sent as text
+    request = urllib.request.Request(url, body, {"Content-Type": "application/json"}, method="POST")
+    for attempt in range(URL_RETRIES):
+        try:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                answer = json.loads(response.read().decode())
+            break
+        except urllib.error.HTTPError as e:
+            failure = f"HTTP {e.code} {e.reason}"
+            if e.code < 500:
+                raise InputError(f"--reward_url {url} answered {failure}") from None
+        except urllib.error.URLError as e:  # refused, unreachable, or a timeout while connecting
+            failure = str(e.reason)
+        except (OSError, http.client.HTTPException) as e:  # a timeout, a dropped or garbled answer
+            failure = first_line(e)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise InputError(f"--reward_url {url} answered something other than JSON ({first_line(e)})") from None
+        if attempt + 1 < URL_RETRIES:
+            time.sleep(2 ** attempt)
+    else:
+        raise InputError(f"--reward_url {url} failed {URL_RETRIES} times (timeout {timeout:g} s): {failure}")
+    rewards = answer.get("rewards") if isinstance(answer, dict) else None
+    if not isinstance(rewards, list) or len(rewards) != len(completions):
+        raise InputError(f"--reward_url {url} must answer {{\"rewards\": [...]}} with {len(completions)} values, got "
+                         f"{str(answer)[:100]}")
+    return rewards
+
+
+class Rewards:
+    """The RM score, the reward functions and the reward service, each weighted; per-reward values kept for
+    logging. workers: threads for per-completion functions (1: called in turn)."""
+
+    def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
+                 overlong: tuple[int, int, float] | None = None, clip: float | None = None, workers: int = 1,
+                 url: str | None = None, url_timeout: float = 60.0):
+        parts = urllib.parse.urlsplit(url or "")
+        if url is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
+            raise InputError(f"--reward_url must be an http:// or https:// URL, got {url!r}")
+        self.rm, self.clip, self.url, self.url_timeout = rm, clip, url, url_timeout
+        self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
+        self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else [])
+        if not self.names:
+            raise InputError("no reward: give --rm, --reward_fn and/or --reward_url")
+        self.weights = list(weights) if weights is not None else [1.0] * len(self.names)
+        if len(self.weights) != len(self.names):
+            raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
+                             f"({', '.join(self.names)})")
+        self.overlong = overlong  # (max_new_tokens, buffer, penalty): one more reward column, weight 1
+        if overlong:
+            self.names.append("overlong")
+            self.weights.append(1.0)
+        self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
+
+    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
+              tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
+        """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it scores what it
+        was trained on: prompt cut from the left, completion from the right). A reward function's or the
+        service's failure or bad value, or a non-finite RM score, is raised on every rank."""
+        n = len(samples.completions)
+        out = torch.zeros(n, len(self.names), dtype=torch.float64)
+        col, rm_cut, error = 0, 0, None
+        if self.rm is not None:
+            full = [(prompt_ids[i // G], tok.reply_ids(c)) for i, c in enumerate(samples.completions)]
+            rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
+            seqs = [truncate(p, c, self.rm.max_len, tok.bos_id) for p, c in full]
+            out[:, 0] = torch.tensor(self.rm.score_ids(seqs, group=G))  # a prompt's G samples share it
+            bad = (~torch.isfinite(out[:, 0])).nonzero()
+            if len(bad):
+                i = int(bad[0])
+                error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
+                         f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
+            col = 1
+        texts = [tok.reply_text(c) for c in samples.completions]
+        prompts = [rows[i // G].messages[-1]["content"] for i in range(n)]
+        row_dicts = [rows[i // G].row for i in range(n)]
+        try:
+            if error is None:
+                for j, (name, fn) in enumerate(self.fns):
+                    out[:, col + j] = torch.tensor(self._call(name, fn, prompts, texts, row_dicts, indices, G),
+                                                   dtype=torch.float64)
+                if self.url:
+                    values = post_rewards(self.url, prompts, texts, row_dicts, self.url_timeout)
+                    out[:, col + len(self.fns)] = torch.tensor(
+                        [checked(v, f"--reward_url {self.url} on prompt {indices[i // G]}", self.clip)
+                         for i, v in enumerate(values)], dtype=torch.float64)
+        except InputError as e:
+            error = str(e)
+        raise_if_any(error)
+        if self.overlong:
+            out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
+        return out, rm_cut
+
+    def _call(self, name: str, fn: RewardFn, prompts: list[str], texts: list[str], rows: list[dict], indices: list[int],
+              G: int) -> list[float]:
+        """One function's values for every completion: once with the lists (batched), else per completion, in the
+        pool where there is one (the same values in the same order)."""
+        if getattr(fn, "batched", False):
+            where = f"reward function {name} (batched) on prompts {min(indices)}..{max(indices)}"
+            try:
+                values = fn(prompts, texts, rows)
+            except Exception as e:  # the user's code
+                raise InputError(f"{where} raised {first_line(e)}") from None
+            if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
+                raise InputError(f"{where} returned {type(values).__name__} of "
+                                 f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")
+            return [checked(v, f"reward function {name} on prompt {indices[i // G]}", self.clip)
+                    for i, v in enumerate(values)]
+        one = lambda i: call_reward_fn(name, fn, prompts[i], texts[i], rows[i], indices[i // G], self.clip)  # noqa: E731
+        return list(self.pool.map(one, range(len(texts))) if self.pool else map(one, range(len(texts))))
+
+    def task_column(self) -> int:
+        """The column of the task reward pass@k reads (the first reward function); one line where there is none."""
+        if not self.fns:
+            raise InputError("pass@k needs a task reward that scores a completion 1 when it is correct: give "
+                             "--reward_fn (e.g. gsm8k)")
+        return self.names.index(self.fns[0][0])
+
+    def task_scores(self, rows: list[PromptRow], indices: list[int], texts: list[str]) -> list[float]:
+        """The task reward (the first reward function) of each text, a completion of rows[indices[k]]."""
+        self.task_column()  # one line where there is no reward function
+        name, fn = self.fns[0]
+        return self._call(name, fn, [rows[i].messages[-1]["content"] for i in indices], texts,
+                          [rows[i].row for i in indices], indices, 1)
+
+    def total(self, per_reward: torch.Tensor) -> torch.Tensor:
+        return per_reward @ torch.tensor(self.weights, dtype=torch.float64)
+
+
+def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) -> None:
+    """The RM scores the policy's token ids directly, so both must speak the same tokenizer."""
+    probe = "Hello there! 12 + 30 = 42, isn't it?"
+    if (rm.tokenizer.vocab_size, rm.tokenizer.encode(probe), rm.tokenizer.eos_id) != \
+            (tok.vocab_size, tok.encode(probe), tok.eos_id):
+        raise InputError(f"reward model was trained with another tokenizer ({rm.tokenizer.source}, "
+                         f"{rm.tokenizer.vocab_size} ids) than the policy's ({tok.source}, {tok.vocab_size} ids)",
+                         path=rm_path)

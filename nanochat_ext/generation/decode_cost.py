@@ -1,0 +1,65 @@
+"""What a decode step must read, as nanochat's scripts/infer_bench.py counts it: the matmul weights in the dtype decoded
+from and each row's keys and values at its context; the device's peak memory bandwidth, the denominator of decode MBU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanochat_ext.models.backbone import Backbone, matmul_params
+
+# Peak memory bandwidth in bytes/s by device name, the most specific first (nanochat's figures, common.py). A
+# GH200 is not an H200 (its memory varies by model): unknown.
+PEAK_BANDWIDTH = ((("gh200",), None), (("h200",), 4.8e12), (("h100", "nvl"), 3.9e12), (("h100", "pcie"), 2.0e12),
+                  (("h100",), 3.35e12), (("b200",), 8.0e12), (("a100",), 2.0e12), (("l40s",), 864e9),
+                  (("a10g",), 600e9), (("4090",), 1.01e12), (("3090",), 936e9))
+
+
+def peak_bandwidth(device: torch.device) -> float | None:
+    """The device's peak memory bandwidth (bytes/s) where it is known here: the denominator of decode MBU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).lower()
+    return next((bw for keys, bw in PEAK_BANDWIDTH if all(k in name for k in keys)), None)
+
+
+@dataclass
+class DecodeStats:
+    """One generate call, as nanochat's scripts/infer_bench.py reports decoding: decode steps after the prefill,
+    the bytes each step must read (every matmul weight in the dtype decoded from, and each row's keys and values
+    at its context, sliding windows counted by their width; a static cache physically reads all its slots), and
+    the seconds they took. steps: forward passes after the prefill (the compiled path counts the one after a
+    token that stopped every row, which eager skips)."""
+    rows: int
+    steps: int
+    prefill_s: float
+    decode_s: float
+    weight_bytes: int  # per step
+    kv_bytes: float  # per row and step, at the call's middle context
+
+    @property
+    def bytes_read(self) -> float:
+        """Over all steps."""
+        return self.steps * (self.weight_bytes + self.rows * self.kv_bytes)
+
+
+def weight_bytes(decoder: Backbone) -> int:
+    """Bytes of matmul weights a decode step reads (embeddings are read by the row, and not counted)."""
+    return sum(p.numel() * p.element_size() for p in matmul_params(decoder))
+
+
+def kv_bytes(decoder: Backbone, context: float) -> float:
+    """Bytes of keys and values one row's decode step reads at this context (a sliding window reads its width),
+    held in the autocast dtype where there is one (as KVCache holds them), else the weights'."""
+    c, device = decoder.model.config, next(decoder.parameters()).device
+    itemsize = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                else next(decoder.parameters()).dtype).itemsize
+    if decoder.native:
+        heads, head_dim = c.n_kv_head, getattr(c, "head_dim", None) or c.n_embd // c.n_head
+        windows = decoder.model.window_sizes
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        windows = [context] * c.num_hidden_layers
+    return sum(2 * heads * head_dim * itemsize * min(context, w) for w in windows)

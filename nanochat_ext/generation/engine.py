@@ -1,0 +1,398 @@
+"""The rollout engine: batched sampling for the policy (nanochat keeps its Engine apart from its GPT, and so do
+we). Prompts are left-padded and prefilled once, each prompt's cache serves its group of samples, and all rows
+decode in lockstep until every row has stopped. Which token a row takes is sampling.py's rule, so a prompt's
+samples are the same whichever way the engine runs (up to float ties between computation orders).
+
+Two ways to decode:
+- eager: a cache allocated per call (prompt + new tokens; transformers' own modules grow their DynamicCache),
+  every model.
+- compiled (our models, `--compile`): the decode state of one batch shape (the KV cache, the step's buffers and
+  counters) is allocated once, kept at fixed addresses (`mark_static_address`) and reused by later calls, and one
+  decode step (take token t, feed it back) is a torch.compile'd function that reads and writes only that state,
+  in place. A second call of the same shape then adds no graph, and on CUDA (mode reduce-overhead) the step is
+  captured once as a CUDA graph and replayed: nothing it touches moves or is allocated between steps.
+
+Under a lower-precision autocast (bf16 on CUDA) the engine decodes from its own copy of the policy's matmul
+weights in that dtype, refreshed from the fp32 masters at every call (a rollout, an evaluation). Autocast would
+cast the masters to the same values at every matmul, so the tokens are bitwise those of the masters under
+autocast, but a step reads half the weight bytes and casts nothing (but an LM head tied to the embedding,
+which stays the policy's own tensor).
+
+A policy about to be sharded (--parallel fsdp) gives the engine `whole_in`: it keeps a whole copy of the policy, every
+floating tensor in that dtype (the dtype FSDP gathers the weights in), and refreshes it at every call by gathering
+each weight from its shards once: one all-gather per weight per rollout, not per block per token, and decoding
+reads plain tensors that stay where they are.
+"""
+from __future__ import annotations
+
+import copy
+import shutil
+import time
+from dataclasses import dataclass, fields
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+
+from nanochat_ext.ddp_common import is_sharded, whole
+from nanochat_ext.generation.decode_cost import DecodeStats, kv_bytes, weight_bytes
+from nanochat_ext.generation.sampling import SamplingConfig, take_tokens
+from nanochat_ext.generation.tools import ToolState, ToolTokens
+from nanochat_ext.models.attention import KVCache
+from nanochat_ext.models.backbone import Backbone, matmul_params
+from nanochat_ext.models.compiled import allow_recompiles, compile_stats
+
+SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
+
+# --compile auto, on CPU: the cold compiles (training's batch shape, ~18 s, and evaluation's) cost ~30 s
+# in a measured run and save 0.4-0.55 ms per decoded token step (2-core CPU, the bench's 4-layer Llama):
+# break-even at 55-75k token steps (bench/RESULTS.md). Both scale with the number of layers, so the
+# ratio holds for deeper models.
+COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
+# Decode steps between reads of whether every row has stopped. A read waits for the device (on CUDA the host cannot
+# queue the next step's launch meanwhile) and costs the host time; rows that stopped take pads, so a late read adds up
+# to 7 steps of pads to a call. Compiled decoding on CPU ran 5% and 16% faster reading every 8 steps (no early stops,
+# bench/RESULTS.md); eager decoding on CPU gained nothing (+0.1%, -1.0%): it reads every step.
+END_CHECK_EVERY = 8
+
+
+def decode_compiled(flag: str, device: torch.device, max_steps: int, max_new_tokens: int) -> tuple[bool, str]:
+    """--compile for the engine: '1' and '0' as asked; 'auto' compiles the decode step on CPU when the run
+    decodes enough token steps to pay back the compile, and inductor's C++ compiler is there.
+    On CUDA auto stays eager: the CUDA-graph step has not been measured on a GPU yet.
+    Returns (compile, why) for the log."""
+    if flag in ("0", "1"):
+        return flag == "1", f"--compile {flag}"
+    if flag != "auto":
+        raise ValueError(f"--compile must be auto, 0 or 1, got {flag!r}")
+    token_steps = max_steps * max_new_tokens
+    if device.type != "cpu":
+        return False, f"auto: on {device.type} the compiled step is not yet measured; --compile 1 to use it"
+    if token_steps < COMPILE_PAYS_AFTER:
+        return False, (f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps "
+                       f"would not pay back the compile (< {COMPILE_PAYS_AFTER})")
+    from torch._inductor import config as inductor
+
+    cxx = inductor.cpp.cxx  # what inductor will try: $CXX, else g++ (clang++ on macOS)
+    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else [cxx]) if c]
+    if not any(shutil.which(c) for c in names):
+        return False, f"auto: no C++ compiler ({' or '.join(names)}) for inductor"
+    return True, f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps pay back the compile"
+
+
+def compile_for(fn, device: torch.device):
+    """fn under torch.compile as a decode step runs best on `device`, with static shapes. On a GPU: CUDA graphs
+    (mode reduce-overhead). On CPU: inductor with its C++ wrapper, so a step's ~60 kernel calls run without
+    Python between them (557 -> 438 us per step of 8 rows on the bench's 4-layer Llama, 2 threads)."""
+    allow_recompiles()
+    if device.type == "cuda":
+        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
+    return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
+
+
+@dataclass
+class Samples:
+    completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
+    truncated: list[bool]  # stopped by max_new_tokens, not by a stop token
+    sampled: list[list[int]] | None = None  # with tools, per completion token: 1 sampled, 0 forced by a tool
+    tool_calls: int = 0  # python blocks closed (the calculator called)
+    tool_errors: int = 0  # of them, the ones it refused (nothing forced)
+
+
+@dataclass
+class DecodeState:
+    """Everything a compiled decode step reads and writes, for `rows` rows and `slots` cache positions; token t
+    of the call goes to cache slot `slot` (= prompt length + t)."""
+    cache: KVCache
+    logits: torch.Tensor  # (rows, V): the logits token t is drawn from
+    uniforms: torch.Tensor  # (rows, max_new_tokens)
+    out: torch.Tensor  # (rows, max_new_tokens) tokens taken, pads after a row's stop
+    stop_ids: torch.Tensor  # (stops,) the ids that end a row
+    lengths: torch.Tensor  # (rows,)
+    done: torch.Tensor  # (rows,)
+    positions: torch.Tensor  # (rows,) each row's position for token 0: its prompt's real tokens
+    key_valid: torch.Tensor  # (rows, slots): the slots each row may attend to
+    t: torch.Tensor  # () the token being taken
+    slot: torch.Tensor  # (1,) the slot it is written to
+    tools: ToolState | None  # the rows' tool calls (an engine with tools)
+
+    def tensors(self) -> list[torch.Tensor]:
+        cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
+                                               else [])
+        tools = self.tools.tensors() if self.tools is not None else []
+        return cache + tools + [getattr(self, f.name) for f in fields(self) if f.name not in ("cache", "tools")]
+
+    @property
+    def slots(self) -> int:
+        return self.key_valid.size(1)
+
+
+def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
+                python: tuple[int, int] | None) -> None:
+    """Take token t of every row from the state's logits (or a tool's forced token), decode it at its slot (static
+    shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
+    and the tools' state included. python: the tool protocol's (python_start, python_end) ids, with tools."""
+    u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
+    live = ~s.done
+    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
+                        s.tools.force if s.tools is not None else None)
+    if s.tools is not None:
+        s.tools.track(token, s.t, live, *python)
+    s.key_valid.index_fill_(1, s.slot, True)
+    s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
+    s.t.add_(1)
+    s.slot.add_(1)
+
+
+class Engine:
+    """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
+    compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly).
+    tools: run nanochat's calculator inside the rollouts (tools.py). reserve: the longest prompt + new tokens any
+    call of the run will need; a compiled state is made that long at once, so a longer batch later does not
+    rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
+    steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
+    with tools the host reads every step, to answer a block the step closed."""
+
+    def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
+                 tools: ToolTokens | None = None, reserve: int = 0, end_check_every: int | None = None):
+        self.model = model
+        self.reserve = reserve
+        self.tools = tools
+        self._python = (tools.python_start, tools.python_end) if tools is not None else None
+        self._tool_calls = [0, 0]  # this call's calculator calls and refusals
+        self.compiled = compile and model.native
+        eager_on_cpu = next(model.parameters()).device.type == "cpu" and not self.compiled
+        self.end_check_every = 1 if tools is not None else end_check_every or (1 if eager_on_cpu else END_CHECK_EVERY)
+        self._states: dict[int, DecodeState] = {}  # rows -> the kept decode state (compiled only)
+        self._step = None
+        self._lowered: tuple[Backbone, list[tuple[str, torch.Tensor]]] | None = None  # (copy, (name, its tensor))
+        self._whole = whole_in is not None
+        if self._whole:  # made now, before the policy is sharded: a copy of a sharded module would hold shards
+            self._lowered = lowered_copy(model, [p for p in model.parameters() if p.is_floating_point()], whole_in)
+        self.last: DecodeStats | None = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], group_size: int, cfg: SamplingConfig,
+                 stop_ids: int | Sequence[int], pad_id: int, generators: list[torch.Generator]) -> Samples:
+        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]. A row
+        ends at the first of stop_ids it takes (the tokenizer's stop_ids: every token that ends a turn), kept as
+        its last token, or after max_new_tokens."""
+        device = next(self.model.parameters()).device
+        n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
+        if P + cfg.max_new_tokens > self.model.max_seq_len:  # a compiled step would index past the rotary table
+            raise ValueError(f"a prompt of {P} tokens + {cfg.max_new_tokens} new ones exceeds the model's "
+                             f"{self.model.max_seq_len} positions")
+        stops = [stop_ids] if isinstance(stop_ids, int) else list(dict.fromkeys(stop_ids))
+        stops = torch.tensor(stops, dtype=torch.long, device=device)
+        ids = torch.full((n, P), pad_id, dtype=torch.long)
+        key_mask = torch.zeros((n, P), dtype=torch.bool)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at position P-1
+            ids[i, P - len(p):] = torch.tensor(p)
+            key_mask[i, P - len(p):] = True
+        ids, key_mask = ids.to(device), key_mask.to(device)
+        uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
+        decoder = self._decoder(device)
+        self._tool_calls = [0, 0]
+        sync(device)
+        t0, compiling = time.perf_counter(), compile_stats()[1]
+        if self.compiled:
+            state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
+            sync(device)
+            t1 = time.perf_counter()
+            steps = self._decode_compiled(decoder, state, cfg, pad_id)
+            out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
+        else:
+            logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
+            sync(device)
+            t1 = time.perf_counter()
+            out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
+                                                                  stops, pad_id)
+        sync(device)
+        t2 = time.perf_counter()
+        compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
+        context = P + steps / 2  # a step's average context, as nanochat's infer_bench takes the middle one
+        self.last = DecodeStats(n * G, steps, t1 - t0, max(t2 - t1 - compiled_s, 0.0), weight_bytes(decoder),
+                                kv_bytes(decoder, context))
+        lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
+        sampled = [row[:k] for row, k in zip(tools.sampled.int().tolist(), lengths)] if tools is not None else None
+        return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, *self._tool_calls)
+
+    # ---- eager ------------------------------------------------------------------------------------
+    def _prefill_eager(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int, max_new: int):
+        # Prompts of one length need no mask at all (our models); transformers' always takes one.
+        use_mask = not bool(key_mask.all()) or not decoder.native
+        logits, cache = decoder.prefill(ids, key_mask if use_mask else None, ids.size(1) + max_new)
+        decoder.repeat_cache(cache, G)
+        return logits.repeat_interleave(G, dim=0), cache, key_mask.repeat_interleave(G, dim=0) if use_mask else None
+
+    def _decode_eager(self, decoder: Backbone, logits: torch.Tensor, cache, key_mask: torch.Tensor | None,
+                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int):
+        rows, device = logits.size(0), logits.device
+        out = torch.full((rows, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
+        done = torch.zeros(rows, dtype=torch.bool, device=device)
+        lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
+        tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.tools is not None else None
+        steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
+        for t in range(cfg.max_new_tokens):
+            live = ~done
+            token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
+                                tools.force if tools is not None else None)
+            if tools is not None:
+                tools.track(token, steps[t], live, *self._python)
+            if t == cfg.max_new_tokens - 1 or self._finished(done, tools, out, t):
+                return out, lengths, done, tools, t
+            if key_mask is not None:
+                key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
+            logits = decoder.decode(cache, token, key_mask)
+        return out, lengths, done, tools, 0  # max_new_tokens 0
+
+    def _finished(self, done: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int) -> bool:
+        """After token t: whether every row has stopped (read every end_check_every steps, else False); with tools, the
+        calculator answers the blocks token t closed, in the same read from the device."""
+        if tools is None:
+            return (t + 1) % self.end_check_every == 0 and bool(done.all())
+        finished, closed = torch.stack([done.all(), tools.closed.any()]).tolist()
+        if closed and not finished:
+            calls, refused = tools.answer_closed(out, t, self.tools)
+            self._tool_calls[0] += calls
+            self._tool_calls[1] += refused
+        return finished
+
+    # ---- compiled ---------------------------------------------------------------------------------
+    def _prefill_state(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int,
+                       uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor,
+                       pad_id: int) -> DecodeState:
+        """Prefill the prompts once (eagerly, into a cache of their own length), then fill the kept state of
+        this many rows with each prompt's cache, logits and mask repeated for its G samples."""
+        n, P = ids.shape
+        logits, prompt_cache = decoder.prefill(ids, key_mask, P)
+        s = self._state(decoder, n * G, P + cfg.max_new_tokens, cfg.max_new_tokens, len(stop_ids), prompt_cache,
+                        logits)
+
+        def fill(dst: torch.Tensor, src: torch.Tensor) -> None:  # dst's n*G rows <- src's n rows, G times each
+            dst.unflatten(0, (n, G)).copy_(src.unsqueeze(1))
+
+        for dst, src in zip(s.cache.k + s.cache.v, prompt_cache.k + prompt_cache.v):
+            fill(dst[:, :, :P], src)
+        if prompt_cache.prev_embedding is not None:
+            fill(s.cache.prev_embedding, prompt_cache.prev_embedding)
+        fill(s.logits, logits)
+        s.key_valid.zero_()
+        fill(s.key_valid[:, :P], key_mask)
+        fill(s.positions, key_mask.sum(-1))
+        s.uniforms.copy_(uniforms)
+        s.out.fill_(pad_id)
+        s.stop_ids.copy_(stop_ids)
+        s.lengths.fill_(cfg.max_new_tokens)
+        s.done.zero_()
+        s.t.zero_()
+        s.slot.fill_(P)
+        if s.tools is not None:
+            s.tools.reset()
+        return s
+
+    def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, stops: int, like: KVCache,
+               logits: torch.Tensor) -> DecodeState:
+        """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots;
+        one per row count, so a run holds one for its rollouts and one for its evaluation."""
+        s = self._states.get(rows)
+        if s is not None and s.slots >= needed and s.uniforms.size(1) == max_new and s.logits.shape == (
+                rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype and len(s.stop_ids) == stops:
+            return s
+        self._states.pop(rows, None)  # freed before the larger one is made
+        slots = max(-(-needed // SLOT_BUCKET) * SLOT_BUCKET, self.reserved_slots)
+        k = like.k[0]
+        cache = KVCache(len(like.k), rows, k.size(1), k.size(3), slots, k.device, k.dtype)
+        if like.prev_embedding is not None:
+            cache.prev_embedding = like.prev_embedding.new_zeros(rows, *like.prev_embedding.shape[1:])
+        device = k.device
+        s = DecodeState(cache, logits.new_zeros(rows, logits.size(1)),
+                        torch.zeros(rows, max_new, device=device),
+                        torch.zeros(rows, max_new, dtype=torch.long, device=device),
+                        torch.zeros(stops, dtype=torch.long, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.zeros(rows, dtype=torch.bool, device=device),
+                        torch.zeros(rows, dtype=torch.long, device=device),
+                        torch.zeros(rows, slots, dtype=torch.bool, device=device),
+                        torch.zeros((), dtype=torch.long, device=device),
+                        torch.zeros(1, dtype=torch.long, device=device),
+                        ToolState.empty(rows, max_new, device) if self.tools is not None else None)
+        cache.slot = s.slot
+        for t in s.tensors():
+            torch._dynamo.mark_static_address(t)
+        self._states[rows] = s
+        return s
+
+    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int) -> int:
+        if self._step is None:
+            self._step = compile_for(decode_step, s.t.device)
+        last = cfg.max_new_tokens - 1
+        for t in range(last):
+            self._step(decoder.model, s, cfg, pad_id, self._python)
+            if self._finished(s.done, s.tools, s.out, t):
+                return t + 1
+        if last >= 0:  # the last token needs no decoding after it
+            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
+                        s.tools.force if s.tools is not None else None)
+        return max(last, 0)
+
+    # ---- what decodes -----------------------------------------------------------------------------
+    def _decoder(self, device: torch.device) -> Backbone:
+        """The model to decode with: the whole copy of a sharded policy; under an autocast to a lower precision
+        than the masters, a copy whose matmul weights are held in that dtype (embeddings, norms and scalars are
+        the policy's own tensors, shared); either refreshed from the masters now. Else the model itself."""
+        if not self._whole:
+            if not torch.is_autocast_enabled(device.type):
+                return self.model
+            dtype = torch.get_autocast_dtype(device.type)
+            if self._lowered is None or self._lowered[1][0][1].dtype != dtype:
+                masters = [p for p in matmul_params(self.model) if p.is_floating_point() and p.dtype != dtype]
+                if not masters:
+                    return self.model
+                self._lowered = lowered_copy(self.model, masters, dtype)
+        return self.refresh()
+
+    def refresh(self) -> Backbone | None:
+        """Copy the policy's current weights into the engine's copy (if it keeps one) and return the copy.
+        Collective for a sharded policy's whole copy: every rank calls it (generate does), also a rank that has
+        nothing to decode."""
+        if self._lowered is None:
+            return None
+        lowered, pairs = self._lowered
+        masters = dict(self.model.named_parameters())  # by name: sharding replaces the parameter objects
+        for name, low in pairs:
+            master = masters[name]
+            # A shard is cast before it is gathered: bf16 over the wire, half the bytes of fp32, the same values.
+            low.copy_(whole(master.to(low.dtype) if is_sharded(master) else master))
+        return lowered
+
+    @property
+    def reserved_slots(self) -> int:
+        """The cache positions of a compiled state made for the reserve (and any call that fits it)."""
+        return -(-self.reserve // SLOT_BUCKET) * SLOT_BUCKET
+
+    def kept_bytes(self) -> int:
+        """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""
+        held = [t for s in self._states.values() for t in s.tensors()]
+        if self._lowered is not None:
+            held += [low for _, low in self._lowered[1]]
+        return sum(t.numel() * t.element_size() for t in held)
+
+
+def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtype
+                 ) -> tuple[Backbone, list[tuple[str, torch.Tensor]]]:
+    """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master's name, copy)
+    pairs."""
+    lowering = {id(p) for p in masters}
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
+    memo.update({id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in masters})  # no fp32 copy
+    lowered = copy.deepcopy(model, memo=memo)
+    for m in lowered.modules():  # a forward set on the instance (compiled, checkpointed) calls the original's
+        if getattr(m.__dict__.get("forward"), "wraps_block", False):
+            del m.forward
+    return lowered.eval(), [(name, memo[id(p)]) for name, p in model.named_parameters() if id(p) in lowering]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,140 @@
+"""Resuming a run: which checkpoint --resume names (the newest that loads whole, chosen by rank 0 for
+every rank), and whether this run's flags fit the one it resumes.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from nanochat_ext.ddp_common import agent_store, broadcast_object, is_main, print0, raise_if_any, restart_attempt
+from nanochat_ext.errors import InputError
+from nanochat_ext.runtime.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, read_json,
+                                             resumable_checkpoints, stamp_digits, torch_load)
+
+
+SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps", "lr_decay")  # may change on resume with --resume_extend only
+BEFORE_SCHEDULE_FLAGS = {"lr_decay": "cosine"}  # what a checkpoint written before such a flag existed ran with
+
+
+def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...), and its
+    learning-rate schedule unless args.resume_extend. `absent`: the value a key had in checkpoints
+    written before it was recorded."""
+    extend = getattr(args, "resume_extend", False)
+    absent = {**BEFORE_SCHEDULE_FLAGS, **(absent or {})}
+    for key in keys + (() if extend else SCHEDULE_KEYS):
+        if key in BEFORE_SCHEDULE_FLAGS and not hasattr(args, key):  # a flag this script lacks (SFT, RM: cosine)
+            continue
+        was = saved.get(key, absent.get(key))
+        if was != getattr(args, key):
+            hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
+            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+                             f"{was!r}; resume with the same setting{hint}", path=str(path))
+
+
+# A checkpoint's meta 'kind' -> the trainer that writes it
+TRAINERS = {"sft": "kat_sft (an SFT model)", "reward_model": "kat_train_rm (a reward model)",
+            "grpo_policy": "kat_train_grpo (a GRPO policy)", "dpo_policy": "kat_train_dpo (a DPO policy)"}
+
+
+def check_kind(meta: dict, kind: str, meta_path: Path, in_out: bool) -> None:
+    """The checkpoint to resume was written by this trainer (`kind`): one line naming the one that wrote it and what to
+    do otherwise (another trainer's flags and state mean nothing here). in_out: it was found in --out."""
+    wrote = meta.get("kind")
+    if wrote is None or wrote == kind:
+        return
+    them, us = TRAINERS.get(wrote, f"another trainer (kind {wrote!r})"), TRAINERS.get(kind, kind).split(" ")[0]
+    todo = (f"give {us} an --out of its own (or an empty one)" if in_out else
+            f"give --resume a checkpoint {us} wrote")
+    raise InputError(f"this checkpoint was written by {them}, not by {us}, and cannot be resumed here: {todo}",
+                     path=str(meta_path))
+
+
+LATEST = ("latest", "auto")  # --resume values that read --out and start fresh when it has no checkpoint
+READS_OUT = (*LATEST, "must")
+NEWEST_AT_START = "nanochat_ext/newest_checkpoint_at_start"  # in torchrun's store (saved_by_this_job)
+RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, or a fresh start (said in the log) "
+               "when there is none yet; 'must': the same, but no checkpoint is an error; or a checkpoint path. A "
+               "resumed run continues exactly. A group torchrun restarts (--max-restarts) resumes from the newest "
+               "checkpoint its job wrote in --out whatever this says, or as this says when the job wrote none")
+
+
+def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) -> tuple[Path, Path, dict] | None:
+    """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
+    scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
+    resume different steps); a checkpoint that does not load whole (its meta included) is skipped for an older one,
+    with a warning. One written by another trainer than `kind` (the meta's) is refused in one line."""
+    choice, error = None, None
+    if is_main():
+        try:
+            if (saved := saved_by_this_job(out_dir)) and resume not in READS_OUT:
+                print0(f"resume: torchrun restart {restart_attempt()}: from what this job saved in {out_dir}")
+                choice = _choose_resume("latest", out_dir, saved)
+            elif resume is not None:
+                choice = _choose_resume(resume, out_dir if resume in READS_OUT else resume)
+            if choice is not None:
+                check_kind(choice[4], kind, choice[1], in_out=choice[1].parent == Path(out_dir))
+        except InputError as e:
+            error = str(e)
+    raise_if_any(error)
+    paths = broadcast_object(choice[:3] if choice else None)  # the paths only: rank 0 keeps the state it loaded
+    if paths is None:
+        return None
+    model_path, meta_path, state_path = paths
+    return model_path, meta_path, choice[3] if is_main() else torch_load(state_path, "resume state")
+
+
+def saved_by_this_job(out_dir: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """Rank 0, under torchrun: out_dir's resumable checkpoints newer than the newest that was there when this job's
+    first start got here (kept in torchrun's store, which outlives restarts), newest first; [] elsewhere. A restart
+    resumes from these, never from an older run that shares the dir (where torchrun keeps no store for its workers,
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a restart takes every checkpoint there as its job's)."""
+    found = resumable_checkpoints(out_dir)
+    try:
+        agent = agent_store()
+        if agent is None:
+            return found if restart_attempt() > 0 else []
+        if not agent.check([NEWEST_AT_START]):
+            agent.set(NEWEST_AT_START, stamp_digits(found[0][1]) if found else "-1")
+        since = int(agent.get(NEWEST_AT_START))
+    except dist.DistError:  # the store does not answer: resume as --resume says
+        return []
+    return [c for c in found if int(stamp_digits(c[1])) > since]
+
+
+def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Path, Path]] | None = None
+                   ) -> tuple[Path, Path, Path, dict, dict] | None:
+    """Rank 0's part of resolve_resume: the newest resumable checkpoint (of target, or of `found`) that loads whole,
+    with its state and its meta."""
+    found = resumable_checkpoints(target) if found is None else found
+    if not found:
+        if resume in LATEST:
+            print0(f"resume: no complete checkpoint in {target} yet; starting from scratch")
+            return None
+        raise InputError("no complete checkpoint to resume from", path=str(target))
+
+    def load(model_path: Path, meta_path: Path) -> tuple[Path, Path, Path, dict, dict]:
+        digits = stamp_digits(meta_path)
+        meta = read_json(meta_path)  # a corrupt one falls back to the previous checkpoint, as a truncated model does
+        if not isinstance(meta, dict):
+            raise InputError(f"meta is {type(meta).__name__}, not a JSON object", path=str(meta_path))
+        state_path = model_path.parent / f"state_{digits}.pt"
+        shards = model_path.parent / f"shards_{digits}"
+        if shards.is_dir():  # an fsdp run's final checkpoint, named by its model: its shards hold the optimizer
+            model_path = shards
+        if not state_path.is_file():
+            raise InputError("checkpoint has no resume state (state_<stamp>.pt)", path=str(model_path))
+        if model_path.is_file():  # a truncated model falls back to the previous checkpoint; the caller loads it
+            check_zip(model_path)
+        if is_shards(model_path) and (why := missing_shards(model_path)):
+            raise InputError(f"sharded checkpoint is not whole: {why}", path=str(model_path))
+        state = torch_load(state_path, "resume state")
+        if not is_shards(model_path) and "optimizer" not in state:
+            raise InputError(f"checkpoint's resume state holds no optimizer state and its shards_{digits}/ "
+                             f"(which did) is gone", path=str(model_path))
+        return model_path, meta_path, state_path, state, meta
+
+    return first_loadable(target, load, found)

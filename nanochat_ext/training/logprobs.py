@@ -1,0 +1,224 @@
+"""Completion log-probs, what SFT, GRPO and DPO share: prompts and completions batched as the trainers batch them (a
+prompt's completions as one prefix tree, or one row each), the log-prob of every completion token (the LM head in
+chunks of CHUNK_TOKENS rows, recomputed in backward, so the whole logits tensor never exists), and the backward
+over a step's micro-batches with the loss normalised over the global batch.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import torch.nn as nn
+
+from nanochat_ext.data.batching import prefix_tree_rows, right_pad
+from nanochat_ext.ddp_common import all_reduce_sum, get_world_size
+from nanochat_ext.models.attention import PrefixTree
+from nanochat_ext.models.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
+from nanochat_ext.runtime.parallel import no_sync
+
+
+# ---- batches ------------------------------------------------------------------------------------
+def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
+                   pad_id: int, share_prompt: bool = False,
+                   token_mask: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
+    """Right-padded prompt+completion rows and, per completion token, the position in its own
+    prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
+    0 past each completion's end, and where token_mask is 0 (a token a tool wrote: no loss looks at it).
+    share_prompt: one PrefixTree row per group instead (what its sequences share, the prompt at least, once;
+    then the rest of each), its lengths in `branches` (groups, 1 + G); CompletionLogprobs then maps gather into
+    the group's row."""
+    seqs = [prompt_ids[r // group_size] + comp for r, comp in enumerate(completions)]
+    n, L = len(completions), max(1, max(len(c) for c in completions))
+    gather = torch.zeros((n, L), dtype=torch.long)
+    target = torch.full((n, L), pad_id, dtype=torch.long)
+    mask = torch.zeros((n, L), dtype=torch.float32)
+    for r, (seq, comp) in enumerate(zip(seqs, completions)):
+        k = len(comp)
+        gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
+        target[r, :k] = torch.tensor(comp, dtype=torch.long)
+        mask[r, :k] = 1.0 if token_mask is None else torch.tensor(token_mask[r], dtype=torch.float32)
+    batch = {"gather": gather, "target": target, "mask": mask}
+    if not share_prompt:
+        return {"input_ids": right_pad(seqs, pad_id), **batch}
+    rows, branches = prefix_tree_rows([seqs[j:j + group_size] for j in range(0, n, group_size)])
+    return {"input_ids": right_pad(rows, pad_id), "branches": torch.tensor(branches, dtype=torch.long), **batch}
+
+
+ROW_KEYS = ("input_ids", "branches")  # per sequence row: per group with share_prompt, else per completion
+
+
+def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
+    """Completions `rows` of a sequence batch (whole groups when prompts are shared), cut to their own
+    longest sequence and completion."""
+    out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
+    scored = out["mask"].gt(0).any(0).nonzero()  # token columns any completion is scored at (forced ones are not)
+    n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
+    for k in ("gather", "target", "mask", "old_logp", "ref_logp"):  # per-token tensors
+        if k in out:
+            out[k] = out[k][:, :n_tok]
+    if "branches" in batch:
+        G = batch["branches"].size(1) - 1
+        if rows.start % G or (rows.stop < batch["mask"].size(0) and rows.stop % G):
+            raise ValueError(f"completions {rows.start}..{rows.stop} split a group of {G}")
+        groups = slice(rows.start // G, -(-rows.stop // G))
+        out["branches"] = batch["branches"][groups]
+        T = int(out["branches"].sum(-1).max())
+    else:
+        groups = rows
+        T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
+    out["input_ids"] = batch["input_ids"][groups][:, :T]
+    return out
+
+
+CHUNK_TOKENS = 4096  # LM-head rows computed at once (token_logprobs_chunked)
+
+
+class CompletionLogprobs(nn.Module):
+    """Log-probabilities (and entropies) of completion tokens under a backbone. This is the module
+    DDP wraps for the policy; the frozen reference uses it too. The LM head only runs at the
+    completion positions, never over the prompt.
+
+    temperature: the distribution the completions were sampled from, softmax(logits / T). The ratio,
+    the KL and the entropy must use that one (as TRL does), or the policy gradient is biased at T != 1."""
+
+    def __init__(self, backbone: Backbone, chunk_tokens: int = CHUNK_TOKENS, temperature: float = 1.0):
+        super().__init__()
+        if not temperature > 0:
+            raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
+        backbone.head_transform  # a model whose logits cannot be computed per chunk stops here, before training
+        self.backbone = backbone
+        self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
+        self.temperature = temperature
+
+    def forward(self, input_ids: torch.Tensor, gather: torch.Tensor, target: torch.Tensor,
+                branches: torch.Tensor | None = None):
+        """branches: the group rows' PrefixTree lengths (make_sequences with share_prompt): completion n
+        is branch n % G of row n // G. Where a tree does not pay (Backbone.shares_prefixes) each
+        prompt+completion runs as a row of its own."""
+        if branches is not None and self.backbone.shares_prefixes(branches):
+            hidden = self.backbone.hidden_states(input_ids, tree=PrefixTree.from_lengths(branches, input_ids.device))
+            group_row = torch.arange(gather.size(0), device=gather.device) // (branches.size(1) - 1)
+            h = hidden[group_row[:, None], tree_positions(gather, branches)]
+        else:
+            if branches is not None:
+                input_ids = unshare_branches(input_ids, branches)[0]
+            hidden = self.backbone.hidden_states(input_ids)
+            h = hidden.gather(1, gather.unsqueeze(-1).expand(-1, -1, hidden.size(-1)))
+        return token_logprobs_chunked(self.backbone.logits, h, target, self.chunk_tokens, self.temperature,
+                                      compiled=self.backbone.compiled)
+
+
+def _chunk_logprobs(logits_fn, h: torch.Tensor, target: torch.Tensor,
+                    temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    logp = torch.log_softmax(logits_fn(h).float() / temperature, dim=-1)
+    token_logp = logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return token_logp, entropy
+
+
+_compiled_chunks: dict[str, object] = {}  # torch.compile's backend -> _chunk_logprobs under it
+
+
+def chunk_logprobs_fn(backend: str | None):
+    """_chunk_logprobs eager (None) or under torch.compile with that backend. Compiled, the LM head's chain (matmul,
+    softcap, cast, temperature, log-softmax, gather, entropy: ~8 passes over a chunk's vocabulary-sized logits)
+    fuses into a few kernels: forward 2.1x and forward + backward 1.45x faster on CPU for 2048 rows, a 65536
+    vocabulary and 768 hidden (bench/bench_lm_head.py, bench/RESULTS.md). Symbolic sizes: chunks and micro-batches of any row count share one graph."""
+    if backend is None:
+        return _chunk_logprobs
+    if backend not in _compiled_chunks:
+        _compiled_chunks[backend] = torch.compile(_chunk_logprobs, dynamic=True, backend=backend)
+    return _compiled_chunks[backend]
+
+
+def _fresh_inputs(chunk, logits_fn, h: torch.Tensor, target: torch.Tensor, temperature: float):
+    return chunk(logits_fn, h.clone(), target.clone(), temperature)
+
+
+def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chunk_tokens: int,
+                           temperature: float = 1.0, compiled: str | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies of `target` (B, L) under logits_fn(h) with h (B, L, H), never holding more
+    than chunk_tokens rows of vocabulary-sized logits: 256 completions x 512 tokens x a 65k vocabulary
+    would be 34 GB in fp32. Under autograd each chunk is recomputed in the backward pass
+    (activation checkpointing), so its logits are not kept either. The values of one big chunk, up to
+    rounding: the LM-head matmul blocks its reductions by the chunk's row count. compiled: torch.compile's
+    backend for each chunk's chain (chunk_logprobs_fn), None: eager."""
+    B, L, H = h.shape
+    flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
+    chunk = chunk_logprobs_fn(compiled)
+    if compiled is not None:  # a view's guards include its base's sizes: fresh tensors (H columns: cheap) share one graph
+        chunk = functools.partial(_fresh_inputs, chunk)
+    if B * L <= chunk_tokens:
+        token_logp, entropy = chunk(logits_fn, flat_h, flat_t, temperature)
+        return token_logp.view(B, L), entropy.view(B, L)
+    from torch.utils.checkpoint import checkpoint
+
+    parts = []
+    for a in range(0, B * L, chunk_tokens):
+        hc, tc = flat_h[a:a + chunk_tokens], flat_t[a:a + chunk_tokens]
+        if torch.is_grad_enabled() and hc.requires_grad:
+            parts.append(checkpoint(chunk, logits_fn, hc, tc, temperature, use_reentrant=False))
+        else:
+            parts.append(chunk(logits_fn, hc, tc, temperature))
+    return (torch.cat([p[0] for p in parts]).view(B, L), torch.cat([p[1] for p in parts]).view(B, L))
+
+
+def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                        autocast: contextlib.AbstractContextManager, loss_fn) -> torch.Tensor:
+    """Forward + backward over this rank's sequences in micro-batches of `micro` (DDP syncs on the
+    last one). loss_fn(b, logp, entropy) -> (loss already divided by a global normaliser, stats); the
+    loss is scaled by the world size because DDP averages gradients. Every rank runs the same number
+    of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
+    [loss, *stats]."""
+    world = get_world_size()
+    starts = list(range(0, batch["mask"].size(0), micro))  # completions (input_ids may hold group rows)
+    total = None
+    for k, a in enumerate(starts):
+        b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
+        with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
+            logp, entropy = model(b["input_ids"], b["gather"], b["target"], b.get("branches"))
+            loss, stats = loss_fn(b, logp, entropy)
+            (loss * world).backward()
+        row = torch.cat([loss.detach().double().cpu().view(1), stats])
+        total = row if total is None else total + row
+    return total
+
+
+def sft_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                 autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Supervised fine-tuning step: mean negative log-likelihood of the reply tokens over the global
+    batch. Returns [loss, tokens]."""
+    normaliser = max(all_reduce_sum(batch["mask"].sum().double()).item(), 1.0)
+
+    def loss_fn(b, logp, entropy):
+        return -(logp * b["mask"]).sum() / normaliser, b["mask"].sum().double().cpu().view(1)
+
+    return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
+
+
+@torch.no_grad()
+def token_logprobs(model: CompletionLogprobs, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+                   autocast: contextlib.AbstractContextManager) -> torch.Tensor:
+    """Log-probs of every completion token, without grad (reference model, or the old policy)."""
+    n, L = batch["target"].shape
+    out = torch.zeros(n, L)
+    for a in range(0, n, micro):
+        b = slice_batch(batch, slice(a, a + micro))
+        with autocast:
+            logp, _ = model(*(b[k].to(device) for k in ("input_ids", "gather", "target")), b.get("branches"))
+        out[a:a + micro, :logp.size(1)] = logp.float().cpu()
+    return out
+
+
+def reference_model(backbone: Backbone, dtype: torch.dtype, *, temperature: float = 1.0,
+                    chunk_tokens: int = CHUNK_TOKENS, matmuls_only: bool = True) -> CompletionLogprobs:
+    """GRPO's frozen reference: the policy's weights through the policy's own code and precision (only
+    linear weights held in `dtype`, see hold_frozen_in), so that at equal weights its log-probs are the
+    policy's bitwise and the KL term is exactly 0. temperature and chunk_tokens: the policy's
+    CompletionLogprobs' own (the LM head's chunking sets its rounding). matmuls_only False: every weight in
+    dtype, as an FSDP policy gathers them in bf16 (parallel.Parallel.gathers_in)."""
+    frozen = hold_frozen_in(backbone.requires_grad_(False), dtype, matmuls_only=matmuls_only)
+    return CompletionLogprobs(frozen, chunk_tokens, temperature)

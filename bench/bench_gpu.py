@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanochat_ext.algorithms.grpo import LossConfig, group_advantages, policy_backward
+from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.ddp_common import init_dist
 from nanochat_ext.generation.decode_cost import peak_bandwidth
 from nanochat_ext.generation.engine import Engine, decode_compiled
@@ -42,7 +43,7 @@ from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import compile_models, compile_stats
 from nanochat_ext.models.gpt import GPT, GPTConfig, padded
 from nanochat_ext.models.lora import LoraSpec, WithoutAdapters, apply_lora
-from nanochat_ext.models.reward_model import RewardModel, RewardScorer, rm_backward
+from nanochat_ext.models.reward_model import RewardModel, RewardScorer
 from nanochat_ext.runtime.parallel import Parallel, checkpoint_activations
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, reference_model, token_logprobs
 from nanochat_ext.training.optim import make_adamw, make_optimizer

@@ -37,6 +37,8 @@ def main() -> None:
 
     torch.set_num_threads(b.threads)
     from nanochat_ext.ddp_common import all_reduce_max, dist_session
+    from nanochat_ext.runtime.progress import Progress
+    from nanochat_ext.runtime.session import Session
     from scripts import kat_train_grpo
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -51,7 +53,7 @@ def main() -> None:
         argv += ["--tokenizer", b.tokenizer]
     args = kat_train_grpo.parse_args(argv)
     with dist_session(args.device) as env:
-        kat_train_grpo.train(args, env)
+        kat_train_grpo.train(args, Session(env, Progress()))
         rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if not env.is_main:
             return

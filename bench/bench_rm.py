@@ -47,6 +47,8 @@ def main() -> None:
 
     torch.set_num_threads(b.threads)
     from nanochat_ext.ddp_common import all_reduce_max, dist_session
+    from nanochat_ext.runtime.progress import Progress
+    from nanochat_ext.runtime.session import Session
     from scripts import kat_train_dpo, kat_train_rm
 
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -65,7 +67,7 @@ def main() -> None:
         argv += ["--device_batch_size", str(b.device_batch_size)]
     args = trainer.parse_args(argv)
     with dist_session(args.device) as env:
-        trainer.train(args, env)
+        trainer.train(args, Session(env, Progress()))
         rss_mb = all_reduce_max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
         if not env.is_main:
             return

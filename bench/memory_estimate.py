@@ -236,7 +236,7 @@ def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 
     lora = lora_params(name, lora_r) if lora_r else 0
     grpo = grpo_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, micro=min(b.micro, rows),
                        prompt_len=b.prompt_len, new_tokens=b.new_tokens, rows=rows, rm=s, lora=lora, device="cuda")
-    rm = rm_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, pairs=max(1, b.rm_pairs // ranks),
+    rm = rm_memory(s, parallel=parallel, ranks=ranks, checkpointing=ac, micro=max(1, b.rm_pairs // ranks),
                    seq_len=b.rm_len, lora=lora, device="cuda")
     common = {"shape": name, "params": s.params, "parallel": parallel, "ranks": ranks, "activation_checkpointing": ac,
               "lora_r": lora_r, "lora_params": lora}

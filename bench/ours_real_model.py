@@ -60,7 +60,7 @@ def step0(gargs: argparse.Namespace, env) -> dict:
     its engine on the policy, --eval_prompts encoded for its --max_new_tokens, a rollout's rows per generate call."""
     from nanochat_ext.data.batching import encode_prompts
     from nanochat_ext.data.rows import load_prompts
-    from nanochat_ext.ddp_common import compute_dtype, precision
+    from nanochat_ext.runtime.precision import compute_dtype, precision
     from nanochat_ext.generation.engine import Engine
     from nanochat_ext.algorithms.evaluation import evaluate_rewards
     from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
@@ -100,9 +100,10 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    from nanochat_ext.cli import EXIT_BAD_INPUT, say
     from nanochat_ext.ddp_common import dist_session
-    from nanochat_ext.errors import InputError
+    from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
+    from nanochat_ext.runtime.progress import Progress
+    from nanochat_ext.runtime.session import Session, say
     from scripts import kat_train_grpo
 
     out = args.keep or tempfile.mkdtemp(prefix="ours_real_model_")
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             start = step0(gargs, env)
             eval0_s = time.perf_counter() - t
             t = time.perf_counter()
-            kat_train_grpo.train(gargs, env)
+            kat_train_grpo.train(gargs, Session(env, Progress()))
             wall_s = time.perf_counter() - t
         logs = [json.loads(line) for line in open(Path(out) / "logs" / "metrics.jsonl")]
     except InputError as e:

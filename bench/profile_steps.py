@@ -37,6 +37,8 @@ def main() -> None:
 
     torch.set_num_threads(b.threads)
     from nanochat_ext.ddp_common import dist_session
+    from nanochat_ext.runtime.progress import Progress
+    from nanochat_ext.runtime.session import Session
     from scripts import kat_train_grpo, kat_train_rm
 
     runs = {
@@ -52,7 +54,7 @@ def main() -> None:
         args = script.parse_args(argv + ["--max_steps", str(b.steps), "--log_every", "0", "--device", "cpu",
                                          "--out", tempfile.mkdtemp(prefix=f"profile_{name}_")])
         with dist_session("cpu") as env, profile(activities=[ProfilerActivity.CPU]) as prof:
-            script.train(args, env)
+            script.train(args, Session(env, Progress()))
         print(json.dumps({"bench": "profile", "trainer": name, "steps": b.steps, "threads": b.threads,
                           **top_ops(prof, b.top), "torch": torch.__version__}), flush=True)
 

@@ -17,10 +17,8 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import json
 import os
 import random
-import time
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -147,31 +145,6 @@ def agent_store(timeout: datetime.timedelta = datetime.timedelta(minutes=30)) ->
     return _AGENT_STORE
 
 
-def remember_ending(code: int, line: str, timeout: datetime.timedelta) -> None:
-    """Under torchrun: this start ends with `code` and `line` for a reason a restart would meet again (bad input, a
-    non-finite step, out of memory). torchrun restarts after any failure; the next start reads this
-    (previous_ending) and ends at once instead of repeating the run up to the same line."""
-    try:
-        agent = agent_store(timeout)
-        if agent is not None:
-            agent.set(f"nanochat_ext/ended/{restart_attempt()}", json.dumps([code, line]))
-    except dist.DistError:
-        pass  # then the next start runs again: what it costs is time
-
-
-def previous_ending(timeout: datetime.timedelta) -> tuple[int, str] | None:
-    """What the previous start of this torchrun job ended with, if remember_ending recorded it."""
-    key = f"nanochat_ext/ended/{restart_attempt() - 1}"
-    try:
-        agent = agent_store(timeout) if restart_attempt() > 0 else None
-        if agent is None or not agent.check([key]):
-            return None
-        code, line = json.loads(agent.get(key))
-    except dist.DistError:  # the store does not answer: start as if nothing was kept
-        return None
-    return code, line
-
-
 def free_port() -> int:
     import socket
 
@@ -196,68 +169,11 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
     except InputError:
         barrier()  # bad input is raised on every rank (validation is collective), so all get here
         raise
-    except Exception as e:  # while the group's store is there: who did not take part in a failed collective
-        if is_collective_failure(e):
-            e.timed_out, e.roll_call_s = "timed out" in str(e).lower(), roll_call_grace(e, timeout_s)
-            e.roll_call = roll_call(e.roll_call_s)
-        elif _is_dist():
-            sign_in(FAILED)  # this rank says its own line: the others' roll call must not name it missing
-        raise
     finally:
         # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
         # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
         # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
         destroy_dist()
-
-
-ROLL_CALL_MAX_S = 30.0  # after a timeout: ranks reach the roll call as far apart as they entered the collective
-PEER_GONE_S = 2.0  # after a closed connection: every rank that held one to the dead peer learns at once
-
-
-def roll_call_grace(e: BaseException, timeout_s: float) -> float:
-    """How long the roll call after e waits for the others: a quarter of the collective timeout (at most
-    ROLL_CALL_MAX_S) after a timeout, PEER_GONE_S after a peer's connection closed (its process is gone, and under
-    torchrun its agent is already stopping the others)."""
-    grace = min(ROLL_CALL_MAX_S, timeout_s / 4)
-    return grace if "timed out" in str(e).lower() else min(PEER_GONE_S, grace)
-
-
-HERE, FAILED = "here", "failed"  # a rank's answer to the roll call: its collective failed, or it raised its own error
-ROLL_CALL_KEY = "nanochat_ext/roll_call/{}"  # under the group's prefix: one roll call per start
-
-
-def sign_in(answer: str) -> None:
-    """Answer the roll call in the group's store (best effort: a store that does not answer cannot be told)."""
-    try:
-        dist.distributed_c10d._get_default_store().set(ROLL_CALL_KEY.format(get_rank()), answer)
-    except Exception:  # the store's own errors, or none left to reach
-        pass
-
-
-def is_collective_failure(e: BaseException) -> bool:
-    """A collective that failed because a peer did not take part: torch's distributed errors (NCCL's, the store's)
-    and gloo's transport errors (a timeout, a connection closed or reset), which it raises as RuntimeError."""
-    gloo = isinstance(e, RuntimeError) and "gloo/transport" in str(e)
-    return _is_dist() and (isinstance(e, dist.DistError) or gloo)
-
-
-def roll_call(grace_s: float) -> dict[int, str | None]:
-    """Collective through the group's store, which answers when the group does not: sign in and wait up to grace_s
-    for every rank to. Returns each rank's answer (HERE, FAILED) or None for one that did not answer (stuck where it
-    was, or gone); {} when the store itself does not answer (it lives in rank 0 where no launcher's agent holds it)."""
-    store = dist.distributed_c10d._get_default_store()
-    deadline = time.monotonic() + grace_s
-    try:
-        store.set_timeout(datetime.timedelta(seconds=grace_s))
-        store.set(ROLL_CALL_KEY.format(get_rank()), HERE)
-        while True:
-            keys = {r: ROLL_CALL_KEY.format(r) for r in range(get_world_size())}
-            answered = {r: store.check([k]) for r, k in keys.items()}
-            if all(answered.values()) or time.monotonic() > deadline:
-                return {r: store.get(keys[r]).decode() if answered[r] else None for r in keys}
-            time.sleep(0.05)
-    except Exception:  # the store's own errors, or none left to reach: no one can be named
-        return {}
 
 
 def destroy_dist() -> None:
@@ -324,22 +240,6 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
     if device.type != "cuda":
         return {}
     return {"perf/max_mem_allocated_gb": all_reduce_max(torch.cuda.max_memory_allocated(device) / 2**30)}
-
-
-def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The matmul dtype --dtype asks for: bf16 when given, or auto on CUDA; fp32 otherwise."""
-    if dtype == "bfloat16" or (dtype == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return torch.float32
-
-
-def precision(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
-    """The autocast context for a compute dtype (see compute_dtype): bf16 autocast, or none for fp32;
-    TF32 matmuls on CUDA."""
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

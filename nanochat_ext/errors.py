@@ -1,10 +1,20 @@
-"""The one error type for bad input. Scripts catch it, print one line, and exit non-zero."""
+"""The one error type for bad input, and every exit code a script ends with. Scripts catch it, print one line, and
+exit non-zero."""
 from __future__ import annotations
 
 import contextlib
 from typing import Iterator
 
 import torch
+
+
+# Every way a script ends but success (0), each with its one line (runtime/session.py says it).
+EXIT_UNFORESEEN = 1  # a bug or an environment failure: its traceback, then the line
+EXIT_BAD_INPUT = 2  # a file, row, field or flag: the line names it; nothing was written
+EXIT_NONFINITE = 3  # a step's loss or gradient was not finite: stopped before its optimizer step, nothing saved
+EXIT_OUT_OF_MEMORY = 4  # bad input too (a model or batch too big): the line says in what and which flags take less
+EXIT_LOST_RANK = 69  # EX_UNAVAILABLE: a peer stopped answering; a restart (torchrun --max-restarts) resumes
+EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: SIGTERM/SIGINT, checkpointed; try again with --resume latest
 
 
 class Row(int):

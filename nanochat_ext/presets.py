@@ -14,8 +14,8 @@ tokens, lr 3e-5, no KL, an evaluation every 10 steps.
 from __future__ import annotations
 
 import argparse
+import copy
 
-from nanochat_ext.cli import given_flags
 from nanochat_ext.ddp_common import print0
 
 PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none", "loss_agg": "token",
@@ -25,6 +25,19 @@ PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none"
                        "eval_examples": 400, "eval_pass_k": 8, "save_every": 60, "keep_last": 0, "num_epochs": 1},
            "word_arithmetic": {"reward_fn": ["last_number"], "batch_size": 4, "group_size": 8, "max_new_tokens": 16,
                                "lr": 3e-5, "beta": 0.0, "eval_every": 10}}
+
+
+PRESET_HELP = ("a recipe of flag values in one flag: chat_rl, nanochat's RL recipe (scripts/chat_rl.py); word_arithmetic, "
+               "the real model's (MODEL=smollm2 bash speedrun.sh); every value it sets is printed at start, and a flag "
+               "given explicitly overrides it (README: nanochat's RL here)")
+
+
+def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
+    """The dests of the flags argv gives explicitly, whatever their values (a preset leaves those alone)."""
+    quiet = copy.deepcopy(p)
+    for action in quiet._actions:
+        action.default, action.required = argparse.SUPPRESS, False
+    return set(vars(quiet.parse_known_args(argv)[0]))
 
 
 def apply_preset(p: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
@@ -43,8 +56,8 @@ def print_preset(args: argparse.Namespace) -> None:
                                                     for k, v in args.preset_values.items()))
 
 
-def preset_tag(args: argparse.Namespace, depth: int) -> str | None:
+def preset_tag(preset: str | None, depth: int) -> str | None:
     """The tag of the preset's default --out: chat_rl writes where nanochat's chat_rl does and its load_model("rl")
     looks, chatrl_checkpoints/d<depth> (depth: the policy's layers, nanochat GPT's n_layer). None: the script's own
     default. A --tag or --out given explicitly wins, as chat_rl's --model-tag does."""
-    return f"d{depth}" if args.preset == "chat_rl" else None
+    return f"d{depth}" if preset == "chat_rl" else None

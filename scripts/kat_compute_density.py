@@ -20,22 +20,24 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanochat_ext.cli import MODEL_HELP, add_dashed_aliases, add_runtime_args, run_script, script_argv
+from nanochat_ext.cli import MODEL_HELP, add_config, parse, parser, run_script
 from nanochat_ext.data.batching import right_pad
 from nanochat_ext.data.rows import load_pairs, load_prompts
-from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, compute_dtype, precision, print0, raise_if_any
+from nanochat_ext.ddp_common import all_reduce_sum, print0, raise_if_any
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.runtime.outdir import check_writable
+from nanochat_ext.runtime.precision import compute_dtype, precision
+from nanochat_ext.runtime.session import Session, SessionConfig
+from nanochat_ext.training.setup import ModelConfig
 
 
 WEIGHTINGS = ("inverse_density", "fork")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kat_compute_density", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("kat_compute_density", __doc__)
     p.add_argument("--backbone", required=True, help="embedding model: " + MODEL_HELP)
     p.add_argument("--tokenizer", default=None, help="default: found beside the backbone")
     src = p.add_mutually_exclusive_group(required=True)
@@ -51,9 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max_len", type=int, default=256, help="prompt tokens kept, from the end (default: %(default)s)")
     p.add_argument("--out", default=None,
                    help="weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)")
-    add_runtime_args(p)
-    add_dashed_aliases(p)
-    return p.parse_args(script_argv(argv))
+    add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
+    add_config(p, SessionConfig, None, "runtime")
+    return parse(p, argv)
 
 
 @torch.no_grad()
@@ -84,7 +86,8 @@ def knn_distances(emb: torch.Tensor, rows: list[int], k: int, chunk: int = 2048)
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def compute(args: argparse.Namespace, env: DistEnv) -> Path:
+def compute(args: argparse.Namespace, session: Session) -> Path:
+    env = session.env
     base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
     out = Path(args.out) if args.out else base / "density" / "weights.jsonl"
     if args.pairs:

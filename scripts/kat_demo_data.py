@@ -14,17 +14,15 @@ given (see nanochat_ext/tasks/synthetic.py for the domain and its ground truth):
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from nanochat_ext.cli import add_dashed_aliases, script_argv
+from nanochat_ext.cli import parse, parser
 from nanochat_ext.tasks import synthetic
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kat_demo_data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("kat_demo_data", __doc__)
     p.add_argument("--base_dir", default=os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")),
                    help="where to write (default: $NANOCHAT_BASE_DIR)")
     p.add_argument("--n_pairs", type=int, default=2000, help="preference pairs (default: %(default)s)")
@@ -35,8 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n_eval", type=int, default=200, help="held-out prompts, and twice as many pairs")
     p.add_argument("--vocab_size", type=int, default=512, help="tokenizer vocabulary (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    add_dashed_aliases(p)
-    args = p.parse_args(script_argv(argv))
+    args = parse(p, argv)
     base, s = Path(args.base_dir), args.seed
     demo = base / "demo"
     tok = synthetic.make_tokenizer(base / "tokenizer", args.vocab_size, s)

@@ -20,14 +20,14 @@ DPO on the same pairs), dpo_density (each pair weighted as the density RM's) wit
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
 from pathlib import Path
 
-from nanochat_ext.cli import add_dashed_aliases, run_plain, script_argv
+from nanochat_ext.cli import parse, parser
 from nanochat_ext.errors import InputError
+from nanochat_ext.runtime.session import run_plain
 from nanochat_ext.tasks.stats import paired_difference
 
 # (metric name, where it comes from, better when higher? None: neither way is better)
@@ -256,14 +256,12 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kat_experiment_report", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("kat_experiment_report", __doc__)
     p.add_argument("--root", required=True, help="the experiment dir holding seed_<s>/report.json")
     p.add_argument("--seeds", type=int, nargs="+", required=True)
     p.add_argument("--arms", nargs="+", default=None,
                    help="the GRPO arms to compare with uniform (default: every arm in every seed's report)")
-    add_dashed_aliases(p)
-    args = p.parse_args(script_argv(argv))
+    args = parse(p, argv)
     return run_plain(lambda: report(Path(args.root), args.seeds, args.arms), "experiment")
 
 

@@ -93,9 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(out, flush=True)
         return 0
 
-    from nanochat_ext.cli import EXIT_BAD_INPUT, say
-    from nanochat_ext.errors import InputError
+    from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
     from nanochat_ext.models.gguf_import import convert_gguf
+    from nanochat_ext.runtime.session import say
 
     try:
         gguf = Path(args.gguf) if args.gguf else fetch_gguf(known, base_dir() / "downloads")

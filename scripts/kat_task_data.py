@@ -9,12 +9,13 @@ split into training and held-out rows, scored by a built-in --reward_fn.
 """
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from nanochat_ext.cli import EXIT_BAD_INPUT, add_dashed_aliases, say, script_argv
+from nanochat_ext.cli import parse, parser
+from nanochat_ext.errors import EXIT_BAD_INPUT
 from nanochat_ext.errors import InputError
+from nanochat_ext.runtime.session import say
 from nanochat_ext.tasks import word_arithmetic
 from nanochat_ext.tasks.synthetic import write_jsonl
 
@@ -24,15 +25,13 @@ TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.mak
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kat_task_data", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = parser("kat_task_data", __doc__)
     p.add_argument("--task", choices=list(TASKS), default="word_arithmetic")
     p.add_argument("--out", default=None, help="default: $NANOCHAT_BASE_DIR/tasks/<task>")
     p.add_argument("--n_train", type=int, default=2000, help="training prompts (default: %(default)s)")
     p.add_argument("--n_eval", type=int, default=64, help="held-out prompts (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0)
-    add_dashed_aliases(p)
-    args = p.parse_args(script_argv(argv))
+    args = parse(p, argv)
     base = Path(os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")))
     out = Path(args.out) if args.out else base / "tasks" / args.task
     make, make_pairs, reward_fn = TASKS[args.task]

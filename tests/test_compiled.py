@@ -13,10 +13,11 @@ from torch._dynamo.utils import counters
 
 from conftest import REPO, run_worker
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
 from nanochat_ext.models.compiled import blocks_compiled, compile_blocks
 from nanochat_ext.models.loader import load_backbone
-from nanochat_ext.models.reward_model import RewardModel, rm_backward
+from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 

@@ -27,7 +27,7 @@ def test_cuda_precision_rules(assets, tmp_path):
     """bf16 autocast, TF32, fused AdamW, and frozen weights held in bf16 on CUDA."""
     from nanochat_ext.models.backbone import hold_frozen_in
     from nanochat_ext.models.loader import load_backbone
-    from nanochat_ext.ddp_common import compute_dtype, precision
+    from nanochat_ext.runtime.precision import compute_dtype, precision
     from nanochat_ext.training.optim import make_adamw
 
     device = torch.device("cuda")

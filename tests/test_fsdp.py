@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script
-from nanochat_ext.models.loader import load_backbone, load_reward_model
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.runtime.checkpoint import find_checkpoint
 from nanochat_ext.runtime.parallel import checkpoint_activations
 from nanochat_ext.tasks import synthetic

@@ -14,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext.algorithms import grpo
 from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
-from nanochat_ext.algorithms.grpo import group_advantages
+from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS, group_advantages
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
@@ -341,19 +341,19 @@ def test_a_resume_with_another_lr_trains_at_it(assets, grpo_assets, tmp_path):
 
 def test_resume_reads_settings_older_checkpoints_did_not_record(tmp_path):
     """A checkpoint from before --std_mode existed was trained with the population std."""
-    args = argparse.Namespace(std_mode="sample", filter_zero_std=False, resume_extend=True)
-    check_resume_args({}, args, ("filter_zero_std",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+    flags = dict(std_mode="sample", filter_zero_std=False, resume_extend=True)
+    check_resume_args({}, flags, ("filter_zero_std",), tmp_path, absent=PRE_DAPO_DEFAULTS)
     with pytest.raises(InputError, match="--std_mode is 'sample' but the checkpoint was trained with 'population'"):
-        check_resume_args({}, args, ("std_mode",), tmp_path, absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+        check_resume_args({}, flags, ("std_mode",), tmp_path, absent=PRE_DAPO_DEFAULTS)
     with pytest.raises(InputError, match="--tools is 'calculator' but the checkpoint was trained with 'none'"):
-        check_resume_args({}, argparse.Namespace(tools="calculator"), ("tools",), tmp_path,
-                          absent=kat_train_grpo.PRE_DAPO_DEFAULTS)
+        check_resume_args({}, dict(tools="calculator", resume_extend=True), ("tools",), tmp_path,
+                          absent=PRE_DAPO_DEFAULTS)
     schedule = dict(max_steps=3, lr=0.1, warmup_steps=0, resume_extend=False)
     saved = {k: v for k, v in schedule.items() if k != "resume_extend"}  # before --lr_decay: cosine
-    check_resume_args(saved, argparse.Namespace(**schedule, lr_decay="cosine"), (), tmp_path)
-    check_resume_args(saved, argparse.Namespace(**schedule), (), tmp_path)  # SFT and the RM have no --lr_decay
+    check_resume_args(saved, dict(**schedule, lr_decay="cosine"), (), tmp_path)
+    check_resume_args(saved, dict(**schedule), (), tmp_path)  # SFT and the RM have no --lr_decay
     with pytest.raises(InputError, match="--lr_decay is 'linear' but the checkpoint was trained with 'cosine'"):
-        check_resume_args(saved, argparse.Namespace(**schedule, lr_decay="linear"), (), tmp_path)
+        check_resume_args(saved, dict(**schedule, lr_decay="linear"), (), tmp_path)
 
 
 def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_path, monkeypatch, capsys):

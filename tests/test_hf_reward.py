@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from nanochat_ext.models.loader import load_backbone, load_reward_model, load_tokenizer_for
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.tasks import synthetic
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm
 

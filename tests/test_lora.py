@@ -19,8 +19,9 @@ from nanochat_ext.data.batching import right_pad
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.compiled import compile_blocks
 from nanochat_ext.models.gpt import GPT
-from nanochat_ext.models.loader import load_backbone, load_reward_model, load_tokenizer_for, merged_weights
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for, merged_weights
 from nanochat_ext.models.lora import LoraSpec, WithoutAdapters, adapter_params, apply_lora, save_adapters
+from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.runtime.checkpoint import complete_checkpoints, find_checkpoint
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences

@@ -19,8 +19,8 @@ import torch
 from conftest import REPO, assert_bitwise, assert_stopped, run_script
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.errors import InputError
+from nanochat_ext.errors import EXIT_INTERRUPTED, EXIT_NONFINITE
 from nanochat_ext.runtime import checkpoint
-from nanochat_ext.runtime.guard import EXIT_INTERRUPTED, EXIT_NONFINITE
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_eval, kat_train_grpo, kat_train_rm

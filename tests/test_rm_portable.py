@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from nanochat_ext.errors import InputError
-from nanochat_ext.models.loader import load_reward_model
+from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.runtime.checkpoint import find_checkpoint
 from nanochat_ext.tasks import synthetic
 from scripts import kat_export_rm, kat_train_grpo, kat_train_rm

@@ -1,7 +1,6 @@
 """Reward-model trainer behaviour: it learns, resumes exactly, reloads for scoring, and refuses bad input."""
 from __future__ import annotations
 
-import argparse
 import json
 import re
 
@@ -11,8 +10,10 @@ import torch
 
 from conftest import run_script
 from nanochat_ext.data.rows import load_pairs
-from nanochat_ext.models.loader import load_reward_model
+from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.runtime.checkpoint import find_checkpoint
+from nanochat_ext.runtime import oom
+from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.training import memory
 from scripts import kat_train_rm
@@ -223,7 +224,7 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     # change the rounding), through the reloaded RM and its own precision: the logged numbers come back.
     from nanochat_ext.data.rows import split_by_prefix
     from nanochat_ext.data.batching import collate_pairs, tokenize_pairs
-    from nanochat_ext.ddp_common import precision
+    from nanochat_ext.runtime.precision import precision
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
     val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)
     margins = []
@@ -285,26 +286,27 @@ def test_out_of_memory_is_told_apart_and_its_line_names_the_phase_and_the_remedi
                        "tried to allocate 1073741824 bytes.")
     wrapped = ValueError("while compiling")
     wrapped.__cause__ = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB.")
-    assert memory.is_out_of_memory(cpu) and memory.is_out_of_memory(wrapped) and memory.is_out_of_memory(MemoryError())
-    assert not memory.is_out_of_memory(RuntimeError("the tokenizer can't allocate memory for a 0-length string"))
+    assert oom.is_out_of_memory(cpu) and oom.is_out_of_memory(wrapped) and oom.is_out_of_memory(MemoryError())
+    assert not oom.is_out_of_memory(RuntimeError("the tokenizer can't allocate memory for a 0-length string"))
+    progress = Progress()
     try:
-        with memory.doing("a training micro-batch of 8 pairs", ("--device_batch_size 4", "--activation_checkpointing",
-                                                                  memory.FEWER_RANKS_STATE)):
-            with memory.doing("the LM head", ("--device_batch_size 4",)):  # the innermost phase names it
+        with progress.doing("a training micro-batch of 8 pairs", ("--device_batch_size 4", "--activation_checkpointing",
+                                                                    oom.FEWER_RANKS_STATE)):
+            with progress.doing("the LM head", ("--device_batch_size 4",)):  # the innermost phase names it
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has ...")
     except torch.OutOfMemoryError as e:
-        line = memory.out_of_memory_line(e, argparse.Namespace(activation_checkpointing=True, parallel="ddp"))
+        line = oom.out_of_memory_line(e, progress.phase_of(e), dict(activation_checkpointing=True, parallel="ddp"))
     assert line == ("out of memory in the LM head (Tried to allocate 2.00 GiB); to take less: --device_batch_size 4; "
                     "nothing was saved for this step: resume from the last checkpoint with --resume latest")
-    flags = argparse.Namespace(activation_checkpointing=True, parallel="fsdp")  # both already on: not suggested
-    assert memory.out_of_memory_line(cpu, flags) == ("out of memory (RuntimeError); to take less: a smaller "
-                                                     "--device_batch_size")
+    flags = dict(activation_checkpointing=True, parallel="fsdp")  # both already on: not suggested
+    assert oom.out_of_memory_line(cpu, progress.phase_of(cpu), flags) == ("out of memory (RuntimeError); to take "
+                                                                          "less: a smaller --device_batch_size")
     try:  # LoRA's remedy where LoRA is off; under LoRA neither it nor fsdp (refused beside it) is offered
-        with memory.doing("the optimizer step", (memory.FEWER_RANKS_STATE, memory.LORA_STATE)):
+        with progress.doing("the optimizer step", (oom.FEWER_RANKS_STATE, oom.LORA_STATE)):
             raise torch.OutOfMemoryError("CUDA out of memory.")
     except torch.OutOfMemoryError as e:
-        off, on = (memory.out_of_memory_line(e, argparse.Namespace(activation_checkpointing=False, parallel="ddp",
-                                                                   lora_r=r)) for r in (0, 8))
+        off, on = (oom.out_of_memory_line(e, progress.phase_of(e), dict(activation_checkpointing=False, parallel="ddp",
+                                                                        lora_r=r)) for r in (0, 8))
     assert "--parallel fsdp (" in off and "--lora_r 16 (LoRA: " in off
     assert on.startswith("out of memory in the optimizer step (OutOfMemoryError); to take less: a smaller model or a "
                          "larger GPU;")

@@ -4,7 +4,6 @@ nanochat's Engine produced from it, greedy. Ours, eager and compiled, must force
 nanochat does, with the same tokens and masks."""
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import re
@@ -17,7 +16,6 @@ from torch._dynamo.utils import counters
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.algorithms.evaluation import pass_at_k
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
-from nanochat_ext.cli import steps_from_epochs
 from nanochat_ext.data.rows import load_conversations, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
@@ -27,6 +25,7 @@ from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.reward_fns import contains_answer
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
+from nanochat_ext.training.loop import LoopConfig
 from scripts import kat_eval, kat_train_grpo
 from test_engine import aot_eager  # noqa: F401  (a fixture)
 
@@ -284,18 +283,18 @@ def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path,
 def test_num_epochs_sets_max_steps_from_the_data_unless_it_is_given(capsys):
     """chat_rl's count: len(train) // examples per step x epochs (467 on GSM8K's 7473 train rows at 16 per step); a
     --max_steps given wins; neither: 100. Too few prompts for one step is one line."""
-    def args(**kw):
-        return argparse.Namespace(**{"max_steps": None, "num_epochs": None, **kw})
+    def steps(n_train: int, per_step: int, **kw) -> int:
+        return LoopConfig(**{"max_steps": None, "num_epochs": None, **kw}).with_steps(n_train, per_step,
+                                                                                       "prompts").max_steps
 
-    assert steps_from_epochs(args(num_epochs=1), 7473, 16) == 467
+    assert steps(7473, 16, num_epochs=1) == 467
     assert "max_steps: 467 = 7473 train prompts // 16 per step x 1 epochs" in capsys.readouterr().out
-    assert steps_from_epochs(args(num_epochs=2), 7473, 16) == 934
-    given = args(num_epochs=1, max_steps=5)
-    assert steps_from_epochs(given, 7473, 16) == 5 == given.max_steps
+    assert steps(7473, 16, num_epochs=2) == 934
+    assert steps(7473, 16, num_epochs=1, max_steps=5) == 5
     assert "max_steps: 5 as given (--num_epochs 1 not used)" in capsys.readouterr().out
-    assert steps_from_epochs(args(), 7473, 16) == 100 and steps_from_epochs(args(max_steps=7), 10, 16) == 7
+    assert steps(7473, 16) == 100 and steps(10, 16, max_steps=7) == 7
     with pytest.raises(InputError, match="--num_epochs 1: 3 train prompts make no step of 16"):
-        steps_from_epochs(args(num_epochs=1), 3, 16)
+        steps(3, 16, num_epochs=1)
 
 
 def test_kat_eval_pass_at_k_on_two_ranks_with_prompts_that_do_not_split_evenly(tmp_path):

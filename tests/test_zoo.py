@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
@@ -19,7 +20,7 @@ from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.heads import HeadTransform, probe
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.models.reward_model import RewardModel, rm_backward
+from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
 
 LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

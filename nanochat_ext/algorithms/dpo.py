@@ -1,7 +1,7 @@
 """Direct preference optimisation on pairs: each pair's chosen and rejected log-probs under the policy (its prompt
 computed once, a prefix tree of two branches), the reference's, the losses (DPO's sigmoid with cDPO label smoothing,
-IPO, hinge, SimPO), weighted per pair and normalised over the global batch as the reward model's loss is, and the
-metrics TRL's DPOTrainer logs. The formulas are TRL 1.16's (tests/test_dpo.py checks them against its own code).
+IPO, hinge, SimPO), weighted per pair and normalised over the global batch as the reward model's loss is, the
+metrics TRL's DPOTrainer logs, and the method the loop runs. The formulas are TRL 1.16's (tests/test_dpo.py checks them against its own code).
 """
 from __future__ import annotations
 
@@ -13,10 +13,19 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.data.batching import TokenizedPair, rank_chunks
+from nanochat_ext.algorithms.rm import effective_weights, loss_normaliser
+from nanochat_ext.config import option
+from nanochat_ext.data.batching import GlobalBatchLoader, TokenizedPair, by_length, rank_chunks
 from nanochat_ext.ddp_common import all_reduce_sum
-from nanochat_ext.models.reward_model import effective_weights, loss_normaliser
+from nanochat_ext.errors import InputError
+from nanochat_ext.models.lora import dropout_active
+from nanochat_ext.runtime.oom import smaller_micro
+from nanochat_ext.runtime.progress import Phase
 from nanochat_ext.training.logprobs import accumulate_backward, make_sequences, token_logprobs
+from nanochat_ext.training.loop import Loop
+from nanochat_ext.training.memory import StepMemory
+from nanochat_ext.training.setup import PolicyTraining
+from nanochat_ext.training.tracking import Tracker, WindowSums
 
 DPO_LOSSES = ("sigmoid", "ipo", "hinge", "simpo")
 REFERENCE_FREE = ("simpo",)  # losses that never read a reference
@@ -25,18 +34,37 @@ DPO_STATS = ("loss", "pairs", "correct", "reward_chosen", "reward_rejected", "lo
              "computed")
 
 
-@dataclass
+@dataclass(frozen=True)
 class DPOConfig:
-    loss_type: str = "sigmoid"
-    beta: float = 0.1
-    label_smoothing: float = 0.0  # cDPO: the share of labels taken to be flipped (sigmoid, simpo)
-    simpo_gamma: float = 0.5  # SimPO's target margin, in reward units (gamma / beta in log-prob units)
-    weight_mode: str = "mean"
+    """DPO's loss and its reference (TRL's DPOConfig names)."""
+    loss_type: str = option("sigmoid", "sigmoid: DPO; ipo: IPO (log-ratios averaged per token, as TRL); hinge: SLiC's; "
+                            "simpo: SimPO (average log-probs, no reference)", choices=DPO_LOSSES)
+    beta: float = option(0.1, "the KL strength (DPO's beta; IPO's tau; SimPO's reward scale)", type=float,
+                         check=(lambda v: 0 < v < float("inf"), "a finite number > 0 (the loss divides by it or "
+                                                                  "scales by it)"))
+    label_smoothing: float = option(0.0, "cDPO: the share of labels taken to be flipped, in [0, 0.5) (sigmoid and "
+                                    "simpo)", type=float,
+                                    check=(lambda v: 0 <= v < 0.5, "in [0, 0.5): the share of labels taken to be "
+                                                                   "flipped"))
+    simpo_gamma: float = option(0.5, "SimPO's target reward margin", type=float,
+                                check=(lambda v: 0 <= v < float("inf"), "a finite number >= 0"))
+    precompute_ref_logps: bool = option(False, "the reference's log-probs of every pair once before training, then the "
+                                        "reference is freed (worth it for a run of one epoch or more); default: "
+                                        "computed with each step's pairs, as TRL does", action="store_true")
+    weight_mode: str = "mean"  # the pairs' (PairsConfig)
     weight_cap: float | None = None
 
     @property
     def uses_reference(self) -> bool:
         return self.loss_type not in REFERENCE_FREE
+
+    def check(self, reference: str | None) -> None:
+        """The combinations no loss can take, one line each (`reference`: --reference as given)."""
+        if self.label_smoothing and self.loss_type not in ("sigmoid", "simpo"):
+            raise InputError(f"--label_smoothing applies to --loss_type sigmoid and simpo, not {self.loss_type}")
+        if self.loss_type == "simpo" and (reference or self.precompute_ref_logps):
+            flag = "--reference" if reference else "--precompute_ref_logps"
+            raise InputError(f"{flag}: --loss_type simpo uses no reference; leave {flag} out")
 
 
 def smoothed_sigmoid(z: torch.Tensor, eps: float) -> torch.Tensor:
@@ -176,3 +204,56 @@ def dpo_metrics(s: dict[str, float], prefix: str = "") -> dict[str, float]:
             f"{prefix}rewards/margins": (s["reward_chosen"] - s["reward_rejected"]) / n,
             f"{prefix}rewards/accuracies": s["correct"] / n,
             f"{prefix}logps/chosen": s["logp_chosen"] / n, f"{prefix}logps/rejected": s["logp_rejected"] / n}
+
+
+# The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
+RESUME_FLAGS = ("batch_size", "seed", "loss_type", "beta", "label_smoothing", "simpo_gamma", "weight_mode",
+                "weight_cap", "max_len", "long_pairs", "optimizer", "reference", "precompute_ref_logps")
+
+
+class DPO:
+    """The DPO method of the loop (training/loop.py): a step is the reference's log-probs of its pairs (unless
+    precomputed: `reference` None) and the policy's forward and backward over them in micro-batches, shortest rows
+    together; the evaluation scores the held-out pairs."""
+    name = "dpo"
+
+    def __init__(self, training: PolicyTraining, cfg: DPOConfig, reference: nn.Module | None,
+                 train: list[TokenizedPair], held_out: list[TokenizedPair], loader: GlobalBatchLoader,
+                 estimate: StepMemory):
+        self.training, self.cfg, self.reference, self.train, self.held_out = training, cfg, reference, train, held_out
+        self.plan, self.loader, self.estimate = loader.plan, loader, estimate
+        plan = loader.plan
+        self.window = WindowSums([*DPO_STATS, "steps"])  # this rank's sums since the last log
+        self.evaluation = Phase(f"validation, {plan.device_batch_size} pairs at a time",
+                                smaller_micro(plan.device_batch_size, plan.per_rank))
+
+    def step(self, step: int, loop: Loop) -> None:
+        t, plan, env = self.training, self.plan, self.training.env
+        mine = [i for mb in by_length(self.loader.micro_batches(step), lambda i: self.train[i].row_length) for i in mb]
+        batch = pair_sequences([self.train[i] for i in mine], t.tok.pad_id)
+        micro = 2 * plan.device_batch_size  # sequences: a pair's two responses
+        if self.reference is not None:
+            with loop.progress.doing(f"the reference's log-probs, {plan.device_batch_size} pairs at a time",
+                                     smaller_micro(plan.device_batch_size, plan.per_rank)):
+                batch["ref"] = reference_logps(self.reference, batch, micro, env.device, t.autocast)
+        with loop.progress.doing(f"a training micro-batch of {plan.device_batch_size} pairs",
+                                 t.training_hints(plan.device_batch_size, plan.per_rank)), dropout_active(t.policy):
+            stats = dpo_backward(t.ddp_model, batch, micro, self.cfg, env.device, t.autocast)
+        loop.update(stats[0].item())
+        self.window.add(**dict(zip(DPO_STATS, stats.tolist())))
+
+    def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
+        """Every rank's loss is its share of the global one; steps count once per rank."""
+        return {"train/loss": s["loss"] / (s["steps"] / self.training.env.world_size), **dpo_metrics(s),
+                "perf/pairs_per_s": s["pairs"] / elapsed, "perf/tokens_per_s": s["tokens"] / elapsed,
+                "perf/computed_tokens_per_s": s["computed"] / elapsed}
+
+    def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
+        t, env = self.training, self.training.env
+        if not self.held_out:
+            return {}
+        return dpo_evaluate(t.model, self.reference, self.held_out, t.tok.pad_id, self.plan.device_batch_size,
+                            self.cfg, env.world_size, env.rank, env.device, t.autocast)
+
+    def resume_state(self) -> dict:
+        return {"device_batch_size": self.plan.device_batch_size}

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import ContextManager, Iterator
 
 import torch
 
 from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.config import option
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, raise_if_any
 from nanochat_ext.generation.engine import Engine, Samples
@@ -19,6 +21,19 @@ from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 SHOWN = 3  # greedy samples each evaluation shows (rank 0's first prompts)
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """GRPO's held-out evaluation: which prompts, how many, and pass@k."""
+    eval_prompts: str | None = option(None, "held-out prompts for --eval_every (default: --val_ratio of --prompts, "
+                                            "split by prefix_id)")
+    eval_examples: int = option(0, "evaluate on the first N eval prompts (0: all)", type=int,
+                                check=(lambda v: v >= 0, ">= 0 (0: all)"))
+    eval_pass_k: int = option(0, "also pass@1..K at each evaluation: K samples per eval prompt at temperature 1, "
+                                 "correct where the first --reward_fn (e.g. gsm8k) gives 1, as nanochat's chat_rl; "
+                                 "beside it the unbiased estimator (Chen et al. 2021) (0: off)", type=int,
+                              check=(lambda v: v >= 0, ">= 0 (0: off)"))
 
 
 def calls_of(mine: list[int], n_prompts: int, world: int, per_call: int) -> list[list[int]]:

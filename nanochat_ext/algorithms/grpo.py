@@ -1,5 +1,6 @@
-"""GRPO's math: group-relative advantages and the clipped-surrogate + KL loss with aggregation normalised by
-global counts (completion log-probs and the frozen reference: logprobs.py; rollouts and dynamic sampling: rollouts.py).
+"""GRPO: group-relative advantages, the clipped-surrogate + KL loss with aggregation normalised by global counts, and
+the method the loop runs, its step, log-window metrics and evaluation (completion log-probs and the frozen reference:
+logprobs.py; rollouts and dynamic sampling: rollouts.py; rewards: rewards.py).
 
 A rollout batch on one rank is `n` prompts x G samples, prompt-major (prompt i owns rows i*G..i*G+G-1);
 a group never spans ranks.
@@ -7,13 +8,28 @@ a group never spans ranks.
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
+from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
+from nanochat_ext.config import FINITE_NON_NEGATIVE, POSITIVE, option
+from nanochat_ext.data.batching import GlobalBatchLoader
+from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import all_reduce_sum
-from nanochat_ext.training.logprobs import accumulate_backward
+from nanochat_ext.generation.decode_cost import peak_bandwidth
+from nanochat_ext.models.lora import dropout_active
+from nanochat_ext.runtime.oom import smaller_micro
+from nanochat_ext.runtime.progress import Phase, Progress
+from nanochat_ext.training.logprobs import accumulate_backward, make_sequences, token_logprobs
+from nanochat_ext.training.loop import Loop
+from nanochat_ext.training.memory import StepMemory
+from nanochat_ext.training.setup import PolicyTraining
+from nanochat_ext.training.tracking import Tracker, WindowSums
 
 LOSS_AGGS = ("token", "sequence", "dr_grpo")
 # TRL's --loss_type names for the same aggregations. bnpo divides each micro-batch by its own token count
@@ -54,6 +70,37 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mod
 
 
 # ---- loss ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GRPOConfig:
+    """GRPO's advantages and loss (TRL's GRPOConfig names where TRL has the option)."""
+    scale_rewards: str = option("group", "advantage = (r - group mean) / std of the group, of the batch, or unscaled",
+                                choices=SCALE_REWARDS)
+    std_mode: str = option("sample", "std for --scale_rewards: sample (divide by n - 1, as TRL and torch.std do, so a "
+                                     "TRL config means the same lr and beta here) or population (divide by n: at G=2 "
+                                     "advantages 1.41x larger)", choices=STD_MODES)
+    loss_agg: str = option("token", "with l_it the loss of token t of completion i (mask m_it) over the global batch: "
+                                    "token: sum_it l_it / sum_it m_it (DAPO); sequence: mean_i (sum_t l_it / sum_t "
+                                    "m_it) (GRPO paper); dr_grpo: sum_it l_it / (completions x max_new_tokens)",
+                           choices=LOSS_AGGS)
+    loss_type: str | None = option(None, "TRL's name for --loss_agg: dapo = token, grpo = sequence, dr_grpo = dr_grpo, "
+                                         "bnpo = token (TRL's bnpo normalises each micro-batch by its own tokens; here "
+                                         "the global batch's)", choices=list(TRL_LOSS_TYPES))
+    importance_level: str = option("token", "token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); sequence: "
+                                             "GSPO's s_i = exp(mean_t log r_it) for every token of completion i, "
+                                             "clipped per completion. The GSPO paper pairs it with --loss_agg sequence; "
+                                             "token sums weight a completion by its length", choices=IMPORTANCE_LEVELS)
+    clip_eps: float = option(0.2, "PPO clip range", type=float, check=FINITE_NON_NEGATIVE)
+    clip_eps_high: float | None = option(None, "upper clip range (DAPO's clip-higher); default: clip_eps", type=float,
+                                         check=FINITE_NON_NEGATIVE)
+    beta: float = option(0.04, "weight of the k3 KL to the frozen reference; 0 skips the reference model", type=float,
+                         check=FINITE_NON_NEGATIVE)
+    num_iterations: int = option(1, "optimizer updates per rollout batch, mu", type=int, check=POSITIVE)
+
+    def loss(self, max_new_tokens: int) -> "LossConfig":
+        return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, self.beta, max_new_tokens,
+                          self.importance_level)
+
+
 @dataclass
 class LossConfig:
     loss_agg: str = "token"
@@ -154,4 +201,133 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
             row += old.size(0)
     return total
 
+# ---- the method -----------------------------------------------------------------------------------
+WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "truncated",
+          "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
+          "train_s", "steps", "decoded", "decode_s", "decode_bytes")  # a log window's sums, and each reward's
+# What a checkpoint written before these flags existed was trained with.
+PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
+                     "optimizer": "adamw", "tools": "none"}
+# The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
+RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
+                "filter_zero_std", "optimizer", "tools")
 
+
+@dataclass
+class Prompts:
+    """A split of GRPO's prompts: their rows and their token ids."""
+    rows: list[PromptRow]
+    ids: list[list[int]]
+
+
+class GRPO:
+    """The GRPO method of the loop (training/loop.py): a step samples and scores a rollout (rollouts.py), takes its
+    group-relative advantages and the reference's log-probs, and --num_iterations clipped-surrogate updates in
+    micro-batches of `micro` sequences; the evaluation decodes the held-out prompts greedy and sampled (pass@k with
+    --eval_pass_k)."""
+    name = "grpo"
+
+    def __init__(self, training: PolicyTraining, cfg: GRPOConfig, rollout: RolloutConfig, evaluation: EvalConfig,
+                 rewards: Rewards, train: Prompts, held_out: Prompts, loader: GlobalBatchLoader, seed: int,
+                 micro: int, estimate: StepMemory, progress: Progress):
+        self.training, self.cfg, self.rollout, self.eval_cfg, self.rewards = training, cfg, rollout, evaluation, rewards
+        self.train, self.held_out, self.seed, self.micro, self.estimate = train, held_out, seed, micro, estimate
+        self.G, self.loss = rollout.group_size, cfg.loss(rollout.max_new_tokens)
+        self.share = loader.plan.per_rank * self.G  # this rank's sequences a step
+        self.window = WindowSums([*WINDOW, *(f"reward_{n}" for n in rewards.names)])
+        env = training.env
+        self.rollouts = Rollouts(training.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
+                                 loader.plan.batch_size, seed, env, training.autocast, self.window, progress,
+                                 drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))))
+        self.peak_bw = peak_bandwidth(env.device)
+        self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
+                                f"a time)", (FEWER_COMPLETIONS, "a smaller --max_new_tokens"))
+
+    def step(self, step: int, loop: Loop) -> None:
+        t, G, micro, env = self.training, self.G, self.micro, self.training.env
+        ro = self.rollouts.next()
+        total = self.rewards.total(ro.rewards)
+        if self.rollout.log_rollouts:
+            log_rollouts(loop.tracker, step + 1, ro, total, t.tok)
+        # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
+        # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
+        batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
+                               micro % G == 0, ro.sampled)
+        batch["advantages"] = group_advantages(total, G, self.cfg.scale_rewards, self.cfg.std_mode)
+        batch["weights"] = torch.tensor([self.train.rows[i].weight for i in ro.indices],
+                                        dtype=torch.float32).repeat_interleave(G)
+        if self.rollout.mask_truncated:
+            batch["mask"][torch.tensor(ro.truncated)] = 0.0
+        t0 = time.time()
+        with loop.progress.doing(f"log-probs without gradients, {micro} sequences at a time",
+                                 smaller_micro(micro, self.share)):
+            if t.reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
+                batch["ref_logp"] = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
+        t1 = time.time()
+        stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
+        for iteration in range(self.cfg.num_iterations):
+            with loop.progress.doing(f"a training micro-batch of {micro} sequences",
+                                     t.training_hints(micro, self.share)), dropout_active(t.policy):
+                it = policy_backward(t.ddp_model, batch, micro, self.loss, env.device, t.autocast,
+                                     keep_old=iteration == 0 and self.cfg.num_iterations > 1)
+            loop.update(it[0].item())
+            stats += it
+        self.window.add(**dict(zip(LOSS_STATS, (stats / self.cfg.num_iterations).tolist())), ref_s=t1 - t0,
+                        train_s=time.time() - t1)
+
+    def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
+        return window_metrics(s, self.rewards.names, self.training.env.world_size, elapsed, self.peak_bw)
+
+    def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
+        """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k, decoding at most a
+        rollout's rows at a time; rank 0 shows its first greedy completions."""
+        if not self.held_out.rows:
+            return {}
+        t, held, sampling = self.training, self.held_out, self.rollout.sampling()
+        metrics, shown = evaluate_rewards(t.engine, held.rows, held.ids, self.rewards, t.tok, sampling, self.seed,
+                                          t.env, t.autocast, self.share)
+        for i, (prompt, completion) in enumerate(shown):
+            tracker.text(done, f"eval/sample_{i}", f"**prompt:** {prompt}\n\n**completion:** {completion}")
+        if self.eval_cfg.eval_pass_k:
+            metrics.update(evaluate_pass_k(t.engine, held.rows, held.ids, self.rewards, t.tok, sampling,
+                                           self.eval_cfg.eval_pass_k, self.seed, t.env, t.autocast, self.share))
+        return metrics
+
+    def resume_state(self) -> dict:
+        return {"draw": self.rollouts.drawn, "device_batch_size": self.micro}
+
+
+def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: float,
+                   peak_bw: float | None = None) -> dict:
+    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
+    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
+    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
+    n, steps = s["samples"], s["steps"] / world
+    mean = s["reward"] / n
+    tokens = max(s["loss_tokens"], 1)
+    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
+    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
+    # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
+    m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
+              "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
+              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
+              # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
+              # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
+              "train/tool_calls": s["tool_calls"] / n,
+              "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
+              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
+              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
+              "train/filled_frac": s["filled"] / steps,
+              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
+              "perf/completions_per_s": n / elapsed,
+              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
+              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
+              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
+              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
+              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
+              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
+              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
+              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
+    if peak_bw:
+        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
+    return m

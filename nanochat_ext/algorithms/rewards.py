@@ -20,21 +20,49 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.data.batching import truncate
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
-from nanochat_ext.models.reward_model import RewardScorer
+from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 RewardFn = Callable[[str, str, dict], float]
 URL_RETRIES = 3  # tries of a reward service call, 1 s then 2 s apart
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """GRPO's rewards: a reward model, rule-based reward functions and a reward service, each weighted."""
+    rm: str | None = option(None, "reward-model checkpoint file, or a dir (its newest complete checkpoint), as written "
+                                  "by kat_train_rm; optional when --reward_fn is given")
+    rm_backbone: str | None = option(None, "the RM's backbone, where the RM cannot find it itself (it looks beside its "
+                                           "own dir, under $NANOCHAT_BASE_DIR, then at the absolute path it recorded); "
+                                           "refused if its weights differ from the ones the RM was trained on")
+    reward_fn: list[str] = option(None, "rule-based reward 'module:function', called f(prompt, completion, row) -> "
+                                        "float, or a built-in: " + ", ".join(BUILT_IN) + "; repeatable",
+                                  action="append")
+    reward_workers: int = option(1, "threads calling each per-completion --reward_fn (a judge or sandbox that waits on "
+                                    "I/O); a function with `batched = True` is called once per step with lists "
+                                    "instead", type=int, check=POSITIVE)
+    reward_url: str | None = option(None, "a reward service: each rank POSTs its completions of a step as JSON "
+                                          "{prompts, completions, rows} and reads {rewards: [...]} back; one more "
+                                          "reward column, 'url'")
+    reward_timeout: float = option(60.0, "seconds per --reward_url call, tried 3 times", type=float,
+                                   check=FINITE_POSITIVE)
+    reward_clip: float | None = option(None, "refuse (stop the run with the prompt named) a reward function value "
+                                             "outside [-C, C]; NaN/inf and non-numbers are always refused", type=float,
+                                       check=FINITE_POSITIVE)
+    reward_weights: list[float] | None = option(None, "one weight per reward, in order: the RM (if --rm) then each "
+                                                      "--reward_fn (default: all 1)", type=float, nargs="+")
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -242,3 +270,18 @@ def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) ->
         raise InputError(f"reward model was trained with another tokenizer ({rm.tokenizer.source}, "
                          f"{rm.tokenizer.vocab_size} ids) than the policy's ({tok.source}, {tok.vocab_size} ids)",
                          path=rm_path)
+
+
+def make_rewards(cfg: RewardConfig, tok: TokenizerWrapper, device, overlong: tuple[int, int, float] | None,
+                 pass_k: bool) -> Rewards:
+    """The run's rewards: --rm loaded (one line where it does not speak the policy's tokenizer), the reward functions,
+    the service; pass_k: checked to have the task reward pass@k reads."""
+    rm = None
+    if cfg.rm:
+        rm = load_reward_model(cfg.rm, device, backbone=cfg.rm_backbone)
+        check_rm_tokenizer(rm, tok, cfg.rm)
+    rewards = Rewards(rm, cfg.reward_fn or [], cfg.reward_weights, overlong, cfg.reward_clip, cfg.reward_workers,
+                      cfg.reward_url, cfg.reward_timeout)
+    if pass_k:
+        rewards.task_column()
+    return rewards

@@ -1,25 +1,26 @@
-"""GRPO's rollouts on each rank: a draw of prompts sampled and scored, DAPO's dynamic sampling over draws,
-the sums a log window keeps of them and the metrics those sums give, and the rollout log.
+"""GRPO's rollouts on each rank: how completions are sampled (RolloutConfig), a draw of prompts sampled and scored,
+DAPO's dynamic sampling over draws (the sums go to the log window), and the rollout log.
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 from typing import ContextManager
 
 import torch
 
-from nanochat_ext.algorithms.grpo import LOSS_STATS
 from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.config import FINITE_NON_NEGATIVE, NON_NEGATIVE, POSITIVE, option
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, gather_objects
+from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.generation.tools import TOOLS
 from nanochat_ext.models.compiled import compile_stats
+from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
-from nanochat_ext.training.memory import doing
 from nanochat_ext.training.tracking import Tracker, WindowSums
 
 ZERO_STD = 1e-8  # a group whose total rewards spread less than this carries no signal
@@ -88,53 +89,93 @@ class SignalFilter:
         return chosen + filled, len(filled)
 
 
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How GRPO samples its completions and which of them count."""
+    group_size: int = option(8, "completions per prompt, G >= 2", type=int,
+                             check=(lambda v: v >= 2, ">= 2 (advantages are relative to the group)"))
+    max_new_tokens: int = option(64, "completion length limit", type=int, check=POSITIVE)
+    min_new_tokens: int = option(0, "every stop token is held back until this many tokens", type=int,
+                                 check=NON_NEGATIVE)
+    temperature: float = option(1.0, "sampling temperature; the ratio, KL and entropy use the same softmax(logits / T)",
+                                type=float, check=(lambda v: v > 0 and v != float("inf"),
+                                                   "> 0 for training (log-probs are taken at it)"))
+    top_k: int = option(0, "sample among the k likeliest tokens (0: off)", type=int, check=(lambda v: v >= 0,
+                                                                                              ">= 0 (0: off)"))
+    top_p: float = option(1.0, "nucleus sampling mass (1: off)", type=float, check=(lambda v: 0 < v <= 1, "in (0, 1]"))
+    tools: str | None = option(None, "calculator: run nanochat's calculator inside the rollouts (a "
+                                     "<|python_start|>expr<|python_end|> block gets its answer forced in, masked out of "
+                                     "the loss), as nanochat's Engine does; default: calculator where the tokenizer has "
+                                     "nanochat's python tokens, else none", choices=TOOLS)
+    mask_truncated: bool = option(False, "leave completions that hit --max_new_tokens out of the loss",
+                                  action="store_true")
+    filter_zero_std: bool = option(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
+                                          "advantage, no signal) and draw more prompts until the global batch has "
+                                          "--batch_size groups that differ", action="store_true")
+    max_draws: int = option(4, "with --filter_zero_std, prompt batches drawn per step at most; a batch still short "
+                               "after them is topped up with zero-spread groups, logged as train/filled_frac", type=int,
+                            check=POSITIVE)
+    overlong_buffer: int = option(0, "DAPO's soft overlong penalty: a completion longer than max_new_tokens - N tokens "
+                                     "gets -penalty x (length - (max_new_tokens - N)) / N added to its reward (0: off)",
+                                  type=int)
+    overlong_penalty: float = option(1.0, "the penalty at max_new_tokens, with --overlong_buffer", type=float,
+                                     check=FINITE_NON_NEGATIVE)
+    log_rollouts: bool = option(False, "write every completion (token ids, text, reward) of every step to "
+                                       "<log_dir>/rollouts.jsonl, in global prompt order whatever the world size",
+                                action="store_true")
+
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.min_new_tokens)
+
+    def overlong(self) -> tuple[int, int, float] | None:
+        """(max_new_tokens, buffer, penalty) for the soft overlong penalty, None when off; one line for a buffer
+        longer than a completion can be."""
+        if self.overlong_buffer < 0 or self.overlong_buffer > self.max_new_tokens:
+            raise InputError(f"--overlong_buffer must be 0..--max_new_tokens ({self.max_new_tokens}), got "
+                             f"{self.overlong_buffer}")
+        return (self.max_new_tokens, self.overlong_buffer, self.overlong_penalty) if self.overlong_buffer else None
+
+
 FEWER_COMPLETIONS = "fewer completions per rank (--batch_size, --group_size, or more ranks)"
-
-
-def grpo_window(reward_names: list[str]) -> WindowSums:
-    """This rank's sums over the steps of one log window: rollouts, the loss, where the time went."""
-    return WindowSums(["reward", "reward_sq", "samples", *(f"reward_{n}" for n in reward_names), "tokens",
-                       "sampled_tokens", "tool_calls", "tool_errors", "truncated", "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS,
-                       "gen_s", "compile_s", "score_s", "ref_s", "train_s", "steps", "decoded", "decode_s",
-                       "decode_bytes"])
 
 
 class Rollouts:
     """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with
     --filter_zero_std), each sampled G times from prompt_ids with its own seeds and scored; statistics go to
-    `window`."""
+    `window`, the phases to `progress`."""
 
     def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
-                 prompt_ids: list[list[int]], tok: TokenizerWrapper, sampling: SamplingConfig,
-                 args: argparse.Namespace, env: DistEnv, autocast: ContextManager, window: WindowSums):
+                 prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
+                 env: DistEnv, autocast: ContextManager, window: WindowSums, progress: Progress, drawn: int = 0):
         self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
-        self.tok, self.sampling, self.args, self.env, self.autocast, self.window = tok, sampling, args, env, autocast, window
-        self.G = args.group_size
-        self.drawn = 0
+        self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
+        self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
+        self.G = cfg.group_size
+        self.drawn = drawn
 
     def next(self) -> Rollout:
         """This step's rollout: the next draw, or with --filter_zero_std the groups with a reward spread."""
-        if not self.args.filter_zero_std:
+        if not self.cfg.filter_zero_std:
             self.drawn += 1
             return self.draw(self.drawn - 1)
         ro, filled = self.with_signal()
-        self.window.add(filled=filled / (self.args.batch_size * self.env.world_size))
+        self.window.add(filled=filled / (self.batch_size * self.env.world_size))
         return ro
 
     def draw(self, draw: int) -> Rollout:
         """This rank's share of draw number `draw`, sampled and scored."""
         indices = [i for mb in self.loader.micro_batches(draw) for i in mb]
-        prompts, seed = [self.prompt_ids[i] for i in indices], self.args.seed
+        prompts, seed = [self.prompt_ids[i] for i in indices], self.seed
         t0, compiled_before = time.time(), compile_stats()[1]
         self.engine.model.eval()
-        with self.autocast, doing(f"the rollout ({len(indices) * self.G} completions of up to "
-                                  f"{self.sampling.max_new_tokens} tokens)",
-                                  (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
+        with self.autocast, self.progress.doing(f"the rollout ({len(indices) * self.G} completions of up to "
+                                                f"{self.sampling.max_new_tokens} tokens)",
+                                                (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
             samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
                                            [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = self.engine.last
-        with doing("scoring the rollout", (FEWER_COMPLETIONS,)):
+        with self.progress.doing("scoring the rollout", (FEWER_COMPLETIONS,)):
             per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], indices, prompts, samples,
                                                     self.tok, self.G)
         total = self.rewards.total(per_reward)
@@ -154,8 +195,8 @@ class Rollouts:
         """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward
         spread (at most --max_draws draws); every rank sees every group, then takes its share of the batch.
         Returns it and how many zero-spread groups filled it up."""
-        kept = SignalFilter(self.args.batch_size)
-        for _ in range(self.args.max_draws):
+        kept = SignalFilter(self.batch_size)
+        for _ in range(self.cfg.max_draws):
             groups = in_global_order(gather_objects(self.draw(self.drawn).groups()))
             self.drawn += 1
             kept.add(groups, [bool(zero_std_groups(self.rewards.total(g.rewards), self.G)) for g in groups])
@@ -174,39 +215,3 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
             for j, i in enumerate(ro.indices) for g in range(G)]
     rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))
     tracker.records("rollouts.jsonl", rows)
-
-
-def window_metrics(s: dict[str, float], names: list[str], world: int, lr: float, grad_norm: float,
-                   elapsed: float, peak_bw: float | None = None) -> dict:
-    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
-    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
-    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
-    n, steps = s["samples"], s["steps"] / world
-    mean = s["reward"] / n
-    tokens = max(s["loss_tokens"], 1)
-    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
-    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
-    # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
-    m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
-              "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
-              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
-              # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
-              # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
-              "train/tool_calls": s["tool_calls"] / n,
-              "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
-              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
-              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
-              "train/filled_frac": s["filled"] / steps, "train/lr": lr, "train/grad_norm": grad_norm,
-              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
-              "perf/completions_per_s": n / elapsed,
-              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
-              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
-              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
-              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
-              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
-              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
-              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
-              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
-    if peak_bw:
-        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
-    return m

@@ -4,16 +4,67 @@ and packed (a pair's prompt once, as a prefix tree, with its two responses as br
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.data import DistributedSampler
 
+from nanochat_ext.config import option
 from nanochat_ext.data.rows import PairRow, PromptRow, attach_density, load_density, load_pairs, split_by_prefix
 from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.tokenizer import TokenizerWrapper
+
+LONG_PAIRS = ("truncate", "drop")
+WEIGHT_MODES = ("mean", "sum", "none")
+
+
+def micro_batch(value: str) -> int | str:
+    """--device_batch_size: a positive number, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or 'auto', got {value!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """How many examples a step learns from, how many go through the model at once, and their order."""
+    batch_size: int = option(32, "GLOBAL {unit} per optimizer step", type=int)
+    device_batch_size: int | str | None = option(
+        None, "{micro_unit} per forward on each rank; gradient accumulation makes up the rest. 'auto' (the default on "
+              "CUDA): the largest that divides the rank's share and fits the free memory by the memory model, the "
+              "same on every rank (logged with its figures). Default on CPU: the rank's whole share", type=micro_batch)
+    seed: int = option(0, "data order{seeds}", type=int)
+
+    def loader(self, n: int, world: int, rank: int, micro: int | None = None) -> "GlobalBatchLoader":
+        """Rank `rank`'s batches of n examples (its `plan`) in micro-batches of `micro` (None: --device_batch_size as
+        given, else the rank's whole share); one line where the batch does not split or the examples make none."""
+        given = None if self.device_batch_size in (None, "auto") else self.device_batch_size
+        return GlobalBatchLoader(n, BatchPlan.make(self.batch_size, world, micro or given), rank, self.seed)
+
+
+@dataclass(frozen=True)
+class PairsConfig:
+    """The preference pairs, how a pair's weight counts, and what becomes of a pair too long."""
+    pairs: str = option(None, "preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk dir (formats: "
+                              "README.md, \"Data formats\")", required=True)
+    skip_bad_rows: bool = option(False, "skip malformed pair rows (and report how many) instead of stopping at the "
+                                        "first", action="store_true")
+    weight_mode: str = option("mean", "mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs "
+                                      "(weights keep their scale); none: ignore weights", choices=WEIGHT_MODES)
+    weight_cap: float | None = option(None, "clip each pair's weight to at most this", type=float,
+                                      check=(lambda v: v > 0, "> 0 (a pair's weight is clipped to it)"))
+    long_pairs: str = option("truncate", "a pair longer than --max_len: truncate (both sides keep the same prompt "
+                                         "window, the responses are cut from the right) or drop it, as TRL does",
+                             choices=LONG_PAIRS)
 
 
 def cut_to_fit(prompt: list[int], response: list[int], max_len: int,
@@ -51,8 +102,6 @@ def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, context: int, m
         out.append(ids)
     return out
 
-
-LONG_PAIRS = ("truncate", "drop")
 
 
 @dataclass

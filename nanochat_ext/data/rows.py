@@ -19,11 +19,25 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
+from nanochat_ext.config import option
 from nanochat_ext.data.gsm8k import answer_parts, is_gsm8k_row
 from nanochat_ext.errors import InputError, Row, first_line
 from nanochat_ext.runtime.checkpoint import read_json
 
 ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """What weighs a prompt's share of the loss, what is held out, and how long a sequence may be."""
+    density: str | None = option(None, "density weights, each prompt's share of the loss scaled by its weight: JSONL "
+                                 "{prefix_id, weight}, or the fork's prefixes_all.jsonl + density_weights.npy (either "
+                                 "file or their dir). Rare prompts should carry larger weights")
+    val_ratio: float = option(0.1, "share of prompts (by prefix_id) held out for evaluation{val_ratio}", type=float,
+                              check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    max_len: int | None = option(None, "tokens per sequence; prompts are cut from the left, {responses} from the right "
+                                 "(default: the {model}'s context{at_most})", type=int,
+                                 check=(lambda v: v >= 3, ">= 3 (BOS, a prompt token and a response token)"))
 _HH_TURN = re.compile(r"\n\n(Human|Assistant):")
 
 
@@ -399,3 +413,15 @@ def split_by_prefix(rows: list, val_ratio: float) -> tuple[list, list]:
     return train, val
 
 
+def read_prompts(path: str, density: str | None, val_ratio: float, eval_path: str | None = None,
+                 eval_examples: int = 0) -> tuple[list[PromptRow], list[PromptRow]]:
+    """--prompts read and checked, --density's weights attached, and split: (train, held out), the held-out rows
+    --eval_path's where given, else --val_ratio of the prompts by prefix_id; the first eval_examples of them (0: all)."""
+    prompts = load_prompts(path)
+    if density:
+        attach_density(prompts, load_density(density), density)
+    if eval_path:
+        train_rows, eval_rows = prompts, load_prompts(eval_path)
+    else:
+        train_rows, eval_rows = split_by_prefix(prompts, val_ratio)
+    return train_rows, eval_rows[:eval_examples or None]

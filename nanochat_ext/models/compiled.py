@@ -72,6 +72,14 @@ def _without_cache(eager, compiled):
     return forward
 
 
+COMPILE_HELP = ("1: torch.compile each transformer block of our models (nanochat GPT, native Llama) wherever they "
+                "train or score, and the LM head's log-prob chain; the log says how many graphs and seconds that took. "
+                "GRPO also decodes with a compiled static-shape step, sampling included (the same tokens as eager; "
+                "~10-19 s to compile on a 2-core CPU, then ~1.6x faster there). auto: blocks compiled on CUDA, eager "
+                "on CPU; GRPO's decode step compiled on CPU when --max_steps x --max_new_tokens >= 100000, eager on "
+                "CUDA, where it is not yet measured")
+
+
 def compile_models(flag: str, device: torch.device, *backbones: Backbone | None) -> str:
     """Apply --compile to every backbone given (None: absent, e.g. no reference at beta 0); returns the log
     line that says what runs compiled and why."""

@@ -18,8 +18,8 @@ merged, anywhere), not onto transformers' Llama.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
+import dataclasses
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 import torch.nn as nn
 
+from nanochat_ext.config import option
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.models.backbone import Backbone
 
@@ -47,14 +48,6 @@ class LoraSpec:
     targets: tuple[str, ...] | None = None
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "LoraSpec | None":
-        if not args.lora_r:
-            return None
-        targets = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip()) if args.lora_targets else None
-        return cls(args.lora_r, args.lora_alpha if args.lora_alpha is not None else 2.0 * args.lora_r,
-                   args.lora_dropout or 0.0, targets)
-
-    @classmethod
     def from_meta(cls, meta: dict | None) -> "LoraSpec | None":
         """The adapters a checkpoint's meta says to put on its model: None for none, or for adapters merged into its
         weights (--merge_lora)."""
@@ -67,27 +60,47 @@ class LoraSpec:
         return asdict(self)
 
 
-def check_lora_args(args: argparse.Namespace) -> "LoraSpec | None":
-    """One line for a --lora_* value out of range, or a flag that needs --lora_r; else the run's LoraSpec (None: no
-    LoRA), its defaults written into args (so a resume compares what the run trains with, given or not)."""
-    if args.lora_r < 0:
-        raise InputError(f"--lora_r must be >= 0 (0: no LoRA, a full fine-tune), got {args.lora_r}")
-    if args.lora_dropout is not None and not 0 <= args.lora_dropout < 1:
-        raise InputError(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
-    if args.lora_alpha is not None and not args.lora_alpha > 0:
-        raise InputError(f"--lora_alpha must be > 0, got {args.lora_alpha}")
-    if not args.lora_r:
-        given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(args, f) is not None]
-        given += ["merge_lora"] if args.merge_lora else []
-        if given:
-            raise InputError(f"--{given[0]} is for LoRA: give --lora_r too")
-        return None
-    if getattr(args, "parallel", "ddp") == "fsdp":
-        raise InputError("--lora_r trains adapters of ~1% of the weights, which --parallel fsdp would shard while "
-                         "every rank still holds the whole base: train LoRA with --parallel ddp")
-    spec = LoraSpec.from_args(args)
-    args.lora_alpha, args.lora_dropout = spec.alpha, spec.dropout
-    return spec
+@dataclass(frozen=True)
+class LoraConfig:
+    """--lora_*: train LoRA adapters (peft) instead of the weights."""
+    lora_r: int = option(0, "train LoRA adapters of this rank (peft) instead of the weights: no gradients or optimizer "
+                         "state for the base, and GRPO's and DPO's reference is the base with the adapters off, no "
+                         "second copy (0: no LoRA)", type=int,
+                         check=(lambda v: v >= 0, ">= 0 (0: no LoRA, a full fine-tune)"))
+    lora_alpha: float | None = option(None, "LoRA's alpha: updates scaled by alpha / r (default: 2 x --lora_r)",
+                                      type=float, check=(lambda v: v > 0, "> 0"))
+    lora_dropout: float | None = option(None, "dropout on the adapters' input while training (default: 0)", type=float,
+                                        check=(lambda v: 0 <= v < 1, "in [0, 1)"))
+    lora_targets: str | None = option(None, "comma-separated module names to adapt (default: every linear layer of the "
+                                      "transformer blocks: nanochat's c_q,c_k,c_v,c_proj,c_fc; our Llama's fused "
+                                      "qkv,o,gate_up,down; peft's 'all-linear' for other transformers models)")
+    merge_lora: bool = option(False, "write the final checkpoint with the adapters merged into the base, in the "
+                              "input's own layout (nanochat model_<N>.pt, an HF dir, an RM checkpoint), which nanochat "
+                              "and every stage load; without it checkpoints hold the adapters (peft's adapter dir)",
+                              action="store_true")
+
+    def resolved(self, parallel: str) -> "LoraConfig":
+        """This config with its defaults written in (so a resume compares what the run trains with, given or not), or
+        one line for a flag that needs --lora_r, or LoRA beside --parallel fsdp."""
+        if not self.lora_r:
+            given = [f for f in ("lora_alpha", "lora_dropout", "lora_targets") if getattr(self, f) is not None]
+            given += ["merge_lora"] if self.merge_lora else []
+            if given:
+                raise InputError(f"--{given[0]} is for LoRA: give --lora_r too")
+            return self
+        if parallel == "fsdp":
+            raise InputError("--lora_r trains adapters of ~1% of the weights, which --parallel fsdp would shard while "
+                             "every rank still holds the whole base: train LoRA with --parallel ddp")
+        alpha = self.lora_alpha if self.lora_alpha is not None else 2.0 * self.lora_r
+        return dataclasses.replace(self, lora_alpha=alpha, lora_dropout=self.lora_dropout or 0.0)
+
+    @property
+    def spec(self) -> LoraSpec | None:
+        """The adapters a resolved config asks for (None: no LoRA)."""
+        if not self.lora_r:
+            return None
+        targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip()) if self.lora_targets else None
+        return LoraSpec(self.lora_r, self.lora_alpha, self.lora_dropout, targets)
 
 
 def default_targets(backbone: Backbone) -> tuple[str, ...] | str:
@@ -105,11 +118,6 @@ def targeted(name: str, targets: tuple[str, ...] | str) -> bool:
     """Whether a module of this name is a LoRA target, by peft's rule for a list of names (the name, or its last
     dotted part); 'all-linear' here: any but an output head."""
     return "lm_head" not in name if isinstance(targets, str) else name.rsplit(".", 1)[-1] in targets
-
-
-def merge_now(args: argparse.Namespace, step: int, consolidate: bool) -> bool:
-    """Whether a LoRA run's save writes the adapters merged: --consolidate, or --merge_lora's final checkpoint."""
-    return consolidate or (args.merge_lora and step == args.max_steps)
 
 
 def apply_lora(backbone: Backbone, spec: LoraSpec) -> "PeftModel":

@@ -4,10 +4,10 @@ Both are decided on every rank together, by one all-reduce per step taken after 
 before the optimizer step, so no rank runs ahead into a collective the others will never join:
 
 - non-finite loss or grad norm on any rank: the step is not taken; the run stops with one line
-  naming the step (EXIT_NONFINITE) and nothing new is saved, so the last good checkpoint is the one
+  naming the step (errors.EXIT_NONFINITE) and nothing new is saved, so the last good checkpoint is the one
   to resume. `--skip_nonfinite N` skips up to N such steps instead (each logged).
 - SIGTERM (what SLURM and Kubernetes send before a kill) or SIGINT on any rank: the step finishes,
-  rank 0 writes a checkpoint, and every rank exits with EXIT_INTERRUPTED and one line saying how to
+  rank 0 writes a checkpoint, and every rank exits with errors.EXIT_INTERRUPTED and one line saying how to
   resume. A second signal a second or more after the first exits at once; one within the second is
   the same event delivered twice (the terminal and torchrun both pass Ctrl-C / SIGTERM on).
 """
@@ -22,10 +22,6 @@ import time
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum, detect_launcher, print0
-
-EXIT_NONFINITE = 3
-EXIT_INTERRUPTED = 75  # EX_TEMPFAIL: try again (with --resume latest)
-
 
 class NonFiniteError(Exception):
     """A step's loss or gradient was not finite on some rank (more often than --skip_nonfinite allows)."""

@@ -17,6 +17,7 @@ fsdp: PyTorch's FSDP2 (`fully_shard`): each transformer block that trains is one
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -26,8 +27,7 @@ import torch.nn as nn
 
 from nanochat_ext.ddp_common import DistEnv, all_reduce_min, is_main, is_sharded, whole, wrap_ddp
 from nanochat_ext.errors import InputError
-from nanochat_ext.runtime.checkpoint import is_shards, read_json, save_checkpoint, save_synced
-from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.checkpoint import is_shards, save_checkpoint, save_synced
 
 UNSHARDED_ACCUM_BYTES = 6  # per trained parameter, accumulating unsharded under fsdp: bf16 weight + fp32 gradient
 PARALLEL_MODES = ("ddp", "fsdp")
@@ -110,34 +110,21 @@ class Parallel:
                 f"accumulate {accumulate}")
 
     def save(self, into: Path, model: nn.Module, optimizer, *, module: nn.Module, final: bool, consolidate: bool,
-             meta: Callable[[int], dict], state: dict, write_whole: Callable[..., Path]) -> Path:
+             meta: dict, state: dict, write_whole: Callable[..., Path]) -> Path:
         """Collective: one checkpoint of `model` into `into`; returns its path on every rank. ddp: the whole model and
         the optimizer state, as always. fsdp: the shards (weights and optimizer state), and on the final save also the
         whole model gathered from them: `module`'s state dict (the part whose layout is written: the backbone's model,
         or the RM). consolidate (--consolidate): the whole model and its meta only, nothing to resume from.
-        meta(stamp): the meta json; state: the resume state but the optimizer's; write_whole(into, stamp, meta,
+        meta: the meta json but its stamp; state: the resume state but the optimizer's; write_whole(into, stamp, meta,
         train_state, weights): rank 0 writes the whole model in its layout (weights: gathered, or None: its own)."""
         whole_now = not self.sharded or final or consolidate
         weights = self.whole_state_dict(module) if self.sharded and whole_now else None
-        shards = None if consolidate or not self.sharded else (lambda d: self.save_shards(d, model, optimizer))
+        shards = None if consolidate or not self.sharded else functools.partial(self.save_shards, model=model,
+                                                                                 optimizer=optimizer)
         train_state = None if consolidate else {**state, **({} if self.sharded else {"optimizer": optimizer.state_dict()})}
-
-        def write(stamp: int) -> Path:
-            if whole_now:
-                return write_whole(into, stamp, meta(stamp), train_state, weights)
-            return save_checkpoint(into, stamp, None, meta(stamp), train_state)
-
-        return save_synced(into, [p for p in model.parameters() if p.requires_grad], write, shards)
-
-    def consolidate(self, into: str, resume: tuple | None, out_dir: Path, save: Callable[[Path, dict], Path]) -> Path:
-        """--consolidate DIR: save(DIR, metrics) writes the checkpoint resumed from whole, into DIR (claimed as an
-        output), with the metrics its meta recorded."""
-        if resume is None:
-            raise InputError(f"--consolidate: no checkpoint in {out_dir} to write whole")
-        if Path(into).resolve() == Path(out_dir).resolve():
-            raise InputError("--consolidate DIR must be another dir than --out, which holds the run's checkpoints")
-        claim_out_dir(into)
-        return save(Path(into), read_json(resume[1]).get("metrics", {}))
+        return save_synced(into, [p for p in model.parameters() if p.requires_grad],
+                           functools.partial(write_stamped, into, meta, train_state, weights,
+                                             write_whole if whole_now else None), shards)
 
     def resume(self, path: Path, model: nn.Module, optimizer) -> bool:
         """Collective: load a sharded checkpoint (shards_<stamp>/) into model and optimizer and return True,
@@ -192,6 +179,16 @@ class Parallel:
         if missing or loaded.unexpected_keys:
             raise InputError(f"the sharded checkpoint does not fit this model (missing {missing[:3]}, unexpected "
                              f"{list(loaded.unexpected_keys)[:3]})", path=str(path))
+
+
+def write_stamped(into: Path, meta: dict, state: dict | None, weights: dict | None,
+                  write_whole: Callable[..., Path] | None, stamp: int) -> Path:
+    """Rank 0, once the stamp is chosen (checkpoint.save_synced): the whole model in its layout (write_whole), or
+    beside the shards only the meta and the resume state."""
+    meta = {"stamp": stamp, **meta}
+    if write_whole is not None:
+        return write_whole(into, stamp, meta, state, weights)
+    return save_checkpoint(into, stamp, None, meta, state)
 
 
 def no_sync(module: nn.Module, skip_sync: bool) -> contextlib.AbstractContextManager:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
@@ -19,19 +18,19 @@ SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps", "lr_decay")  # may change on
 BEFORE_SCHEDULE_FLAGS = {"lr_decay": "cosine"}  # what a checkpoint written before such a flag existed ran with
 
 
-def check_resume_args(saved: dict, args: Any, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
-    """A resumed run must keep the settings that decide what it computes (batch, seed, ...), and its
-    learning-rate schedule unless args.resume_extend. `absent`: the value a key had in checkpoints
-    written before it was recorded."""
-    extend = getattr(args, "resume_extend", False)
+def check_resume_args(saved: dict, flags: dict, keys: tuple[str, ...], path: Path, absent: dict | None = None) -> None:
+    """A resumed run must keep the settings that decide what it computes (batch, seed, ...), and its learning-rate
+    schedule unless flags['resume_extend']. `flags`: this run's, as its checkpoints record them; `absent`: the value a
+    key had in checkpoints written before it was recorded."""
+    extend = flags.get("resume_extend", False)
     absent = {**BEFORE_SCHEDULE_FLAGS, **(absent or {})}
     for key in keys + (() if extend else SCHEDULE_KEYS):
-        if key in BEFORE_SCHEDULE_FLAGS and not hasattr(args, key):  # a flag this script lacks (SFT, RM: cosine)
+        if key in BEFORE_SCHEDULE_FLAGS and key not in flags:  # a flag this script lacks (SFT, RM: cosine)
             continue
         was = saved.get(key, absent.get(key))
-        if was != getattr(args, key):
+        if was != flags[key]:
             hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
-            raise InputError(f"--{key} is {getattr(args, key)!r} but the checkpoint was trained with "
+            raise InputError(f"--{key} is {flags[key]!r} but the checkpoint was trained with "
                              f"{was!r}; resume with the same setting{hint}", path=str(path))
 
 

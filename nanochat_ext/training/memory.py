@@ -23,20 +23,18 @@ arithmetic only.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable
 
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_min, peak_memory_gb, print0
 from nanochat_ext.models.gpt import GPT
+from nanochat_ext.runtime.oom import GiB
 from nanochat_ext.runtime.parallel import UNSHARDED_ACCUM_BYTES
 from nanochat_ext.training.logprobs import CHUNK_TOKENS
 
-GiB = 2**30
 # Per token, block and unit of width, by the autocast rules of the device (see the docstring), without and with
 # activation checkpointing: CUDA's autocast runs pow and rms_norm in fp32, which a block saves for its backward.
 ACT_BYTES = {"cpu": {False: 55, True: 11}, "cuda": {False: 71, True: 11}}
@@ -150,12 +148,12 @@ def policy_memory(s: ModelShape, parallel: str, ranks: int, accum: int, referenc
     return m
 
 
-def dpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, row_len: int,
-               scored: int, pairs: int, reference: bool = True, device: str, lora: int = 0,
-               accum: int | None = None) -> StepMemory:
-    """DPO's fine-tune of a policy of shape s: micro-batches of `micro` pairs, each a row of up to row_len tokens
-    (its prompt once, then both responses) with `scored` response tokens, `accum` micro-batches per step (None: all
-    of the rank's `pairs`)."""
+def fine_tune_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, row_len: int,
+                     scored: int, pairs: int, reference: bool = True, device: str, lora: int = 0,
+                     accum: int | None = None) -> StepMemory:
+    """A policy of shape s fine-tuned on rows (DPO: a pair's prompt once, then both responses; SFT: a conversation):
+    micro-batches of `micro` rows of up to row_len tokens with `scored` tokens each that take loss, `accum`
+    micro-batches per step (None: all of the rank's `pairs` rows)."""
     m = policy_memory(s, parallel, ranks, pairs // micro if accum is None else accum, reference, lora)
     m.training["activations"] = activations(s, micro * row_len, micro * scored, checkpointing,
                                             parallel == "ddp" and not lora, device)
@@ -192,16 +190,18 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
     return m
 
 
-def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, pairs: int, seq_len: int,
-              device: str, accum: int = 1, unfreeze: str = "all", lora: int = 0) -> StepMemory:
+def rm_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, seq_len: int,
+              device: str, pairs: int | None = None, accum: int | None = None, unfreeze: str = "all",
+              lora: int = 0) -> StepMemory:
     """The RM's fine-tune of a backbone of shape s (the last `unfreeze` blocks, or all; or adapters of `lora`
-    parameters in every block), `pairs` pairs a micro-batch."""
+    parameters in every block), `micro` pairs a micro-batch, `accum` micro-batches a step (None: all of the rank's
+    `pairs`, default one micro-batch's)."""
     n = s.layers if unfreeze == "all" or lora else int(unfreeze)
     trained = lora or ((s.params - s.lm_head) if unfreeze == "all" else n * s.block_params)
-    held, training = trained_state(s, trained, parallel, ranks, accum)
+    held, training = trained_state(s, trained, parallel, ranks, (pairs or micro) // micro if accum is None else accum)
     m = StepMemory(held, training)
     m.parts["frozen"] = 2 * (s.params - trained)
-    tokens = 2 * pairs * seq_len
+    tokens = 2 * micro * seq_len
     sub = ModelShape(n, s.width, s.vocab, s.kv_heads, s.head_dim, s.params, s.block_params, 0)
     m.training["activations"] = activations(sub, tokens, 0, checkpointing, parallel == "ddp", device)
     return m
@@ -264,66 +264,20 @@ def auto_pick(per_rank: int, estimate: Callable[..., StepMemory], device, resume
     return pick_micro_batch(per_rank, estimate, free_memory(device), prefer=prefer)
 
 
-def smaller_micro(micro: int, share: int) -> tuple[str, ...]:
-    """The --device_batch_size hint for a phase of `micro` rows: the next size that divides the rank's share."""
-    below = [m for m in divisors(share) if m < micro]
-    return (f"--device_batch_size {below[0]}",) if below else ()
-
-
 def divisors(n: int) -> list[int]:
     """The micro-batch sizes that split a share of n rows evenly, largest first."""
     return [m for m in range(n, 0, -1) if n % m == 0]
 
 
-# ---- when it does not fit ---------------------------------------------------------------------------------------
-EXIT_OUT_OF_MEMORY = 4
-FEWER_RANKS_STATE = "--parallel fsdp (weights, gradients and optimizer state sharded over the GPUs)"
-LORA_STATE = "--lora_r 16 (LoRA: gradients and optimizer state for the adapters only)"
-
-
-@contextlib.contextmanager
-def doing(what: str, hints: tuple[str, ...] = (), saved: bool = False) -> Iterator[None]:
-    """Name the phase that runs inside (a rollout, a training micro-batch) and the flags that take less memory in it
-    (saved: this step's checkpoint is already written, as before the final evaluation): an error raised in it
-    carries the innermost phase's (its `during`), which the out-of-memory line gives."""
-    try:
-        yield
-    except BaseException as e:
-        if not hasattr(e, "during"):
-            e.during = (what, hints, saved)
-        raise
-
-
-def is_out_of_memory(e: BaseException | None) -> bool:
-    """torch's CUDA out-of-memory error, Python's MemoryError, CUDA's or the CPU allocator's failure as a RuntimeError,
-    or an error raised from one of these."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (torch.OutOfMemoryError, MemoryError)) or (isinstance(e, RuntimeError) and any(
-                s in str(e) for s in ("DefaultCPUAllocator: can't allocate memory", "CUDA error: out of memory"))):
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-def out_of_memory_line(e: BaseException, args) -> str:
-    """One line for an out-of-memory error: in which phase and what was allocating, the peak, and the flags of this
-    script that take less memory there."""
-    asked = re.search(r"Tried to allocate [0-9.]+ [KMGT]?i?B", str(e))
-    what, hints, saved = getattr(e, "during", ("", ("a smaller --device_batch_size", "--activation_checkpointing",
-                                                    FEWER_RANKS_STATE), False))
-    peak = ""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        device = torch.cuda.current_device()
-        total = torch.cuda.get_device_properties(device).total_memory / GiB
-        peak = f"; peak {torch.cuda.max_memory_allocated(device) / GiB:.1f} of {total:.1f} GiB on this GPU"
-    lora = bool(getattr(args, "lora_r", 0))  # fsdp is not offered beside LoRA (lora.check_lora_args)
-    given = {"--activation_checkpointing": getattr(args, "activation_checkpointing", True),
-             "--parallel fsdp": getattr(args, "parallel", "fsdp") == "fsdp" or lora,
-             "--lora_r": lora or not hasattr(args, "lora_r")}
-    flags = [h for h in hints if not any(h.startswith(flag) and on for flag, on in given.items())]
-    resume = "" if not what else "; this step's checkpoint is saved" if saved else \
-        "; nothing was saved for this step: resume from the last checkpoint with --resume latest"
-    return (f"out of memory{' in ' + what if what else ''} ({asked.group(0) if asked else type(e).__name__}{peak}); "
-            f"to take less: {', '.join(flags) or 'a smaller model or a larger GPU'}{resume}")
+def micro_batch_for(wanted: int | str | None, share: int, estimate_for: Callable[..., StepMemory], device,
+                    resume: tuple | None, prefer: int = 1) -> tuple[int, StepMemory]:
+    """Collective: --device_batch_size for a rank's `share` rows, and the memory model's estimate at it (both lines
+    printed): as given; the whole share where not given on CPU; picked by the memory model for 'auto', or where not
+    given on CUDA (auto_pick)."""
+    micro = share if wanted in (None, "auto") else int(wanted)
+    if wanted == "auto" or (wanted is None and device.type == "cuda"):
+        micro, line = auto_pick(share, estimate_for, device, resume, prefer=prefer)
+        print0(line)
+    estimate = estimate_for(micro=micro)
+    print0(describe(estimate, micro))
+    return micro, estimate

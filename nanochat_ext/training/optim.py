@@ -2,17 +2,45 @@
 policies), the learning-rate schedule and the guarded optimizer step the trainers share."""
 from __future__ import annotations
 
+import dataclasses
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from nanochat_ext.config import FINITE_NON_NEGATIVE, FINITE_POSITIVE, NON_NEGATIVE, option
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.gpt import GPT
 from nanochat_ext.runtime.guard import StepGuard
 from nanochat_ext.training.muon import MuonAdamW, orthogonalise_dtype
 
 OPTIMIZERS = ("adamw", "muon")
+LR_DECAYS = ("cosine", "linear")
+MUON_LR = 0.05  # --lr under --optimizer muon where not given: nanochat chat_rl.py's --init-lr-frac
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """How the trained weights move: the optimizer, its learning-rate schedule, weight decay and clipping."""
+    optimizer: str = option("adamw", "adamw; or muon, nanochat's own optimizer (MuonAdamW) for nanochat policies: its "
+                            "Muon on the block matrices, AdamW on embeddings, LM head and scalars, each group at the "
+                            "learning rate nanochat's chat_rl.py gives it; --weight_decay is then the matrices'",
+                            choices=OPTIMIZERS)
+    lr: float | None = option(None, "peak learning rate (default: {lr}){muon_lr}", check=FINITE_POSITIVE, type=float)
+    warmup_steps: int = option(0, "linear warmup steps before the decay", check=NON_NEGATIVE, type=int)
+    lr_decay: str = option("cosine", "after the warmup: cosine to 0.1x, or linear to 0 as nanochat's chat_rl",
+                           choices=LR_DECAYS)
+    weight_decay: float = option(0.0, "AdamW's decoupled weight decay (the matrices' under --optimizer muon)",
+                                 check=FINITE_NON_NEGATIVE, type=float)
+    grad_clip: float = option(1.0, "clip the global grad norm to this (0: off)", type=float,
+                              check=(FINITE_NON_NEGATIVE[0], "a finite number >= 0 (0: off)"))
+
+    def with_lr(self, adamw_lr: float) -> "OptimConfig":
+        """This config with --lr given where it was not: `adamw_lr` (the trainer's), or MUON_LR under muon."""
+        if self.lr is not None:
+            return self
+        return dataclasses.replace(self, lr=MUON_LR if self.optimizer == "muon" else adamw_lr)
 
 
 def make_adamw(params: list[torch.nn.Parameter] | list[dict], lr: float, weight_decay: float,
@@ -92,8 +120,6 @@ def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: 
     check_muon_model(kind, model)
     return MuonAdamW(nanochat_groups(model, lr, weight_decay), orthogonalise_dtype(device))
 
-
-LR_DECAYS = ("cosine", "linear")
 
 
 def lr_multiplier(step: int, max_steps: int, warmup_steps: int, final_frac: float = 0.1,

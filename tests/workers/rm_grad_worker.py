@@ -12,12 +12,13 @@ from pathlib import Path
 
 import torch
 
+from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import BatchPlan, collate_pairs, tokenize_pairs
 from nanochat_ext.data.rows import load_pairs
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
 from nanochat_ext.models.compiled import compile_blocks, compile_stats
 from nanochat_ext.models.loader import load_backbone
-from nanochat_ext.models.reward_model import RewardModel, rm_backward
+from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 GLOBAL_BATCH = 8

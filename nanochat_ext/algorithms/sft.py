@@ -1,0 +1,57 @@
+"""Supervised fine-tuning's step: next-token loss on the reply to learn of each conversation (what a tool wrote left
+out), averaged over the reply tokens of the global batch (logprobs.sft_backward).
+"""
+from __future__ import annotations
+
+from nanochat_ext.data.batching import GlobalBatchLoader, cut_to_fit
+from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.training.logprobs import make_sequences, sft_backward
+from nanochat_ext.training.loop import Loop
+from nanochat_ext.training.memory import StepMemory
+from nanochat_ext.training.setup import PolicyTraining
+from nanochat_ext.training.tracking import Tracker, WindowSums
+
+Example = tuple[list[int], list[int], list[int]]  # prompt ids, reply ids, reply mask (0: a token a tool wrote)
+
+
+def sft_examples(conversations: list, tok: TokenizerWrapper, max_len: int) -> list[Example]:
+    """Each conversation rendered and cut as the RM's pairs are: the prompt from the left, the reply from the right."""
+    examples = []
+    for prompt, reply, _ in conversations:
+        r, mask = tok.render_reply(reply)
+        p, r = cut_to_fit(tok.render_prompt(prompt), r, max_len, tok.bos_id)
+        examples.append((p, r, mask[:len(r)]))
+    return examples
+
+
+class SFT:
+    """The SFT method of the loop (training/loop.py)."""
+    name = "sft"
+    evaluation = None  # SFT holds nothing out
+
+    def __init__(self, training: PolicyTraining, examples: list[Example], loader: GlobalBatchLoader,
+                 estimate: StepMemory):
+        self.training, self.examples, self.loader, self.estimate = training, examples, loader, estimate
+        self.plan = loader.plan
+        self.window = WindowSums(["loss", "tokens", "steps"])  # this rank's sums since the last log
+
+    def step(self, step: int, loop: Loop) -> None:
+        t, plan, pad_id = self.training, self.plan, self.training.tok.pad_id
+        mine = [self.examples[i] for mb in self.loader.micro_batches(step) for i in mb]
+        batch = make_sequences([e[0] for e in mine], [e[1] for e in mine], 1, pad_id, token_mask=[e[2] for e in mine])
+        with loop.progress.doing(f"a training micro-batch of {plan.device_batch_size} conversations",
+                                 t.training_hints(plan.device_batch_size, plan.per_rank)):
+            stats = sft_backward(t.ddp_model, batch, plan.device_batch_size, t.env.device, t.autocast)
+        loop.update(stats[0].item())
+        self.window.add(loss=stats[0].item(), tokens=stats[1].item())
+
+    def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
+        """Every rank's loss is its share of the global one; steps count once per rank."""
+        return {"train/loss": s["loss"] / (s["steps"] / self.training.env.world_size),
+                "perf/tokens_per_s": s["tokens"] / elapsed}
+
+    def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
+        return {}
+
+    def resume_state(self) -> dict:
+        return {}

@@ -1,0 +1,38 @@
+"""Typed configs: dataclasses whose fields say what they do, as TRL's configs do. A field made with `option()` is also a
+command-line flag of the same name: its help, choices, type and valid range live here, beside the field, and the
+scripts' parsers are generated from them (cli/flags.py), so a flag is declared once whatever trainers have it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+from nanochat_ext.errors import InputError
+
+Check = tuple[Callable[[Any], bool], str]  # (test, what the value must be), for the one line naming the flag
+
+
+def option(default: Any = None, help: str = "", *, check: Check | None = None, **flag: Any) -> Any:
+    """A config field that is also a flag --<name>: `help` (may say %(default)s), `check` its valid range, and
+    argparse's own keywords in `flag` (choices, type, nargs, action, metavar, required); a number's type is its
+    default's where not given."""
+    if isinstance(default, (int, float)) and not isinstance(default, bool) and "action" not in flag:
+        flag.setdefault("type", type(default))
+    return dataclasses.field(default=default, metadata={"help": help, "check": check, "flag": flag})
+
+
+def check_config(config: Any) -> None:
+    """Every option of `config` in its range (None: not given, always fine): one line naming the flag otherwise."""
+    for f in dataclasses.fields(config):
+        value, check = getattr(config, f.name), f.metadata.get("check")
+        if check is not None and value is not None and not check[0](value):
+            raise InputError(f"--{f.name} must be {check[1]}, got {value!r}")
+
+
+# Ranges that several options share.
+POSITIVE: Check = (lambda v: v >= 1, ">= 1")
+NON_NEGATIVE: Check = (lambda v: v >= 0, ">= 0")
+FINITE_POSITIVE: Check = (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
+FINITE_NON_NEGATIVE: Check = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
+EVERY: Check = (lambda v: v >= 0, ">= 0 (0: only at the end)")

@@ -1,0 +1,93 @@
+"""The trainers' command lines: a flag is declared once (a config's option, or one script's own input), each trainer
+takes its own defaults from cli.DEFAULTS, and --help shows every flag once, with help."""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import importlib
+import pkgutil
+
+import pytest
+
+import nanochat_ext
+from conftest import REPO
+from nanochat_ext.cli import DEFAULTS, TRAINERS
+from scripts import kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
+
+SCRIPTS = {"sft": kat_sft, "rm": kat_train_rm, "dpo": kat_train_dpo, "grpo": kat_train_grpo}
+REQUIRED = {"sft": ["--backbone", "b", "--conversations", "c"], "rm": ["--backbone", "b", "--pairs", "p"],
+            "dpo": ["--policy", "p", "--pairs", "p"], "grpo": ["--policy", "p", "--prompts", "p"]}
+
+
+def options() -> dict[str, list[str]]:
+    """Every config option of the package: flag name -> the configs that declare it."""
+    found: dict[str, list[str]] = {}
+    for info in pkgutil.walk_packages(nanochat_ext.__path__, "nanochat_ext."):
+        module = importlib.import_module(info.name)
+        for cls in vars(module).values():
+            if isinstance(cls, type) and dataclasses.is_dataclass(cls) and cls.__module__ == module.__name__:
+                for f in dataclasses.fields(cls):
+                    if "flag" in f.metadata:
+                        found.setdefault(f.name, []).append(cls.__qualname__)
+    return found
+
+
+def declared_in(trainer: str) -> set[str]:
+    """The flags a trainer's script declares itself (add_argument), not through a config."""
+    tree = ast.parse((REPO / "scripts" / f"{SCRIPTS[trainer].__name__.split('.')[-1]}.py").read_text())
+    return {node.args[0].value.removeprefix("--") for node in ast.walk(tree) if isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "add_argument" and node.args and isinstance(node.args[0], ast.Constant)}
+
+
+def test_a_flag_is_declared_once():
+    """Each config option has one declaration; a script declares only what no config and no other trainer has (the
+    model flags, declared by cli.trainer_parser)."""
+    opts = options()
+    # Only TRL's names of each method's own option (TRL's DPOConfig and GRPOConfig both have them): one trainer each
+    assert {name: sorted(where) for name, where in opts.items() if len(where) > 1} == {
+        "beta": ["DPOConfig", "GRPOConfig"], "loss_type": ["DPOConfig", "GRPOConfig"]}
+    assert "lr" in opts and not any("lr" in declared_in(t) for t in TRAINERS)
+    own = {t: declared_in(t) for t in TRAINERS}
+    assert all(not own[t] & opts.keys() for t in TRAINERS), own
+    assert all(not own[a] & own[b] for a in TRAINERS for b in TRAINERS if a < b), own
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_each_trainer_takes_its_own_defaults_and_lacks_what_it_does_not_have(trainer):
+    args = SCRIPTS[trainer].parse_args(REQUIRED[trainer])
+    for flag, defaults in DEFAULTS.items():
+        own = defaults[TRAINERS.index(trainer)]
+        if own == "-":
+            assert not hasattr(args, flag), (trainer, flag)
+        elif flag != "lr":  # --lr stays None until the optimizer is known (OptimConfig.with_lr)
+            assert getattr(args, flag) == own, (trainer, flag)
+    assert args.lr is None
+
+
+def help_entries(text: str) -> dict[str, str]:
+    """--help's options: flag -> its help text (argparse writes it after the flag, or on the lines below it)."""
+    entries: dict[str, str] = {}
+    flag = None
+    for line in text.splitlines():
+        if line.startswith("  -"):
+            invocation, _, rest = line.strip().partition("  ")
+            flag = invocation.split()[0].rstrip(",")
+            assert flag not in entries, f"{flag} shown twice"
+            entries[flag] = rest.strip()
+        elif flag and line.startswith(" " * 8):
+            entries[flag] += " " + line.strip()
+        else:
+            flag = None
+    return entries
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_help_shows_each_flag_once_with_its_help(trainer, capsys):
+    """No dashed spelling in --help (it is still taken), and no flag without help."""
+    with pytest.raises(SystemExit):
+        SCRIPTS[trainer].parse_args(["--help"])
+    entries = help_entries(capsys.readouterr().out)
+    assert "--lr" in entries and "--max_steps" in entries and "--device" in entries
+    assert [f for f in entries if "-" in f[2:]] == []
+    assert [f for f, text in entries.items() if not text and f != "-h"] == []
+    assert SCRIPTS[trainer].parse_args(REQUIRED[trainer] + ["--max-steps", "7"]).max_steps == 7

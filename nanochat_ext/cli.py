@@ -14,8 +14,9 @@ from typing import Any, Callable
 from nanochat_ext.config import check_config
 from nanochat_ext.data.batching import BatchConfig
 from nanochat_ext.data.rows import DataConfig
+from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
 from nanochat_ext.models.lora import LoraConfig
-from nanochat_ext.runtime.session import Session, SessionConfig, run
+from nanochat_ext.runtime.session import Session, SessionConfig, run, say
 from nanochat_ext.training.loop import LoopConfig, OutputConfig
 from nanochat_ext.training.optim import OptimConfig, check_optimizer
 from nanochat_ext.training.setup import ModelConfig
@@ -41,7 +42,8 @@ DEFAULTS: dict[str, tuple[Any, Any, Any, Any]] = {
     "max_len":          (None,     None,     None,     NO),
 }
 
-MUON_LR_HELP = "; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac (0.05)"
+MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac "
+                "(0.05)")
 # Each trainer's words in the help the configs share ({unit} and the like in an option's help).
 WORDS: dict[str | None, dict[str, str]] = {
     "sft": {"unit": "conversations", "micro_unit": "conversations", "model": "model", "steps": "optimizer steps",
@@ -113,6 +115,8 @@ def add_config(p: argparse.ArgumentParser, cls: type, trainer: str | None, title
             if own == NO:
                 continue
             default = default if f.name == "lr" else own
+        if default is None and f.metadata["flag"].get("action") == "append":
+            default = []  # what argparse appends to (a dataclass field cannot default to a list)
         text = f.metadata["help"]
         for key, word in words.items():
             text = text.replace("{" + key + "}", word)
@@ -154,12 +158,12 @@ def script_argv(argv: list[str] | None) -> list[str]:
     return argv[1:] if argv[:1] == ["--"] else argv
 
 
-def config(cls: type, args: argparse.Namespace, **resolved: Any):
+def config(cls: type, args: argparse.Namespace):
     """`cls` from the flags of its fields the script has (the others keep their defaults), checked: one line naming a
-    flag out of its range. `resolved`: values that replace what the flags said."""
+    flag out of its range."""
     made = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
     check_config(made)
-    return dataclasses.replace(made, **resolved) if resolved else made
+    return made
 
 
 @dataclass(frozen=True)
@@ -196,5 +200,10 @@ def recorded(args: argparse.Namespace, *configs: Any) -> dict:
 def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object], label: str) -> int:
     """body(args, session) run by runtime.session.run with this script's flags: rank 0 prints `<label>: <result>`
     last; every failure ends with one line and its exit code."""
-    return run(config(SessionConfig, args), lambda session: body(args, session), label,
-               group=getattr(args, "parallel", "ddp") == "fsdp", given=vars(args))
+    try:
+        session = config(SessionConfig, args)
+    except InputError as e:
+        say(f"error: {e}")
+        return EXIT_BAD_INPUT
+    return run(session, lambda s: body(args, s), label, group=getattr(args, "parallel", "ddp") == "fsdp",
+               given=vars(args))

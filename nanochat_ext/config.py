@@ -4,6 +4,7 @@ scripts' parsers are generated from them (cli/flags.py), so a flag is declared o
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 from typing import Any, Callable
@@ -36,3 +37,16 @@ NON_NEGATIVE: Check = (lambda v: v >= 0, ">= 0")
 FINITE_POSITIVE: Check = (lambda v: math.isfinite(v) and v > 0, "a finite number > 0")
 FINITE_NON_NEGATIVE: Check = (lambda v: math.isfinite(v) and v >= 0, "a finite number >= 0")
 EVERY: Check = (lambda v: v >= 0, ">= 0 (0: only at the end)")
+
+
+def micro_batch(value: str) -> int | str:
+    """--device_batch_size: a positive number, or 'auto'."""
+    if value == "auto":
+        return value
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a number >= 1 or 'auto', got {value!r}")
+    return n

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import sys
-from collections import Counter, defaultdict
 from pathlib import Path
 
 import torch
@@ -42,9 +41,7 @@ from nanochat_ext.models.reward_model import RewardScorer
 from nanochat_ext.runtime.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
-from nanochat_ext.tasks import synthetic
-from nanochat_ext.tasks.report import dense_topics, eval_rm, fmt, plot_curves, topics_of, write_report
-from nanochat_ext.tasks.stats import sample_diversity
+from nanochat_ext.tasks.report import all_judgeable, eval_rm, fmt, plot_curves, policy_measures, topics_of, write_report
 from nanochat_ext.training.setup import ModelConfig
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -185,47 +182,14 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
             tool_use.update({k.removeprefix("eval/"): v for k, v in evaluate_pass_k(
                 engine, tool_rows, tool_ids, task, tok, cfg, args.pass_k, args.seed, env, autocast,
                 per_rank * args.pass_k).items()})
-    topic_of = [r.row.get("topic") for r in rows]
-    judgeable = all(t in synthetic.TOPIC_WORDS for t in topic_of)
     # Without the demo's topics, the task reward's verdicts (--reward_fn, 1: right), on every rank: a reward function
     # that fails stops every rank alike.
-    completions = {"greedy": greedy, "sampled": sampled}
     verdicts = {mode: [v == 1 for v in task.task_scores(rows, [i for i, *_ in items], [t for _, t, _, _ in items])]
-                for mode, items in completions.items()} if args.reward_fn and not judgeable else {}
+                for mode, items in (("greedy", greedy), ("sampled", sampled))} \
+        if args.reward_fn and not all_judgeable(rows) else {}
     if not env.is_main:
         return {}
-    dense = dense_topics(Counter(topic_of)) if judgeable else set()
-
-    def judged(mode: str, keep=None):
-        """Task accuracy of the mode's completions whose prompt's topic passes keep (None: all): the demo's ground
-        truth, else the task reward's verdicts, which have no topics; None where neither applies."""
-        if judgeable:
-            marks = [synthetic.judge(topic_of[i], text) for i, text, _, _ in completions[mode]
-                     if keep is None or keep(topic_of[i])]
-        else:
-            marks = verdicts.get(mode, []) if keep is None else []
-        return sum(marks) / len(marks) if marks else None
-
-    per_topic = [judged("sampled", lambda topic, t=t: topic == t) for t in sorted(set(topic_of))] if judgeable else []
-    per_topic = [a for a in per_topic if a is not None]
-
-    texts_by_prompt = defaultdict(list)
-    for i, text, _, _ in sampled:
-        texts_by_prompt[i].append(text)
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    accuracy = {f"task_accuracy_{mode}{suffix}": judged(mode, keep) for mode in completions
-                for suffix, keep in (("", None), ("_dense", lambda t: t in dense),
-                                     ("_rare", lambda t: t not in dense))}
-    dense_acc, rare_acc = accuracy["task_accuracy_sampled_dense"], accuracy["task_accuracy_sampled_rare"]
-    return {"checkpoint": policy.source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
-            "rm_score_sampled": mean([s for _, _, s, _ in sampled]), **accuracy,
-            "task_accuracy_gap_dense_rare": None if dense_acc is None or rare_acc is None else dense_acc - rare_acc,
-            "topic_accuracy_spread": (sum((a - mean(per_topic)) ** 2 for a in per_topic) / len(per_topic)) ** 0.5
-            if per_topic else None,
-            **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
-            **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
-            "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text}
-                         for i, text, _, _ in sorted(greedy, key=lambda item: item[0])[:4]]}
+    return policy_measures(policy.source, rows, greedy, sampled, verdicts, passes, tool_use)
 
 
 def eval_policies(rows, tool_rows, args: argparse.Namespace, env: DistEnv, dtype: torch.dtype) -> dict:

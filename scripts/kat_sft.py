@@ -1,5 +1,5 @@
 """Supervised fine-tuning of a chat model on conversations: next-token loss on the last assistant
-reply, averaged over the reply tokens of the global c.batch. The demo pipeline uses it to make the
+reply, averaged over the reply tokens of the global batch. The demo pipeline uses it to make the
 tiny policy that RM and GRPO start from; it works on any nanochat or local HF checkpoint.
 
     python -m scripts.kat_sft --backbone BASE_CKPT --conversations convs.jsonl
@@ -61,6 +61,9 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     flags = recorded(args, c.optim)
     training = PolicyTraining(loaded, c.model, c.optim, env, kind="sft", reference=False, resume=resume,
                               checks=Checks(flags, RESUME_FLAGS, {}))
+    loop = Loop(training, c.loop, c.out, c.optim, out_dir, log_dir, flags, session)
+    if c.out.consolidate:
+        return loop.consolidate(resume)
     estimate_for = functools.partial(
         fine_tune_memory, backbone_shape(loaded.backbone), parallel=c.model.parallel, ranks=env.world_size,
         checkpointing=c.model.activation_checkpointing, row_len=max(len(p) + len(r) for p, r, _ in examples),
@@ -69,11 +72,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume)
     loader = c.batch.loader(len(examples), env.world_size, env.rank, micro)
     print0(f"data: {len(examples)} conversations from {args.conversations}; {loader.steps_per_epoch} steps per epoch")
-    loop = Loop(training, c.loop, c.out, c.optim, out_dir, log_dir, flags, session)
-    method = SFT(training, examples, loader, estimate)
-    if c.out.consolidate:
-        return loop.consolidate(resume)
-    return loop.run(method)
+    return loop.run(SFT(training, examples, loader, estimate))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -93,7 +93,8 @@ def train(args: argparse.Namespace, session: Session) -> Path:
             precompute_reference(reference, train_pairs + val_pairs, loaded.tok.pad_id, micro, env.world_size,
                                  env.rank, env.device, training.autocast)
         print0(f"reference: log-probs of {len(train_pairs) + len(val_pairs)} pairs computed once, before training")
-        reference = training.drop_reference()
+        training.drop_reference()
+        reference = None
     elif reference is not None:
         print0("reference: log-probs computed with each step's pairs (--precompute_ref_logps: once, before training)")
     return loop.run(DPO(training, cfg, reference, train_pairs, val_pairs, loader, estimate))

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import sys
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -23,21 +24,22 @@ from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
 from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, TRL_LOSS_TYPES, GRPOConfig, Prompts
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
-from nanochat_ext.cli import (add_config, add_training, config, configs, parse, recorded, run_script, script_argv,
-                              trainer_parser)
+from nanochat_ext.cli import (Configs, add_config, add_training, config, configs, parse, recorded, run_script,
+                              script_argv, trainer_parser)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import decode_compiled
 from nanochat_ext.generation.tools import tool_tokens
+from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session
 from nanochat_ext.training.loop import Loop
-from nanochat_ext.training.memory import backbone_shape, grpo_memory, micro_batch_for
+from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory, micro_batch_for
 from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy
 
 
@@ -113,17 +115,8 @@ def train(args: argparse.Namespace, session: Session) -> Path:
         return loop.consolidate(resume)
 
     # ---- micro-batches by memory, the method, the loop -------------------------------------------------------
-    engine = training.engine
-    kept_rows = tuple(sorted({share, *eval_decode_rows(len(eval_ids), env.world_size, share,  # a compiled engine's
-                                                       evaluation.eval_pass_k)})) if engine.compiled else ()  # states
-    estimate_for = functools.partial(
-        grpo_memory, backbone_shape(loaded.backbone), parallel=c.model.parallel, ranks=env.world_size,
-        checkpointing=c.model.activation_checkpointing, prompt_len=max(map(len, train_ids)),
-        new_tokens=rollout.max_new_tokens, rows=share,  # at the longest prompt, every completion at its longest
-        accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
-        reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
-        lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
-        kept_rows=kept_rows, slots=engine.reserved_slots)
+    estimate_for = memory_model(training, c, share, rollout.max_new_tokens, train_ids, eval_ids,
+                                evaluation.eval_pass_k, rm_backbone)
     micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume,
                                       prefer=rollout.group_size)
     print0(f"batch: {c.batch.batch_size} prompts x {rollout.group_size} completions global = {env.world_size} ranks x "
@@ -131,6 +124,22 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     method = GRPO(training, grpo, rollout, evaluation, rewards, Prompts(train_rows, train_ids),
                   Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress)
     return loop.run(method)
+
+
+def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
+                 eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None) -> Callable[..., StepMemory]:
+    """What a GRPO step of this run holds on each rank, by micro-batch size (memory.grpo_memory): at the longest
+    prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes."""
+    engine, env = training.engine, training.env
+    kept_rows = tuple(sorted({share, *eval_decode_rows(len(eval_ids), env.world_size, share, pass_k)})) \
+        if engine.compiled else ()
+    return functools.partial(
+        grpo_memory, backbone_shape(training.policy), parallel=c.model.parallel, ranks=env.world_size,
+        checkpointing=c.model.activation_checkpointing, prompt_len=max(map(len, train_ids)), new_tokens=new_tokens,
+        rows=share, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
+        reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
+        lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
+        kept_rows=kept_rows, slots=engine.reserved_slots)
 
 
 def decode_line(training: PolicyTraining, why: str) -> str:

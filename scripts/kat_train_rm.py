@@ -1,5 +1,5 @@
 """Train a reward model on preference pairs: frozen backbone (optionally its last N blocks trainable),
-a linear head on the last real token, weighted Bradley–Terry loss over the global c.batch.
+a linear head on the last real token, weighted Bradley–Terry loss over the global batch.
 
     python -m scripts.kat_train_rm --backbone CKPT --pairs pairs.jsonl
     torchrun --standalone --nproc_per_node=8 -m scripts.kat_train_rm -- --backbone CKPT --pairs pairs.jsonl
@@ -46,6 +46,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
 
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)
+    share = c.batch.plan(env.world_size).per_rank  # one line where the batch does not split over the ranks
     resume = resolve_resume(c.out.resume, out_dir, "reward_model")
     backbone, tok = load_rm_backbone(args.backbone, c.model, env, rm.unfreeze_last, c.lora.spec)
     max_len = fit_max_len(c.data.max_len, backbone.max_seq_len, "backbone")
@@ -69,11 +70,10 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     estimate_for = functools.partial(  # at --max_len, every pair's longest
         rm_memory, backbone_shape(backbone), parallel=c.model.parallel, ranks=env.world_size,
         checkpointing=c.model.activation_checkpointing, seq_len=max_len, unfreeze=rm.unfreeze_last,
-        pairs=loader.plan.per_rank, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
+        pairs=share, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
         lora=sum(p.numel() for p in backbone.parameters() if p.requires_grad) if c.lora.lora_r else 0,
         device=env.device.type)
-    micro, estimate = micro_batch_for(c.batch.device_batch_size, loader.plan.per_rank, estimate_for, env.device,
-                                      resume)
+    micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume)
     loader = c.batch.loader(len(train_pairs), env.world_size, env.rank, micro)
     plan = loader.plan
     print0(f"batch: {plan.batch_size} global = {env.world_size} ranks x {plan.accum_steps} micro-batches x "

@@ -1,7 +1,8 @@
 """Direct preference optimisation on pairs: each pair's chosen and rejected log-probs under the policy (its prompt
 computed once, a prefix tree of two branches), the reference's, the losses (DPO's sigmoid with cDPO label smoothing,
 IPO, hinge, SimPO), weighted per pair and normalised over the global batch as the reward model's loss is, the
-metrics TRL's DPOTrainer logs, and the method the loop runs. The formulas are TRL 1.16's (tests/test_dpo.py checks them against its own code).
+metrics TRL's DPOTrainer logs, and the method the loop runs. The formulas are TRL 1.16's (tests/test_dpo.py checks
+them against its own code).
 """
 from __future__ import annotations
 

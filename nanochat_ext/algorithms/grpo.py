@@ -85,10 +85,11 @@ class GRPOConfig:
     loss_type: str | None = option(None, "TRL's name for --loss_agg: dapo = token, grpo = sequence, dr_grpo = dr_grpo, "
                                          "bnpo = token (TRL's bnpo normalises each micro-batch by its own tokens; here "
                                          "the global batch's)", choices=list(TRL_LOSS_TYPES))
-    importance_level: str = option("token", "token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); sequence: "
-                                             "GSPO's s_i = exp(mean_t log r_it) for every token of completion i, "
-                                             "clipped per completion. The GSPO paper pairs it with --loss_agg sequence; "
-                                             "token sums weight a completion by its length", choices=IMPORTANCE_LEVELS)
+    importance_level: str = option("token", "token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); "
+                                            "sequence: GSPO's s_i = exp(mean_t log r_it) for every token of completion "
+                                            "i, clipped per completion. The GSPO paper pairs it with --loss_agg "
+                                            "sequence; token sums weight a completion by its length",
+                                   choices=IMPORTANCE_LEVELS)
     clip_eps: float = option(0.2, "PPO clip range", type=float, check=FINITE_NON_NEGATIVE)
     clip_eps_high: float | None = option(None, "upper clip range (DAPO's clip-higher); default: clip_eps", type=float,
                                          check=FINITE_NON_NEGATIVE)
@@ -322,7 +323,8 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               "perf/completions_per_s": n / elapsed,
               "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
               # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
-              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world) for phase in ("gen", "score", "ref", "train")},
+              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world)
+                 for phase in ("gen", "score", "ref", "train")},
               "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
               "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
               # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those

@@ -9,7 +9,7 @@ from nanochat_ext.training.logprobs import make_sequences, sft_backward
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory
 from nanochat_ext.training.setup import PolicyTraining
-from nanochat_ext.training.tracking import Tracker, WindowSums
+from nanochat_ext.training.tracking import WindowSums
 
 Example = tuple[list[int], list[int], list[int]]  # prompt ids, reply ids, reply mask (0: a token a tool wrote)
 
@@ -50,8 +50,5 @@ class SFT:
         return {"train/loss": s["loss"] / (s["steps"] / self.training.env.world_size),
                 "perf/tokens_per_s": s["tokens"] / elapsed}
 
-    def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
-        return {}
-
     def resume_state(self) -> dict:
-        return {}
+        return {"device_batch_size": self.plan.device_batch_size}

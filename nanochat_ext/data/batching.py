@@ -4,14 +4,13 @@ and packed (a pair's prompt once, as a prefix tree, with its two responses as br
 """
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch.utils.data import DistributedSampler
 
-from nanochat_ext.config import option
+from nanochat_ext.config import micro_batch, option
 from nanochat_ext.data.rows import PairRow, PromptRow, attach_density, load_density, load_pairs, split_by_prefix
 from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError
@@ -19,19 +18,6 @@ from nanochat_ext.tokenizer import TokenizerWrapper
 
 LONG_PAIRS = ("truncate", "drop")
 WEIGHT_MODES = ("mean", "sum", "none")
-
-
-def micro_batch(value: str) -> int | str:
-    """--device_batch_size: a positive number, or 'auto'."""
-    if value == "auto":
-        return value
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be a number >= 1 or 'auto', got {value!r}")
-    return n
 
 
 @dataclass(frozen=True)
@@ -44,11 +30,15 @@ class BatchConfig:
               "same on every rank (logged with its figures). Default on CPU: the rank's whole share", type=micro_batch)
     seed: int = option(0, "data order{seeds}", type=int)
 
-    def loader(self, n: int, world: int, rank: int, micro: int | None = None) -> "GlobalBatchLoader":
-        """Rank `rank`'s batches of n examples (its `plan`) in micro-batches of `micro` (None: --device_batch_size as
-        given, else the rank's whole share); one line where the batch does not split or the examples make none."""
+    def plan(self, world: int, micro: int | None = None) -> "BatchPlan":
+        """The global batch over `world` ranks in micro-batches of `micro` (None: --device_batch_size as given, else the
+        rank's whole share); one line where it does not split."""
         given = None if self.device_batch_size in (None, "auto") else self.device_batch_size
-        return GlobalBatchLoader(n, BatchPlan.make(self.batch_size, world, micro or given), rank, self.seed)
+        return BatchPlan.make(self.batch_size, world, micro or given)
+
+    def loader(self, n: int, world: int, rank: int, micro: int | None = None) -> "GlobalBatchLoader":
+        """Rank `rank`'s batches of n examples (`plan`'s); one line where the examples make no batch."""
+        return GlobalBatchLoader(n, self.plan(world, micro), rank, self.seed)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,9 @@ DEVICES = ("auto", "cpu", "cuda")
 class SessionConfig:
     """Where a script runs and how its ranks talk."""
     device: str = option("auto", "auto: the GPU of this rank where CUDA is available, else the CPU", choices=DEVICES)
-    backend: str | None = option(None, "process-group backend (default: nccl on CUDA, gloo on CPU). Given explicitly, a "
-                                       "one-process run creates the group too, so one GPU runs the whole distributed path")
+    backend: str | None = option(None, "process-group backend (default: nccl on CUDA, gloo on CPU). Given explicitly, "
+                                       "a one-process run creates the group too, so one GPU runs the whole distributed "
+                                       "path")
     dist_timeout: float = option(1800.0, "collective timeout, seconds",
                                  check=(lambda v: 0 < v < float("inf"), "a finite number of seconds > 0"))
 

@@ -7,14 +7,18 @@ import json
 import math
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Callable
 
-from nanochat_ext.data.rows import PairRow, read_rows
+from nanochat_ext.data.rows import PairRow, PromptRow, read_rows
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
 from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.reward_model import load_reward_model
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.tasks.stats import sample_diversity
 
 # stage dir -> (plot name prefix, the metrics it plots); GRPO writes nanochat's chatrl_checkpoints/
-PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]), "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
+PLOT_KEYS = {"chatsft_checkpoints": ("chatsft", ["train/loss"]),
+             "rm_checkpoints": ("rm", ["train/accuracy", "val/accuracy"]),
              "chatrl_checkpoints": ("grpo", ["train/reward", "eval/reward_sampled"])}
 
 
@@ -52,7 +56,8 @@ def eval_rm(rm_dir: str, pairs: list[PairRow], topics: dict[int, str], env: Dist
 
 
 
-def plot_curves(base: Path, out_dir: Path, task: str | None = None, start: dict | None = None) -> list[tuple[str, Path]]:
+def plot_curves(base: Path, out_dir: Path, task: str | None = None,
+                start: dict | None = None) -> list[tuple[str, Path]]:
     """One PNG per training stage that logged metrics.jsonl; for a GRPO run that evaluated the task reward `task`
     on held-out prompts, also its learning curve against training seconds (perf/train_time_s, evaluations left
     out), from the policy before training at 0 s (start: its task accuracy, greedy and sampled)."""
@@ -96,7 +101,9 @@ def plot_curves(base: Path, out_dir: Path, task: str | None = None, start: dict 
 
 
 def fmt(x) -> str:
-    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}" if isinstance(x, float) else str(x)
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
 
 
 def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[str, float]], plots,
@@ -109,7 +116,8 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
         lines += ["Settings of this run: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()), ""]
     if timings:
         lines += ["## Wall time per stage", "", "| stage | seconds |", "|---|---|"]
-        lines += [f"| {name} | {sec:.0f} |" for name, sec in timings] + [f"| total | {sum(s for _, s in timings):.0f} |", ""]
+        lines += [f"| {name} | {sec:.0f} |" for name, sec in timings]
+        lines += [f"| total | {sum(s for _, s in timings):.0f} |", ""]
     if rms:
         groups = sorted({g for r in rms.values() for g in r}, key=lambda g: (g != "overall", "topics" not in g, g))
         lines += ["## Reward models on held-out pairs", "", "accuracy (mean margin), by group", "",
@@ -146,3 +154,69 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
     if plots:
         lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]
     return "\n".join(lines)
+
+
+def all_judgeable(rows: list[PromptRow]) -> bool:
+    """Whether every prompt is one of the demo's, whose completions its ground truth judges (synthetic.judge)."""
+    return all(r.row.get("topic") in synthetic.TOPIC_WORDS for r in rows)
+
+
+Completion = tuple[int, str, float, int]  # (prompt index, text, RM score, tokens)
+
+
+class Judged:
+    """Task accuracy of a policy's completions by mode (greedy, sampled): the demo's ground truth where every prompt
+    is the demo's, else the task reward's verdicts (which have no topics); dense and rare topics told apart by their
+    share of the prompts."""
+
+    def __init__(self, rows: list[PromptRow], completions: dict[str, list[Completion]],
+                 verdicts: dict[str, list[bool]]):
+        self.topic_of = [r.row.get("topic") for r in rows]
+        self.judgeable, self.completions, self.verdicts = all_judgeable(rows), completions, verdicts
+        self.dense = dense_topics(Counter(self.topic_of)) if self.judgeable else set()
+
+    def accuracy(self, mode: str, topics: Callable[[str], bool] | None = None) -> float | None:
+        """Of the mode's completions whose prompt's topic passes `topics` (None: all); None where nothing judges."""
+        if self.judgeable:
+            marks = [synthetic.judge(self.topic_of[i], text) for i, text, _, _ in self.completions[mode]
+                     if topics is None or topics(self.topic_of[i])]
+        else:
+            marks = self.verdicts.get(mode, []) if topics is None else []
+        return sum(marks) / len(marks) if marks else None
+
+    def by_group(self) -> dict[str, float | None]:
+        """task_accuracy_<mode>, and its dense and rare topics'."""
+        return {f"task_accuracy_{mode}{suffix}": self.accuracy(mode, topics) for mode in self.completions
+                for suffix, topics in (("", None), ("_dense", lambda t: t in self.dense),
+                                       ("_rare", lambda t: t not in self.dense))}
+
+    def topic_spread(self) -> float | None:
+        """The standard deviation of the sampled completions' accuracy over the demo's topics."""
+        per_topic = [self.accuracy("sampled", lambda topic, t=t: topic == t) for t in sorted(set(self.topic_of))] \
+            if self.judgeable else []
+        per_topic = [a for a in per_topic if a is not None]
+        if not per_topic:
+            return None
+        mean = sum(per_topic) / len(per_topic)
+        return (sum((a - mean) ** 2 for a in per_topic) / len(per_topic)) ** 0.5
+
+
+def policy_measures(source: str, rows: list[PromptRow], greedy: list[Completion], sampled: list[Completion],
+                    verdicts: dict[str, list[bool]], passes: dict, tool_use: dict) -> dict:
+    """A policy's row of the report: RM scores, task accuracy (overall, dense and rare topics, their gap and the spread
+    over topics), the sampled completions' diversity, length, pass@k, tool use and four greedy examples."""
+    judged = Judged(rows, {"greedy": greedy, "sampled": sampled}, verdicts)
+    accuracy = judged.by_group()
+    dense, rare = accuracy["task_accuracy_sampled_dense"], accuracy["task_accuracy_sampled_rare"]
+    texts_by_prompt = defaultdict(list)
+    for i, text, _, _ in sampled:
+        texts_by_prompt[i].append(text)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"checkpoint": source, "rm_score_greedy": mean([s for _, _, s, _ in greedy]),
+            "rm_score_sampled": mean([s for _, _, s, _ in sampled]), **accuracy,
+            "task_accuracy_gap_dense_rare": None if dense is None or rare is None else dense - rare,
+            "topic_accuracy_spread": judged.topic_spread(),
+            **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
+            **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
+            "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text}
+                         for i, text, _, _ in sorted(greedy, key=lambda item: item[0])[:4]]}

@@ -40,8 +40,8 @@ class LoopConfig:
                              check=(EVERY[0], ">= 0 (0: only at the end)"), type=int)
 
     def with_steps(self, n_train: int, per_step: int, unit: str) -> "LoopConfig":
-        """--max_steps where it is not given: n_train // per_step x --num_epochs (nanochat's chat_rl counts its steps so;
-        the lr schedule and the evaluation cadence follow), else DEFAULT_MAX_STEPS. With --num_epochs, rank 0 prints
+        """--max_steps where it is not given: n_train // per_step x --num_epochs (nanochat's chat_rl counts its steps
+        so; the lr schedule and the evaluation cadence follow), else DEFAULT_MAX_STEPS. With --num_epochs, rank 0 prints
         the line saying which. `unit`: what is counted (prompts, pairs)."""
         epochs = self.num_epochs
         if not epochs:
@@ -77,8 +77,8 @@ class OutputConfig:
                                            "tensorboard, wandb (the wandb library, installed apart; WANDB_MODE=offline "
                                            "works), both as 'tensorboard,wandb', or none")
     wandb_project: str | None = option(None, "wandb project (default: $WANDB_PROJECT, else nanochat_ext)")
-    consolidate: str | None = option(None, "with --resume: write the checkpoint resumed from (a sharded one too) whole, "
-                                           "in the input's own layout, into DIR, and stop without training",
+    consolidate: str | None = option(None, "with --resume: write the checkpoint resumed from (a sharded one too) "
+                                           "whole, in the input's own layout, into DIR, and stop without training",
                                      metavar="DIR")
 
     def check(self) -> None:
@@ -109,7 +109,7 @@ class Method(Protocol):
         """A log window's metrics from its sums over every rank and its wall-clock seconds."""
 
     def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
-        """Collective: the held-out metrics after step `done`."""
+        """Collective, where `evaluation` is not None: the held-out metrics after step `done`."""
 
     def resume_state(self) -> dict:
         """What a checkpoint's resume state holds of this method (its draw, its micro-batch size)."""
@@ -149,10 +149,10 @@ class Loop:
                 self.log(method, lr)
             if method.evaluation is not None and (last or due(self.done, self.cfg.eval_every)):
                 self.evaluate(method)
-            self.end_step(method)
+            self.end_step()
         if method.estimate is not None:
             report_peak(self.env.device, method.estimate)
-        return self.finish(method)
+        return self.finish()
 
     def start(self, method: Method) -> None:
         """Open the logs (rank 0) and arm the stop guard: the loop begins."""
@@ -204,7 +204,7 @@ class Loop:
             self.metrics.update(metrics)
         self.t_log = self.t_count = time.time()
 
-    def end_step(self, method: Method) -> None:
+    def end_step(self) -> None:
         """After a step: stop with a checkpoint if the guard says so, or save if --save_every is due."""
         if self.done != self.cfg.max_steps:
             if self.guard.stop:
@@ -214,7 +214,7 @@ class Loop:
                 print0(f"checkpoint: {self.save(self.done)}")
         self.progress.done = self.done  # a save is still part of its step for the line naming a lost rank
 
-    def finish(self, method: Method) -> Path:
+    def finish(self) -> Path:
         """The loop is over: close the logs and write the final checkpoint (or, written before the final evaluation,
         record the metrics in its meta)."""
         self.tracker.close()

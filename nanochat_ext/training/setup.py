@@ -25,7 +25,7 @@ from nanochat_ext.models.lora import (LoraSpec, WithoutAdapters, adapter_state, 
 from nanochat_ext.models.reward_model import RewardModel, trainable_state
 from nanochat_ext.models.vintages import NANOCHAT_WRITTEN
 from nanochat_ext.runtime.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load
-from nanochat_ext.runtime.oom import FEWER_RANKS_STATE, LORA_STATE
+from nanochat_ext.runtime.oom import FEWER_RANKS_STATE, LORA_STATE, smaller_micro
 from nanochat_ext.runtime.parallel import PARALLEL_MODES, Parallel, checkpoint_activations
 from nanochat_ext.runtime.precision import DTYPES, compute_dtype, precision
 from nanochat_ext.runtime.resume import check_resume_args
@@ -85,7 +85,7 @@ class ModelTraining:
         self.trainable = [p for p in model.parameters() if p.requires_grad]  # after wrapping: FSDP's own
         self.optimizer = make_optimizer(optim.optimizer, base, self.trainable, optim.lr, optim.weight_decay,
                                         self.env.device)
-        # this run's --lr per group, before a resumed optimizer state brings the saved run's (--resume_extend may differ)
+        # this run's --lr per group, before a resumed optimizer state brings the saved run's (--resume_extend)
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
         self.start_step, self.train_time, self.resumed = 0, 0.0, {}
 
@@ -100,14 +100,14 @@ class ModelTraining:
         if not self.parallel.resume(path, self.model, self.optimizer):
             self.load_whole(state, path)
             self.optimizer.load_state_dict(state["optimizer"])
-        self.start_step, self.train_time, self.resumed = int(state["step"]), float(state.get("train_time_s", 0.0)), state
-        print0(f"resume: from {path} at step {self.start_step}" + (f" (draw {state['draw']})" if "draw" in state else ""))
+        self.start_step, self.train_time = int(state["step"]), float(state.get("train_time_s", 0.0))
+        self.resumed = state
+        print0(f"resume: from {path} at step {self.start_step}" + (f" (draw {state['draw']})" if "draw" in state
+                                                                    else ""))
 
     def training_hints(self, micro: int, share: int) -> tuple[str, ...]:
         """What takes less memory in a training micro-batch of `micro` of this rank's `share` rows."""
-        below = [m for m in range(micro - 1, 0, -1) if share % m == 0]
-        return ((f"--device_batch_size {below[0]}",) if below else ()) + ("--activation_checkpointing",
-                                                                           *self.state_hints)
+        return (*smaller_micro(micro, share), "--activation_checkpointing", *self.state_hints)
 
     def save(self, step: int, into: Path, *, final: bool, consolidate: bool, meta: dict, state: dict) -> Path:
         """Collective: the checkpoint of `step` into `into`, its meta (kind, stamp and step first, then the model's
@@ -232,7 +232,7 @@ class PolicyTraining(ModelTraining):
                              path=str(resume[0]))
 
     def drop_reference(self) -> None:
-        """Free the reference once nothing reads it (DPO's log-probs computed before training); returns None."""
+        """Free the reference once nothing reads it (DPO's log-probs computed before training)."""
         self.reference = None
 
     def describe(self) -> str:

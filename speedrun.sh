@@ -67,12 +67,8 @@ case $REGIME in
     *) echo "speedrun: unknown REGIME '$REGIME' (default, collapse)" >&2; exit 2 ;;
 esac
 EXPERIMENT_SFT_STEPS="${SFT_STEPS:-400}"  # the density experiment's (it has no arithmetic topic)
-SFT_STEPS="${SFT_STEPS:-1000}"  # the arithmetic topic's copying (prompt -> call, answer -> reply) needs them
-RM_STEPS="${RM_STEPS:-150}"
-GRPO_STEPS="${GRPO_STEPS:-$([ -n "${MODEL:-}" ] && echo 40 || echo 200)}"
-DPO_STEPS="${DPO_STEPS:-100}"
-EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
 SEED="${SEED:-0}"
+SAVE_EVERY="${SAVE_EVERY:-50}"  # every stage checkpoints this often, so an interrupted one resumes near where it was
 check_arms() {  # before any stage runs: a bad arm would otherwise stop the pipeline after SFT and the RMs
     for arm in $1; do
         [[ $arm =~ ^(uniform|density|fork|dpo|dpo_density|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
@@ -115,15 +111,41 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
 fi
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
 check_arms "$ARMS"
+DEMO=$([ -z "${MODEL:-}" ] && { [ -z "${BACKBONE:-}" ] || [ -z "${PAIRS:-}" ]; } && echo 1 || echo 0)
+# Each stage's flags: the pipeline's own (inputs, --out, --seed, --save_every), then the demo's recipe for its tiny
+# model (the demo only: a model of your own runs with the scripts' defaults, set for real models), then *_STEPS where
+# given, then *_ARGS: the last copy of a flag wins. Every stage prints the command it runs; the report lists them.
+if [ "$DEMO" = 1 ]; then
+    SFT_STEPS="${SFT_STEPS:-1000}"  # the arithmetic topic's copying (prompt -> call, answer -> reply) needs them
+    RM_STEPS="${RM_STEPS:-150}" GRPO_STEPS="${GRPO_STEPS:-200}" DPO_STEPS="${DPO_STEPS:-100}"
+    EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
+    RECIPE_SFT=(--batch_size 32 --lr 3e-3)
+    RECIPE_RM=(--batch_size 32 --unfreeze_last 1 --eval_every 50)
+    RECIPE_GRPO=(--batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02 --eval_every 50)
+    RECIPE_DPO=(--batch_size 32 --lr 1e-4 --beta 0.1 --eval_every 50)
+else
+    RECIPE_SFT=() RECIPE_RM=() RECIPE_GRPO=() RECIPE_DPO=()
+fi
+steps() { [ -n "$1" ] && echo "--max_steps $1"; true; }  # a stage's --max_steps where *_STEPS is set
+read -r -a STEPS_SFT <<< "$(steps "${SFT_STEPS:-}")"
+read -r -a STEPS_RM <<< "$(steps "${RM_STEPS:-}")"
+read -r -a STEPS_GRPO <<< "$(steps "${GRPO_STEPS:-}")"
+read -r -a STEPS_DPO <<< "$(steps "${DPO_STEPS:-}")"
+read -r -a SAMPLES <<< "${EVAL_SAMPLES:+--samples $EVAL_SAMPLES}"
 export REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES
+# For the report: the regime and what was passed through, for the stages this run has
+ran=(REGIME EVAL_SAMPLES EVAL_ARGS GRPO_STEPS GRPO_ARGS)
+[ "$DEMO" = 1 ] && ran+=(SFT_STEPS SFT_ARGS)
+[ -z "${MODEL:-}" ] && ran+=(RM_STEPS RM_ARGS)
+[[ " $ARMS " == *" dpo"* ]] && [ -z "${MODEL:-}" ] && ran+=(DPO_STEPS DPO_ARGS)
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
-    "$B/stage_args.json" REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES SFT_ARGS RM_ARGS GRPO_ARGS DPO_ARGS \
-    EVAL_ARGS  # for the report
+    "$B/stage_args.json" "${ran[@]}"
 
-record_time() {  # stage seconds -> timings.tsv (one line per stage, the latest run)
-    { grep -v "^$1	" "$B/timings.tsv" 2>/dev/null || true; printf '%s\t%s\n' "$1" "$2"; } > "$B/timings.tsv.tmp"
-    mv "$B/timings.tsv.tmp" "$B/timings.tsv"
+record() {  # record FILE STAGE VALUE: one line per stage in FILE, the latest run's
+    { grep -v "^$2	" "$B/$1" 2>/dev/null || true; printf '%s\t%s\n' "$2" "$3"; } > "$B/$1.tmp"
+    mv "$B/$1.tmp" "$B/$1"
 }
+record_time() { record timings.tsv "$1" "$2"; }  # stage seconds
 skip() { [ "$FORCE" != 1 ] && [ -e "$1" ]; }
 # launch NAME NEEDS SCRIPT ARGS...: one torchrun stage (one rank: the script itself, which needs no launcher and
 # starts ~3 s sooner without torchrun's agent). On failure it repeats the stage's last `error:` line after
@@ -133,6 +155,8 @@ launch() {
     if [ "$NPROC_PER_NODE" = 1 ]; then cmd=(python -m "$script")
     else cmd=(torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" --max-restarts="$MAX_RESTARTS"
               -m "$script" --); fi
+    echo "   $name: python -m $script $* ${RUNTIME[*]}"
+    record stages.tsv "$name" "python -m $script $* ${RUNTIME[*]}"  # the report lists each stage's command
     errlog=$(mktemp)
     # stderr goes to the terminal and, through tee, to errlog; stdout is untouched
     if ! { "${cmd[@]}" "$@" "${RUNTIME[@]}" 2>&1 1>&3 | tee "$errlog" >&2; } 3>&1; then
@@ -174,11 +198,11 @@ if [ -n "${MODEL:-}" ]; then
     POLICY="$B/chatrl_checkpoints/$MODEL"
     train "grpo_$MODEL" "the model ($MODEL_DIR, made by fetch_model) and the task's prompts ($TASK)" "$POLICY" \
         scripts.kat_train_grpo --policy "$MODEL_DIR" --prompts "$TASK/train.jsonl" --eval_prompts "$TASK/eval.jsonl" \
-        --preset word_arithmetic --max_steps "$GRPO_STEPS" --seed "$SEED" "${EXTRA_GRPO[@]}"
+        --preset word_arithmetic "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     launch eval "the GRPO policy ($POLICY) and the task's held-out prompts" scripts.kat_eval \
-        --policy_before "$MODEL_DIR" --policy "GRPO $MODEL=$POLICY" --eval_prompts "$TASK/eval.jsonl" \
-        --reward_fn last_number --samples "$EVAL_SAMPLES" --seed "$SEED" "${EXTRA_EVAL[@]}"
+        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" --policy "GRPO $MODEL=$POLICY" \
+        --eval_prompts "$TASK/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
     echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
     python - "$B/report.json" <<'PY'
@@ -202,8 +226,8 @@ if [ -z "${BACKBONE:-}" ] || [ -z "${PAIRS:-}" ]; then
     PAIRS="$B/demo/pairs.jsonl"
     PROMPTS="$B/demo/prompts.jsonl"
     train sft "the base model and demo/sft.jsonl, made by demo_data" "$B/chatsft_checkpoints/default" scripts.kat_sft --backbone "$B/base_checkpoints/demo" \
-        --tokenizer "$TOKENIZER" --conversations "$B/demo/sft.jsonl" --max_steps "$SFT_STEPS" --batch_size 32 \
-        --lr 3e-3 --save_every 100 --seed "$SEED" "${EXTRA_SFT[@]}"
+        --tokenizer "$TOKENIZER" --conversations "$B/demo/sft.jsonl" --seed "$SEED" --save_every 100 \
+        "${RECIPE_SFT[@]}" "${STEPS_SFT[@]}" "${EXTRA_SFT[@]}"
     BACKBONE="$B/chatsft_checkpoints/default"
 fi
 PROMPTS="${PROMPTS:-$PAIRS}"
@@ -231,18 +255,18 @@ case " $ARMS " in *" fork "*)
         record_time density_fork $((SECONDS - s))
     fi ;;
 esac
-RM_FLAGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$RM_STEPS" --batch_size 32
-          --unfreeze_last 1 --eval_every 50 --save_every 50 --seed "$SEED")
+RM_FLAGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --seed "$SEED" --save_every "$SAVE_EVERY"
+          "${RECIPE_RM[@]}" "${STEPS_RM[@]}")
 NEEDS_RM="a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) with its tokenizer, and pairs ($PAIRS)"
 train rm_uniform "$NEEDS_RM" "$B/rm_checkpoints/uniform" scripts.kat_train_rm "${RM_FLAGS[@]}" "${EXTRA_RM[@]}"
 train rm_density "$NEEDS_RM and density weights (made by the density stage)" "$B/rm_checkpoints/density" scripts.kat_train_rm "${RM_FLAGS[@]}" --density "$WEIGHTS" "${EXTRA_RM[@]}"
 if [[ " $ARMS " == *" fork "* ]]; then train rm_fork "$NEEDS_RM and fork weights (made by the density_fork stage)" \
     "$B/rm_checkpoints/fork" scripts.kat_train_rm "${RM_FLAGS[@]}" --density "$FORK_WEIGHTS" "${EXTRA_RM[@]}"; fi
-GRPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS"
-           --max_steps "$GRPO_STEPS" --seed "$SEED" --batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02
-           --eval_every 50 --save_every $(( GRPO_STEPS > 100 ? 50 : (GRPO_STEPS + 1) / 2 )))
-DPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --max_steps "$DPO_STEPS" --seed "$SEED" --batch_size 32
-           --lr 1e-4 --beta 0.1 --eval_every 50 --save_every 50)
+GRPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS" --seed "$SEED"
+            --save_every "$([ -n "${GRPO_STEPS:-}" ] && [ "$GRPO_STEPS" -le 100 ] && echo $(( (GRPO_STEPS + 1) / 2 )) ||
+                             echo "$SAVE_EVERY")" "${RECIPE_GRPO[@]}" "${STEPS_GRPO[@]}")
+DPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --seed "$SEED" --save_every "$SAVE_EVERY" "${RECIPE_DPO[@]}"
+           "${STEPS_DPO[@]}")
 arm_dir() { case $1 in dpo*) echo "$B/dpo_checkpoints/$1" ;; *) echo "$B/chatrl_checkpoints/$1" ;; esac; }
 EVAL_POLICIES=()
 # Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
@@ -273,12 +297,17 @@ if eval_fresh; then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
-    # Held-out sets: the demo's, or EVAL_PAIRS / EVAL_PROMPTS (default: the training files, not held out).
-    EVAL_PAIRS="${EVAL_PAIRS:-$([ -f "$B/demo/eval_pairs.jsonl" ] && echo "$B/demo/eval_pairs.jsonl" || echo "$PAIRS")}"
-    EVAL_PROMPTS="${EVAL_PROMPTS:-$([ -f "$B/demo/eval_prompts.jsonl" ] && echo "$B/demo/eval_prompts.jsonl" || echo "$PROMPTS")}"
+    # Held-out sets: the demo's, or EVAL_PAIRS and EVAL_PROMPTS; else what the trainers held out of the training files
+    # (--val_ratio 0.1 of the prompts, by prefix_id), which the report says.
+    HOLDOUT=()
+    if [ -f "$B/demo/eval_pairs.jsonl" ]; then
+        EVAL_PAIRS="$B/demo/eval_pairs.jsonl" EVAL_PROMPTS="$B/demo/eval_prompts.jsonl"
+    elif [ -z "${EVAL_PAIRS:-}" ] || [ -z "${EVAL_PROMPTS:-}" ]; then
+        EVAL_PAIRS="$PAIRS" EVAL_PROMPTS="$PROMPTS" HOLDOUT=(--eval_holdout 0.1)
+    fi
     # Policies are scored by the uniform RM, one judge for every arm (the demo's ground truth is judged too).
-    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" --seed "$SEED" "${EVAL_POLICIES[@]}"
-          --score_rm "$B/rm_checkpoints/uniform" --samples "$EVAL_SAMPLES")
+    EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" "${HOLDOUT[@]}" --seed "$SEED" "${EVAL_POLICIES[@]}"
+          --score_rm "$B/rm_checkpoints/uniform" "${SAMPLES[@]}")
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
     # The demo's tool use (demo/eval_arithmetic.jsonl): judged by its ground truth, with and without the calculator
     [ -f "$B/demo/eval_arithmetic.jsonl" ] && EVAL+=(--reward_fn nanochat_ext.tasks.synthetic:task_reward --pass_k 4)

@@ -10,7 +10,7 @@ head's log-softmax over the whole batch at once); "after" is today's.
 Beside each fake-tensor GRPO run (today's code, with and without --activation_checkpointing) it prints the
 arithmetic of nanochat_ext/training/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
 --model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing, with
---lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table the README's "which setting for
+--lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table docs/scaling.md's "which setting for
 which model and GPUs" table.
 
     python bench/memory_estimate.py            # one JSON line per configuration
@@ -246,7 +246,7 @@ def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 
              **{f"gb_{k}": v for k, v in rm.gib().items()}}]
 
 
-# The README's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
+# docs/scaling.md's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
 # (bench_gpu.nanochat_dims), and the settings that reach them.
 TABLE_SHAPES = ("d20:32768", "d24:32768", "d26:32768", "d32:32768")
 TABLE_SETTINGS = (("ddp", 1, False, 0), ("ddp", 1, False, 16), ("ddp", 1, True, 16), ("fsdp", 1, True, 0),
@@ -276,7 +276,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--activation_checkpointing", action="store_true")
     p.add_argument("--lora_r", type=int, default=0, help="with --model: LoRA of this rank (0: a full fine-tune)")
-    p.add_argument("--table", action="store_true", help="the README's table (markdown), from the arithmetic")
+    p.add_argument("--table", action="store_true", help="docs/scaling.md's table (markdown), from the arithmetic")
     p.add_argument("--vintage", default="current", help="dec2025: the 561M-parameter d20 (no value embeddings)")
     p.add_argument("--rm_pairs", type=int, default=32)
     p.add_argument("--rm_len", type=int, default=512)

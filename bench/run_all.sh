@@ -2,6 +2,7 @@
 # Ours beside Hugging Face TRL (../shared/anchor-bench) in one sitting, interleaved, ROUNDS times;
 # one JSON line per run on stdout, tagged with "run". Machines are noisy: compare within a sitting.
 #   ANCHOR_VENV=/tmp/anchor-venv ANCHOR_ASSETS=/tmp/anchor-assets ROUNDS=2 bash bench/run_all.sh
+# From a clone with no ../shared/anchor-bench (or no TRL venv): the assets from bench/make_assets.py, ours only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -11,9 +12,16 @@ ANCHOR_VENV=${ANCHOR_VENV:-/tmp/anchor-venv}
 export ANCHOR_ASSETS=${ANCHOR_ASSETS:-/tmp/anchor-assets}
 ROUNDS=${ROUNDS:-1}
 A=$ANCHOR_ASSETS
-[ -d "$A/tiny-llama" ] || "$ANCHOR_VENV/bin/python" "$ANCHOR/make_assets.py" >/dev/null
-tag() { python -c "import json,sys; r=json.loads(sys.stdin.read().strip().splitlines()[-1]); r['run']='$1'; print(json.dumps(r))"; }
-trl() { (cd "$ANCHOR" && "$ANCHOR_VENV/bin/$1" "${@:2}" 2>/dev/null); }
+HAVE_TRL=$([ -f "$ANCHOR/make_assets.py" ] && [ -x "$ANCHOR_VENV/bin/python" ] && echo 1 || echo 0)
+if [ ! -d "$A/tiny-llama" ]; then
+  if [ "$HAVE_TRL" = 1 ]; then "$ANCHOR_VENV/bin/python" "$ANCHOR/make_assets.py" >/dev/null
+  else python bench/make_assets.py --out "$A" >/dev/null; fi
+fi
+[ "$HAVE_TRL" = 1 ] || echo "run_all: no $ANCHOR or $ANCHOR_VENV: ours only, on bench/make_assets.py's assets" >&2
+tag() {  # the run's last JSON line, tagged; nothing for a run that printed none (TRL's, where it is not here)
+  python -c "import json,sys; l=sys.stdin.read().strip().splitlines(); r=l and json.loads(l[-1]); r and r.update(run='$1'); r and print(json.dumps(r))"
+}
+trl() { [ "$HAVE_TRL" = 1 ] && (cd "$ANCHOR" && "$ANCHOR_VENV/bin/$1" "${@:2}" 2>/dev/null); }
 ours() { "$@" 2>/dev/null; }
 TR="-m torch.distributed.run --standalone --nproc_per_node 2"
 for _ in $(seq "$ROUNDS"); do

@@ -1,1 +1,1 @@
-"""nanochat_ext: reward-model and GRPO training for nanochat-style chat models, DDP-correct."""
+"""nanochat_ext: reward models, GRPO, DPO and SFT for nanochat-style chat models, DDP-correct."""

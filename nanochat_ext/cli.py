@@ -24,15 +24,17 @@ from nanochat_ext.training.setup import ModelConfig
 TRAINERS = ("sft", "rm", "dpo", "grpo")
 NO = "-"  # in DEFAULTS: the trainer has no such flag
 
-# Each trainer's defaults where they are its own (a flag not listed: its field's default for every trainer); TRL's
-# where TRL has the trainer (DPO's lr). lr: AdamW's, where --lr is not given (OptimConfig.with_lr).
+# Each trainer's defaults where they are its own (a flag not listed: its field's default for every trainer), set for
+# real models: TRL 1.16's where TRL has the trainer (SFT's, DPO's and GRPO's lr). lr: AdamW's, where --lr is not given
+# (OptimConfig.with_lr); the RM's trains its head alone by default (--unfreeze_last 0), for which TRL's 1e-4 for a
+# full fine-tune is far too small.
 DEFAULTS: dict[str, tuple[Any, Any, Any, Any]] = {
     #                    sft       rm        dpo       grpo
     "batch_size":       (32,       32,       32,       8),
     "max_steps":        (300,      200,      None,     None),
     "num_epochs":       (NO,       NO,       None,     None),
     "optimizer":        (NO,       NO,       "adamw",  "adamw"),
-    "lr":               (3e-3,     3e-3,     1e-6,     1e-5),
+    "lr":               (2e-5,     3e-3,     1e-6,     1e-6),
     "warmup_steps":     (10,       0,        0,        0),
     "lr_decay":         (NO,       NO,       "cosine", "cosine"),
     "log_every":        (20,       10,       10,       1),
@@ -48,7 +50,8 @@ MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning ra
 WORDS: dict[str | None, dict[str, str]] = {
     "sft": {"unit": "conversations", "micro_unit": "conversations", "model": "model", "steps": "optimizer steps",
             "max_steps": "%(default)s", "epochs": "", "seeds": "", "responses": "replies", "at_most": "",
-            "val_ratio": "", "stage_dir": "chatsft_checkpoints", "tag": "'default'", "lr": "3e-3", "muon_lr": ""},
+            "val_ratio": "", "stage_dir": "chatsft_checkpoints", "tag": "'default'", "lr": "2e-5, TRL's",
+            "muon_lr": ""},
     "rm": {"unit": "pairs", "micro_unit": "pairs", "model": "backbone", "steps": "optimizer steps",
            "max_steps": "%(default)s", "epochs": "", "seeds": " and head init", "responses": "responses",
            "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "rm_checkpoints",
@@ -61,7 +64,7 @@ WORDS: dict[str | None, dict[str, str]] = {
              "max_steps": "--num_epochs's, else 100", "epochs": " (steps' worth of batches: dynamic sampling may draw "
                                                           "more)", "seeds": " and sampling", "responses": "completions",
              "at_most": "", "val_ratio": " where no --eval_prompts", "stage_dir": "chatrl_checkpoints",
-             "tag": "'density' with --density, else 'uniform' (--preset chat_rl: d<depth>)", "lr": "1e-5",
+             "tag": "'density' with --density, else 'uniform' (--preset chat_rl: d<depth>)", "lr": "1e-6, TRL's",
              "muon_lr": MUON_LR_HELP},
     None: {"model": "model"},
 }
@@ -207,3 +210,30 @@ def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Ses
         return EXIT_BAD_INPUT
     return run(session, lambda s: body(args, s), label, group=getattr(args, "parallel", "ddp") == "fsdp",
                given=vars(args))
+
+
+def reference(parsers: dict[str, argparse.ArgumentParser]) -> str:
+    """docs/cli.md: every script's flags, group by group, each with its help and default, in markdown
+    (scripts/kat_docs.py writes it; a test holds the committed file to the parsers)."""
+    lines = ["# Command-line reference", "",
+             "Generated from the scripts' own parsers by `python -m scripts.kat_docs` (a test fails when it is stale). "
+             "Every flag also takes its dashed spelling (`--max-steps` for `--max_steps`).", ""]
+    lines += [f"- [`{name}`](#{name})" for name in parsers] + [""]
+    for name, p in parsers.items():
+        summary = (p.description or "").strip().split("\n\n")[0].replace("\n", " ")
+        lines += [f"## {name}", "", summary, "", "```", f"python -m scripts.{name} --help", "```", ""]
+        formatter = p._get_formatter()
+        for group in p._action_groups:
+            actions = [a for a in group._group_actions if a.help is not argparse.SUPPRESS and a.option_strings
+                       and a.dest != "help"]
+            if not actions:
+                continue
+            lines += [f"**{group.title}**", "", "| flag | what it does |", "|---|---|"]
+            for a in actions:
+                flag = next(s for s in a.option_strings if not (s.startswith("--") and "-" in s[2:]))
+                value = "" if a.nargs == 0 else f" {a.metavar or a.dest.upper()}" if not a.choices else \
+                    " {" + ",".join(map(str, a.choices)) + "}"
+                text = formatter._expand_help(a).replace("|", "\\|").replace("\n", " ")
+                lines.append(f"| `{flag}{value}`{' (required)' if a.required else ''} | {text} |")
+            lines.append("")
+    return "\n".join(lines)

@@ -6,7 +6,7 @@ space weigh less and rare ones more. Weights are normalised to mean 1, then capp
     python -m scripts.kat_compute_density --backbone CKPT --pairs pairs.jsonl
     torchrun --standalone --nproc_per_node=2 -m scripts.kat_compute_density -- --backbone ... --pairs ...
 
-Writes JSONL {prefix_id, weight} (what kat_train_rm/kat_train_grpo --density read); the last line
+Writes JSONL {prefix_id, weight} (what kat_train_rm, kat_train_grpo and kat_train_dpo --density read); the last line
 printed on success names it. Embedding is sharded over ranks; rank 0 writes.
 """
 from __future__ import annotations
@@ -36,13 +36,13 @@ from nanochat_ext.training.setup import ModelConfig
 WEIGHTINGS = ("inverse_density", "fork")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_compute_density", __doc__)
     p.add_argument("--backbone", required=True, help="embedding model: " + MODEL_HELP)
     p.add_argument("--tokenizer", default=None, help="default: found beside the backbone")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--pairs", help="preference pairs JSONL: its distinct prompts are weighted")
-    src.add_argument("--prompts", help="prompts JSONL (as for GRPO)")
+    src.add_argument("--pairs", help="preference pairs (docs/data.md): their distinct prompts are weighted")
+    src.add_argument("--prompts", help="prompts (as for GRPO; docs/data.md)")
     p.add_argument("--k", type=int, default=10, help="neighbours per prompt (default: %(default)s)")
     p.add_argument("--weighting", choices=WEIGHTINGS, default="inverse_density",
                    help="inverse_density: weight proportional to the mean kNN distance, so rare prompts count more "
@@ -55,7 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)")
     add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
     add_config(p, SessionConfig, None, "runtime")
-    return parse(p, argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse(flags(), argv)
 
 
 @torch.no_grad()

@@ -14,27 +14,32 @@ given (see nanochat_ext/tasks/synthetic.py for the domain and its ground truth):
 """
 from __future__ import annotations
 
-import os
+import argparse
 from pathlib import Path
 
 from nanochat_ext.cli import parse, parser
+from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.tasks import synthetic
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_demo_data", __doc__)
-    p.add_argument("--base_dir", default=os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")),
-                   help="where to write (default: $NANOCHAT_BASE_DIR)")
+    p.add_argument("--base_dir", default=None, help="where to write (default: $NANOCHAT_BASE_DIR)")
     p.add_argument("--n_pairs", type=int, default=2000, help="preference pairs (default: %(default)s)")
     p.add_argument("--n_sft", type=int, default=4000, help="SFT conversations (default: %(default)s)")
     p.add_argument("--n_prompts", type=int, default=1000, help="GRPO prompts (default: %(default)s)")
     p.add_argument("--n_arithmetic", type=int, default=1000,
                    help="arithmetic SFT conversations that call the calculator (default: %(default)s)")
-    p.add_argument("--n_eval", type=int, default=200, help="held-out prompts, and twice as many pairs")
+    p.add_argument("--n_eval", type=int, default=200,
+                   help="held-out prompts, and twice as many pairs (default: %(default)s)")
     p.add_argument("--vocab_size", type=int, default=512, help="tokenizer vocabulary (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    args = parse(p, argv)
-    base, s = Path(args.base_dir), args.seed
+    p.add_argument("--seed", type=int, default=0, help="what is drawn: data, tokenizer, model (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(flags(), argv)
+    base, s = Path(args.base_dir) if args.base_dir else base_dir(), args.seed
     demo = base / "demo"
     tok = synthetic.make_tokenizer(base / "tokenizer", args.vocab_size, s)
     ckpt = synthetic.make_tiny_gpt(base / "base_checkpoints" / "demo", tok.vocab_size, s, n_layer=4, n_embd=128,

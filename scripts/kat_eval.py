@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_us
 from nanochat_ext.algorithms.rewards import Rewards, check_references
 from nanochat_ext.cli import add_config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts, truncate
-from nanochat_ext.data.rows import load_pairs, load_prompts
+from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
@@ -38,33 +37,42 @@ from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.models.reward_model import RewardScorer
+from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.runtime.checkpoint import find_checkpoint, resolve_model_path
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.tasks.report import all_judgeable, eval_rm, fmt, plot_curves, policy_measures, topics_of, write_report
 from nanochat_ext.training.setup import ModelConfig
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
+BEFORE = "before (SFT)"  # the report's name for --policy_before, by default
+
+
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_eval", __doc__)
-    p.add_argument("--base_dir", default=str(base), help="artifact root (default: $NANOCHAT_BASE_DIR)")
+    p.add_argument("--base_dir", default=None, help="artifact root (default: $NANOCHAT_BASE_DIR)")
     p.add_argument("--rm", nargs="*", default=None,
                    help="reward-model dirs to evaluate (default: every dir in <base>/rm_checkpoints)")
     p.add_argument("--score_rm", default=None,
                    help="the RM whose score is reported for the policies (default: <base>/rm_checkpoints/uniform)")
     p.add_argument("--rm_backbone", default=None,
                    help="the backbone of the RMs, where they cannot find it themselves (see kat_train_grpo --help)")
-    p.add_argument("--policy_before", default=None, help="default: <base>/chatsft_checkpoints/default")
+    p.add_argument("--policy_before", default=None,
+                   help="the policy before training (default: <base>/chatsft_checkpoints/default)")
+    p.add_argument("--before_name", default=BEFORE, help="its name in the report (default: %(default)s)")
     p.add_argument("--policy_after", default=None,
                    help="default: <base>/chatrl_checkpoints/uniform; not used when --policy is given")
     p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
                    help="a trained policy to evaluate under NAME (repeatable), e.g. 'GRPO density=<dir>'")
     p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
+    p.add_argument("--eval_holdout", type=float, default=None, metavar="RATIO",
+                   help="evaluate only the prompts (by prefix_id) a trainer with --val_ratio RATIO holds out, so that "
+                        "--eval_pairs and --eval_prompts may be the training files; the report says so")
     p.add_argument("--eval_prompts", default=None, help="held-out prompts (default: <base>/demo/eval_prompts.jsonl)")
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--max_new_tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="the sampled completions' temperature (default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=16, help="completion length limit (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="sampling (default: %(default)s)")
     p.add_argument("--tools", choices=TOOLS, default=None,
                    help="run nanochat's calculator inside the policies' completions (default: where the tokenizer has "
                         "nanochat's python tokens); --tool_prompts measures its use")
@@ -77,13 +85,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="prompts with answers to measure tool use on: the task reward's greedy accuracy with the "
                         "calculator and with --tools none, calls and refusals, pass@k "
                         "(default: <base>/demo/eval_arithmetic.jsonl where it exists)")
-    p.add_argument("--tool_max_new_tokens", type=int, default=48, help="completion length for --tool_prompts")
+    p.add_argument("--tool_max_new_tokens", type=int, default=48,
+                   help="completion length for --tool_prompts (default: %(default)s)")
     p.add_argument("--out", default=None, help="report path (default: <base>/report.md)")
     add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
     add_config(p, SessionConfig, None, "runtime")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, with the defaults under --base_dir filled in."""
+    p = flags()
     args = parse(p, argv)
     if args.pass_k < 0:
         p.error("--pass_k must be >= 0 (0: off)")
+    args.base_dir = args.base_dir or str(base_dir())
     b = Path(args.base_dir)
     args.given = {k for k in GIVEN if getattr(args, k)}  # explicit inputs must be there; a default may be absent
     args.rm = args.rm if args.rm is not None else sorted(str(d) for d in (b / "rm_checkpoints").glob("*") if d.is_dir())
@@ -97,7 +113,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-BEFORE = "before (SFT)"  # the report's name for --policy_before
 GIVEN = ("rm", "score_rm", "policy_before", "policy_after", "policy", "eval_pairs", "eval_prompts", "tool_prompts",
          "reward_fn")
 
@@ -112,12 +127,15 @@ def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
     for flag, path in [("rm", d) for d in args.rm] + [("score_rm", args.score_rm)]:
         if flag in args.given and not Path(path).exists():
             raise InputError(f"--{flag}: not found", path=path)
-    for k, (name, path) in enumerate([(BEFORE, args.policy_before)] + named_policies(args)):
+    for k, (name, path) in enumerate([(args.before_name, args.policy_before)] + named_policies(args)):
         flag = "policy_before" if k == 0 else "policy" if args.policy else "policy_after"
         if flag in args.given and not is_policy(path):
             raise InputError(f"--{flag}: no model checkpoint or Hugging Face model here", path=path)
     pairs = load_pairs(args.eval_pairs)[0] if args.rm and Path(args.eval_pairs).exists() else []
     rows = load_prompts(args.eval_prompts) if Path(args.eval_prompts).exists() else []
+    if args.eval_holdout is not None:  # what the trainers held out of these files (data.rows.split_by_prefix)
+        pairs = [r for r in pairs if is_val_prefix(r.prefix_id, args.eval_holdout)]
+        rows = [r for r in rows if is_val_prefix(r.prefix_id, args.eval_holdout)]
     tool_rows = load_prompts(args.tool_prompts) if rows and Path(args.tool_prompts).exists() else []
     if tool_rows and not {"tool_prompts", "reward_fn"} & args.given:  # the demo's, whose answers gsm8k cannot score
         print0(f"kat_eval: tool use not measured: {args.tool_prompts} needs its task reward as --reward_fn "
@@ -199,7 +217,7 @@ def eval_policies(rows, tool_rows, args: argparse.Namespace, env: DistEnv, dtype
     if scorer is not None:
         print0(compile_models(args.compile, env.device, scorer.model.backbone))
     policies = {}
-    for name, path in [(BEFORE, args.policy_before)] + named_policies(args):
+    for name, path in [(args.before_name, args.policy_before)] + named_policies(args):
         if not is_policy(path):  # sft:d20 and checkpoint roots too
             print0(f"eval: no policy at {path}, skipped")
             continue
@@ -232,16 +250,21 @@ def evaluate(args: argparse.Namespace, session: Session) -> Path:
         timings_file = base / "timings.tsv"
         timings = [(n, float(s)) for n, s in (line.split("\t") for line in timings_file.read_text().splitlines()
                                              if line.strip())] if timings_file.is_file() else []
-        before = policies.get(BEFORE, {})
+        before = policies.get(args.before_name, {})
         plots = plot_curves(base, out.parent, args.reward_fn[0].rsplit(":", 1)[-1] if args.reward_fn else None,
                             {mode: before.get(f"task_accuracy_{mode}") for mode in ("greedy", "sampled")})
-        passed = base / "stage_args.json"  # speedrun.sh's REGIME, SFT_ARGS, RM_ARGS, GRPO_ARGS, EVAL_ARGS
+        passed = base / "stage_args.json"  # speedrun.sh's REGIME, step counts and *_ARGS of the stages that ran
         stage_args = json.loads(passed.read_text()) if passed.is_file() else {}
+        ran = base / "stages.tsv"  # speedrun.sh's stages as they ran: name, command
+        stages = [tuple(line.split("\t", 1)) for line in ran.read_text().splitlines() if "\t" in line] \
+            if ran.is_file() else []
         out.with_suffix(".json").write_text(json.dumps({"reward_models": rms, "policies": policies,
-                                                        "timings_s": dict(timings), "stage_args": stage_args}, indent=1))
-        out.write_text(write_report(args.base_dir, rms, policies, timings, plots, stage_args, pass_k=args.pass_k,
-                                    samples=args.samples, temperature=args.temperature, score_rm=args.score_rm,
-                                    tool_prompts=args.tool_prompts))
+                                                        "timings_s": dict(timings), "stage_args": stage_args,
+                                                        "stages": dict(stages)}, indent=1))
+        out.write_text(write_report(args.base_dir, rms, policies, timings, plots, stage_args, stages,
+                                    pass_k=args.pass_k, samples=args.samples, temperature=args.temperature,
+                                    score_rm=args.score_rm, tool_prompts=args.tool_prompts,
+                                    holdout=args.eval_holdout))
     return out
 
 

@@ -20,6 +20,7 @@ DPO on the same pairs), dpo_density (each pair weighted as the density RM's) wit
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -93,16 +94,19 @@ def load_reports(root: Path, seeds: list[int]) -> dict[int, dict]:
 
 
 def settings_of(reports: dict[int, dict]) -> dict[str, str]:
-    """What speedrun.sh recorded in every seed's report (REGIME, step counts, flags passed through), the same for
-    every seed or the seeds are not one experiment. Reports from before speedrun recorded it: {}."""
-    settings = {s: {k: v for k, v in r.get("stage_args", {}).items() if v} for s, r in reports.items()}
-    first_seed, first = next(iter(settings.items()))
-    for s, other in settings.items():
-        for key in sorted(set(first) | set(other)):
-            if first.get(key) != other.get(key):
-                raise InputError(f"the seeds ran with different settings: {key} is {first.get(key)!r} in seed "
-                                 f"{first_seed} and {other.get(key)!r} in seed {s}")
-    return first
+    """What speedrun.sh recorded in every seed's report (REGIME, step counts, flags passed through) for the stages it
+    ran: the same in every seed that ran the stage (a seed may run fewer arms), or the seeds are not one experiment.
+    Reports from before speedrun recorded it: {}."""
+    recorded = {s: r.get("stage_args", {}) for s, r in reports.items()}
+    settings: dict[str, str] = {}
+    first_seed, first = next(iter(recorded.items()))
+    for s, other in recorded.items():
+        for key in sorted(set(first) & set(other)):
+            if (first[key] or None) != (other[key] or None):
+                raise InputError(f"the seeds ran with different settings: {key} is {first[key]!r} in seed "
+                                 f"{first_seed} and {other[key]!r} in seed {s}")
+        settings.update({k: v for k, v in other.items() if v and k not in settings})
+    return settings
 
 
 def analyse(reports: dict[int, dict], arms: list[str]) -> dict:
@@ -255,13 +259,17 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
     return md
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_experiment_report", __doc__)
     p.add_argument("--root", required=True, help="the experiment dir holding seed_<s>/report.json")
-    p.add_argument("--seeds", type=int, nargs="+", required=True)
+    p.add_argument("--seeds", type=int, nargs="+", required=True, help="the seeds whose reports are compared")
     p.add_argument("--arms", nargs="+", default=None,
                    help="the GRPO arms to compare with uniform (default: every arm in every seed's report)")
-    args = parse(p, argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(flags(), argv)
     return run_plain(lambda: report(Path(args.root), args.seeds, args.arms), "experiment")
 
 

@@ -10,6 +10,7 @@ vLLM load, scoring as this project does; it loads as --rm here too.
 """
 from __future__ import annotations
 
+import argparse
 import sys
 
 from nanochat_ext.cli import parse, parser
@@ -17,14 +18,19 @@ from nanochat_ext.models.reward_model import export_hf_classifier, export_reward
 from nanochat_ext.runtime.session import run_plain
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_export_rm", __doc__)
     p.add_argument("--rm", required=True, help="reward-model checkpoint file or dir (its newest complete checkpoint)")
     p.add_argument("--out", required=True, help="new, empty directory to write")
     p.add_argument("--rm_backbone", default=None, help="the RM's backbone, where the RM cannot find it itself")
     p.add_argument("--format", choices=("native", "hf"), default="native",
-                   help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face backbones)")
-    args = parse(p, argv)
+                   help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face backbones) "
+                        "(default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(flags(), argv)
     export = export_hf_classifier if args.format == "hf" else export_reward_model
     return run_plain(lambda: export(args.rm, args.out, args.rm_backbone), "exported")
 

@@ -79,14 +79,19 @@ def fetch_gguf(known: Known, downloads: Path) -> Path:
     return gguf
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kat_fetch_model", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="which model (default: %(default)s)")
     p.add_argument("--out", default=None, help="the dir to write (default: $NANOCHAT_BASE_DIR/models/<its name>)")
     p.add_argument("--gguf", default=None, metavar="PATH",
-                   help="convert this GGUF file of --model instead of downloading it (e.g. with no network)")
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+                   help="convert this GGUF file instead of downloading --model's (e.g. with no network); with --out, any GGUF "
+                        "transformers reads and our loader matches (tested on SmolLM2 and a tiny Llama)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = flags().parse_args(sys.argv[1:] if argv is None else argv)
     known = MODELS[args.model]
     out = Path(args.out) if args.out else base_dir() / "models" / known.name
     if is_converted(out):

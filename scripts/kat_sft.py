@@ -32,13 +32,17 @@ from nanochat_ext.training.setup import Checks, PolicyTraining, load_policy
 RESUME_FLAGS = ("batch_size", "seed", "max_len")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("sft", __doc__)
     g.add_argument("--conversations", required=True,
                    help="{messages: [...]} ending with the reply to learn (a string, or nanochat's parts with tool "
                         "calls), or GSM8K's {question, answer} rows; as JSONL, parquet, Arrow or a datasets dir")
     add_training(p, "sft")
-    return parse(p, argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse(flags(), argv)
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:

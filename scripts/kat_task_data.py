@@ -9,12 +9,13 @@ split into training and held-out rows, scored by a built-in --reward_fn.
 """
 from __future__ import annotations
 
-import os
+import argparse
 from pathlib import Path
 
 from nanochat_ext.cli import parse, parser
 from nanochat_ext.errors import EXIT_BAD_INPUT
 from nanochat_ext.errors import InputError
+from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.runtime.session import say
 from nanochat_ext.tasks import word_arithmetic
 from nanochat_ext.tasks.synthetic import write_jsonl
@@ -24,16 +25,19 @@ COMPLETE = ".complete"
 TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number")}
 
 
-def main(argv: list[str] | None = None) -> int:
+def flags() -> argparse.ArgumentParser:
     p = parser("kat_task_data", __doc__)
-    p.add_argument("--task", choices=list(TASKS), default="word_arithmetic")
+    p.add_argument("--task", choices=list(TASKS), default="word_arithmetic", help="which task (default: %(default)s)")
     p.add_argument("--out", default=None, help="default: $NANOCHAT_BASE_DIR/tasks/<task>")
     p.add_argument("--n_train", type=int, default=2000, help="training prompts (default: %(default)s)")
     p.add_argument("--n_eval", type=int, default=64, help="held-out prompts (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0)
-    args = parse(p, argv)
-    base = Path(os.environ.get("NANOCHAT_BASE_DIR", str(Path.home() / ".cache" / "nanochat")))
-    out = Path(args.out) if args.out else base / "tasks" / args.task
+    p.add_argument("--seed", type=int, default=0, help="which questions are drawn (default: %(default)s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(flags(), argv)
+    out = Path(args.out) if args.out else base_dir() / "tasks" / args.task
     make, make_pairs, reward_fn = TASKS[args.task]
     try:
         train, held_out = make(args.n_train, args.n_eval, args.seed)

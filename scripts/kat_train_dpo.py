@@ -18,8 +18,7 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.dpo import DPO, RESUME_FLAGS, DPOConfig, precompute_reference
 from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
-from nanochat_ext.data.batching import (PairsConfig, fit_max_len, read_pairs,
-                                        tokenize_splits)
+from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
@@ -32,7 +31,7 @@ from nanochat_ext.training.memory import backbone_shape, fine_tune_memory, micro
 from nanochat_ext.training.setup import Checks, PolicyTraining, load_policy
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("dpo", __doc__)
     g.add_argument("--reference", default=None,
                    help="the frozen reference, a checkpoint of the policy's architecture (default: the policy as it "
@@ -40,7 +39,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_config(p, PairsConfig, "dpo", "pairs")
     add_config(p, DPOConfig, "dpo", "loss")
     add_training(p, "dpo", lora=True)
-    return parse(p, argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse(flags(), argv)
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:

@@ -43,18 +43,23 @@ from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory
 from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("grpo", __doc__)
     p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
     g.add_argument("--prompts", required=True,
                    help="{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, Arrow or a datasets "
-                        "save_to_disk dir; a pairs file works too (its prompts); formats: README.md, \"Data formats\"")
+                        "save_to_disk dir; a pairs file works too (its prompts); formats: docs/data.md")
     add_config(p, RewardConfig, "grpo", "rewards")
     add_config(p, RolloutConfig, "grpo", "rollouts")
     add_config(p, GRPOConfig, "grpo", "loss")
     add_config(p, EvalConfig, "grpo", "evaluation")
     add_training(p, "grpo", lora=True)
-    argv = script_argv(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, --preset's values where not given, --loss_type as --loss_agg."""
+    p, argv = flags(), script_argv(argv)
     args = parse(p, argv)
     apply_preset(p, argv, args)
     if args.loss_type:

@@ -16,8 +16,7 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.rm import RESUME_FLAGS, RewardModelMethod, RMConfig
 from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
-from nanochat_ext.data.batching import (PairsConfig, fit_max_len, read_pairs,
-                                        tokenize_splits)
+from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
@@ -29,12 +28,16 @@ from nanochat_ext.training.memory import backbone_shape, micro_batch_for, rm_mem
 from nanochat_ext.training.setup import Checks, RewardModelTraining, load_rm_backbone
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def flags() -> argparse.ArgumentParser:
     p, _ = trainer_parser("rm", __doc__)
     add_config(p, PairsConfig, "rm", "pairs")
     add_config(p, RMConfig, "rm", "what trains")
     add_training(p, "rm", lora=True)
-    return parse(p, argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return parse(flags(), argv)
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:

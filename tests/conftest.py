@@ -120,7 +120,7 @@ def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
 
 def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, nproc: int = 1,
                    every_rank: bool = False) -> None:
-    """A run that stopped as the README's Reliability section promises: exit code `code` (under torchrun, its agent's
+    """A run that stopped as docs/reliability.md promises: exit code `code` (under torchrun, its agent's
     1, its summary naming `code` and showing the line for the first rank that exited) and one `error: ` line holding
     `line`: rank 0's for
     an error the ranks agree on (raise_if_any), one from each rank for one each finds by itself (a flag, out of

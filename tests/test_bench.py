@@ -339,3 +339,23 @@ def test_cuda_autocast_rules_are_torchs_own(assets):
                 assert emulated == on_cuda(call, dtype), (op, dtype)
                 if dtype == torch.bfloat16:  # listed exactly where the devices part
                     assert (op in CUDA_FP32_OPS) == (cpu != emulated), op
+
+
+def test_the_benchmark_assets_are_made_from_a_clone(tmp_path):
+    """bench/make_assets.py (what bench/run_all.sh uses with no ../shared/anchor-bench): the anchor bench's model shape,
+    pairs of at most 128 tokens and prompts of at most 64, as its settings assume, the same files for the same seed."""
+    import make_assets
+    from transformers import AutoConfig, AutoTokenizer
+
+    assert make_assets.main(["--out", str(tmp_path / "a"), "--seed", "7"]) == 0
+    c = AutoConfig.from_pretrained(tmp_path / "a" / "tiny-llama")
+    assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.intermediate_size,
+            c.vocab_size, c.tie_word_embeddings) == (128, 4, 4, 2, 512, 2048, False)
+    tok = AutoTokenizer.from_pretrained(tmp_path / "a" / "tiny-llama")
+    pairs = [json.loads(line) for line in (tmp_path / "a" / "pairs.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line) for line in (tmp_path / "a" / "prompts.jsonl").read_text().splitlines()]
+    assert len(pairs) == 2000 and len(prompts) == 512 and all("answer" in p for p in prompts)
+    assert max(len(tok(p["prompt"] + max(p["chosen"], p["rejected"], key=len))["input_ids"]) for p in pairs) < 128
+    assert max(len(tok(p["prompt"])["input_ids"]) for p in prompts) <= 64
+    make_assets.main(["--out", str(tmp_path / "b"), "--seed", "7"])
+    assert (tmp_path / "b" / "pairs.jsonl").read_text() == (tmp_path / "a" / "pairs.jsonl").read_text()

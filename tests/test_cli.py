@@ -2,6 +2,7 @@
 takes its own defaults from cli.DEFAULTS, and --help shows every flag once, with help."""
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import importlib
@@ -12,7 +13,7 @@ import pytest
 import nanochat_ext
 from conftest import REPO
 from nanochat_ext.cli import DEFAULTS, TRAINERS
-from scripts import kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
+from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
 
 SCRIPTS = {"sft": kat_sft, "rm": kat_train_rm, "dpo": kat_train_dpo, "grpo": kat_train_grpo}
 REQUIRED = {"sft": ["--backbone", "b", "--conversations", "c"], "rm": ["--backbone", "b", "--pairs", "p"],
@@ -36,7 +37,8 @@ def declared_in(trainer: str) -> set[str]:
     """The flags a trainer's script declares itself (add_argument), not through a config."""
     tree = ast.parse((REPO / "scripts" / f"{SCRIPTS[trainer].__name__.split('.')[-1]}.py").read_text())
     return {node.args[0].value.removeprefix("--") for node in ast.walk(tree) if isinstance(node, ast.Call)
-            and getattr(node.func, "attr", "") == "add_argument" and node.args and isinstance(node.args[0], ast.Constant)}
+            and getattr(node.func, "attr", "") == "add_argument" and node.args
+            and isinstance(node.args[0], ast.Constant)}
 
 
 def test_a_flag_is_declared_once():
@@ -91,3 +93,21 @@ def test_help_shows_each_flag_once_with_its_help(trainer, capsys):
     assert [f for f in entries if "-" in f[2:]] == []
     assert [f for f, text in entries.items() if not text and f != "-h"] == []
     assert SCRIPTS[trainer].parse_args(REQUIRED[trainer] + ["--max-steps", "7"]).max_steps == 7
+
+
+def test_every_flag_of_every_script_says_what_it_does_and_its_default():
+    """Each script's flags (kat_docs.SCRIPTS: all of them): help on every one, and a default a flag takes is said."""
+    formatter = argparse.HelpFormatter("x")
+    for name in kat_docs.SCRIPTS:
+        for action in importlib.import_module(f"scripts.{name}").flags()._actions:
+            if action.dest == "help":
+                continue
+            text = formatter._expand_help(action) if action.help else ""
+            assert text, f"{name} {action.option_strings[0]} has no help"
+            quiet = action.default in (None, False, [], argparse.SUPPRESS) or action.required
+            assert quiet or "default" in text, f"{name} {action.option_strings[0]} does not say its default"
+
+
+def test_the_flag_reference_is_current():
+    """docs/cli.md is what the parsers say (python -m scripts.kat_docs writes it)."""
+    assert (REPO / "docs" / "cli.md").read_text() == kat_docs.generate(), "stale: python -m scripts.kat_docs"

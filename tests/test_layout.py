@@ -1,4 +1,4 @@
-"""The package's layers: the README's Layout lists every module of nanochat_ext, lowest first, in job folders
+"""The package's layers: docs/contributing.md's Layout lists every module of nanochat_ext, lowest first, in job folders
 (runtime/, data/, models/, ...) below the few modules that stand beside them; each module imports only modules listed
 above it (imports inside functions and under TYPE_CHECKING included), so a folder imports nothing from a folder
 listed after it and there is no import circle."""
@@ -14,9 +14,9 @@ MAX_LINES = 450
 
 
 def layers() -> list[str]:
-    """The modules as the README's Layout lists them, lowest first: 'errors', 'runtime.guard', ..."""
-    readme = (REPO / "README.md").read_text()
-    block = readme[readme.index("## Layout"):].split("```")[1]
+    """The modules as docs/contributing.md's Layout lists them, lowest first: 'errors', 'runtime.guard', ..."""
+    page = (REPO / "docs" / "contributing.md").read_text()
+    block = page[page.index("## Layout"):].split("```")[1]
     listed, folder = [], None
     for line in block.splitlines():
         if m := re.match(r"^  ([a-z0-9_]+)/ ", line):
@@ -61,7 +61,7 @@ def test_the_layout_lists_every_module_once():
 
 def test_every_import_goes_down_the_layers():
     order = {m: k for k, m in enumerate(layers())}
-    upward = [f"{m} imports {other}, which the README's Layout lists after it" for m in order
+    upward = [f"{m} imports {other}, which docs/contributing.md's Layout lists after it" for m in order
               for other in sorted(imports(m)) if order[other] >= order[m]]
     assert not upward, upward
 

@@ -130,3 +130,28 @@ def test_missing_data_stops_the_pipeline(tmp_path):
     proc = speedrun(tmp_path / "base", BACKBONE=str(tmp_path / "nope"), PAIRS=str(empty))
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         f"speedrun: {empty} is missing or empty (PAIRS/PROMPTS, or the demo_data stage makes them)"], proc.stderr
+
+
+def test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts(assets, tmp_path):
+    """BACKBONE (a Hugging Face dir) and PAIRS: every stage runs with its script's defaults, set for real models, and
+    what the user asked for (the step counts, GRPO_ARGS), none of the demo's recipe; each stage's meta records its
+    flags and the report lists each stage's command; with no EVAL_PAIRS/EVAL_PROMPTS the report judges the prompts
+    the trainers held out of the training files and says so, and names no stage that did not run."""
+    base = tmp_path / "base"
+    proc = speedrun(base, NPROC_PER_NODE="1", BACKBONE=str(assets["hf"]), PAIRS=str(assets["pairs"]), RM_STEPS="2",
+                    GRPO_STEPS="2", EVAL_SAMPLES="1", GRPO_ARGS="--max_new_tokens 8 --batch_size 4 --group_size 4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    def flags(stage_dir) -> dict:
+        metas = sorted(stage_dir.glob("meta_*.json"))
+        return json.loads(metas[-1].read_text())["args"]
+
+    rm, grpo = flags(base / "rm_checkpoints" / "uniform"), flags(base / "chatrl_checkpoints" / "uniform")
+    assert (rm["unfreeze_last"], rm["batch_size"], rm["lr"], rm["max_steps"]) == ("0", 32, 3e-3, 2)  # the demo: 1
+    assert (grpo["lr"], grpo["beta"], grpo["max_steps"], grpo["max_new_tokens"]) == (1e-6, 0.04, 2, 8)
+    report = (base / "report.md").read_text()
+    assert "on held-out (the 10% of the training files' prompts, by prefix_id, the trainers held out) prompts" in report
+    assert "- rm_uniform: `python -m scripts.kat_train_rm --backbone" in report and "--unfreeze_last" not in report
+    assert "== grpo_uniform" in proc.stdout and "grpo_uniform: python -m scripts.kat_train_grpo --policy" in proc.stdout
+    ran = json.loads((base / "report.json").read_text())["stage_args"]
+    assert "SFT_STEPS" not in ran and "DPO_STEPS" not in ran and ran["GRPO_STEPS"] == "2"

@@ -1,6 +1,6 @@
 """Reliability: non-finite steps, crashes in the save window, preemption signals, the out-dir lock,
 disk-full saves, corrupt inputs and flag ranges each end in one line, an exit code and the files
-the README promises; 2-rank gloo runs where ranks must agree."""
+docs/reliability.md promises; 2-rank gloo runs where ranks must agree."""
 from __future__ import annotations
 
 import errno
@@ -141,7 +141,7 @@ def _checkpoints(out, kind: str, steps: tuple[int, ...]) -> list:
 
 
 def test_a_corrupt_newest_meta_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
-    """As the README says of a checkpoint that no longer loads: the previous one, with a warning (the corrupt meta
+    """As docs/reliability.md says of a checkpoint that no longer loads: the previous one, with a warning (the corrupt meta
     was taken before, its state read as if whole)."""
     older, newest = _checkpoints(tmp_path, "reward_model", (2, 4))
     (tmp_path / "meta_1004.json").write_text('{"kind": "rew')  # truncated

@@ -61,8 +61,9 @@ class RewardConfig:
     reward_clip: float | None = option(None, "refuse (stop the run with the prompt named) a reward function value "
                                              "outside [-C, C]; NaN/inf and non-numbers are always refused", type=float,
                                        check=FINITE_POSITIVE)
-    reward_weights: list[float] | None = option(None, "one weight per reward, in order: the RM (if --rm) then each "
-                                                      "--reward_fn (default: all 1)", type=float, nargs="+")
+    reward_weights: list[float] | None = option(None, "one weight per reward, in order: the RM (if --rm), each "
+                                                      "--reward_fn, then the service (if --reward_url) (default: all "
+                                                      "1)", type=float, nargs="+")
 
 
 def load_reward_fn(spec: str) -> RewardFn:

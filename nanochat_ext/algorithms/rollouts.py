@@ -94,7 +94,8 @@ class RolloutConfig:
     """How GRPO samples its completions and which of them count."""
     group_size: int = option(8, "completions per prompt, G >= 2", type=int,
                              check=(lambda v: v >= 2, ">= 2 (advantages are relative to the group)"))
-    max_new_tokens: int = option(64, "completion length limit", type=int, check=POSITIVE)
+    max_new_tokens: int = option(512, "completion length limit (TRL's max_completion_length)", type=int,
+                                 check=POSITIVE)
     min_new_tokens: int = option(0, "every stop token is held back until this many tokens", type=int,
                                  check=NON_NEGATIVE)
     temperature: float = option(1.0, "sampling temperature; the ratio, KL and entropy use the same softmax(logits / T)",

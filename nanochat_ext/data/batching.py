@@ -45,7 +45,7 @@ class BatchConfig:
 class PairsConfig:
     """The preference pairs, how a pair's weight counts, and what becomes of a pair too long."""
     pairs: str = option(None, "preference pairs: JSONL, parquet, Arrow or a datasets save_to_disk dir (formats: "
-                              "README.md, \"Data formats\")", required=True)
+                              "docs/data.md)", required=True)
     skip_bad_rows: bool = option(False, "skip malformed pair rows (and report how many) instead of stopping at the "
                                         "first", action="store_true")
     weight_mode: str = option("mean", "mean: sum(w*loss)/sum(w) over the global batch; sum: sum(w*loss)/n_pairs "

@@ -2,7 +2,7 @@
 or a `datasets` directory written by save_to_disk, read with pyarrow: the same records, a row each), weights
 attached, split by prompt (tokenizing and batching them: batching.py).
 
-Formats accepted per record (README.md, "Data formats"): plain {prompt, chosen, rejected}; chat messages
+Formats accepted per record (docs/data.md): plain {prompt, chosen, rejected}; chat messages
 {prompt: [messages], chosen: [messages] | str, rejected: ...}; implicit-prompt chat
 {chosen: [messages], rejected: [messages]} (the shared leading turns are the prompt); HH-RLHF
 transcripts {chosen: "\\n\\nHuman: ...\\n\\nAssistant: ...", rejected: ...}; the density fork's

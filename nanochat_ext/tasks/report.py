@@ -107,10 +107,13 @@ def fmt(x) -> str:
 
 
 def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[str, float]], plots,
-                 stage_args: dict[str, str] | None, *, pass_k: int, samples: int, temperature: float, score_rm: str,
-                 tool_prompts: str) -> str:
-    """report.md: wall time per stage, the RMs' and the policies' tables, tool use, example completions, curves."""
+                 stage_args: dict[str, str] | None, stages: list[tuple[str, str]], *, pass_k: int, samples: int,
+                 temperature: float, score_rm: str, tool_prompts: str, holdout: float | None) -> str:
+    """report.md: wall time per stage, the RMs' and the policies' tables, tool use, example completions, curves, and
+    the command each stage ran (speedrun.sh's stages.tsv)."""
     lines = ["# nanochat_ext report", "", f"Artifacts: `{base_dir}`", ""]
+    held_out = "held-out" if holdout is None else \
+        f"held-out (the {holdout:.0%} of the training files' prompts, by prefix_id, the trainers held out)"
     passed = {k: v for k, v in (stage_args or {}).items() if v}
     if passed:  # speedrun.sh's regime and the flags it passed through to the stages
         lines += ["Settings of this run: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()), ""]
@@ -120,7 +123,7 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
         lines += [f"| total | {sum(s for _, s in timings):.0f} |", ""]
     if rms:
         groups = sorted({g for r in rms.values() for g in r}, key=lambda g: (g != "overall", "topics" not in g, g))
-        lines += ["## Reward models on held-out pairs", "", "accuracy (mean margin), by group", "",
+        lines += [f"## Reward models on {held_out} pairs", "", "accuracy (mean margin), by group", "",
                   "| group | n | " + " | ".join(Path(d).name for d in rms) + " |", "|---|---|" + "---|" * len(rms)]
         for g in groups:
             n = next(r[g]["n"] for r in rms.values() if g in r)
@@ -133,7 +136,7 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
                 "topic_accuracy_spread", "distinct_1", "distinct_2", "duplicate_share", "mode_share",
                 "top_completion_share", "bigram_entropy_bits", "completion_len"]
         keys += [f"pass@{j}{suffix}" for suffix in ("", "_unbiased") for j in range(1, pass_k + 1)]
-        lines += ["## Policy before and after GRPO on held-out prompts", "",
+        lines += [f"## Policies on {held_out} prompts", "",
                   f"greedy: one completion per prompt; sampled: {samples} per prompt at temperature "
                   f"{temperature}; RM score from `{Path(score_rm).name}`", "",
                   "| metric | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
@@ -153,6 +156,8 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
             lines += [f"- {e['prompt']!r} -> {e['completion']!r}" for e in p["examples"]] + [""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]
+    if stages:
+        lines += ["## Stages and the flags they ran with", ""] + [f"- {name}: `{cmd}`" for name, cmd in stages] + [""]
     return "\n".join(lines)
 
 

@@ -190,8 +190,11 @@ def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, vintage
     return save_checkpoint(directory, step, model.state_dict(), meta)
 
 
-def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512) -> Path:
-    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally."""
+def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512, *, texts: list[str] | None = None,
+                       hidden_size: int = 64, n_layer: int = 2, intermediate_size: int = 128,
+                       max_positions: int = 256) -> Path:
+    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally; the tokenizer learnt
+    from `texts` (default: the demo's corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -199,7 +202,7 @@ def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 5
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(corpus(seed), trainers.BpeTrainer(
+    bpe.train_from_iterator(texts if texts is not None else corpus(seed), trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
@@ -207,10 +210,10 @@ def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 5
     tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
-                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=n_layer, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=intermediate_size,
+                      max_position_embeddings=max_positions, tie_word_embeddings=False,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     d = Path(directory)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)

@@ -1,6 +1,6 @@
-"""What a training step holds on each rank, by arithmetic (the memory model of bench/memory_estimate.py, the README's
-"which setting for which model and GPUs" table and the trainers' log), and the one line a run that does not fit ends
-with.
+"""What a training step holds on each rank, by arithmetic (the memory model of bench/memory_estimate.py, docs/scaling.md's
+"which setting for which model and GPUs" table and the trainers' log), and the micro-batch it picks where
+--device_batch_size is auto (the line of a run that does not fit: runtime/oom.py).
 
 Per trained parameter: fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8): 16 bytes on every
 rank under ddp, 16 / N under fsdp, which adds the weights FSDP gathers in bf16 while they compute (the root's

@@ -5,7 +5,7 @@
 # (FORCE=1 re-runs everything); an interrupted one resumes from its last checkpoint, so re-running
 # after a crash or Ctrl-C finishes the pipeline with no cleanup.
 #
-#   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~4 min on 2 CPU cores
+#   bash speedrun.sh                                       # demo: synthetic domain, tiny model, ~3 min on 2 CPU cores
 #   BACKBONE=/path/sft_ckpt PAIRS=/path/pairs.jsonl [PROMPTS=...] [TOKENIZER=...] bash speedrun.sh
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
 #   ARMS="uniform density" bash speedrun.sh                # GRPO against each RM, both policies evaluated
@@ -183,6 +183,12 @@ train() {
     record_time "$name" $((SECONDS - s))
 }
 
+trained_tokens() {  # trained_tokens DIR: "--max_new_tokens N" of the GRPO policy in DIR, as its newest checkpoint records it
+    python -c 'import json, pathlib, sys
+m = max(pathlib.Path(sys.argv[1]).glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+print("--max_new_tokens", json.loads(m.read_text())["args"]["max_new_tokens"])' "$1"
+}
+
 # ---- MODEL: a real pretrained model on a verifiable task --------------------------------------------
 # No reward model here: the task's reward checks the answer itself, which an RM learned from pairs would only
 # approximate. GRPO with that reward, then the report: held-out accuracy before and after, greedy and sampled, and
@@ -202,7 +208,8 @@ if [ -n "${MODEL:-}" ]; then
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     launch eval "the GRPO policy ($POLICY) and the task's held-out prompts" scripts.kat_eval \
         --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" --policy "GRPO $MODEL=$POLICY" \
-        --eval_prompts "$TASK/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" "${EXTRA_EVAL[@]}"
+        --eval_prompts "$TASK/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
+        $(trained_tokens "$POLICY") "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
     echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
     python - "$B/report.json" <<'PY'
@@ -289,6 +296,12 @@ for arm in $ARMS; do
 done
 
 # ---- evaluation report ---------------------------------------------------------------------------
+eval_tokens() {  # the first GRPO arm's --max_new_tokens (the demo's 16 where no arm is GRPO)
+    local arm
+    for arm in $ARMS; do case $arm in dpo*) ;; *) trained_tokens "$(arm_dir "$arm")"; return ;; esac; done
+    [ "$DEMO" = 1 ] && echo "--max_new_tokens 16"
+    true
+}
 eval_fresh() {  # the report is newer than every arm's policy
     skip "$B/report.md" || return 1
     for arm in $ARMS; do [ "$B/report.md" -nt "$(arm_dir "$arm")/.complete" ] || return 1; done
@@ -305,9 +318,10 @@ else
     elif [ -z "${EVAL_PAIRS:-}" ] || [ -z "${EVAL_PROMPTS:-}" ]; then
         EVAL_PAIRS="$PAIRS" EVAL_PROMPTS="$PROMPTS" HOLDOUT=(--eval_holdout 0.1)
     fi
-    # Policies are scored by the uniform RM, one judge for every arm (the demo's ground truth is judged too).
+    # Policies are scored by the uniform RM, one judge for every arm (the demo's ground truth is judged too), at the
+    # length the GRPO policies trained with.
     EVAL=(--eval_pairs "$EVAL_PAIRS" --eval_prompts "$EVAL_PROMPTS" "${HOLDOUT[@]}" --seed "$SEED" "${EVAL_POLICIES[@]}"
-          --score_rm "$B/rm_checkpoints/uniform" "${SAMPLES[@]}")
+          --score_rm "$B/rm_checkpoints/uniform" "${SAMPLES[@]}" $(eval_tokens))
     [ -d "$B/chatsft_checkpoints/default" ] || EVAL+=(--policy_before "$BACKBONE")
     # The demo's tool use (demo/eval_arithmetic.jsonl): judged by its ground truth, with and without the calculator
     [ -f "$B/demo/eval_arithmetic.jsonl" ] && EVAL+=(--reward_fn nanochat_ext.tasks.synthetic:task_reward --pass_k 4)

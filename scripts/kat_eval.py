@@ -71,7 +71,9 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=1.0,
                    help="the sampled completions' temperature (default: %(default)s)")
-    p.add_argument("--max_new_tokens", type=int, default=16, help="completion length limit (default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=512,
+                   help="completion length limit (default: %(default)s, GRPO's; speedrun.sh passes the length its GRPO "
+                        "policies trained with)")
     p.add_argument("--seed", type=int, default=0, help="sampling (default: %(default)s)")
     p.add_argument("--tools", choices=TOOLS, default=None,
                    help="run nanochat's calculator inside the policies' completions (default: where the tokenizer has "

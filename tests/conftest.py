@@ -49,6 +49,7 @@ LONGEST_FIRST = (
     "tests/test_nanochat_vintages.py::test_grpo_two_ranks_match_one_rank_on_ragged_prompts",  # 33
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 31
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 28
+    "tests/test_pipeline.py::test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts",  # 23
 )
 
 

@@ -67,7 +67,8 @@ class OutputConfig:
     keep_last: int = option(2, KEEP_LAST_HELP, metavar="N", type=int,
                             check=(NON_NEGATIVE[0], ">= 0 (0: keep every checkpoint)"))
     resume: str | None = option(None, RESUME_HELP)
-    resume_extend: bool = option(False, "let --resume change --max_steps, --lr or --warmup_steps (the schedule is "
+    resume_extend: bool = option(False, "let --resume change --max_steps, --lr, --warmup_steps or --lr_decay (the "
+                                        "schedule is "
                                         "recomputed from the new values; without this flag a changed schedule is "
                                         "refused)", action="store_true")
     skip_nonfinite: int = option(0, "skip up to N steps whose loss or gradient is NaN/inf, logged (0: stop at the "

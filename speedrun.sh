@@ -15,6 +15,8 @@
 #   EXPERIMENT=density REGIME=collapse SEEDS="$(seq -s ' ' 0 9)" bash speedrun.sh  # the same where GRPO collapses
 #   MODEL=smollm2 bash speedrun.sh                         # a real pretrained model (SmolLM2-135M-Instruct, fetched
 #                                                          # and converted once) taught arithmetic in words by GRPO
+#   MODEL=smollm2 TASK=multiplication bash speedrun.sh     # the same model taught to multiply with a tool: SFT on the
+#                                                          # call format, then GRPO with the tool in its rollouts
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
 # this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
 # SFT_STEPS, RM_STEPS, GRPO_STEPS, DPO_STEPS, EVAL_SAMPLES,
@@ -136,6 +138,8 @@ export REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES
 # For the report: the regime and what was passed through, for the stages this run has
 ran=(REGIME EVAL_SAMPLES EVAL_ARGS GRPO_STEPS GRPO_ARGS)
 [ "$DEMO" = 1 ] && ran+=(SFT_STEPS SFT_ARGS)
+[ -n "${MODEL:-}" ] && ran+=(TASK)
+[ -n "${MODEL:-}" ] && [ "${TASK:-}" = multiplication ] && ran+=(SFT_STEPS SFT_ARGS)
 [ -z "${MODEL:-}" ] && ran+=(RM_STEPS RM_ARGS)
 [[ " $ARMS " == *" dpo"* ]] && [ -z "${MODEL:-}" ] && ran+=(DPO_STEPS DPO_ARGS)
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
@@ -195,21 +199,34 @@ print("--max_new_tokens", json.loads(m.read_text())["args"]["max_new_tokens"])' 
 # the learning curve against training seconds.
 if [ -n "${MODEL:-}" ]; then
     [ "$MODEL" = smollm2 ] || { echo "speedrun: unknown MODEL '$MODEL' (smollm2)" >&2; exit 2; }
+    TASK="${TASK:-word_arithmetic}"
+    case "$TASK" in word_arithmetic|multiplication) ;;
+        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, multiplication)" >&2; exit 2 ;; esac
     echo "== fetch_model"; s=$SECONDS
     MODEL_DIR=$(python -m scripts.kat_fetch_model --model "$MODEL" | tee /dev/stderr | tail -n 1)  # cached after the first run
     record_time fetch_model $((SECONDS - s))
-    TASK="$B/tasks/word_arithmetic"
-    if skip "$TASK/.complete"; then echo "== task_data: skipped (done: $TASK)"; else
-        echo "== task_data"; python -m scripts.kat_task_data --out "$TASK" --seed "$SEED"; fi
-    POLICY="$B/chatrl_checkpoints/$MODEL"
-    train "grpo_$MODEL" "the model ($MODEL_DIR, made by fetch_model) and the task's prompts ($TASK)" "$POLICY" \
-        scripts.kat_train_grpo --policy "$MODEL_DIR" --prompts "$TASK/train.jsonl" --eval_prompts "$TASK/eval.jsonl" \
-        --preset word_arithmetic "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
+    TASK_DIR="$B/tasks/$TASK"
+    if skip "$TASK_DIR/.complete"; then echo "== task_data: skipped (done: $TASK_DIR)"; else
+        echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED"; fi
+    START="$MODEL_DIR" POLICIES=() TOOL_EVAL=()
+    if [ "$TASK" = multiplication ]; then  # a tool the model has never called: its call format taught first
+        TOOL=nanochat_ext.tasks.multiplication:multiply
+        START="$B/chatsft_checkpoints/${MODEL}_tools"
+        train "sft_$MODEL" "the model ($MODEL_DIR) and the task's demonstrations ($TASK_DIR/sft.jsonl)" "$START" \
+            scripts.kat_sft --backbone "$MODEL_DIR" --conversations "$TASK_DIR/sft.jsonl" --tools "$TOOL" \
+            --batch_size 8 --max_steps "${SFT_STEPS:-8}" --seed "$SEED" "${EXTRA_SFT[@]}"
+        POLICIES=(--policy "SFT (tool format)=$START")
+        TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
+    fi
+    POLICY="$B/chatrl_checkpoints/$MODEL$([ "$TASK" = multiplication ] && echo _tools)"
+    train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
+        scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
+        --preset "$TASK" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
     launch eval "the GRPO policy ($POLICY) and the task's held-out prompts" scripts.kat_eval \
-        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" --policy "GRPO $MODEL=$POLICY" \
-        --eval_prompts "$TASK/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
-        $(trained_tokens "$POLICY") "${EXTRA_EVAL[@]}"
+        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${POLICIES[@]}" --policy "GRPO $MODEL=$POLICY" \
+        --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
+        $(trained_tokens "$POLICY") "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
     echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
     python - "$B/report.json" <<'PY'

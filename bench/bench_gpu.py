@@ -26,6 +26,7 @@ import json
 import sys
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +39,6 @@ from nanochat_ext.ddp_common import init_dist
 from nanochat_ext.generation.decode_cost import peak_bandwidth
 from nanochat_ext.generation.engine import Engine, decode_compiled
 from nanochat_ext.generation.sampling import SamplingConfig
-from nanochat_ext.generation.tools import ToolTokens
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import compile_models, compile_stats
 from nanochat_ext.models.gpt import GPT, GPTConfig, padded
@@ -279,6 +279,18 @@ def decode_figures(runs: list, device: torch.device) -> dict:
             "prefill_s": round(sum(r.prefill_s for r in runs) / len(runs), 4)}
 
 
+@dataclass(frozen=True)
+class BlocksNobodyCloses:
+    """What the engine reads of an agent whose python-block ids no row samples: the calculator's state is tracked in
+    every decode step, and no block is ever answered."""
+    python: tuple[int, int]
+    active: bool = True
+    turns: bool = False
+
+    def episodes(self, rows: list[dict], group: int) -> None:
+        return None
+
+
 def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> list[dict]:
     """The rollout engine alone, as GRPO's generation phase runs it: grpo_prompts prompts of prompt_len tokens x
     group_size samples, every row decoding new_tokens (the stop token held back) at temperature 1, bf16 autocast.
@@ -295,10 +307,10 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
     prompts = [torch.randint(0, stop, (P,), generator=g).tolist() for _ in range(n)]
     modes = {"0": [False], "1": [True]}.get(b.compile, [False, True] if device.type == "cuda" else [False])
     never = cfg.vocab_size + 1  # a token id past the vocabulary: sampled by no row
-    tools = ToolTokens(never, never + 1, never + 2, never + 3, None)
+    tools = BlocksNobodyCloses((never, never + 1))
     out = []
     for compiled, with_tools in ((c, t) for c in modes for t in (False, True)):
-        engine = Engine(policy, compile=compiled, tools=tools if with_tools else None,
+        engine = Engine(policy, compile=compiled, agent=tools if with_tools else None,
                         end_check_every=b.end_check_every)
         runs = []
         with Clock(device) as clock:

@@ -70,7 +70,7 @@ def step0(gargs: argparse.Namespace, env) -> dict:
     policy = load_backbone(gargs.policy, env.device)
     tok = load_tokenizer_for(policy, gargs.tokenizer)
     rows = load_prompts(gargs.eval_prompts)
-    ids = encode_prompts(rows, tok, policy.max_seq_len, gargs.max_new_tokens, gargs.eval_prompts)
+    ids = encode_prompts(rows, tok.render_prompt, policy.max_seq_len, gargs.max_new_tokens, gargs.eval_prompts)
     sampling = SamplingConfig(gargs.max_new_tokens, gargs.temperature, gargs.top_k, gargs.top_p, gargs.min_new_tokens)
     rewards = Rewards(None, gargs.reward_fn, gargs.reward_weights)
     metrics, _ = evaluate_rewards(Engine(policy), rows, ids, rewards, tok, sampling, gargs.seed, env,

@@ -10,6 +10,10 @@ on 400 eval prompts every 60 steps, a checkpoint every 60 steps, all kept, in ch
 word_arithmetic is the real model's recipe (`MODEL=smollm2 bash speedrun.sh`, bench/ours_real_model.py) on
 scripts/kat_task_data.py's questions: the last number of a reply against the answer, 4 questions x 8 samples of up to 16
 tokens, lr 3e-5, no KL, an evaluation every 10 steps, 40 steps.
+
+multiplication is its recipe with a tool (`MODEL=smollm2 TASK=multiplication bash speedrun.sh`, after a short SFT on
+the tool-call format): the `multiply` tool (tasks/multiplication.py), at most 3 turns, 4 questions x 8 samples of up to
+96 tokens (the call, the tool's turn and the answer), lr 3e-5, no KL, an evaluation every 8 steps, 16 steps.
 """
 from __future__ import annotations
 
@@ -24,12 +28,16 @@ PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none"
                        "top_k": 50, "top_p": 1.0, "tools": "calculator", "reward_fn": ["gsm8k"], "eval_every": 60,
                        "eval_examples": 400, "eval_pass_k": 8, "save_every": 60, "keep_last": 0, "num_epochs": 1},
            "word_arithmetic": {"reward_fn": ["last_number"], "batch_size": 4, "group_size": 8, "max_new_tokens": 16,
-                               "lr": 3e-5, "beta": 0.0, "eval_every": 10, "max_steps": 40}}
+                               "lr": 3e-5, "beta": 0.0, "eval_every": 10, "max_steps": 40},
+           "multiplication": {"reward_fn": ["last_number"], "tools": "nanochat_ext.tasks.multiplication:multiply",
+                              "max_turns": 3, "batch_size": 4, "group_size": 8, "max_new_tokens": 96, "lr": 3e-5,
+                              "beta": 0.0, "eval_every": 8, "max_steps": 16}}
 
 
 PRESET_HELP = ("a recipe of flag values in one flag: chat_rl, nanochat's RL recipe (scripts/chat_rl.py); word_arithmetic, "
-               "the real model's (MODEL=smollm2 bash speedrun.sh); every value it sets is printed at start, and a flag "
-               "given explicitly overrides it (docs/nanochat.md)")
+               "the real model's (MODEL=smollm2 bash speedrun.sh); multiplication, the real model's with a tool "
+               "(TASK=multiplication); every value it sets is printed at start, and a flag given explicitly overrides "
+               "it (docs/nanochat.md)")
 
 
 def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:

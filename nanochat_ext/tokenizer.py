@@ -33,6 +33,7 @@ Message = dict  # {"role": "user"|"assistant"|"system", "content": str}
 # Beside a Hugging Face model: its `eos_token_id` lists every token that ends a turn (transformers' generate stops at
 # each), which the tokenizer's own eos often is not (Gemma's <end_of_turn>, Qwen's <|im_end|>, Llama-3's <|eot_id|>).
 GENERATION_CONFIG = "generation_config.json"
+REPLY_MARK = "<<the assistant's reply>>"  # stands for a reply where only what a template writes around it matters
 
 
 class _EncodingState:
@@ -222,16 +223,86 @@ class TokenizerWrapper:
     def special(self, name: str) -> int:
         return self._special[name]
 
-    def render_prompt(self, messages: list[Message]) -> list[int]:
-        """Token ids of a conversation up to and including the opening of the assistant's reply."""
+    @property
+    def chat_template(self) -> str | None:
+        """A Hugging Face tokenizer's chat template (None for nanochat's, which renders its own turns)."""
+        return getattr(self._impl, "chat_template", None) if self.kind == "hf" else None
+
+    def render_prompt(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids of a conversation up to and including the opening of the assistant's reply; tools: the JSON
+        schemas a chat template that renders tools is given."""
         if self.kind == "rustbpe":
             return self._render_nanochat_prompt(messages)
-        if getattr(self._impl, "chat_template", None):
-            text = self._impl.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        if self.chat_template:
+            text = self._apply_template(messages, tools, add_generation_prompt=True)
             return self._impl.encode(text, add_special_tokens=False)
         # No chat template: plain text, turns separated by blank lines.
         ids = [self.bos_id] if self.bos_id is not None else []
         return ids + self.encode("\n\n".join(m["content"] for m in messages))
+
+    def render_followup(self, messages: list[Message], tools: list[dict] | None = None) -> list[int]:
+        """Token ids that follow an assistant turn the model ended (its stop token taken) when `messages` (user or
+        tool turns) come next, through the opening of the next assistant turn: what a multi-turn rollout forces.
+        nanochat's turns: each as a user turn (nanochat has no tool turn). A chat template's: what it writes after
+        that turn's end-of-turn token, then the turns as it renders them (the text a longer conversation adds)."""
+        if self.kind == "rustbpe":
+            ids = []
+            for m in messages:
+                ids += [self._special["<|user_start|>"], *self.encode(m["content"]), self._special["<|user_end|>"]]
+            return ids + [self._special["<|assistant_start|>"]]
+        if not self.chat_template:
+            raise InputError("a multi-turn rollout needs a chat template to render the turns, and this tokenizer has "
+                             "none", path=self.source)
+        base = [{"role": "user", "content": "?"}, {"role": "assistant", "content": REPLY_MARK}]
+        before = self._apply_template(base, tools, add_generation_prompt=False)
+        after = self._apply_template(base + list(messages), tools, add_generation_prompt=True)
+        if not after.startswith(before):
+            raise InputError(f"the chat template renders the turns before a {messages[0]['role']} turn differently "
+                             f"once one follows: a rollout cannot go on as the template writes it", path=self.source)
+        end = before.index(REPLY_MARK) + len(REPLY_MARK)
+        ends = [before.find(s, end) + len(s) for s in map(self._impl.convert_ids_to_tokens, self.stop_ids)
+                if s and before.find(s, end) >= 0]
+        return self._impl.encode(before[min(ends, default=len(before)):] + after[len(before):],
+                                 add_special_tokens=False)
+
+    def render_conversation(self, messages: list[Message], first: int, tools: list[dict] | None = None
+                            ) -> tuple[list[int], list[int], list[int]]:
+        """A conversation as the chat template renders it, split before messages[first] (the first turn to learn):
+        (the prompt's ids, the rest's ids, the rest's mask), the mask 1 on each assistant turn from where the template
+        opens it through its end-of-turn token (what generation stops at) and 0 elsewhere (tool and user turns, what
+        the template writes between turns), up to the last learnt token: what transformers'
+        return_assistant_tokens_mask marks in a template with {% generation %} blocks."""
+        full = self._apply_template(messages, tools, add_generation_prompt=False)
+        spans = []
+        for i in range(first, len(messages)):
+            if messages[i]["role"] == "assistant":
+                opening = self._apply_template(messages[:i], tools, add_generation_prompt=True)
+                turn = self._apply_template(messages[:i + 1], tools, add_generation_prompt=False)
+                start = len(opening)
+                if not (full.startswith(turn) and turn.startswith(opening)):  # e.g. Qwen3 dropping earlier thinking
+                    raise InputError("the chat template renders a conversation's earlier turns differently once more "
+                                     "follow: its turns cannot be told apart", path=self.source)
+                ends = [turn.rfind(t, start) + len(t) for t in map(self._impl.convert_ids_to_tokens, self.stop_ids)
+                        if t and turn.rfind(t, start) >= 0]
+                spans.append((start, max(ends, default=len(turn))))
+        opened = len(self._apply_template(messages[:first], tools, add_generation_prompt=True))
+        enc = self._impl(full, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+        cut = sum(1 for a, _ in offsets if a < opened)
+        mask = [int(any(a <= s < b for a, b in spans)) for s, _ in offsets[cut:]]
+        last = max((k + 1 for k, m in enumerate(mask) if m), default=0)  # what follows the last turn learns nothing
+        return ids[:cut], ids[cut:cut + last], mask[:last]
+
+    def _apply_template(self, messages: list[Message], tools: list[dict] | None, add_generation_prompt: bool) -> str:
+        """The chat template's text; one line where the template refuses the conversation (a role it does not know,
+        turns that do not alternate as it demands)."""
+        try:
+            return self._impl.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+        except Exception as e:  # jinja2's TemplateError, or raise_exception() in the template
+            roles = "/".join(dict.fromkeys(m["role"] for m in messages))
+            raise InputError(f"the chat template refuses a conversation of {roles} turns: {first_line(e)}",
+                             path=self.source) from None
 
     def render_response(self, text: str) -> list[int]:
         """Token ids of an assistant reply, closed by the end-of-turn token."""

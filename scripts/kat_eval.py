@@ -25,14 +25,14 @@ import torch
 
 from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.algorithms.rewards import Rewards, check_references
-from nanochat_ext.cli import add_config, parse, parser, run_script
+from nanochat_ext.cli import add_config, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts, truncate
 from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
-from nanochat_ext.generation.tools import TOOLS, tool_tokens
 from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.models.reward_model import load_reward_model
@@ -75,9 +75,6 @@ def flags() -> argparse.ArgumentParser:
                    help="completion length limit (default: %(default)s, GRPO's; speedrun.sh passes the length its GRPO "
                         "policies trained with)")
     p.add_argument("--seed", type=int, default=0, help="sampling (default: %(default)s)")
-    p.add_argument("--tools", choices=TOOLS, default=None,
-                   help="run nanochat's calculator inside the policies' completions (default: where the tokenizer has "
-                        "nanochat's python tokens); --tool_prompts measures its use")
     p.add_argument("--pass_k", type=int, default=0,
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
@@ -90,6 +87,7 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--tool_max_new_tokens", type=int, default=48,
                    help="completion length for --tool_prompts (default: %(default)s)")
     p.add_argument("--out", default=None, help="report path (default: <base>/report.md)")
+    add_config(p, AgentConfig, None, "tools and environments (--tool_prompts measures tool use)")
     add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
     add_config(p, SessionConfig, None, "runtime")
     return p
@@ -171,21 +169,23 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
     autocast = precision(dtype, env.device)
     tok = load_tokenizer_for(policy, None)
     mine = list(range(env.rank, len(rows), env.world_size))
-    all_ids = encode_prompts(rows, tok, policy.max_seq_len, args.max_new_tokens, args.eval_prompts)
-    tool_ids = encode_prompts(tool_rows, tok, policy.max_seq_len, args.tool_max_new_tokens, args.tool_prompts,
-                              "--tool_max_new_tokens")  # before anything is decoded
+    agent = Agent(config(AgentConfig, args), tok, (rows + tool_rows)[0].row)
+    print0(f"{path}: {agent.describe()}")
+    all_ids = encode_prompts(rows, agent.render_prompt, policy.max_seq_len, args.max_new_tokens, args.eval_prompts)
+    tool_ids = encode_prompts(tool_rows, agent.render_prompt, policy.max_seq_len, args.tool_max_new_tokens,
+                              args.tool_prompts, "--tool_max_new_tokens")  # before anything is decoded
     prompt_ids = [all_ids[i] for i in mine]
-    results, engine = [], Engine(policy, tools=tool_tokens(args.tools, tok))
+    results, engine = [], Engine(policy, agent=agent)
     for temperature, n in ((0.0, 1), (args.temperature, args.samples)):
         cfg = SamplingConfig(args.max_new_tokens, temperature)
         with autocast:
             out = engine.generate(prompt_ids, n, cfg, tok.stop_ids, tok.pad_id,
-                                  [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine]) \
-                if mine else None
+                                  [torch.Generator().manual_seed(sample_seed(args.seed, -2, i)) for i in mine],
+                                  [rows[i].row for i in mine]) if mine else None
         comps = out.completions if out else []
         scores = scorer.score_ids([truncate(prompt_ids[k // n], tok.reply_ids(c), scorer.max_len, tok.bos_id)
                                    for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
-        texts = [tok.reply_text(c) for c in comps]
+        texts = out.replies(tok) if out else []
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)
     task = Rewards(None, args.reward_fn or ["gsm8k"], None)
@@ -193,7 +193,7 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
                              args.seed, env, autocast, -(-len(rows) // env.world_size) * args.pass_k) \
         if args.pass_k else {}
     tool_use = {}
-    if tool_rows and engine.tools:  # the same prompts with the calculator and without it
+    if tool_rows and engine.agent:  # the same prompts with the tools and without them
         cfg = SamplingConfig(args.tool_max_new_tokens)
         per_rank = -(-len(tool_rows) // env.world_size)
         tool_use = evaluate_tool_use((engine, Engine(policy)), tool_rows, tool_ids, task, tok, cfg, args.seed, env,

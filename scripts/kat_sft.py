@@ -17,10 +17,11 @@ import sys
 from pathlib import Path
 
 from nanochat_ext.algorithms.sft import SFT, sft_examples
-from nanochat_ext.cli import add_training, configs, parse, recorded, run_script, trainer_parser
-from nanochat_ext.data.rows import load_conversations
+from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
+from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session
@@ -35,8 +36,10 @@ RESUME_FLAGS = ("batch_size", "seed", "max_len")
 def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("sft", __doc__)
     g.add_argument("--conversations", required=True,
-                   help="{messages: [...]} ending with the reply to learn (a string, or nanochat's parts with tool "
-                        "calls), or GSM8K's {question, answer} rows; as JSONL, parquet, Arrow or a datasets dir")
+                   help="{messages: [...]} ending with the turns to learn after the last user turn (a string, "
+                        "nanochat's parts, or tool calls and tool turns for a chat model), or GSM8K's {question, "
+                        "answer} rows; as JSONL, parquet, Arrow or a datasets dir")
+    add_config(p, AgentConfig, "sft", "tools (as GRPO will run them)", only=("tools", "tool_format"))
     add_training(p, "sft")
     return p
 
@@ -59,7 +62,9 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     if max_len > loaded.backbone.max_seq_len:
         raise InputError(f"--max_len {max_len} exceeds the model's context of {loaded.backbone.max_seq_len}")
     claim_out_dir(out_dir, log_dir)
-    examples = sft_examples(conversations, loaded.tok, max_len)
+    agent = Agent(config(AgentConfig, args), loaded.tok)
+    print0(agent.describe())
+    examples = sft_examples(conversations, loaded.tok, max_len, agent, args.conversations)
 
     # ---- the model, the batches, the loop ------------------------------------------------------------
     flags = recorded(args, c.optim)

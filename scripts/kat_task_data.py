@@ -4,8 +4,10 @@ split into training and held-out rows, scored by a built-in --reward_fn.
     <out>/train.jsonl, <out>/eval.jsonl   {prompt, answer, kind}; held-out (kind, operands) never occur in training
     <out>/pairs.jsonl                     the training questions as preference pairs (the right answer chosen, a
                                           near miss rejected), for a reward model or bench/bench_real_model.sh
+    <out>/sft.jsonl                       for a task a tool solves (multiplication): worked tool-call conversations
+                                          that teach the call format first
 
-    python -m scripts.kat_task_data [--task word_arithmetic] [--n_train 2000] [--n_eval 64] [--seed 0]
+    python -m scripts.kat_task_data [--task word_arithmetic|multiplication] [--n_train 2000] [--n_eval 64] [--seed 0]
 """
 from __future__ import annotations
 
@@ -17,12 +19,15 @@ from nanochat_ext.errors import EXIT_BAD_INPUT
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.runtime.session import say
-from nanochat_ext.tasks import word_arithmetic
+from nanochat_ext.tasks import multiplication, word_arithmetic
 from nanochat_ext.tasks.synthetic import write_jsonl
 
 COMPLETE = ".complete"
 # task -> (its questions' maker, its pairs' maker, the --reward_fn that scores them)
-TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number")}
+TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number"),
+         "multiplication": (multiplication.make_questions, multiplication.make_pairs, "last_number")}
+# task -> (the maker of its SFT demonstrations, written to <out>/sft.jsonl from the first training rows, its --tools)
+DEMONSTRATIONS = {"multiplication": (multiplication.make_demonstrations, "nanochat_ext.tasks.multiplication:multiply")}
 
 
 def flags() -> argparse.ArgumentParser:
@@ -31,6 +36,8 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--out", default=None, help="default: $NANOCHAT_BASE_DIR/tasks/<task>")
     p.add_argument("--n_train", type=int, default=2000, help="training prompts (default: %(default)s)")
     p.add_argument("--n_eval", type=int, default=64, help="held-out prompts (default: %(default)s)")
+    p.add_argument("--n_sft", type=int, default=256,
+                   help="SFT demonstrations of the tool calls, for a task a tool solves (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="which questions are drawn (default: %(default)s)")
     return p
 
@@ -48,8 +55,14 @@ def main(argv: list[str] | None = None) -> int:
     write_jsonl(out / "eval.jsonl", held_out)
     write_jsonl(out / "pairs.jsonl", make_pairs(train, args.seed + 1))
     write_jsonl(out / "train.jsonl", train)
+    tools = ""
+    if args.task in DEMONSTRATIONS:
+        make_demonstrations, tool = DEMONSTRATIONS[args.task]
+        write_jsonl(out / "sft.jsonl", make_demonstrations(train[:args.n_sft]))
+        tools = f"; {min(args.n_sft, len(train))} SFT demonstrations in sft.jsonl; --tools {tool}"
     (out / COMPLETE).touch()  # last: speedrun.sh's mark that the files are whole
-    print(f"task: {args.task}, {len(train)} train / {len(held_out)} held-out prompts in {out}; --reward_fn {reward_fn}")
+    print(f"task: {args.task}, {len(train)} train / {len(held_out)} held-out prompts in {out}; --reward_fn "
+          f"{reward_fn}{tools}")
     return 0
 
 

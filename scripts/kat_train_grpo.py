@@ -30,8 +30,8 @@ from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prom
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import decode_compiled
-from nanochat_ext.generation.tools import tool_tokens
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset
@@ -51,6 +51,7 @@ def flags() -> argparse.ArgumentParser:
                         "save_to_disk dir; a pairs file works too (its prompts); formats: docs/data.md")
     add_config(p, RewardConfig, "grpo", "rewards")
     add_config(p, RolloutConfig, "grpo", "rollouts")
+    add_config(p, AgentConfig, "grpo", "tools and environments")
     add_config(p, GRPOConfig, "grpo", "loss")
     add_config(p, EvalConfig, "grpo", "evaluation")
     add_training(p, "grpo", lora=True)
@@ -71,8 +72,8 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     env, c = session.env, configs(args, "grpo")
     seed_everything(args.seed)
     print_preset(args)
-    grpo, rollout, evaluation, reward = config(GRPOConfig, args), config(RolloutConfig, args), \
-        config(EvalConfig, args), config(RewardConfig, args)
+    grpo, rollout, evaluation, reward, agent_cfg = config(GRPOConfig, args), config(RolloutConfig, args), \
+        config(EvalConfig, args), config(RewardConfig, args), config(AgentConfig, args)
 
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     train_rows, eval_rows = read_prompts(args.prompts, c.data.density, c.data.val_ratio, evaluation.eval_prompts,
@@ -92,18 +93,19 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
                                 or ("density" if c.data.density else "uniform"))
     resume = resolve_resume(c.out.resume, out_dir, "grpo_policy")
-    rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k))
-    tools = tool_tokens(rollout.tools, tok)
-    rollout = dataclasses.replace(rollout, tools="calculator" if tools else "none")  # a resume compares what it did
+    agent = Agent(agent_cfg, tok, train_rows[0].row)
+    agent_cfg = dataclasses.replace(agent_cfg, tools=agent.spec)  # a resume compares what it did
+    rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward)
     context = loaded.backbone.max_seq_len
-    train_ids = encode_prompts(train_rows, tok, context, rollout.max_new_tokens, args.prompts)
-    eval_ids = encode_prompts(eval_rows, tok, context, rollout.max_new_tokens, evaluation.eval_prompts or args.prompts)
+    train_ids = encode_prompts(train_rows, agent.render_prompt, context, rollout.max_new_tokens, args.prompts)
+    eval_ids = encode_prompts(eval_rows, agent.render_prompt, context, rollout.max_new_tokens,
+                              evaluation.eval_prompts or args.prompts)
     claim_out_dir(out_dir, log_dir)
     print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
     print0(tok.describe_stops())
 
     # ---- the model, its engine, resume ----------------------------------------------------------------------
-    flags = recorded(args, c.optim, loop_cfg, c.lora, rollout)
+    flags = recorded(args, c.optim, loop_cfg, c.lora, rollout, agent_cfg)
     compile_decode, why = decode_compiled(c.model.compile, env.device, loop_cfg.max_steps, rollout.max_new_tokens)
     rm_backbone = getattr(getattr(rewards.rm, "model", None), "backbone", None)
     training = PolicyTraining(
@@ -112,9 +114,10 @@ def train(args: argparse.Namespace, session: Session) -> Path:
                       {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
         merge_lora=c.lora.merge_lora, temperature=rollout.temperature,
         also_compile=(rm_backbone,) if rm_backbone else (),
-        decode=DecodeSpec(compile_decode, tools, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens))
+        decode=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens))
     print0(training.describe())
     print0(decode_line(training, why))
+    print0(agent.describe())
     loop = Loop(training, loop_cfg, c.out, c.optim, out_dir, log_dir, flags, session)
     if c.out.consolidate:
         return loop.consolidate(resume)
@@ -153,7 +156,7 @@ def decode_line(training: PolicyTraining, why: str) -> str:
             "a bf16 copy of the matmul weights, refreshed per rollout" if training.dtype == torch.bfloat16 else "")
     return (f"decode: {'compiled' if training.engine.compiled else 'eager'} "
             f"({why if training.policy.native else 'a transformers model decodes eagerly'})"
-            + (f"; from {copy}" if copy else "") + f"; tools: {'calculator' if training.engine.tools else 'none'}")
+            + (f"; from {copy}" if copy else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -394,7 +394,7 @@ def _fails(args, capsys, expected, out):
     (["--group_size", "1", "--reward_fn", "rewards_for_tests:vowel_share"], "--group_size must be >= 2"),
     (["--reward_fn", "no_such_module:f"], "cannot import 'no_such_module'"),
     (["--reward_fn", "rewards_for_tests:missing"], "has no function 'missing'"),
-    ([], "no reward: give --rm, --reward_fn and/or --reward_url"),
+    ([], "no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward()"),
     (["--reward_fn", "rewards_for_tests:not_a_number", "--max_steps", "1"], "reward function not_a_number on prompt "),
     (["--rm", "/nonexistent/rm"], "no reward-model checkpoint"),
     (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"], "exceeds the policy's context of 256"),

@@ -9,8 +9,9 @@ import pytest
 
 from conftest import REPO
 from nanochat_ext.algorithms.rewards import load_reward_fn
+from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.data.gsm8k import answer_parts, extract_answer, reference_answer
-from nanochat_ext.data.rows import load_conversations, load_prompts
+from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -64,7 +65,8 @@ def test_gsm8k_files_load_as_prompts_and_as_conversations(tmp_path):
     assert [p.messages for p in prompts] == [[{"role": "user", "content": r["question"]}] for r in ROWS]
     assert [p.row["answer"] for p in prompts] == [r["answer"] for r in ROWS]  # the reward reads it
     conversations = load_conversations(path)
-    assert [c[1] for c in conversations] == [answer_parts(r["answer"]) for r in ROWS]
+    assert [c.turns for c in conversations] == [[{"role": "assistant", "content": answer_parts(r["answer"])}]
+                                                for r in ROWS]
 
 
 def test_sft_batches_leave_python_outputs_out_of_the_loss(tok):
@@ -98,8 +100,8 @@ def test_nanochat_conversations_with_reply_parts_load_and_bad_parts_are_one_line
     conversation = EXAMPLES[0]["conversation"]
     good = tmp_path / "good.jsonl"
     good.write_text(json.dumps(conversation) + "\n")
-    [(prompt, reply, _)] = load_conversations(good)
-    assert prompt == conversation["messages"][:1] and reply == conversation["messages"][1]["content"]
+    [c] = load_conversations(good)
+    assert c.prompt == conversation["messages"][:1] and c.turns == conversation["messages"][1:]
     user, assistant = conversation["messages"]
     for bad in ({"messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}, assistant]},
                 {"messages": [user, {"role": "assistant", "content": [{"type": "shell", "text": "ls"}]}]},

@@ -20,7 +20,7 @@ from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig
-from nanochat_ext.generation.tools import ToolTokens
+from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
@@ -70,11 +70,11 @@ def relabelled(bb: Backbone, renames: dict[int, int]) -> Backbone:
     return out
 
 
-def stopping_rows(bb: Backbone, tok: TokenizerWrapper, tools: ToolTokens | None = None):
+def stopping_rows(bb: Backbone, tok: TokenizerWrapper, tools: Agent | None = None):
     """(model, want): bb with two tokens x, y its free greedy rows take renamed as the tokenizer's first two stop ids
     a, b (and a, b as x, y), chosen so that rows stop at different steps with different stops and another runs to
     max_new_tokens; want: each free row renamed, cut after its first stop, and whether it was truncated."""
-    free = Engine(bb, tools=tools).generate(PROMPTS, 1, GREEDY, (), tok.pad_id, seeds(len(PROMPTS)))
+    free = Engine(bb, agent=tools).generate(PROMPTS, 1, GREEDY, (), tok.pad_id, seeds(len(PROMPTS)))
     assert free.tool_calls == 0  # no calculator answer, which would not be renamed
     a, b = tok.stop_ids[:2]
     taken = {t for c in free.completions for t in c}
@@ -133,10 +133,10 @@ def test_rows_stop_at_whichever_stop_they_take(kinds, kind, compiled, with_tools
     its last token. Eager and compiled (no graph break; another set of stop ids of the same size compiles nothing),
     with nanochat's tools on and off."""
     bb, tok = kinds[kind]
-    tools = ToolTokens.of(tok) if with_tools else None
+    tools = Agent(AgentConfig(tools="calculator"), tok) if with_tools else None
     model, want = stopping_rows(bb, tok, tools)
     torch._dynamo.reset()
-    engine = Engine(model, compile=compiled, tools=tools)
+    engine = Engine(model, compile=compiled, agent=tools)
     got = engine.generate(PROMPTS, 1, GREEDY, tok.stop_ids, tok.pad_id, seeds(len(PROMPTS)))
     assert list(zip(got.completions, got.truncated)) == want
     assert {c[-1] for c, t in want if not t} == set(tok.stop_ids[:2])

@@ -16,11 +16,12 @@ from torch._dynamo.utils import counters
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.algorithms.evaluation import pass_at_k
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
-from nanochat_ext.data.rows import load_conversations, load_prompts
+from nanochat_ext.data.conversations import load_conversations
+from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig
-from nanochat_ext.generation.tools import ToolTokens
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.reward_fns import contains_answer
@@ -51,10 +52,10 @@ def test_engine_forces_the_calculators_answer_as_nanochats_engine(policy, compil
     masks are nanochat's Engine's (its stream: the terminal <|assistant_end|> included): `3*4` forces 12 where the
     model would write 99, `1,200/4` forces 300.0, the refused `2**10` forces nothing, a string count forces 3."""
     bb, tok = policy
-    tools = ToolTokens.of(tok)
     torch._dynamo.reset()
     prompts = [p["prompt_tokens"] for p in GOLDEN["prompts"]]
-    got = generate(Engine(bb, compile=compiled, tools=tools), tok, prompts, GOLDEN["engine_kwargs"]["max_tokens"])
+    got = generate(Engine(bb, compile=compiled, agent=Agent(AgentConfig(), tok)), tok, prompts,
+                   GOLDEN["engine_kwargs"]["max_tokens"])
     want = [row for p in GOLDEN["prompts"] for row in p["stream_tokens"]]
     want_masks = [row for p in GOLDEN["prompts"] for row in p["stream_masks"]]
     assert got.completions == want
@@ -68,7 +69,7 @@ def test_forced_tokens_count_towards_max_new_tokens(policy):
     """nanochat stops a row mid-answer when max_tokens runs out (golden `truncated`): so do we."""
     bb, tok = policy
     t = GOLDEN["truncated"]
-    got = generate(Engine(bb, tools=ToolTokens.of(tok)), tok, [GOLDEN["prompts"][0]["prompt_tokens"]],
+    got = generate(Engine(bb, agent=Agent(AgentConfig(), tok)), tok, [GOLDEN["prompts"][0]["prompt_tokens"]],
                    t["kwargs"]["max_tokens"], group=1)
     assert got.completions == [t["completion_tokens"]] and got.sampled == [t["completion_masks"]]
     assert got.truncated == [True]
@@ -217,7 +218,8 @@ def test_the_demos_arithmetic_calls_the_calculator_in_nanochats_format(tmp_path)
     judge reads the answer the model states after the tool block, not the one the tool forced."""
     tok = load_tokenizer_for(load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2"), str(TOOL_USE / "tokenizer"))
     path = synthetic.write_jsonl(tmp_path / "sft.jsonl", synthetic.make_arithmetic_conversations(5, seed=1))
-    for messages, reply, _ in load_conversations(path):
+    for c in load_conversations(path):
+        reply = c.turns[0]["content"]
         ids, mask = tok.render_reply(reply)
         assert [p["type"] for p in reply] == ["text", "python", "python_output", "text"]
         assert ids.count(tok.special("<|python_start|>")) == 1 and mask.count(0) == len(tok.encode(reply[2]["text"])) + 2

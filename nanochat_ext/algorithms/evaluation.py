@@ -69,7 +69,8 @@ def generate_and_score(engine: Engine, rows: list[PromptRow], prompt_ids: list[l
         return None, None
     with autocast:
         samples = engine.generate([prompt_ids[i] for i in call], n, cfg, tok.stop_ids, tok.pad_id,
-                                  [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in call])
+                                  [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in call],
+                                  [rows[i].row for i in call])
     return samples, rewards.score([rows[i] for i in call], call, [prompt_ids[i] for i in call], samples, tok, n)[0]
 
 

@@ -203,15 +203,16 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
     return total
 
 # ---- the method -----------------------------------------------------------------------------------
-WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "truncated",
+WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "env_errors",
+          "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
           "train_s", "steps", "decoded", "decode_s", "decode_bytes")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
-                     "optimizer": "adamw", "tools": "none"}
+                     "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto", "max_turns": 8}
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-                "filter_zero_std", "optimizer", "tools")
+                "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns")
 
 
 @dataclass
@@ -312,10 +313,13 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
     m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
               "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
               "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
-              # --tools: the calculator's calls per completion and the share it refused (forced tokens are in
+              # --tools and --env: tool calls per completion and the share refused or failed, assistant turns and
+              # failed environment calls per completion, and the tokens forced in per completion (in
               # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
               "train/tool_calls": s["tool_calls"] / n,
               "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
+              "train/turns": s["turns"] / n, "train/env_errors": s["env_errors"] / n,
+              "train/forced_tokens": (s["tokens"] - s["sampled_tokens"]) / n,
               "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
               "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
               "train/filled_frac": s["filled"] / steps,

@@ -1,13 +1,15 @@
-"""GRPO's rewards: the reward model's score, rule-based reward functions and a remote reward service, each
-weighted, with DAPO's overlong penalty; checked and logged per reward.
+"""GRPO's rewards: the reward model's score, rule-based reward functions, a remote reward service and the
+environments' own rewards, each weighted, with DAPO's overlong penalty; checked and logged per reward.
 
-A reward function is `module:function` (or a built-in's name: `gsm8k`, `exact_match`, ...), called f(prompt, completion, row) -> float per completion, in a thread
-pool of --reward_workers (it must then be thread-safe); or, with an attribute `batched = True`, once per step with
-this rank's lists, f(prompts, completions, rows) -> a sequence of floats (batched, as TRL's reward functions are). A reward service (--reward_url)
-gets a rank's completions of a step as one JSON POST, {"prompts": [...], "completions": [...], "rows": [...]},
-and answers {"rewards": [...]} (as OpenRLHF's remote RM does), within a timeout, retried with backoff. Every
-value passes the same checks (a real, finite number within --reward_clip), and any failure is one line naming
-the function or the URL and the prompt, raised on every rank.
+A reward function is `module:function` (or a built-in's name: `gsm8k`, `exact_match`, ...), called
+f(prompt, completion, row) -> float per completion, in a thread pool of --reward_workers (it must then be
+thread-safe); or, with an attribute `batched = True`, once per step with this rank's lists, f(prompts, completions,
+rows) -> a sequence of floats (batched, as TRL's reward functions are). A reward service (--reward_url) gets a rank's
+completions of a step as one JSON POST, {"prompts": [...], "completions": [...], "rows": [...]}, and answers
+{"rewards": [...]} (as OpenRLHF's remote RM does), within a timeout, retried with backoff. An --env whose
+environments have get_reward() gives one more reward, each rollout's own. Every value passes the same checks (a
+real, finite number within --reward_clip), and any failure is one line naming the function or the URL and the
+prompt, raised on every rank.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from nanochat_ext.data.batching import truncate
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
+from nanochat_ext.generation.agent import Episodes
+from nanochat_ext.generation.engine import Samples
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
@@ -62,8 +66,9 @@ class RewardConfig:
                                              "outside [-C, C]; NaN/inf and non-numbers are always refused", type=float,
                                        check=FINITE_POSITIVE)
     reward_weights: list[float] | None = option(None, "one weight per reward, in order: the RM (if --rm), each "
-                                                      "--reward_fn, then the service (if --reward_url) (default: all "
-                                                      "1)", type=float, nargs="+")
+                                                      "--reward_fn, the service (if --reward_url), then the "
+                                                      "environment's (an --env with get_reward) (default: all 1)",
+                                                type=float, nargs="+")
 
 
 def load_reward_fn(spec: str) -> RewardFn:
@@ -163,21 +168,35 @@ def post_rewards(url: str, prompts: list[str], completions: list[str], rows: lis
     return rewards
 
 
+def env_rewards(episodes: Episodes, indices: list[int], G: int, clip: float | None) -> list[float]:
+    """The environments' get_reward() values, checked as a reward function's; a failure is one line naming the
+    prompt."""
+    out = []
+    for i, outcome in enumerate(episodes.env_rewards()):
+        where = f"the environment's reward on prompt {indices[i // G]} (sample {i % G})"
+        if outcome.error:
+            raise InputError(f"{where}: {outcome.text.removeprefix('Error: ')}")
+        out.append(checked(outcome.value, where, clip))
+    return out
+
+
 class Rewards:
     """The RM score, the reward functions and the reward service, each weighted; per-reward values kept for
     logging. workers: threads for per-completion functions (1: called in turn)."""
 
     def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
                  overlong: tuple[int, int, float] | None = None, clip: float | None = None, workers: int = 1,
-                 url: str | None = None, url_timeout: float = 60.0):
+                 url: str | None = None, url_timeout: float = 60.0, env: bool = False):
         parts = urllib.parse.urlsplit(url or "")
         if url is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
             raise InputError(f"--reward_url must be an http:// or https:// URL, got {url!r}")
         self.rm, self.clip, self.url, self.url_timeout = rm, clip, url, url_timeout
         self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
-        self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else [])
+        self.env = env  # the --env environments' own rewards (get_reward), one more column
+        self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else []) + \
+            (["env"] if env else [])
         if not self.names:
-            raise InputError("no reward: give --rm, --reward_fn and/or --reward_url")
+            raise InputError("no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward()")
         self.weights = list(weights) if weights is not None else [1.0] * len(self.names)
         if len(self.weights) != len(self.names):
             raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
@@ -188,7 +207,7 @@ class Rewards:
             self.weights.append(1.0)
         self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
-    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples,
+    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples: Samples,
               tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
         """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it scores what it
         was trained on: prompt cut from the left, completion from the right). A reward function's or the
@@ -207,7 +226,7 @@ class Rewards:
                 error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
                          f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
             col = 1
-        texts = [tok.reply_text(c) for c in samples.completions]
+        texts = samples.replies(tok)
         prompts = [rows[i // G].messages[-1]["content"] for i in range(n)]
         row_dicts = [rows[i // G].row for i in range(n)]
         try:
@@ -220,6 +239,9 @@ class Rewards:
                     out[:, col + len(self.fns)] = torch.tensor(
                         [checked(v, f"--reward_url {self.url} on prompt {indices[i // G]}", self.clip)
                          for i, v in enumerate(values)], dtype=torch.float64)
+                if self.env:
+                    out[:, self.names.index("env")] = torch.tensor(env_rewards(samples.episodes, indices, G, self.clip),
+                                                                   dtype=torch.float64)
         except InputError as e:
             error = str(e)
         raise_if_any(error)
@@ -274,15 +296,15 @@ def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) ->
 
 
 def make_rewards(cfg: RewardConfig, tok: TokenizerWrapper, device, overlong: tuple[int, int, float] | None,
-                 pass_k: bool) -> Rewards:
+                 pass_k: bool, env: bool = False) -> Rewards:
     """The run's rewards: --rm loaded (one line where it does not speak the policy's tokenizer), the reward functions,
-    the service; pass_k: checked to have the task reward pass@k reads."""
+    the service, the environments' own (env); pass_k: checked to have the task reward pass@k reads."""
     rm = None
     if cfg.rm:
         rm = load_reward_model(cfg.rm, device, backbone=cfg.rm_backbone)
         check_rm_tokenizer(rm, tok, cfg.rm)
     rewards = Rewards(rm, cfg.reward_fn or [], cfg.reward_weights, overlong, cfg.reward_clip, cfg.reward_workers,
-                      cfg.reward_url, cfg.reward_timeout)
+                      cfg.reward_url, cfg.reward_timeout, env)
     if pass_k:
         rewards.task_column()
     return rewards

@@ -17,7 +17,6 @@ from nanochat_ext.ddp_common import DistEnv, gather_objects
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
-from nanochat_ext.generation.tools import TOOLS
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -104,10 +103,6 @@ class RolloutConfig:
     top_k: int = option(0, "sample among the k likeliest tokens (0: off)", type=int, check=(lambda v: v >= 0,
                                                                                               ">= 0 (0: off)"))
     top_p: float = option(1.0, "nucleus sampling mass (1: off)", type=float, check=(lambda v: 0 < v <= 1, "in (0, 1]"))
-    tools: str | None = option(None, "calculator: run nanochat's calculator inside the rollouts (a "
-                                     "<|python_start|>expr<|python_end|> block gets its answer forced in, masked out of "
-                                     "the loss), as nanochat's Engine does; default: calculator where the tokenizer has "
-                                     "nanochat's python tokens, else none", choices=TOOLS)
     mask_truncated: bool = option(False, "leave completions that hit --max_new_tokens out of the loss",
                                   action="store_true")
     filter_zero_std: bool = option(False, "DAPO's dynamic sampling: drop groups whose rewards are all equal (zero "
@@ -173,7 +168,8 @@ class Rollouts:
                                                 f"{self.sampling.max_new_tokens} tokens)",
                                                 (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
             samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
-                                           [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices])
+                                           [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices],
+                                           [self.rows[i].row for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = self.engine.last
         with self.progress.doing("scoring the rollout", (FEWER_COMPLETIONS,)):
@@ -184,6 +180,8 @@ class Rollouts:
         self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total), tokens=tokens,
                         sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
                         tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
+                        env_errors=samples.env_errors,
+                        turns=sum(samples.turns) if samples.turns else len(samples.completions),
                         truncated=sum(samples.truncated), rm_cut=rm_cut,
                         zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),
                         draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,

@@ -1,9 +1,12 @@
-"""Supervised fine-tuning's step: next-token loss on the reply to learn of each conversation (what a tool wrote left
-out), averaged over the reply tokens of the global batch (logprobs.sft_backward).
+"""Supervised fine-tuning's step: next-token loss on the turns to learn of each conversation (what a tool wrote
+left out), averaged over the learnt tokens of the global batch (logprobs.sft_backward).
 """
 from __future__ import annotations
 
 from nanochat_ext.data.batching import GlobalBatchLoader, cut_to_fit
+from nanochat_ext.data.conversations import Conversation
+from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.training.logprobs import make_sequences, sft_backward
 from nanochat_ext.training.loop import Loop
@@ -11,15 +14,30 @@ from nanochat_ext.training.memory import StepMemory
 from nanochat_ext.training.setup import PolicyTraining
 from nanochat_ext.training.tracking import WindowSums
 
-Example = tuple[list[int], list[int], list[int]]  # prompt ids, reply ids, reply mask (0: a token a tool wrote)
+Example = tuple[list[int], list[int], list[int]]  # prompt ids, reply ids, reply mask (0: a token not to learn)
 
 
-def sft_examples(conversations: list, tok: TokenizerWrapper, max_len: int) -> list[Example]:
-    """Each conversation rendered and cut as the RM's pairs are: the prompt from the left, the reply from the right."""
+def sft_examples(conversations: list[Conversation], tok: TokenizerWrapper, max_len: int, agent: Agent,
+                 path: str) -> list[Example]:
+    """Each conversation rendered and cut as the RM's pairs are: the prompt from the left, the reply from the right.
+    A chat model's conversation is rendered by its chat template, tool calls and tool turns included, its assistant
+    turns learnt through the template's end-of-turn token; nanochat's (or a tokenizer's without a template), the
+    prompt and then the reply to learn (nanochat's python parts with their outputs masked)."""
     examples = []
-    for prompt, reply, _ in conversations:
-        r, mask = tok.render_reply(reply)
-        p, r = cut_to_fit(tok.render_prompt(prompt), r, max_len, tok.bos_id)
+    for c in conversations:
+        if tok.chat_template:
+            if any(isinstance(m["content"], list) for m in c.turns):
+                raise InputError("a reply in nanochat's parts needs nanochat's tokenizer (a chat model's tool calls "
+                                 "are tool_calls)", path, c.line, "messages")
+            messages = agent.for_template(c.prompt + c.turns)
+            p, r, mask = tok.render_conversation(messages, len(messages) - len(c.turns), agent.template_tools)
+        else:
+            if len(c.turns) > 1 or c.turns[0].get("tool_calls"):
+                raise InputError(f"tool calls and tool turns need a chat template to render them ({tok.source} has "
+                                 f"none; nanochat's tool calls are python parts)", path, c.line, "messages")
+            r, mask = tok.render_reply(c.turns[0]["content"])
+            p = tok.render_prompt(c.prompt)
+        p, r = cut_to_fit(p, r, max_len, tok.bos_id)
         examples.append((p, r, mask[:len(r)]))
     return examples
 

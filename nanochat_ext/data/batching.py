@@ -79,13 +79,14 @@ def truncate(prompt: list[int], response: list[int], max_len: int, bos_id: int |
     return p + r
 
 
-def encode_prompts(rows: list[PromptRow], tok: TokenizerWrapper, context: int, max_new_tokens: int, path: str | None,
-                   flag: str = "--max_new_tokens") -> list[list[int]]:
-    """Each prompt's token ids, rendered for generation; a prompt that leaves no room in the model's context for
-    max_new_tokens (given by `flag`) is one line naming the file, the row and the field, before anything is decoded."""
+def encode_prompts(rows: list[PromptRow], render: Callable[[list[dict]], list[int]], context: int, max_new_tokens: int,
+                   path: str | None, flag: str = "--max_new_tokens") -> list[list[int]]:
+    """Each prompt's token ids, rendered for generation (render: the tokenizer's render_prompt, or an agent's, which
+    adds its tools); a prompt that leaves no room in the model's context for max_new_tokens (given by `flag`) is one
+    line naming the file, the row and the field, before anything is decoded."""
     out = []
     for r in rows:
-        ids = tok.render_prompt(r.messages)
+        ids = render(r.messages)
         if len(ids) + max_new_tokens > context:
             raise InputError(f"prompt of {len(ids)} tokens + {flag} {max_new_tokens} exceeds the policy's context of "
                              f"{context}", path=path, line=r.line, field="prompt")

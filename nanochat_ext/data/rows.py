@@ -1,6 +1,6 @@
-"""Records: preference pairs, prompts and conversations parsed and validated from JSONL (or a parquet or Arrow file,
+"""Records: preference pairs and prompts parsed and validated from JSONL (or a parquet or Arrow file,
 or a `datasets` directory written by save_to_disk, read with pyarrow: the same records, a row each), weights
-attached, split by prompt (tokenizing and batching them: batching.py).
+attached, split by prompt (SFT's conversations: conversations.py; tokenizing and batching: batching.py).
 
 Formats accepted per record (docs/data.md): plain {prompt, chosen, rejected}; chat messages
 {prompt: [messages], chosen: [messages] | str, rejected: ...}; implicit-prompt chat
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from nanochat_ext.config import option
-from nanochat_ext.data.gsm8k import answer_parts, is_gsm8k_row
+from nanochat_ext.data.gsm8k import is_gsm8k_row
 from nanochat_ext.errors import InputError, Row, first_line
 from nanochat_ext.runtime.checkpoint import read_json
 
@@ -145,29 +145,14 @@ def _read_table(p: Path):
         raise InputError(f"not a readable {p.suffix[1:]} file ({first_line(e)})", path=str(p)) from None
 
 
-def _messages(value, path, line, field, reply_parts: bool = False) -> list[dict]:
-    """reply_parts: the last message may be nanochat's parts (a list of {type, text}) rather than a string."""
+def _messages(value, path, line, field) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise InputError("expected a non-empty list of messages", path, line, field)
     for i, m in enumerate(value):
-        parts = reply_parts and i == len(value) - 1 and isinstance(m, dict) and isinstance(m.get("content"), list)
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not (parts or isinstance(m.get("content"), str)):
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
             raise InputError(f"message {i} must be {{'role': user|assistant|system, 'content': str}}",
                              path, line, field)
-        if parts:
-            _parts(m["content"], path, line)
     return [{"role": m["role"], "content": m["content"]} for m in value]
-
-
-PART_TYPES = ("text", "python", "python_output")
-
-
-def _parts(value: list, path, line) -> None:
-    """A reply given as nanochat's parts: each {type: text|python|python_output, text: str}."""
-    for i, part in enumerate(value):
-        if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
-            raise InputError(f"reply part {i} must be {{'type': text|python|python_output, 'text': str}}",
-                             path, line, "messages")
 
 
 def _parse_hh(text: str, path, line, field) -> list[dict]:
@@ -191,7 +176,7 @@ def _split_conversations(chosen: list[dict], rejected: list[dict], path, line) -
     return prompt_c, chosen[-1]["content"], rejected[-1]["content"]
 
 
-def _answer(value, path, line, field) -> str:
+def answer_text(value: object, path: str, line: int, field: str) -> str:
     """A response given as a string or as a list of assistant messages."""
     if isinstance(value, list):
         msgs = _messages(value, path, line, field)
@@ -213,7 +198,7 @@ def parse_pair(obj: dict, path: str, line: int) -> PairRow:
         if not isinstance(prefix, dict):
             raise InputError("expected {'messages': [...]}", path, line, "prefix")
         prompt = _messages(prefix.get("messages"), path, line, "prefix.messages")
-        chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+        chosen, rejected = answer_text(chosen, path, line, "chosen"), answer_text(rejected, path, line, "rejected")
     elif "prompt" in obj:
         prompt = obj["prompt"]
         if isinstance(prompt, str):
@@ -222,7 +207,7 @@ def parse_pair(obj: dict, path: str, line: int) -> PairRow:
             prompt = [{"role": "user", "content": prompt}]
         else:
             prompt = _messages(prompt, path, line, "prompt")
-        chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+        chosen, rejected = answer_text(chosen, path, line, "chosen"), answer_text(rejected, path, line, "rejected")
     elif isinstance(chosen, list) and isinstance(rejected, list):
         prompt, chosen, rejected = _split_conversations(_messages(chosen, path, line, "chosen"),
                                                         _messages(rejected, path, line, "rejected"), path, line)
@@ -234,7 +219,7 @@ def parse_pair(obj: dict, path: str, line: int) -> PairRow:
                          path, line, "prompt")
     if not prompt or prompt[-1]["role"] != "user":
         raise InputError("the prompt must end with a user turn", path, line, "prompt")
-    chosen, rejected = _answer(chosen, path, line, "chosen"), _answer(rejected, path, line, "rejected")
+    chosen, rejected = answer_text(chosen, path, line, "chosen"), answer_text(rejected, path, line, "rejected")
     weight = obj.get("weight", 1.0)
     if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
         raise InputError(f"must be a positive finite number, got {weight!r}", path, line, "weight")
@@ -313,37 +298,6 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
     if not rows:
         raise InputError("no prompts in file", path=str(path))
     return rows
-
-
-def load_conversations(path: str | os.PathLike) -> list[tuple[list[dict], str | list[dict], int]]:
-    """SFT data: JSONL {messages: [...]} ending with the assistant reply to learn (a string, or nanochat's parts
-    with tool calls), or GSM8K's {question, answer} rows -> (prompt messages, reply, line)."""
-    out = []
-    for lineno, obj in read_rows(path):
-        if is_gsm8k_row(obj):  # GSM8K: the question, then its worked answer with calculator calls as parts
-            if not isinstance(obj["question"], str) or not isinstance(obj["answer"], str):
-                raise InputError("question and answer must be strings", str(path), lineno, "answer")
-            out.append(([{"role": "user", "content": obj["question"]}],
-                        _reply_to_learn(answer_parts(obj["answer"]), str(path), lineno, "answer"), lineno))
-            continue
-        msgs = _messages(obj.get("messages"), str(path), lineno, "messages", reply_parts=True)
-        if msgs[-1]["role"] != "assistant" or len(msgs) < 2 or msgs[-2]["role"] != "user":
-            raise InputError("must end with a user turn followed by the assistant reply", str(path), lineno,
-                             "messages")
-        reply = msgs[-1]["content"]  # nanochat's parts (text, python, python_output) as they are
-        out.append((msgs[:-1], _reply_to_learn(reply, str(path), lineno, "messages") if isinstance(reply, list)
-                    else _answer(reply, str(path), lineno, "messages"), lineno))
-    if not out:
-        raise InputError("no conversations in file", path=str(path))
-    return out
-
-
-def _reply_to_learn(parts: list[dict], path: str, line: int, field: str) -> list[dict]:
-    """A reply given as parts, refused when it holds nothing to train on (no parts, or only blank ones and tool
-    outputs, which SFT leaves out of the loss): it would teach the end of the turn alone."""
-    if not any(p["type"] != "python_output" and p["text"].strip() for p in parts):
-        raise InputError("the assistant reply is empty (no text or tool call to learn)", path, line, field)
-    return parts
 
 
 # ---- weights ------------------------------------------------------------------------------------

@@ -28,19 +28,21 @@ from __future__ import annotations
 import copy
 import shutil
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from nanochat_ext.ddp_common import is_sharded, whole
+from nanochat_ext.generation.agent import Agent, Episodes
 from nanochat_ext.generation.decode_cost import DecodeStats, kv_bytes, weight_bytes
 from nanochat_ext.generation.sampling import SamplingConfig, take_tokens
-from nanochat_ext.generation.tools import ToolState, ToolTokens
+from nanochat_ext.generation.tools import ToolState
 from nanochat_ext.models.attention import KVCache
 from nanochat_ext.models.backbone import Backbone, matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_stats
+from nanochat_ext.tokenizer import TokenizerWrapper
 
 SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
 
@@ -94,9 +96,28 @@ def compile_for(fn, device: torch.device):
 class Samples:
     completions: list[list[int]]  # one per sample (prompt-major: prompt i's samples are i*G .. i*G+G-1)
     truncated: list[bool]  # stopped by max_new_tokens, not by a stop token
-    sampled: list[list[int]] | None = None  # with tools, per completion token: 1 sampled, 0 forced by a tool
-    tool_calls: int = 0  # python blocks closed (the calculator called)
-    tool_errors: int = 0  # of them, the ones it refused (nothing forced)
+    sampled: list[list[int]] | None = None  # with an agent, per completion token: 1 sampled, 0 forced
+    tool_calls: int = 0  # tool calls made (python blocks closed, tool calls in turns)
+    tool_errors: int = 0  # of them, the ones refused or failed
+    env_errors: int = 0  # environment calls that failed
+    turns: list[int] | None = None  # with an agent, each completion's assistant turns
+    turn_starts: list[int] | None = None  # with an agent, where each completion's last assistant turn begins
+    episodes: Episodes | None = field(default=None, compare=False, repr=False)  # their environments, for rewards
+
+    @classmethod
+    def of(cls, completions: list[list[int]], truncated: list[bool], sampled: list[list[int]] | None,
+           episodes: Episodes | None) -> "Samples":
+        if episodes is None:
+            return cls(completions, truncated, sampled)
+        return cls(completions, truncated, sampled, episodes.tool_calls, episodes.tool_errors, episodes.env_errors,
+                   list(episodes.turns), list(episodes.turn_start), episodes)
+
+    def replies(self, tok: TokenizerWrapper) -> list[str]:
+        """What reward functions read of each completion: its last assistant turn, without the stop it ended
+        with. A tool's or an environment's turn is not the policy's answer (a product a tool turn states is not
+        the model's); a python block's output is inside the turn, as nanochat's own reward reads it."""
+        starts = self.turn_starts or [0] * len(self.completions)
+        return [tok.reply_text(c[start:]) for c, start in zip(self.completions, starts)]
 
 
 @dataclass
@@ -129,14 +150,14 @@ class DecodeState:
 
 def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
                 python: tuple[int, int] | None) -> None:
-    """Take token t of every row from the state's logits (or a tool's forced token), decode it at its slot (static
+    """Take token t of every row from the state's logits (or a forced token), decode it at its slot (static
     shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
-    and the tools' state included. python: the tool protocol's (python_start, python_end) ids, with tools."""
+    and the tools' state included. python: nanochat's (python_start, python_end) ids, where calls are its blocks."""
     u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
     live = ~s.done
     token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
                         s.tools.force if s.tools is not None else None)
-    if s.tools is not None:
+    if python is not None:
         s.tools.track(token, s.t, live, *python)
     s.key_valid.index_fill_(1, s.slot, True)
     s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
@@ -147,22 +168,21 @@ def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id:
 class Engine:
     """Samples completions from `model` (a Backbone: nanochat GPT, native Llama or a transformers module).
     compile: decode with a compiled step over kept static state (our models; transformers ones decode eagerly).
-    tools: run nanochat's calculator inside the rollouts (tools.py). reserve: the longest prompt + new tokens any
+    agent: the tools and environment the rollouts run with (agent.py). reserve: the longest prompt + new tokens any
     call of the run will need; a compiled state is made that long at once, so a longer batch later does not
     rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
     steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
-    with tools the host reads every step, to answer a block the step closed."""
+    with an agent the host reads every step, to answer a block the step closed or a turn it ended."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
-                 tools: ToolTokens | None = None, reserve: int = 0, end_check_every: int | None = None):
+                 agent: Agent | None = None, reserve: int = 0, end_check_every: int | None = None):
         self.model = model
         self.reserve = reserve
-        self.tools = tools
-        self._python = (tools.python_start, tools.python_end) if tools is not None else None
-        self._tool_calls = [0, 0]  # this call's calculator calls and refusals
+        self.agent = agent if agent is not None and agent.active else None
+        self._python = self.agent.python if self.agent else None
         self.compiled = compile and model.native
         eager_on_cpu = next(model.parameters()).device.type == "cpu" and not self.compiled
-        self.end_check_every = 1 if tools is not None else end_check_every or (1 if eager_on_cpu else END_CHECK_EVERY)
+        self.end_check_every = 1 if self.agent else end_check_every or (1 if eager_on_cpu else END_CHECK_EVERY)
         self._states: dict[int, DecodeState] = {}  # rows -> the kept decode state (compiled only)
         self._step = None
         self._lowered: tuple[Backbone, list[tuple[str, torch.Tensor]]] | None = None  # (copy, (name, its tensor))
@@ -173,10 +193,12 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], group_size: int, cfg: SamplingConfig,
-                 stop_ids: int | Sequence[int], pad_id: int, generators: list[torch.Generator]) -> Samples:
-        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i]. A row
-        ends at the first of stop_ids it takes (the tokenizer's stop_ids: every token that ends a turn), kept as
-        its last token, or after max_new_tokens."""
+                 stop_ids: int | Sequence[int], pad_id: int, generators: list[torch.Generator],
+                 rows: list[dict] | None = None) -> Samples:
+        """group_size samples of each prompt, prompt-major; prompt i draws its uniforms from generators[i] (and its
+        environments, with an agent, are made from rows[i]). A row ends at the first of stop_ids it takes (the
+        tokenizer's stop_ids: every token that ends a turn), kept as its last token, unless the agent forces another
+        turn after it; or after max_new_tokens."""
         device = next(self.model.parameters()).device
         n, G, P = len(prompts), group_size, max(len(p) for p in prompts)
         if P + cfg.max_new_tokens > self.model.max_seq_len:  # a compiled step would index past the rotary table
@@ -192,21 +214,21 @@ class Engine:
         ids, key_mask = ids.to(device), key_mask.to(device)
         uniforms = torch.cat([torch.rand(G, cfg.max_new_tokens, generator=g) for g in generators]).to(device)
         decoder = self._decoder(device)
-        self._tool_calls = [0, 0]
+        episodes = self.agent.episodes(rows if rows is not None else [{}] * n, G) if self.agent else None
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
         if self.compiled:
             state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
             sync(device)
             t1 = time.perf_counter()
-            steps = self._decode_compiled(decoder, state, cfg, pad_id)
+            steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes)
             out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
             out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
-                                                                  stops, pad_id)
+                                                                  stops, pad_id, episodes)
         sync(device)
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
@@ -215,7 +237,7 @@ class Engine:
                                 kv_bytes(decoder, context))
         lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
         sampled = [row[:k] for row, k in zip(tools.sampled.int().tolist(), lengths)] if tools is not None else None
-        return Samples([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, *self._tool_calls)
+        return Samples.of([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, episodes)
 
     # ---- eager ------------------------------------------------------------------------------------
     def _prefill_eager(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int, max_new: int):
@@ -226,36 +248,52 @@ class Engine:
         return logits.repeat_interleave(G, dim=0), cache, key_mask.repeat_interleave(G, dim=0) if use_mask else None
 
     def _decode_eager(self, decoder: Backbone, logits: torch.Tensor, cache, key_mask: torch.Tensor | None,
-                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int):
+                      uniforms: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int,
+                      episodes: Episodes | None):
         rows, device = logits.size(0), logits.device
         out = torch.full((rows, cfg.max_new_tokens), pad_id, dtype=torch.long, device=device)
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
-        tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.tools is not None else None
+        tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.agent else None
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
         for t in range(cfg.max_new_tokens):
             live = ~done
             token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
                                 tools.force if tools is not None else None)
-            if tools is not None:
+            if self._python is not None:
                 tools.track(token, steps[t], live, *self._python)
-            if t == cfg.max_new_tokens - 1 or self._finished(done, tools, out, t):
+            finished = self._finished(done, lengths, tools, out, t, episodes)
+            if t == cfg.max_new_tokens - 1 or finished:
                 return out, lengths, done, tools, t
             if key_mask is not None:
                 key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             logits = decoder.decode(cache, token, key_mask)
         return out, lengths, done, tools, 0  # max_new_tokens 0
 
-    def _finished(self, done: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int) -> bool:
-        """After token t: whether every row has stopped (read every end_check_every steps, else False); with tools, the
-        calculator answers the blocks token t closed, in the same read from the device."""
+    def _finished(self, done: torch.Tensor, lengths: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int,
+                  episodes: Episodes | None) -> bool:
+        """After token t: whether every row has stopped (read every end_check_every steps, else False). With an
+        agent, in the same read from the device: the blocks token t closed are answered, and the rows whose token t
+        ended a turn are asked for their next one."""
         if tools is None:
             return (t + 1) % self.end_check_every == 0 and bool(done.all())
-        finished, closed = torch.stack([done.all(), tools.closed.any()]).tolist()
-        if closed and not finished:
-            calls, refused = tools.answer_closed(out, t, self.tools)
-            self._tool_calls[0] += calls
-            self._tool_calls[1] += refused
+        ended = done & (lengths == t + 1)
+        finished, closed, any_ended = torch.stack([done.all(), tools.closed.any(), ended.any()]).tolist()
+        room = out.size(1) - t - 1  # tokens left after token t
+        if closed and not finished and room:
+            rows, blocks = tools.closed_blocks(out, t)
+            for row, ids in zip(rows, episodes.answer_blocks([self.agent.tok.decode(b) for b in blocks])):
+                tools.queue(row, ids)
+        if any_ended and self.agent.turns:
+            rows = ended.nonzero().squeeze(1).tolist()
+            texts = [self.agent.tok.decode(out[row, episodes.turn_start[row]:t].tolist()) for row in rows]
+            for row, ids in zip(rows, episodes.after_turns(rows, texts, room)):
+                if ids:
+                    tools.queue(row, ids[:room])
+                    done[row], lengths[row] = False, out.size(1)
+                    episodes.turn_start[row] = min(t + 1 + len(ids), out.size(1))
+                    tools.in_block[row] = False  # a block the ended turn left open is not the next turn's
+                    finished = False
         return finished
 
     # ---- compiled ---------------------------------------------------------------------------------
@@ -316,24 +354,27 @@ class Engine:
                         torch.zeros(rows, slots, dtype=torch.bool, device=device),
                         torch.zeros((), dtype=torch.long, device=device),
                         torch.zeros(1, dtype=torch.long, device=device),
-                        ToolState.empty(rows, max_new, device) if self.tools is not None else None)
+                        ToolState.empty(rows, max_new, device) if self.agent else None)
         cache.slot = s.slot
         for t in s.tensors():
             torch._dynamo.mark_static_address(t)
         self._states[rows] = s
         return s
 
-    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int) -> int:
+    def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int,
+                         episodes: Episodes | None) -> int:
         if self._step is None:
             self._step = compile_for(decode_step, s.t.device)
         last = cfg.max_new_tokens - 1
         for t in range(last):
             self._step(decoder.model, s, cfg, pad_id, self._python)
-            if self._finished(s.done, s.tools, s.out, t):
+            if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes):
                 return t + 1
-        if last >= 0:  # the last token needs no decoding after it
+        if last >= 0:  # the last token needs no decoding after it; a turn it ends is still the environment's
             take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
                         s.tools.force if s.tools is not None else None)
+            if self.agent:
+                self._finished(s.done, s.lengths, s.tools, s.out, last, episodes)
         return max(last, 0)
 
     # ---- what decodes -----------------------------------------------------------------------------

@@ -72,18 +72,24 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
 
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,
                 done: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int,
-                force: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+                force: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+                ) -> torch.Tensor:
     """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
-    row's uniform u (force(sampled, t): the tokens a tool forces instead, see tools.py), the pad for rows already
-    stopped. Written into out; rows whose token is any of stop_ids (a 1-d tensor of ids: its values are data, so
+    row's uniform u (force(sampled, t): the tokens forced instead, and where, see tools.py), the pad for rows
+    already stopped. Written into out; rows whose token is any of stop_ids (a 1-d tensor of ids: its values are data, so
     another set of the same size compiles nothing) stop now, marked in done and lengths. All in place."""
     if cfg.min_new_tokens:  # every stop held back, whichever would end the row
         held = torch.where(t < cfg.min_new_tokens, float("-inf"), logits.index_select(1, stop_ids))
         logits.index_copy_(1, stop_ids, held)
     token = sample_token(logits, u, cfg)
-    token = torch.where(done, pad_id, token if force is None else force(token, t))
+    forced = None
+    if force is not None:
+        token, forced = force(token, t)
+    token = torch.where(done, pad_id, token)
     out.index_copy_(1, t.view(1), token[:, None])
     stopped = ~done & torch.isin(token, stop_ids)
+    if forced is not None:  # a forced token is never the model's stop
+        stopped &= ~forced
     lengths.masked_fill_(stopped, t + 1)
     done.logical_or_(stopped)
     return token

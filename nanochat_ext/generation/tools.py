@@ -1,12 +1,15 @@
-"""Tool calls inside rollouts, as nanochat's Engine runs them (engine.py at 92d63d4): when a row's sampled
-`<|python_end|>` closes a non-empty `<|python_start|>` block, the calculator evaluates the block's text, and
-`<|output_start|>` + the answer's tokens + `<|output_end|>` are forced into that row, one a step, whatever the
-model samples (mask 0: no loss, KL or entropy looks at them), and fed back through the model like sampled
-tokens. A refused expression forces nothing. Forced tokens count towards max_new_tokens, as in nanochat.
+"""Tokens forced into rollouts, on the device: nanochat's tool protocol, as its Engine runs it (engine.py at 92d63d4),
+and the rows' queues of forced tokens. When a row's sampled `<|python_end|>` closes a non-empty `<|python_start|>`
+block, the host answers the block (agent.py: the calculator, or your tool) and `<|output_start|>` + the answer's
+tokens + `<|output_end|>` are forced into that row, one a step, whatever the model samples (mask 0: no loss, KL or
+entropy looks at them), and fed back through the model like sampled tokens. A refused expression forces nothing.
+The turns that follow an ended assistant turn (a tool turn, an environment's message) are forced the same way.
+Forced tokens count towards max_new_tokens, as in nanochat, and never end a row (a template's end-of-turn token
+inside a forced tool turn is not the model's).
 
 The per-row state lives on the device, in fixed tensors: a compiled decode step takes forced tokens and tracks
 python blocks inside its graph, and the host is only needed at a step where some row closed a block
-(`ToolState.closed`), to run the calculator and queue its answer.
+(`ToolState.closed`) or ended a turn.
 """
 from __future__ import annotations
 
@@ -14,11 +17,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from nanochat_ext.errors import InputError
-from nanochat_ext.generation.calculator import calculate
 from nanochat_ext.tokenizer import TokenizerWrapper
-
-TOOLS = ("calculator", "none")
 
 
 @dataclass(frozen=True)
@@ -38,21 +37,6 @@ class ToolTokens:
                                                                  "output_end")), tok)
         except KeyError:
             return None
-
-    def answer(self, expr_ids: list[int]) -> list[int]:
-        """The tokens forced after a block of expr_ids: the calculator's answer, or none where it refuses."""
-        text = calculate(self.tok.decode(expr_ids))
-        return [] if text is None else [self.output_start, *self.tok.encode(text), self.output_end]
-
-
-def tool_tokens(flag: str | None, tok: TokenizerWrapper) -> ToolTokens | None:
-    """--tools: the protocol to run (None: none). Default: the calculator where the tokenizer has nanochat's python
-    tokens, as nanochat's Engine always runs it."""
-    tools = ToolTokens.of(tok)
-    if flag == "calculator" and tools is None:
-        raise InputError(f"--tools calculator needs nanochat's <|python_start|> and <|output_start|> tokens, which "
-                         f"the tokenizer ({tok.source}) does not have")
-    return None if flag == "none" else tools
 
 
 @dataclass
@@ -82,13 +66,14 @@ class ToolState:
             t.zero_()
         self.sampled.fill_(True)
 
-    def force(self, sampled: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """Token t of every row: the next queued token where the row is forcing, else the sampled one."""
+    def force(self, sampled: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token t of every row: the next queued token where the row is forcing, else the sampled one; and which
+        rows were forced."""
         forcing = self.next_forced < self.n_forced
         queued = self.forced.gather(1, self.next_forced.clamp(max=self.forced.size(1) - 1)[:, None]).squeeze(1)
         self.next_forced.add_(forcing.long())
         self.sampled.index_copy_(1, t.view(1), (~forcing)[:, None])
-        return torch.where(forcing, queued, sampled)
+        return torch.where(forcing, queued, sampled), forcing
 
     def track(self, token: torch.Tensor, t: torch.Tensor, live: torch.Tensor, python_start: int,
               python_end: int) -> None:
@@ -99,17 +84,15 @@ class ToolState:
         self.block_start.copy_(torch.where(start, t + 1, self.block_start))
         self.in_block.copy_((self.in_block | start) & ~end)
 
-    def answer_closed(self, out: torch.Tensor, t: int, tools: ToolTokens) -> tuple[int, int]:
-        """Host: run the calculator for every row whose token t closed a block (out: the completions so far) and
-        queue its answer, to be forced from token t + 1. Returns (calls, refused)."""
+    def closed_blocks(self, out: torch.Tensor, t: int) -> tuple[list[int], list[list[int]]]:
+        """Host: the rows whose token t closed a python block, and each block's tokens (out: the completions)."""
         rows = self.closed.nonzero().squeeze(1).tolist()
-        starts = self.block_start[rows].tolist()
-        refused = 0
-        for row, start in zip(rows, starts):
-            answer = tools.answer(out[row, start:t].tolist())[:self.forced.size(1)]
-            refused += not answer
-            if answer:
-                self.forced[row, :len(answer)] = torch.tensor(answer, device=self.forced.device)
-                self.n_forced[row] = len(answer)
-                self.next_forced[row] = 0
-        return len(rows), refused
+        return rows, [out[row, start:t].tolist() for row, start in zip(rows, self.block_start[rows].tolist())]
+
+    def queue(self, row: int, ids: list[int]) -> None:
+        """Host: force ids into the row from its next token on (as many as fit in its queue)."""
+        ids = ids[:self.forced.size(1)]
+        if ids:
+            self.forced[row, :len(ids)] = torch.tensor(ids, device=self.forced.device)
+            self.n_forced[row] = len(ids)
+            self.next_forced[row] = 0

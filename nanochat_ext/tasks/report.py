@@ -145,14 +145,16 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
         uses = {name: p["tool_use"] for name, p in policies.items() if p.get("tool_use")}
         if uses:
             lines += [f"## Tool use on `{Path(tool_prompts).name}`", "",
-                      "greedy task accuracy with nanochat's calculator running inside the completions and with "
-                      "`--tools none`; calls per completion; the share of calls it refused; pass@k with tools", "",
+                      "greedy task accuracy with the policy's tools running in its completions (`--tools`: "
+                      "nanochat's calculator by default) and with `--tools none`; calls per completion; the share "
+                      "of calls that failed or were refused; pass@k with tools", "",
                       "| metric | " + " | ".join(uses) + " |", "|---|" + "---|" * len(uses)]
             lines += [f"| {k} | " + " | ".join(fmt(u.get(k)) for u in uses.values()) + " |"
                       for k in next(iter(uses.values()))]
             lines.append("")
         for name, p in policies.items():
-            lines += [f"Greedy completions of the first held-out prompts, {name} (`{p['checkpoint']}`):", ""]
+            lines += [f"Greedy completions of the first held-out prompts, {name} (`{p['checkpoint']}`; the last "
+                      f"assistant turn, what the rewards read):", ""]
             lines += [f"- {e['prompt']!r} -> {e['completion']!r}" for e in p["examples"]] + [""]
     if plots:
         lines += ["## Training curves", ""] + [f"![{name}]({path.name})" for name, path in plots] + [""]

@@ -190,30 +190,81 @@ def make_tiny_gpt(directory: str | Path, vocab_size: int, seed: int = 0, vintage
     return save_checkpoint(directory, step, model.state_dict(), meta)
 
 
+# The tiny Hugging Face models' chat templates (ours, in the forms real templates take): their special tokens
+# (bos, eos, pad, the rest) and the template. transformers compiles templates with trim_blocks, so every literal is
+# an expression. chatml: ChatML that knows no tools (as SmolLM2's); chatml_tools: ChatML that renders tools and
+# writes tool calls in the hermes format (as Qwen's); llama3_tools: Llama 3.1's headers and JSON tool calls, tool
+# results as ipython turns. Assistant turns sit in {% generation %} blocks, for return_assistant_tokens_mask.
+CHATML = ("{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+          "{%- generation -%}{{- m.content + '<|im_end|>' -}}{%- endgeneration -%}{{- '\\n' -}}"
+          "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+          "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+CHATML_TOOLS = (
+    "{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
+    "{{- 'You can call these functions:\\n<tools>\\n' -}}{%- for t in tools -%}{{- (t | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\nTo call one: <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' -}}"
+    "{%- elif messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}{%- generation -%}"
+    "{{- m.content -}}{%- for c in (m.tool_calls or []) -%}{{- '<tool_call>\\n' + ({'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson) + '\\n</tool_call>' -}}{%- endfor -%}{{- '<|im_end|>' -}}"
+    "{%- endgeneration -%}{{- '\\n' -}}"
+    "{%- elif m.role == 'tool' -%}{{- '<|im_start|>tool\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- elif not (loop.first and m.role == 'system') -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+LLAMA3_TOOLS = (
+    "{{- '<|begin_of_text|>' -}}{%- if tools -%}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTo call a "
+    "function, answer with only {\"name\": function name, \"parameters\": its arguments}.\\n' -}}"
+    "{%- for t in tools -%}{{- (t | tojson) + '\\n' -}}{%- endfor -%}{{- '<|eot_id|>' -}}{%- endif -%}"
+    "{%- for m in messages -%}{%- if m.role == 'assistant' -%}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- generation -%}{%- if m.tool_calls -%}"
+    "{{- {'name': m.tool_calls[0].function.name, 'parameters': m.tool_calls[0].function.arguments} | tojson -}}"
+    "{%- else -%}{{- m.content -}}{%- endif -%}{{- '<|eot_id|>' -}}{%- endgeneration -%}"
+    "{%- elif m.role == 'tool' -%}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' -}}"
+    "{%- else -%}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}")
+# name -> (bos, eos, pad, other special tokens, the token that ends a turn where it is not eos, template). Such a
+# turn end is listed in the generation config's eos_token_id beside eos, as Llama 3's <|eot_id|> and Gemma's
+# <end_of_turn> are.
+TEMPLATES = {
+    "plain": ("<|endoftext|>", "<|endoftext|>", "<|pad|>", ["<|user|>", "<|assistant|>", "<|system|>"], None,
+              "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}"),
+    "chatml": ("<|im_start|>", "<|im_end|>", "<|endoftext|>", [], None, CHATML),
+    "chatml_tools": ("<|im_start|>", "<|im_end|>", "<|endoftext|>", [], None, CHATML_TOOLS),
+    "llama3_tools": ("<|begin_of_text|>", "<|end_of_text|>", "<|end_of_text|>",
+                     ["<|start_header_id|>", "<|end_header_id|>"], "<|eot_id|>", LLAMA3_TOOLS),
+}
+
+
 def make_tiny_hf_llama(directory: str | Path, seed: int = 0, vocab_size: int = 512, *, texts: list[str] | None = None,
                        hidden_size: int = 64, n_layer: int = 2, intermediate_size: int = 128,
-                       max_positions: int = 256) -> Path:
-    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template, saved locally; the tokenizer learnt
-    from `texts` (default: the demo's corpus)."""
+                       max_positions: int = 256, template: str = "plain") -> Path:
+    """A tiny Hugging Face Llama + byte-level BPE tokenizer with a chat template (TEMPLATES), saved locally; the
+    tokenizer learnt from `texts` (default: the demo's corpus)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    specials = ["<|endoftext|>", "<|pad|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    bos, eos, pad, others, turn_end, chat_template = TEMPLATES[template]
+    specials = list(dict.fromkeys([bos, eos, pad, *others, *([turn_end] if turn_end else [])]))
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     bpe.train_from_iterator(texts if texts is not None else corpus(seed), trainers.BpeTrainer(
         vocab_size=vocab_size, special_tokens=specials, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
-                                  pad_token="<|pad|>")
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|endoftext|>{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=bos, eos_token=eos, pad_token=pad)
+    tok.chat_template = chat_template
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden_size, num_hidden_layers=n_layer, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=intermediate_size,
                       max_position_embeddings=max_positions, tie_word_embeddings=False,
-                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                      bos_token_id=tok.bos_token_id, pad_token_id=tok.pad_token_id,
+                      eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(turn_end)] if turn_end else
+                      tok.eos_token_id)
     d = Path(directory)
     LlamaForCausalLM(cfg).save_pretrained(d)
     tok.save_pretrained(d)

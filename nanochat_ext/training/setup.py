@@ -15,8 +15,8 @@ import torch.nn as nn
 from nanochat_ext.config import option
 from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent
 from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.tools import ToolTokens
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import COMPILE_HELP, compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for, merged_weights
@@ -172,7 +172,7 @@ def load_policy(path: str, cfg: ModelConfig, env: DistEnv, lora: LoraSpec | None
 class DecodeSpec:
     """GRPO's rollout engine, built from the policy before it is sharded (under fsdp it decodes from a whole copy)."""
     compile: bool
-    tools: ToolTokens | None
+    agent: Agent | None  # the tools and environment the rollouts run with
     reserve: int  # positions: the longest prompt plus --max_new_tokens
 
 
@@ -211,7 +211,7 @@ class PolicyTraining(ModelTraining):
         self.engine = None
         if decode is not None:  # made before the policy is sharded: under fsdp it keeps a whole copy
             whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
-            self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, tools=decode.tools,
+            self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, agent=decode.agent,
                                  reserve=decode.reserve)
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights

@@ -1,0 +1,166 @@
+"""Your own tools and environments inside rollouts: what `--tools module:fn` and `--env module:factory` load, and how
+they are called so that nothing they do can stop a run.
+
+A tool is a plain Python function with type hints and a docstring (Google style: `Args:` naming each argument), as
+transformers and TRL take them: its JSON schema is transformers' own `get_json_schema`, which is what a chat template
+renders into the prompt. An environment is made per rollout by a factory called with the prompt's row (the whole
+JSON object); docs/tools.md defines what it answers.
+
+Every call runs in a thread of its own, all of one decode step's calls at once, each given --tool_timeout seconds.
+Whatever a call does (raises, returns something that is not text or JSON, takes too long) becomes an error
+observation for its row: the text the model is shown, counted as an error in the logs. A call that overruns is
+abandoned, not stopped (Python cannot stop a thread): code that may loop forever belongs in a subprocess, as the
+code-tests environment (tasks/code_tests.py) runs the model's code.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from nanochat_ext.errors import InputError, first_line
+
+MAX_OUTPUT_CHARS = 4000  # an answer longer than this is cut, and says so
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
+              "null": type(None)}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable
+    schema: dict  # {"type": "function", "function": {name, description, parameters}}, as transformers writes it
+
+    @property
+    def parameters(self) -> dict:
+        return self.schema["function"]["parameters"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one call gave: the text the model reads, whether it was an error, and the value it returned."""
+    text: str
+    error: bool = False
+    value: Any = None
+
+
+def load_attribute(spec: str, flag: str) -> Callable:
+    """The callable `module:name` names, importable from the working directory or $PYTHONPATH; one line naming the
+    flag where it is not."""
+    module_name, sep, name = spec.rpartition(":")
+    if not sep or not module_name or not name:
+        raise InputError(f"{flag} {spec!r}: give module:function (e.g. mytools:search)")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module: any failure to import it is the run's one line
+        raise InputError(f"{flag} {spec!r}: cannot import {module_name!r} ({first_line(e)})") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise InputError(f"{flag} {spec!r}: {module_name} has no function {name!r}")
+    return fn
+
+
+def load_tool(spec: str) -> Tool:
+    """A --tools entry: the function and its schema; one line where it has no docstring or an argument no type."""
+    from transformers.utils import get_json_schema
+
+    fn = load_attribute(spec, "--tools")
+    try:
+        schema = get_json_schema(fn)
+    except Exception as e:  # transformers' DocstringParsingException, TypeHintParsingException, ...
+        raise InputError(f"--tools {spec!r}: {first_line(e)} (a tool needs a type hint on every argument and a "
+                         f"docstring with an Args: section, as transformers' get_json_schema reads it)") from None
+    return Tool(fn.__name__, fn, schema)
+
+
+def load_tools(specs: list[str]) -> list[Tool]:
+    tools = [load_tool(spec) for spec in specs]
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise InputError(f"--tools names {twice[0]!r} twice: tool names must differ")
+    return tools
+
+
+def argument_problem(tool: Tool, arguments: Any) -> str | None:
+    """Why the arguments a model wrote do not fit the tool's schema (None: they do): not an object, a required one
+    missing, an unknown one, or a value of another JSON type."""
+    if not isinstance(arguments, dict):
+        return f"arguments must be a JSON object, got {json.dumps(arguments)[:80]}"
+    params = tool.parameters.get("properties", {})
+    missing = [a for a in tool.parameters.get("required", []) if a not in arguments]
+    unknown = [a for a in arguments if a not in params]
+    if missing or unknown:
+        return (f"{tool.name} takes {', '.join(params) or 'no arguments'}"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; unknown {', '.join(unknown)}" if unknown else ""))
+    for name, value in arguments.items():
+        types = params[name].get("type")  # a name, or a list of names for a union (int | None)
+        types = types if isinstance(types, list) else [types]
+        if all(t in JSON_TYPES for t in types) and not any(of_json_type(value, t) for t in types):
+            return f"argument {name} must be {' or '.join(map(str, types))}, got {json.dumps(value)[:40]}"
+    return None
+
+
+def of_json_type(value: Any, name: str) -> bool:
+    """Whether a value the model wrote is of the JSON schema type `name` (true and false are no numbers)."""
+    kind = JSON_TYPES.get(name)
+    return kind is not None and isinstance(value, kind) and (not isinstance(value, bool) or kind is bool)
+
+
+def as_text(value: Any) -> str:
+    """A tool's or an environment's answer as the text the model reads: a string as it is, anything JSON can write
+    as JSON; TypeError for anything else."""
+    if isinstance(value, str):
+        text = value
+    else:
+        try:
+            text = json.dumps(value, ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError):
+            raise TypeError(f"returned {type(value).__name__}, not text or JSON") from None
+    return text if len(text) <= MAX_OUTPUT_CHARS else text[:MAX_OUTPUT_CHARS] + " ...(cut)"
+
+
+def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: bool = True) -> list[Outcome]:
+    """Run every call at once, each in a thread of its own, within `timeout` seconds of the start (calls: (what,
+    thunk)). Each value kept, and as text where `text` (a value that has none is an error); every failure an error
+    Outcome naming what failed."""
+    results: list[dict] = [{} for _ in calls]
+
+    def run(thunk: Callable[[], Any], box: dict) -> None:
+        try:
+            box["value"] = thunk()
+        except BaseException as e:  # the user's code: whatever it raises is its row's observation
+            box["error"] = e
+
+    threads = [threading.Thread(target=run, args=(thunk, box), daemon=True) for (_, thunk), box in zip(calls, results)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + timeout
+    out = []
+    for (what, _), th, box in zip(calls, threads, results):
+        th.join(max(deadline - time.monotonic(), 0.0))
+        if th.is_alive():
+            out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True))
+        elif "error" in box:
+            out.append(Outcome(f"Error: {what} raised {first_line(box['error'])}", True))
+        elif not text:
+            out.append(Outcome("", False, box["value"]))
+        else:
+            try:
+                out.append(Outcome(as_text(box["value"]), False, box["value"]))
+            except TypeError as e:
+                out.append(Outcome(f"Error: {what} {e}", True))
+    return out
+
+
+def load_env_factory(spec: str) -> Callable[[dict], Any]:
+    """--env module:factory: called with a prompt's row, it returns the environment of one rollout."""
+    factory = load_attribute(spec, "--env")
+    if inspect.isclass(factory) and not callable(getattr(factory, "step", None)):
+        raise InputError(f"--env {spec!r}: {factory.__name__} has no step(reply) method")
+    return factory

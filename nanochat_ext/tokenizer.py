@@ -203,6 +203,13 @@ class TokenizerWrapper:
             return self._impl.decode(ids)
         return self._impl.decode(ids, skip_special_tokens=True)
 
+    def turn_text(self, ids: list[int]) -> str:
+        """An assistant turn's text as the model wrote it, special tokens kept: where a tokenizer marks a template's
+        `<tool_call>` special, the call must still be read."""
+        if self.kind == "rustbpe":
+            return self._impl.decode(ids)
+        return self._impl.decode(ids, skip_special_tokens=False)
+
     def reply_text(self, completion: list[int]) -> str:
         """A sampled completion's text, without the stop token it ended with (whichever of stop_ids it was): what
         reward functions read."""

@@ -82,7 +82,8 @@ def flags() -> argparse.ArgumentParser:
                    help="the task reward pass@k and tool use read, as for kat_train_grpo (default: gsm8k)")
     p.add_argument("--tool_prompts", default=None,
                    help="prompts with answers to measure tool use on: the task reward's greedy accuracy with the "
-                        "calculator and with --tools none, calls and refusals, pass@k "
+                        "tools and with them switched off (the same prompts, calls unanswered), calls and refusals, "
+                        "pass@k "
                         "(default: <base>/demo/eval_arithmetic.jsonl where it exists)")
     p.add_argument("--tool_max_new_tokens", type=int, default=48,
                    help="completion length for --tool_prompts (default: %(default)s)")

@@ -184,6 +184,9 @@ def test_whatever_the_model_writes_in_a_call_is_read_without_raising(hf_tool_use
     ok, text, wrong = agent.call([Call("lookup", {"key": "k", "default": value}) for value in (3, "x", [1])])
     assert (ok.text, text.text) == ("k: 3", "k: x") and not (ok.error or text.error)
     assert wrong.error and wrong.text == "Error: argument default must be integer or string, got [1]"
+    nothing, a_set = agent.call([Call("lookup", {"key": "k", "default": None}), Call("lookup", {"key": {1, 2}})])
+    assert nothing.text == "k: None" and not nothing.error  # `int | str | None`: transformers writes it nullable
+    assert a_set.text == "Error: argument key must be string, got \"{1, 2}\""  # a set, from a python block
 
 
 def test_an_episode_ends_on_no_turns_and_a_failed_environment_costs_its_row_only(hf_tool_use):
@@ -227,6 +230,21 @@ def test_sft_learns_a_chat_models_turns_as_transformers_marks_them(templated):
     with pytest.raises(InputError, match="conversations.jsonl:1: field 'messages': tool calls and tool turns need"):
         sft_examples([Conversation(demo["messages"][:1], demo["messages"][1:], 1)], nanochat, 10 ** 6,
                      Agent(AgentConfig(), nanochat), "conversations.jsonl")
+    # nanochat's SFT prompts list your tools as its rollouts' prompts do (the calculator alone: nanochat's own)
+    question, answer = [{"role": "user", "content": "What is 3 times 4?"}], [{"role": "assistant", "content": "12"}]
+    for tools, listed in (("calculator", False), (f"calculator,{MULTIPLY}", True)):
+        agent = Agent(AgentConfig(tools=tools), nanochat)
+        [(p, _, _)] = sft_examples([Conversation(question, answer, 1)], nanochat, 10 ** 6, agent, "c.jsonl")
+        assert p == agent.render_prompt(question) and (p != nanochat.render_prompt(question)) == listed
+
+
+def test_without_tools_the_prompts_are_the_templates_own(templated):
+    """No tools (--tools none, or an environment alone): every template renders the prompt it renders without
+    tools, Llama 3's too, whose template writes its tool block for any `tools` that is not None, [] included."""
+    question = [{"role": "user", "content": "What is 3 times 4?"}]
+    for name, tok in templated.items():
+        for cfg in (AgentConfig(tools="none"), AgentConfig(tools="none", env="tools_for_tests:CountingGame")):
+            assert Agent(cfg, tok, {}).render_prompt(question) == tok.render_prompt(question), name
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

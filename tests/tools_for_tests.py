@@ -59,12 +59,12 @@ class BrokenGame:
         raise RuntimeError("the board fell over")
 
 
-def lookup(key: str, default: int | str = 0) -> str:
+def lookup(key: str, default: int | str | None = 0) -> str:
     """Looks a key up.
 
     Args:
         key: What to look up.
-        default: What to answer where the key is unknown, a number or a text.
+        default: What to answer where the key is unknown, a number, a text or nothing.
     """
     return f"{key}: {default}"
 

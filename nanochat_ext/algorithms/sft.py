@@ -36,7 +36,7 @@ def sft_examples(conversations: list[Conversation], tok: TokenizerWrapper, max_l
                 raise InputError(f"tool calls and tool turns need a chat template to render them ({tok.source} has "
                                  f"none; nanochat's tool calls are python parts)", path, c.line, "messages")
             r, mask = tok.render_reply(c.turns[0]["content"])
-            p = tok.render_prompt(c.prompt)
+            p = agent.render_prompt(c.prompt)  # your tools listed as the rollouts list them
         p, r = cut_to_fit(p, r, max_len, tok.bos_id)
         examples.append((p, r, mask[:len(r)]))
     return examples

@@ -74,7 +74,10 @@ class Agent:
         self.turns = self.factory is not None or (bool(self.tools) and self.format != "nanochat")
         self.schemas = [t.schema for t in self.tools.values()]
         # The template describes the tools only where it writes calls in the run's format (else a system turn does).
-        self._template_tools = renders_tools(tok.chat_template) and template_format(tok.chat_template) == self.format
+        # With no tools, none (not []: Llama 3's template tests `tools is not none`) and the prompts are the
+        # template's own.
+        self._template_tools = bool(self.tools) and renders_tools(tok.chat_template) and \
+            template_format(tok.chat_template) == self.format
         for role in (["tool"] if self.turns and self.tools else []) + (["user"] if self.factory else []):
             self.followup([{"role": role, "content": "1"}])  # a template that cannot render the turn: one line now
 
@@ -224,25 +227,25 @@ class Episodes:
             results = [next(outcomes) for _ in calls[k]]
             self.tool_calls += len(results)
             self.tool_errors += sum(o.error for o in results)
-            out[k] = self._followup([{"role": "tool", "content": o.text} for o in results])
+            out[k] = self._followup([{"role": "tool", "content": o.text} for o in results], "tool_errors")
         env_rows = [k for k in range(len(rows)) if not calls[k] and self.envs[rows[k]] is not None]
         answers = call_all([(f"the environment's step on row {rows[k]}",
                              lambda env=self.envs[rows[k]], text=texts[k]: env.step(text)) for k in env_rows],
                            a.cfg.tool_timeout, text=False)
         for k, answer in zip(env_rows, answers):
             messages = self._env_messages(answer)
-            out[k] = self._followup(messages) if messages and more[k] else None
+            out[k] = self._followup(messages, "env_errors") if messages and more[k] else None
         for k, forced in enumerate(out):
             self.turns[rows[k]] += forced is not None
         return out
 
-    def _followup(self, messages: list[Message]) -> list[int] | None:
-        """The turns' ids to force, or None (the episode ends, an environment error counted) where the chat template
-        refuses them, e.g. two user turns in a row where it demands that turns alternate."""
+    def _followup(self, messages: list[Message], count: str) -> list[int] | None:
+        """The turns' ids to force, or None (the episode ends, one more of `count`: tool_errors or env_errors) where
+        the chat template refuses them, e.g. two user turns in a row where it demands that turns alternate."""
         try:
             return self.agent.followup(messages)
         except InputError:
-            self.env_errors += 1
+            setattr(self, count, getattr(self, count) + 1)
             return None
 
     def _calls(self, text: str) -> list[Call]:
@@ -258,7 +261,7 @@ class Episodes:
         if answer.error:
             self.env_errors += 1
             return [{"role": "user", "content": answer.text}]
-        if answer.value is None or answer.value == []:
+        if answer.value is None or (isinstance(answer.value, list) and not answer.value):
             return None
         turns = [answer.value] if isinstance(answer.value, (str, dict)) else answer.value
         if isinstance(turns, list) and turns:

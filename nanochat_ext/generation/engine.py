@@ -286,7 +286,7 @@ class Engine:
                 tools.queue(row, ids)
         if any_ended and self.agent.turns:
             rows = ended.nonzero().squeeze(1).tolist()
-            texts = [self.agent.tok.decode(out[row, episodes.turn_start[row]:t].tolist()) for row in rows]
+            texts = [self.agent.tok.turn_text(out[row, episodes.turn_start[row]:t].tolist()) for row in rows]
             for row, ids in zip(rows, episodes.after_turns(rows, texts, room)):
                 if ids:
                     tools.queue(row, ids[:room])

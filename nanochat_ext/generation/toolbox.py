@@ -25,8 +25,7 @@ from typing import Any, Callable
 from nanochat_ext.errors import InputError, first_line
 
 MAX_OUTPUT_CHARS = 4000  # an answer longer than this is cut, and says so
-JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict,
-              "null": type(None)}
+JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
 
 
 @dataclass(frozen=True)
@@ -90,7 +89,7 @@ def argument_problem(tool: Tool, arguments: Any) -> str | None:
     """Why the arguments a model wrote do not fit the tool's schema (None: they do): not an object, a required one
     missing, an unknown one, or a value of another JSON type."""
     if not isinstance(arguments, dict):
-        return f"arguments must be a JSON object, got {json.dumps(arguments)[:80]}"
+        return f"arguments must be a JSON object, got {shown(arguments)[:80]}"
     params = tool.parameters.get("properties", {})
     missing = [a for a in tool.parameters.get("required", []) if a not in arguments]
     unknown = [a for a in arguments if a not in params]
@@ -99,11 +98,22 @@ def argument_problem(tool: Tool, arguments: Any) -> str | None:
                 + (f"; missing {', '.join(missing)}" if missing else "")
                 + (f"; unknown {', '.join(unknown)}" if unknown else ""))
     for name, value in arguments.items():
-        types = params[name].get("type")  # a name, or a list of names for a union (int | None)
+        types = params[name].get("type")  # a name, or a list of names for a union (int | str)
         types = types if isinstance(types, list) else [types]
+        if value is None and params[name].get("nullable"):  # transformers writes `int | None` as nullable
+            continue
         if all(t in JSON_TYPES for t in types) and not any(of_json_type(value, t) for t in types):
-            return f"argument {name} must be {' or '.join(map(str, types))}, got {json.dumps(value)[:40]}"
+            return f"argument {name} must be {' or '.join(map(str, types))}, got {shown(value)[:40]}"
     return None
+
+
+def shown(value: Any) -> str:
+    """A value the model wrote, as its error message shows it: JSON, or Python's repr where JSON has no form (a set,
+    bytes, a tuple as a key: nanochat's python blocks can write them)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, default=repr)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 def of_json_type(value: Any, name: str) -> bool:

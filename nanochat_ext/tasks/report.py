@@ -146,7 +146,8 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
         if uses:
             lines += [f"## Tool use on `{Path(tool_prompts).name}`", "",
                       "greedy task accuracy with the policy's tools running in its completions (`--tools`: "
-                      "nanochat's calculator by default) and with `--tools none`; calls per completion; the share "
+                      "nanochat's calculator by default) and with them switched off (the same prompts, a call left "
+                      "unanswered); calls per completion; the share "
                       "of calls that failed or were refused; pass@k with tools", "",
                       "| metric | " + " | ".join(uses) + " |", "|---|" + "---|" * len(uses)]
             lines += [f"| {k} | " + " | ".join(fmt(u.get(k)) for u in uses.values()) + " |"

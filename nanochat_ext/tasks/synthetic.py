@@ -215,7 +215,8 @@ CHATML_TOOLS = (
     "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 LLAMA3_TOOLS = (
-    "{{- '<|begin_of_text|>' -}}{%- if tools -%}{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTo call a "
+    "{{- '<|begin_of_text|>' -}}{%- if tools is not none -%}"  # as Llama 3.1's own: [] still renders the block
+    "{{- '<|start_header_id|>system<|end_header_id|>\\n\\nTo call a "
     "function, answer with only {\"name\": function name, \"parameters\": its arguments}.\\n' -}}"
     "{%- for t in tools -%}{{- (t | tojson) + '\\n' -}}{%- endfor -%}{{- '<|eot_id|>' -}}{%- endif -%}"
     "{%- for m in messages -%}{%- if m.role == 'assistant' -%}"

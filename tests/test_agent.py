@@ -271,6 +271,50 @@ def test_an_environment_answers_each_turn_and_gives_the_reward(compiled, aot_eag
         assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_environment_talks_with_a_chat_model_in_its_template(hf_tool_use, compiled, aot_eager):  # noqa: F811
+    """The chat model in an environment that asks twice for another turn, then ends: each rollout's text is
+    transformers' rendering of that conversation (the environment's turns as user turns, every assistant turn through
+    <|im_end|>), its forced runs exactly the template's turns between, the rest sampled. Eager and compiled alike."""
+    bb, tok, rows = hf_tool_use
+    agent = Agent(AgentConfig(tools="none", env="tools_for_tests:CountingGame"), tok, rows[0])
+    torch._dynamo.reset()
+    ids, got = decode(Engine(bb, compile=compiled, agent=agent), agent, rows[4:], max_new=150)
+    assert got.turns == [3, 3] and not any(got.truncated)
+    asked = [{"role": "user", "content": f"again {k}"} for k in (1, 2)]
+    for i, (c, m) in enumerate(zip(got.completions, got.sampled)):
+        assert forced_runs(c, m) == [tok.render_followup([a]) for a in asked]
+        talk = [{"role": "user", "content": rows[4 + i]["prompt"]}]
+        for k, reply in enumerate(got.episodes.envs[i].seen):
+            talk += [{"role": "assistant", "content": reply}, *asked[k:k + 1]]
+        want = tok._impl.apply_chat_template(talk, tokenize=False)
+        assert want == tok._impl.decode(ids[i] + c) + "\n"  # the template's "\n" after the last turn
+    assert [o.value for o in got.episodes.env_rewards()] == [3.0, 3.0]
+    if compiled:
+        assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_your_tool_in_nanochats_python_blocks():
+    """In nanochat's format a block `name(literal arguments)` calls your tool and its answer is forced inside
+    <|output_start|>..<|output_end|>; any other block is the calculator's (nothing where it refuses), or an error
+    the row reads where the calculator is off."""
+    tok = load_tokenizer_for(load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2"), str(TOOL_USE / "tokenizer"))
+    out_start, out_end = tok.special("<|output_start|>"), tok.special("<|output_end|>")
+
+    def answered(text: str) -> list[int]:
+        return [out_start, *tok.encode(text), out_end]
+
+    blocks = ["multiply(12, b=34)", "3*4", "multiply(x, 4)", "print(1)"]
+    with_calculator = Agent(AgentConfig(tools=f"calculator,{MULTIPLY}"), tok).episodes([{}], 1)
+    assert with_calculator.answer_blocks(blocks) == [
+        answered("408"), answered("12"),
+        answered("Error: its arguments must be literals (numbers, strings, lists, dicts)"), []]
+    assert (with_calculator.tool_calls, with_calculator.tool_errors) == (4, 2)
+    alone = Agent(AgentConfig(tools=MULTIPLY), tok).episodes([{}], 1)
+    assert alone.answer_blocks(blocks[:2])[1] == answered(
+        "Error: not a call of a tool, name(arguments) (tools: multiply)")
+
+
 def test_an_environment_that_answers_junk_or_raises_is_an_error_its_row_reads():
     bb = load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2")
     tok = load_tokenizer_for(bb, str(TOOL_USE / "tokenizer"))

@@ -75,6 +75,56 @@ MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_
               "Hugging Face causal-LM dir")
 
 
+REQUIRED_FLAG = "required"  # in SCRIPT_FLAGS: the script's flag has no default
+# The flags more than one script takes beside the trainers' configs, declared once: each flag's argparse keywords,
+# and each script's default and what the flag is there ("(default: ...)" appended where the help does not say it).
+# kat_fetch_model declares its own --out: it imports nothing beyond the standard library before it has to.
+SCRIPT_FLAGS: dict[str, tuple[dict, dict[str, tuple[Any, str]]]] = {
+    "base_dir": ({}, {
+        "kat_demo_data": (None, "where to write (default: $NANOCHAT_BASE_DIR)"),
+        "kat_eval": (None, "artifact root (default: $NANOCHAT_BASE_DIR)")}),
+    "out": ({}, {
+        "kat_compute_density": (None, "weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)"),
+        "kat_eval": (None, "report path (default: <base>/report.md)"),
+        "kat_export_rm": (REQUIRED_FLAG, "new, empty directory to write"),
+        "kat_task_data": (None, "default: $NANOCHAT_BASE_DIR/tasks/<task>")}),
+    "prompts": ({}, {
+        "kat_compute_density": (None, "prompts (as for GRPO; docs/data.md)"),
+        "kat_train_grpo": (REQUIRED_FLAG, "{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, "
+                                          "Arrow or a datasets save_to_disk dir; a pairs file works too (its "
+                                          "prompts); formats: docs/data.md")}),
+    "rm": ({}, {
+        "kat_eval": (None, "reward-model dirs to evaluate (default: every dir in <base>/rm_checkpoints)"),
+        "kat_export_rm": (REQUIRED_FLAG, "reward-model checkpoint file or dir (its newest complete checkpoint)")}),
+    "rm_backbone": ({}, {
+        "kat_eval": (None, "the backbone of the RMs, where they cannot find it themselves (see kat_train_grpo "
+                           "--help)"),
+        "kat_export_rm": (None, "the RM's backbone, where the RM cannot find it itself")}),
+    "seed": ({"type": int}, {
+        "kat_demo_data": (0, "what is drawn: data, tokenizer, model"),
+        "kat_eval": (0, "sampling"),
+        "kat_task_data": (0, "which questions are drawn")}),
+    "n_eval": ({"type": int}, {
+        "kat_demo_data": (200, "held-out prompts, and twice as many pairs"),
+        "kat_task_data": (64, "held-out prompts")}),
+    "n_sft": ({"type": int}, {
+        "kat_demo_data": (4000, "SFT conversations"),
+        "kat_task_data": (256, "SFT demonstrations of the tool calls, for a task a tool solves")}),
+}
+
+
+def add_flag(p: argparse.ArgumentParser | argparse._ActionsContainer, script: str, name: str, **extra: Any) -> None:
+    """One of SCRIPT_FLAGS, as `script` takes it (extra: keywords of this script's own, such as nargs)."""
+    keywords, per_script = SCRIPT_FLAGS[name]
+    default, text = per_script[script]
+    if default == REQUIRED_FLAG:
+        p.add_argument(f"--{name}", required=True, help=text, **keywords, **extra)
+        return
+    if default is not None and "default" not in text:
+        text += " (default: %(default)s)"
+    p.add_argument(f"--{name}", default=default, help=text, **keywords, **extra)
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """--help with each flag once: the dashed spelling a flag also takes is not shown."""
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanochat_ext.cli import MODEL_HELP, add_config, parse, parser, run_script
+from nanochat_ext.cli import MODEL_HELP, add_config, add_flag, parse, parser, run_script
 from nanochat_ext.data.batching import right_pad
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.ddp_common import all_reduce_sum, print0, raise_if_any
@@ -42,7 +42,7 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="default: found beside the backbone")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--pairs", help="preference pairs (docs/data.md): their distinct prompts are weighted")
-    src.add_argument("--prompts", help="prompts (as for GRPO; docs/data.md)")
+    add_flag(src, "kat_compute_density", "prompts")
     p.add_argument("--k", type=int, default=10, help="neighbours per prompt (default: %(default)s)")
     p.add_argument("--weighting", choices=WEIGHTINGS, default="inverse_density",
                    help="inverse_density: weight proportional to the mean kNN distance, so rare prompts count more "
@@ -51,8 +51,7 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--cap", type=float, default=None, help="clip weights (after normalising to mean 1) to at most this")
     p.add_argument("--batch", type=int, default=64, help="prompts per forward (default: %(default)s)")
     p.add_argument("--max_len", type=int, default=256, help="prompt tokens kept, from the end (default: %(default)s)")
-    p.add_argument("--out", default=None,
-                   help="weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)")
+    add_flag(p, "kat_compute_density", "out")
     add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
     add_config(p, SessionConfig, None, "runtime")
     return p

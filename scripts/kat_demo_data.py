@@ -17,23 +17,22 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanochat_ext.cli import parse, parser
+from nanochat_ext.cli import add_flag, parse, parser
 from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.tasks import synthetic
 
 
 def flags() -> argparse.ArgumentParser:
     p = parser("kat_demo_data", __doc__)
-    p.add_argument("--base_dir", default=None, help="where to write (default: $NANOCHAT_BASE_DIR)")
+    add_flag(p, "kat_demo_data", "base_dir")
     p.add_argument("--n_pairs", type=int, default=2000, help="preference pairs (default: %(default)s)")
-    p.add_argument("--n_sft", type=int, default=4000, help="SFT conversations (default: %(default)s)")
+    add_flag(p, "kat_demo_data", "n_sft")
     p.add_argument("--n_prompts", type=int, default=1000, help="GRPO prompts (default: %(default)s)")
     p.add_argument("--n_arithmetic", type=int, default=1000,
                    help="arithmetic SFT conversations that call the calculator (default: %(default)s)")
-    p.add_argument("--n_eval", type=int, default=200,
-                   help="held-out prompts, and twice as many pairs (default: %(default)s)")
+    add_flag(p, "kat_demo_data", "n_eval")
     p.add_argument("--vocab_size", type=int, default=512, help="tokenizer vocabulary (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="what is drawn: data, tokenizer, model (default: %(default)s)")
+    add_flag(p, "kat_demo_data", "seed")
     return p
 
 

@@ -25,7 +25,7 @@ import torch
 
 from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.algorithms.rewards import Rewards, check_references
-from nanochat_ext.cli import add_config, config, parse, parser, run_script
+from nanochat_ext.cli import add_config, add_flag, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts, truncate
 from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
@@ -49,13 +49,11 @@ BEFORE = "before (SFT)"  # the report's name for --policy_before, by default
 
 def flags() -> argparse.ArgumentParser:
     p = parser("kat_eval", __doc__)
-    p.add_argument("--base_dir", default=None, help="artifact root (default: $NANOCHAT_BASE_DIR)")
-    p.add_argument("--rm", nargs="*", default=None,
-                   help="reward-model dirs to evaluate (default: every dir in <base>/rm_checkpoints)")
+    add_flag(p, "kat_eval", "base_dir")
+    add_flag(p, "kat_eval", "rm", nargs="*")
     p.add_argument("--score_rm", default=None,
                    help="the RM whose score is reported for the policies (default: <base>/rm_checkpoints/uniform)")
-    p.add_argument("--rm_backbone", default=None,
-                   help="the backbone of the RMs, where they cannot find it themselves (see kat_train_grpo --help)")
+    add_flag(p, "kat_eval", "rm_backbone")
     p.add_argument("--policy_before", default=None,
                    help="the policy before training (default: <base>/chatsft_checkpoints/default)")
     p.add_argument("--before_name", default=BEFORE, help="its name in the report (default: %(default)s)")
@@ -74,7 +72,7 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--max_new_tokens", type=int, default=512,
                    help="completion length limit (default: %(default)s, GRPO's; speedrun.sh passes the length its GRPO "
                         "policies trained with)")
-    p.add_argument("--seed", type=int, default=0, help="sampling (default: %(default)s)")
+    add_flag(p, "kat_eval", "seed")
     p.add_argument("--pass_k", type=int, default=0,
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
@@ -87,7 +85,7 @@ def flags() -> argparse.ArgumentParser:
                         "(default: <base>/demo/eval_arithmetic.jsonl where it exists)")
     p.add_argument("--tool_max_new_tokens", type=int, default=48,
                    help="completion length for --tool_prompts (default: %(default)s)")
-    p.add_argument("--out", default=None, help="report path (default: <base>/report.md)")
+    add_flag(p, "kat_eval", "out")
     add_config(p, AgentConfig, None, "tools and environments (--tool_prompts measures tool use)")
     add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype", "compile"))
     add_config(p, SessionConfig, None, "runtime")

@@ -13,16 +13,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanochat_ext.cli import parse, parser
+from nanochat_ext.cli import add_flag, parse, parser
 from nanochat_ext.models.reward_model import export_hf_classifier, export_reward_model
 from nanochat_ext.runtime.session import run_plain
 
 
 def flags() -> argparse.ArgumentParser:
     p = parser("kat_export_rm", __doc__)
-    p.add_argument("--rm", required=True, help="reward-model checkpoint file or dir (its newest complete checkpoint)")
-    p.add_argument("--out", required=True, help="new, empty directory to write")
-    p.add_argument("--rm_backbone", default=None, help="the RM's backbone, where the RM cannot find it itself")
+    add_flag(p, "kat_export_rm", "rm")
+    add_flag(p, "kat_export_rm", "out")
+    add_flag(p, "kat_export_rm", "rm_backbone")
     p.add_argument("--format", choices=("native", "hf"), default="native",
                    help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face backbones) "
                         "(default: %(default)s)")

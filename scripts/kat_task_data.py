@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanochat_ext.cli import parse, parser
+from nanochat_ext.cli import add_flag, parse, parser
 from nanochat_ext.errors import EXIT_BAD_INPUT
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import base_dir
@@ -33,12 +33,11 @@ DEMONSTRATIONS = {"multiplication": (multiplication.make_demonstrations, "nanoch
 def flags() -> argparse.ArgumentParser:
     p = parser("kat_task_data", __doc__)
     p.add_argument("--task", choices=list(TASKS), default="word_arithmetic", help="which task (default: %(default)s)")
-    p.add_argument("--out", default=None, help="default: $NANOCHAT_BASE_DIR/tasks/<task>")
+    add_flag(p, "kat_task_data", "out")
     p.add_argument("--n_train", type=int, default=2000, help="training prompts (default: %(default)s)")
-    p.add_argument("--n_eval", type=int, default=64, help="held-out prompts (default: %(default)s)")
-    p.add_argument("--n_sft", type=int, default=256,
-                   help="SFT demonstrations of the tool calls, for a task a tool solves (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="which questions are drawn (default: %(default)s)")
+    add_flag(p, "kat_task_data", "n_eval")
+    add_flag(p, "kat_task_data", "n_sft")
+    add_flag(p, "kat_task_data", "seed")
     return p
 
 

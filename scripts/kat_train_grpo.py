@@ -24,7 +24,7 @@ from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
 from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, TRL_LOSS_TYPES, GRPOConfig, Prompts
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
-from nanochat_ext.cli import (Configs, add_config, add_training, config, configs, parse, recorded, run_script,
+from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
                               script_argv, trainer_parser)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.data.rows import read_prompts
@@ -46,9 +46,7 @@ from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load
 def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("grpo", __doc__)
     p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
-    g.add_argument("--prompts", required=True,
-                   help="{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, Arrow or a datasets "
-                        "save_to_disk dir; a pairs file works too (its prompts); formats: docs/data.md")
+    add_flag(g, "kat_train_grpo", "prompts")
     add_config(p, RewardConfig, "grpo", "rewards")
     add_config(p, RolloutConfig, "grpo", "rollouts")
     add_config(p, AgentConfig, "grpo", "tools and environments")

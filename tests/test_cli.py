@@ -12,7 +12,7 @@ import pytest
 
 import nanochat_ext
 from conftest import REPO
-from nanochat_ext.cli import DEFAULTS, TRAINERS
+from nanochat_ext.cli import DEFAULTS, REQUIRED_FLAG, SCRIPT_FLAGS, TRAINERS
 from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
 
 SCRIPTS = {"sft": kat_sft, "rm": kat_train_rm, "dpo": kat_train_dpo, "grpo": kat_train_grpo}
@@ -52,6 +52,23 @@ def test_a_flag_is_declared_once():
     own = {t: declared_in(t) for t in TRAINERS}
     assert all(not own[t] & opts.keys() for t in TRAINERS), own
     assert all(not own[a] & own[b] for a in TRAINERS for b in TRAINERS if a < b), own
+
+
+def test_no_two_scripts_declare_one_flag():
+    """Beside the configs' options, a flag two scripts take is declared once, in cli.SCRIPT_FLAGS, and each script
+    named there takes it with the default the table gives."""
+    where: dict[str, list[str]] = {}
+    for path in sorted((REPO / "scripts").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "add_argument" and node.args \
+                    and isinstance(node.args[0], ast.Constant):
+                where.setdefault(node.args[0].value, []).append(path.stem)
+    assert {flag: scripts for flag, scripts in where.items() if len(scripts) > 1} == {}
+    for name, (_, per_script) in SCRIPT_FLAGS.items():
+        for script, (default, _) in per_script.items():
+            action = next(a for a in importlib.import_module(f"scripts.{script}").flags()._actions
+                          if a.dest == name)
+            assert action.required if default == REQUIRED_FLAG else action.default == default, (script, name)
 
 
 @pytest.mark.parametrize("trainer", TRAINERS)

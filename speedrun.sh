@@ -17,6 +17,8 @@
 #                                                          # and converted once) taught arithmetic in words by GRPO
 #   MODEL=smollm2 TASK=multiplication bash speedrun.sh     # the same model taught to multiply with a tool: SFT on the
 #                                                          # call format, then GRPO with the tool in its rollouts
+#   EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh  # the density question on the real model: skewed
+#                                                          # pairs, DPO uniform and density-weighted, accuracy per kind
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
 # this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
 # SFT_STEPS, RM_STEPS, GRPO_STEPS, DPO_STEPS, EVAL_SAMPLES,
@@ -41,7 +43,9 @@
 # (experiment_collapse/ for REGIME=collapse) with ARMS (uniform and the arms it is compared with; default
 # "uniform density", "uniform density kl_0.2" for REGIME=collapse) and EXPERIMENT_RM_STEPS (default 60), then
 # scripts.kat_experiment_report writes experiment.md/json there, comparing each arm of ARMS with uniform
-# (dpo_density with dpo: ARMS="uniform dpo dpo_density" asks the question in its DPO form).
+# (dpo_density with dpo: ARMS="uniform dpo dpo_density" asks the question in its DPO form). With MODEL: each seed in
+# $NANOCHAT_BASE_DIR/experiment_<MODEL>/seed_<s> runs TASK=word_arithmetic_skewed with ARMS="dpo dpo_density" (the model
+# converted once, MODEL_DIR, for every seed), and the report compares dpo_density with dpo per kind of question.
 set -euo pipefail
 cd "$(dirname "$0")"
 source scripts/setup_env.sh
@@ -71,6 +75,14 @@ esac
 EXPERIMENT_SFT_STEPS="${SFT_STEPS:-400}"  # the density experiment's (it has no arithmetic topic)
 SEED="${SEED:-0}"
 SAVE_EVERY="${SAVE_EVERY:-50}"  # every stage checkpoints this often, so an interrupted one resumes near where it was
+model_arms() {  # with MODEL: GRPO with the task's reward (the default arm), or DPO arms on the task's pairs
+    case " $1 " in " uniform "|" dpo "|" dpo_density "|" dpo dpo_density "|" dpo_density dpo ") ;;
+        *) echo "speedrun: with MODEL, ARMS is uniform (GRPO with the task's reward, the default) or dpo and dpo_density" >&2
+           exit 2 ;; esac
+}
+fetch_model() {  # the converted model's dir (MODEL_DIR, else $NANOCHAT_BASE_DIR/models/<name>), made on the first run
+    python -m scripts.kat_fetch_model --model "$MODEL" ${MODEL_DIR:+--out "$MODEL_DIR"} | tee /dev/stderr | tail -n 1
+}
 check_arms() {  # before any stage runs: a bad arm would otherwise stop the pipeline after SFT and the RMs
     for arm in $1; do
         [[ $arm =~ ^(uniform|density|fork|dpo|dpo_density|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
@@ -89,15 +101,30 @@ mkdir -p "$B"
 t_start=$SECONDS
 
 if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
-    if [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
+    if [ -n "${MODEL:-}" ]; then ROOT="$B/experiment_$MODEL"; ARMS="${ARMS:-dpo dpo_density}"
+    elif [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
     else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
     check_arms "$ARMS"
-    [[ " $ARMS " == *" uniform "* ]] || { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
+    if [ -n "${MODEL:-}" ]; then  # the real model's form: its task reward judges, so no RM and no GRPO arm here
+        [[ " $ARMS " == *" dpo_density "* ]] ||
+            { echo "speedrun: with MODEL the experiment's arms are dpo dpo_density" >&2; exit 2; }
+        model_arms "$ARMS"
+        echo "== fetch_model"
+        MODEL_DIR=$(fetch_model)
+        export MODEL_DIR  # one copy for every seed
+    fi
+    [[ -n "${MODEL:-}" || " $ARMS " == *" uniform "* ]] ||
+        { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
     [[ " $ARMS " != *" dpo_density "* || " $ARMS " == *" dpo "* ]] ||
         { echo "speedrun: the experiment compares dpo_density with dpo: add it to ARMS" >&2; exit 2; }
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
+        if [ -n "${MODEL:-}" ]; then  # skewed pairs of the real model's task; both DPO arms; per-kind held-out accuracy
+            EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" TASK=word_arithmetic_skewed \
+                bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
+            continue
+        fi
         # RM_STEPS 60 (the demo's is 150): a budget at which a uniform RM is still measurably worse on rare
         # topics, so weighting has something to fix; the report checks that gap per seed.
         # No arithmetic topic and its longer SFT: the experiment is about the eight chat topics' density.
@@ -136,12 +163,13 @@ read -r -a STEPS_DPO <<< "$(steps "${DPO_STEPS:-}")"
 read -r -a SAMPLES <<< "${EVAL_SAMPLES:+--samples $EVAL_SAMPLES}"
 export REGIME SFT_STEPS RM_STEPS GRPO_STEPS DPO_STEPS EVAL_SAMPLES
 # For the report: the regime and what was passed through, for the stages this run has
-ran=(REGIME EVAL_SAMPLES EVAL_ARGS GRPO_STEPS GRPO_ARGS)
+ran=(REGIME EVAL_SAMPLES EVAL_ARGS)
+[[ " $ARMS " == *" dpo"* && -n "${MODEL:-}" ]] || ran+=(GRPO_STEPS GRPO_ARGS)  # with MODEL the DPO arms replace GRPO
 [ "$DEMO" = 1 ] && ran+=(SFT_STEPS SFT_ARGS)
-[ -n "${MODEL:-}" ] && ran+=(TASK)
+[ -n "${MODEL:-}" ] && ran+=(MODEL TASK)
 [ -n "${MODEL:-}" ] && [ "${TASK:-}" = multiplication ] && ran+=(SFT_STEPS SFT_ARGS)
 [ -z "${MODEL:-}" ] && ran+=(RM_STEPS RM_ARGS)
-[[ " $ARMS " == *" dpo"* ]] && [ -z "${MODEL:-}" ] && ran+=(DPO_STEPS DPO_ARGS)
+[[ " $ARMS " == *" dpo"* ]] && ran+=(DPO_STEPS DPO_ARGS)
 python -c 'import json, os, sys; json.dump({k: os.environ.get(k, "") for k in sys.argv[2:]}, open(sys.argv[1], "w"))' \
     "$B/stage_args.json" "${ran[@]}"
 
@@ -187,6 +215,31 @@ train() {
     record_time "$name" $((SECONDS - s))
 }
 
+# density NAME BACKBONE PAIRS OUT FLAGS...: the density weights of PAIRS' prompts in BACKBONE's embeddings, skipped when
+# OUT exists
+density() {
+    local name=$1 backbone=$2 pairs=$3 out=$4 s=$SECONDS; shift 4
+    if skip "$out"; then echo "== $name: skipped (done: $out)"; return; fi
+    echo "== $name ($NPROC_PER_NODE ranks)"
+    mkdir -p "$(dirname "$out")"
+    launch "$name" "a backbone ($backbone) and pairs ($pairs)" scripts.kat_compute_density --backbone "$backbone" \
+        --pairs "$pairs" --out "$out" "$@"
+    record_time "$name" $((SECONDS - s))
+}
+
+arm_dir() { case $1 in dpo*) echo "$B/dpo_checkpoints/$1" ;; *) echo "$B/chatrl_checkpoints/$1" ;; esac; }
+WEIGHTS="$B/density/weights.jsonl" FORK_WEIGHTS="$B/density/fork_weights.jsonl"
+EVAL_POLICIES=()
+# dpo_arm ARM POLICY PAIRS FLAGS...: DPO of POLICY on PAIRS (dpo_density: each pair its density weight, $WEIGHTS), the
+# policy added to EVAL_POLICIES
+dpo_arm() {
+    local arm=$1 policy=$2 pairs=$3 weights=(); shift 3
+    [ "$arm" = dpo_density ] && weights=(--density "$WEIGHTS")
+    train "$arm" "the policy $policy and pairs ($pairs)${weights:+ and density weights (made by the density stage)}" \
+        "$(arm_dir "$arm")" scripts.kat_train_dpo --policy "$policy" --pairs "$pairs" "$@" "${weights[@]}" "${EXTRA_DPO[@]}"
+    EVAL_POLICIES+=(--policy "DPO $([ "$arm" = dpo ] && echo uniform || echo density)=$(arm_dir "$arm")")
+}
+
 trained_tokens() {  # trained_tokens DIR: "--max_new_tokens N" of the GRPO policy in DIR, as its newest checkpoint records it
     python -c 'import json, pathlib, sys
 m = max(pathlib.Path(sys.argv[1]).glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
@@ -195,38 +248,59 @@ print("--max_new_tokens", json.loads(m.read_text())["args"]["max_new_tokens"])' 
 
 # ---- MODEL: a real pretrained model on a verifiable task --------------------------------------------
 # No reward model here: the task's reward checks the answer itself, which an RM learned from pairs would only
-# approximate. GRPO with that reward, then the report: held-out accuracy before and after, greedy and sampled, and
-# the learning curve against training seconds.
+# approximate. GRPO with that reward (or, with ARMS="dpo dpo_density", DPO on the task's pairs: the density
+# experiment's arms), then the report: held-out accuracy before and after, greedy and sampled (per kind of question),
+# and the learning curve against training seconds.
 if [ -n "${MODEL:-}" ]; then
     [ "$MODEL" = smollm2 ] || { echo "speedrun: unknown MODEL '$MODEL' (smollm2)" >&2; exit 2; }
     TASK="${TASK:-word_arithmetic}"
-    case "$TASK" in word_arithmetic|multiplication) ;;
-        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, multiplication)" >&2; exit 2 ;; esac
+    case "$TASK" in word_arithmetic|word_arithmetic_skewed|multiplication) ;;
+        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, multiplication)" >&2; exit 2 ;; esac
+    model_arms "$ARMS"
     echo "== fetch_model"; s=$SECONDS
-    MODEL_DIR=$(python -m scripts.kat_fetch_model --model "$MODEL" | tee /dev/stderr | tail -n 1)  # cached after the first run
+    MODEL_DIR=$(fetch_model)  # cached after the first run
     record_time fetch_model $((SECONDS - s))
     TASK_DIR="$B/tasks/$TASK"
+    SIZES=()  # the skewed set: 800 pairs (the density stage embeds each prompt), 24 held-out questions a kind
+    [ "$TASK" = word_arithmetic_skewed ] && SIZES=(--n_train 800 --n_eval 96)
     if skip "$TASK_DIR/.complete"; then echo "== task_data: skipped (done: $TASK_DIR)"; else
-        echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED"; fi
-    START="$MODEL_DIR" POLICIES=() TOOL_EVAL=()
-    if [ "$TASK" = multiplication ]; then  # a tool the model has never called: its call format taught first
-        TOOL=nanochat_ext.tasks.multiplication:multiply
-        START="$B/chatsft_checkpoints/${MODEL}_tools"
-        train "sft_$MODEL" "the model ($MODEL_DIR) and the task's demonstrations ($TASK_DIR/sft.jsonl)" "$START" \
-            scripts.kat_sft --backbone "$MODEL_DIR" --conversations "$TASK_DIR/sft.jsonl" --tools "$TOOL" \
-            --batch_size 8 --max_steps "${SFT_STEPS:-8}" --seed "$SEED" "${EXTRA_SFT[@]}"
-        POLICIES=(--policy "SFT (tool format)=$START")
-        TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
+        echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED" "${SIZES[@]}"; fi
+    EVAL_POLICIES=() TOOL_EVAL=()
+    if [[ " $ARMS " == *" dpo"* ]]; then  # DPO on the task's pairs (the density experiment's arms), no GRPO
+        [[ " $ARMS " == *" dpo_density "* ]] && density density "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" "$WEIGHTS"
+        for arm in $ARMS; do
+            # 16 steps of 16 pairs (7 s a step on 2 cores) at lr 1e-5, set once on a pilot seed (100, the uniform
+            # arm only; docs/density.md) before any density arm ran. No validation split: every pair trains; the
+            # held-out questions judge.
+            dpo_arm "$arm" "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" --seed "$SEED" --save_every "$SAVE_EVERY" \
+                --batch_size 16 --lr 1e-5 --val_ratio 0 --eval_every 0 --max_steps "${DPO_STEPS:-16}"
+        done
+        # room for a reply that works the sum out before its answer (DPO never generates in training); one sample a
+        # question beside the greedy reply
+        TOKENS=(--max_new_tokens 32) SAMPLES=(--samples "${EVAL_SAMPLES:-1}")
+    else
+        START="$MODEL_DIR"
+        if [ "$TASK" = multiplication ]; then  # a tool the model has never called: its call format taught first
+            TOOL=nanochat_ext.tasks.multiplication:multiply
+            START="$B/chatsft_checkpoints/${MODEL}_tools"
+            train "sft_$MODEL" "the model ($MODEL_DIR) and the task's demonstrations ($TASK_DIR/sft.jsonl)" "$START" \
+                scripts.kat_sft --backbone "$MODEL_DIR" --conversations "$TASK_DIR/sft.jsonl" --tools "$TOOL" \
+                --batch_size 8 --max_steps "${SFT_STEPS:-8}" --seed "$SEED" "${EXTRA_SFT[@]}"
+            EVAL_POLICIES=(--policy "SFT (tool format)=$START")
+            TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
+        fi
+        POLICY="$B/chatrl_checkpoints/$MODEL$([ "$TASK" = multiplication ] && echo _tools)"
+        train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
+            scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
+            --preset "${TASK%_skewed}" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
+        EVAL_POLICIES+=(--policy "GRPO $MODEL=$POLICY")
+        read -r -a TOKENS <<< "$(trained_tokens "$POLICY")"
     fi
-    POLICY="$B/chatrl_checkpoints/$MODEL$([ "$TASK" = multiplication ] && echo _tools)"
-    train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
-        scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
-        --preset "$TASK" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
-    launch eval "the GRPO policy ($POLICY) and the task's held-out prompts" scripts.kat_eval \
-        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${POLICIES[@]}" --policy "GRPO $MODEL=$POLICY" \
+    launch eval "the trained policies and the task's held-out prompts" scripts.kat_eval \
+        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${EVAL_POLICIES[@]}" \
         --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
-        $(trained_tokens "$POLICY") "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
+        "${TOKENS[@]}" "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
     record_time eval $((SECONDS - s))
     echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
     python - "$B/report.json" <<'PY'
@@ -262,23 +336,8 @@ for f in "$PAIRS" "$PROMPTS"; do
 done
 
 # ---- density, reward models, GRPO ----------------------------------------------------------------
-WEIGHTS="$B/density/weights.jsonl"
-if skip "$WEIGHTS"; then echo "== density: skipped (done: $WEIGHTS)"; else
-    echo "== density ($NPROC_PER_NODE ranks)"; s=$SECONDS
-    mkdir -p "$B/density"
-    launch density "a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) and pairs ($PAIRS)" \
-        scripts.kat_compute_density --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --out "$WEIGHTS"
-    record_time density $((SECONDS - s))
-fi
-case " $ARMS " in *" fork "*)
-    FORK_WEIGHTS="$B/density/fork_weights.jsonl"
-    if skip "$FORK_WEIGHTS"; then echo "== density_fork: skipped (done: $FORK_WEIGHTS)"; else
-        echo "== density_fork ($NPROC_PER_NODE ranks)"; s=$SECONDS
-        launch density_fork "a backbone ($BACKBONE) and pairs ($PAIRS)" scripts.kat_compute_density \
-            --backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --weighting fork --out "$FORK_WEIGHTS"
-        record_time density_fork $((SECONDS - s))
-    fi ;;
-esac
+density density "$BACKBONE" "$PAIRS" "$WEIGHTS" "${TOK[@]}"
+case " $ARMS " in *" fork "*) density density_fork "$BACKBONE" "$PAIRS" "$FORK_WEIGHTS" "${TOK[@]}" --weighting fork ;; esac
 RM_FLAGS=(--backbone "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --seed "$SEED" --save_every "$SAVE_EVERY"
           "${RECIPE_RM[@]}" "${STEPS_RM[@]}")
 NEEDS_RM="a backbone ($BACKBONE: made by the sft stage, or given as BACKBONE) with its tokenizer, and pairs ($PAIRS)"
@@ -289,21 +348,13 @@ if [[ " $ARMS " == *" fork "* ]]; then train rm_fork "$NEEDS_RM and fork weights
 GRPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --prompts "$PROMPTS" --seed "$SEED"
             --save_every "$([ -n "${GRPO_STEPS:-}" ] && [ "$GRPO_STEPS" -le 100 ] && echo $(( (GRPO_STEPS + 1) / 2 )) ||
                              echo "$SAVE_EVERY")" "${RECIPE_GRPO[@]}" "${STEPS_GRPO[@]}")
-DPO_FLAGS=(--policy "$BACKBONE" "${TOK[@]}" --pairs "$PAIRS" --seed "$SEED" --save_every "$SAVE_EVERY" "${RECIPE_DPO[@]}"
-           "${STEPS_DPO[@]}")
-arm_dir() { case $1 in dpo*) echo "$B/dpo_checkpoints/$1" ;; *) echo "$B/chatrl_checkpoints/$1" ;; esac; }
-EVAL_POLICIES=()
+DPO_FLAGS=("${TOK[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${RECIPE_DPO[@]}" "${STEPS_DPO[@]}")
 # Each arm: GRPO against its own RM, and nothing else different (same policy, prompts, budget and seed),
 # so a difference between the policies is the RM's doing. A DPO arm trains the same policy on the pairs themselves.
 for arm in $ARMS; do
     case $arm in  # (checked by check_arms)
         kl_*) rm_name=uniform; ARM_FLAGS=(--beta "${arm#kl_}") ;;  # after GRPO_ARGS: the arm is its beta
-        dpo|dpo_density)
-            weights=(); [ "$arm" = dpo_density ] && weights=(--density "$WEIGHTS")
-            train "$arm" "the policy $BACKBONE and pairs ($PAIRS)${weights:+ and density weights (made by the density stage)}" \
-                "$(arm_dir "$arm")" scripts.kat_train_dpo "${DPO_FLAGS[@]}" "${weights[@]}" "${EXTRA_DPO[@]}"
-            EVAL_POLICIES+=(--policy "DPO $([ "$arm" = dpo ] && echo uniform || echo density)=$(arm_dir "$arm")")
-            continue ;;
+        dpo|dpo_density) dpo_arm "$arm" "$BACKBONE" "$PAIRS" "${DPO_FLAGS[@]}"; continue ;;
         *) rm_name=$arm; ARM_FLAGS=() ;;
     esac
     train "grpo_$arm" "the policy $BACKBONE, prompts ($PROMPTS) and the reward model in rm_checkpoints/$rm_name (made by the rm_$rm_name stage)" \

@@ -14,8 +14,13 @@ RM of its own (kl_<beta>: the uniform RM with the KL term on) is compared on the
 train the SFT policy on the pairs themselves: dpo (uniform) is compared with GRPO's uniform arm (RM + GRPO against
 DPO on the same pairs), dpo_density (each pair weighted as the density RM's) with dpo.
 
+On a real model (EXPERIMENT=density MODEL=smollm2: dpo and dpo_density only) the report also compares accuracy per
+kind of question, shows each kind's share of the pairs and mean density weight (from the files each seed's density
+stage read and wrote), and each policy's dense-minus-rare gap.
+
     EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh        # runs this at the end
     EXPERIMENT=density REGIME=collapse SEEDS="0 1 2 3 4 5 6 7 8 9" bash speedrun.sh
+    EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh
     python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4 [--arms uniform density]
 """
 from __future__ import annotations
@@ -23,12 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
 from nanochat_ext.cli import parse, parser
+from nanochat_ext.data.rows import load_pairs, read_rows
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.session import run_plain
+from nanochat_ext.tasks.report import per_topic_rows, topic_of
 from nanochat_ext.tasks.stats import paired_difference
 
 # (metric name, where it comes from, better when higher? None: neither way is better)
@@ -43,8 +51,8 @@ POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), None)] + [
     for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
               "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2", "bigram_entropy_bits",
               "duplicate_share", "mode_share", "top_completion_share")]
-HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share", "mode_share",
-            "top_completion_share"]
+HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "task_accuracy_greedy_rare",
+            "task_accuracy_sampled_dense", "distinct_2", "duplicate_share", "mode_share", "top_completion_share"]
 # why each regime of speedrun.sh (REGIME=...) exists, for the report's reader; the settings line says what ran
 REGIMES = {"default": "the demo's GRPO settings, where GRPO does not collapse",
            "collapse": "GRPO with a 10x larger step and no KL term (`--lr 1e-3 --beta 0` before GRPO_ARGS), where the "
@@ -63,6 +71,14 @@ def policy_name(arm: str) -> str:
     return "before (SFT)" if arm == "SFT" else DPO_ARMS.get(arm, f"GRPO {arm}")
 
 
+def policy_of(report: dict, arm: str) -> dict:
+    """The arm's policy measures in one seed's report; "SFT" is the policy before training, whatever it is ("before
+    (SFT)" in the demo, "before (smollm2)" with a real model)."""
+    if arm == "SFT":
+        return next((p for name, p in report["policies"].items() if name.startswith("before (")), {})
+    return report["policies"].get(policy_name(arm), {})
+
+
 def arm_of(name: str) -> str | None:
     """policy_name's inverse; None for a policy that is no arm."""
     found = [a for a, n in DPO_ARMS.items() if n == name]
@@ -79,8 +95,16 @@ def metric_value(report: dict, arm: str, source: tuple) -> float | None:
         rms = {Path(d).name: r for d, r in report["reward_models"].items()}
         group = rms.get(arm, {}).get(source[1])
         return None if group is None else group[source[2]]
-    value = report["policies"].get(policy_name(arm), {}).get(source[1])
+    policy = policy_of(report, arm)
+    value = policy.get("task_accuracy_by_topic", {}).get(source[1], {}).get(source[2]) if source[0] == "topic" else \
+        policy.get(source[1])
     return None if value is None or (isinstance(value, float) and math.isnan(value)) else value
+
+
+def topic_metrics(reports: dict[int, dict]) -> list[tuple[str, tuple, bool]]:
+    """task_accuracy_<mode>_<kind> for every kind of question the policies were judged on, dense ones first."""
+    return [(f"task_accuracy_{mode}_{t}", ("topic", mode, t), True)
+            for mode, t, _ in per_topic_rows(next(iter(reports.values()))["policies"])]
 
 
 def load_reports(root: Path, seeds: list[int]) -> dict[int, dict]:
@@ -109,13 +133,14 @@ def settings_of(reports: dict[int, dict]) -> dict[str, str]:
     return settings
 
 
-def analyse(reports: dict[int, dict], arms: list[str]) -> dict:
+def analyse(reports: dict[int, dict], arms: list[str], per_kind: bool = False) -> dict:
     """{arm: {metric: {baseline: [...], arm: [...], "diff": PairedDifference fields, "higher_is_better"}}}, the
-    baseline uniform (GRPO's) or the arm's own (BASELINES)."""
+    baseline uniform (GRPO's) or the arm's own (BASELINES); per_kind: each kind's accuracy too (a real model's task,
+    whose kinds are few; the demo's eight topics are compared as its dense and rare groups)."""
     out = {}
     for arm in arms:
         rows = {}
-        for name, source, higher in RM_METRICS + POLICY_METRICS:
+        for name, source, higher in RM_METRICS + POLICY_METRICS + (topic_metrics(reports) if per_kind else []):
             base = [metric_value(r, baseline(arm), source) for r in reports.values()]
             mine = [metric_value(r, arm, source) for r in reports.values()]
             if any(v is None for v in base + mine):
@@ -202,60 +227,146 @@ def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
     return paths
 
 
-def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict], settings: dict[str, str]) -> Path:
-    regime = settings.get("REGIME", "default")
+def intro(seeds: list[int], analysis: dict, settings: dict[str, str]) -> list[str]:
+    """The report's head: what ran (the regime, or the real model and its task) and how the seeds are compared."""
+    regime, model = settings.get("REGIME", "default"), settings.get("MODEL")
     passed = {k: v for k, v in settings.items() if k != "REGIME"}
-    lines = [f"# The density experiment, regime {regime}", "",
-             f"Regime `{regime}`: {REGIMES.get(regime, 'not a regime speedrun.sh knows')}."
-             + (" Settings: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()) + "." if passed else "")
-             + (" A kl_<beta> arm is GRPO against the uniform RM with the KL term on (`--beta <beta>`): a control that "
-                "fights collapse by holding the policy near the SFT model instead of changing the RM."
-                if any(a.startswith("kl_") for a in analysis) else "")
-             + (" A DPO arm trains the SFT policy by DPO on the pairs themselves, no RM (dpo_density: each pair "
-                "weighted by its density weight, as the density RM's pairs are); dpo is compared with GRPO's uniform "
-                "arm, dpo_density with dpo." if any(a in DPO_ARMS for a in analysis) else ""), "",
-             f"Seeds {', '.join(map(str, seeds))}; every seed runs the whole pipeline (its own demo data, SFT model and "
-             "density weights), then each arm trains its GRPO policy against its RM (a kl_<beta> arm: the uniform "
-             "RM) on the same prompts with the same budget and seed, and every policy is evaluated on the same "
-             "held-out prompts. Differences are arm "
-             "minus its baseline (uniform; dpo for dpo_density) per seed; the interval is the 95% Student-t interval of the mean difference over seeds "
-             "(paired by seed, n - 1 degrees of freedom). 'detectable' is the smallest true difference a 5%-level "
-             "test would find with 80% power at this spread and number of seeds. Policy RM scores come from the "
-             "uniform RM for every arm (one judge); task accuracy is the demo's ground truth.", ""]
-    for arm, rows in analysis.items():
-        base = baseline(arm)
-        lines += [f"## {arm} minus {base}", "", f"| metric | {base} (mean) | {arm} (mean) | mean diff | 95% interval | "
-                  "detectable | per seed |", "|---|---|---|---|---|---|---|"]
-        for name, r in rows.items():
-            d = r["diff"]
-            label = {True: "", False: " (lower is better)", None: " (neither way is better)"}[r["higher_is_better"]]
-            lines.append(f"| {name}{label} | {mean(r[base]):.3f} | "
-                         f"{mean(r[arm]):.3f} | {d['mean']:+.3f} | [{d['low']:+.3f}, {d['high']:+.3f}] | "
-                         f"{d['detectable']:.3f} | {', '.join(f'{x:+.3f}' for x in d['diffs'])} |")
-        lines += ["", verdict(arm, rows), ""]
-    gap = [r["reward_models"] for r in reports.values()]
-    uniform_gaps = [next((v["dense topics"]["accuracy"] - v["rare topics"]["accuracy"]
-                          for d, v in rm.items() if Path(d).name == "uniform" and "rare topics" in v), math.nan)
-                    for rm in gap]
-    lines += ["## Can the demo show an effect?", "",
-              "A uniform RM has to be measurably worse on rare topics than on dense ones, or weighting has nothing "
-              f"to fix. Uniform RM accuracy, dense minus rare topics, per seed: "
-              f"{', '.join(f'{g:+.3f}' for g in uniform_gaps)}.", ""]
+    shown = " Settings: " + "; ".join(f"{k}=`{v}`" for k, v in passed.items()) + "." if passed else ""
+    compared = ("Differences are arm minus its baseline (uniform; dpo for dpo_density) per seed; the interval is the "
+                "95% Student-t interval of the mean difference over seeds (paired by seed, n - 1 degrees of freedom). "
+                "'detectable' is the smallest true difference a 5%-level test would find with 80% power at this "
+                "spread and number of seeds.")
+    if model:
+        return [f"# The density experiment on a real model ({model})", "",
+                f"{model} trained by DPO on skewed preference pairs of its task (two dense kinds of question, two "
+                "rare), once with every pair weighted alike (dpo) and once with each pair weighted by its prompt's "
+                "inverse density in the model's own embeddings (dpo_density), on the same pairs with the same budget "
+                f"and seed.{shown}", "",
+                f"Seeds {', '.join(map(str, seeds))}; every seed makes its own pairs and held-out questions (balanced "
+                "across kinds), its density weights, and both arms; every policy and the model before training are "
+                "evaluated on the same held-out questions, judged by the task's answer (`--reward_fn last_number`). "
+                + compared, ""]
+    return [f"# The density experiment, regime {regime}", "",
+            f"Regime `{regime}`: {REGIMES.get(regime, 'not a regime speedrun.sh knows')}." + shown
+            + (" A kl_<beta> arm is GRPO against the uniform RM with the KL term on (`--beta <beta>`): a control that "
+               "fights collapse by holding the policy near the SFT model instead of changing the RM."
+               if any(a.startswith("kl_") for a in analysis) else "")
+            + (" A DPO arm trains the SFT policy by DPO on the pairs themselves, no RM (dpo_density: each pair "
+               "weighted by its density weight, as the density RM's pairs are); dpo is compared with GRPO's uniform "
+               "arm, dpo_density with dpo." if any(a in DPO_ARMS for a in analysis) else ""), "",
+            f"Seeds {', '.join(map(str, seeds))}; every seed runs the whole pipeline (its own demo data, SFT model and "
+            "density weights), then each arm trains its GRPO policy against its RM (a kl_<beta> arm: the uniform "
+            "RM) on the same prompts with the same budget and seed, and every policy is evaluated on the same "
+            "held-out prompts. " + compared + " Policy RM scores come from the uniform RM for every arm (one judge); "
+            "task accuracy is the demo's ground truth.", ""]
+
+
+def arm_table(arm: str, rows: dict) -> list[str]:
+    base = baseline(arm)
+    lines = [f"## {arm} minus {base}", "", f"| metric | {base} (mean) | {arm} (mean) | mean diff | 95% interval | "
+             "detectable | per seed |", "|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        d = r["diff"]
+        label = {True: "", False: " (lower is better)", None: " (neither way is better)"}[r["higher_is_better"]]
+        lines.append(f"| {name}{label} | {mean(r[base]):.3f} | {mean(r[arm]):.3f} | {d['mean']:+.3f} | "
+                     f"[{d['low']:+.3f}, {d['high']:+.3f}] | {d['detectable']:.3f} | "
+                     f"{', '.join(f'{x:+.3f}' for x in d['diffs'])} |")
+    return lines + ["", verdict(arm, rows), ""]
+
+
+def weights_by_topic(root: Path, reports: dict[int, dict]) -> dict[str, dict[str, list[float]]]:
+    """{topic (or kind): {"share": [per seed], "weight": [per seed]}}: each topic's share of the pairs and its pairs'
+    mean density weight, from the pairs and weights each seed's density stage read and wrote (its command in the
+    report). {} where no seed ran one."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for s, r in reports.items():
+        command = r.get("stages", {}).get("density")
+        if not command:
+            return {}
+        words = shlex.split(command)
+        pairs, weights = (Path(words[words.index(flag) + 1]) for flag in ("--pairs", "--out"))
+        for path in (pairs, weights):  # as the stage ran: absolute, or relative to where speedrun.sh ran (here)
+            if not path.is_file():
+                raise InputError(f"seed {s}'s density stage names {path}, which is not there", path=str(path))
+        weight = {w["prefix_id"]: w["weight"] for w in map(json.loads, weights.read_text().splitlines())}
+        topic = {n: topic_of(row) for n, row in read_rows(str(pairs))}
+        rows = [(topic.get(r.line), weight[r.prefix_id]) for r in load_pairs(pairs)[0]]
+        for t in sorted({t for t, _ in rows if t is not None}):
+            mine = [w for topic, w in rows if topic == t]
+            out.setdefault(t, {"share": [], "weight": []})
+            out[t]["share"].append(len(mine) / len(rows))
+            out[t]["weight"].append(mean(mine))
+    return out
+
+
+def weights_section(by_topic: dict[str, dict[str, list[float]]]) -> list[str]:
+    if not by_topic:
+        return []
+    ranked = sorted(by_topic, key=lambda t: -mean(by_topic[t]["share"]))
+    return ["## Do the density weights find the rare kinds?", "",
+            "Each kind's (topic's) share of the training pairs and its pairs' mean density weight (the weights have "
+            "mean 1 over prompts), mean over seeds and per seed. Weighting can only help the rare kinds if it "
+            "weighs them up.", "", "| kind | share of pairs | mean weight | per seed |", "|---|---|---|---|"] + [
+        f"| {t} | {mean(by_topic[t]['share']):.3f} | {mean(by_topic[t]['weight']):.3f} | "
+        f"{', '.join(f'{w:.3f}' for w in by_topic[t]['weight'])} |" for t in ranked] + [""]
+
+
+def uniform_rm_gaps(reports: dict[int, dict]) -> list[float]:
+    """The uniform RM's held-out accuracy on dense minus rare topics per seed (NaN where a seed has none)."""
+    return [next((v["dense topics"]["accuracy"] - v["rare topics"]["accuracy"]
+                  for d, v in r["reward_models"].items() if Path(d).name == "uniform" and "rare topics" in v), math.nan)
+            for r in reports.values()]
+
+
+def effect_section(reports: dict[int, dict], analysis: dict) -> list[str]:
+    """Whether the baseline leaves weighting anything to fix: the uniform RM's (demo) or the baseline policy's (a real
+    model) accuracy on dense minus rare prompts, per seed."""
+    rm_gaps = uniform_rm_gaps(reports)
+    if not all(math.isnan(g) for g in rm_gaps):
+        return ["## Can the demo show an effect?", "",
+                "A uniform RM has to be measurably worse on rare topics than on dense ones, or weighting has nothing "
+                "to fix. Uniform RM accuracy, dense minus rare topics, per seed: "
+                f"{', '.join(f'{g:+.3f}' for g in rm_gaps)}.",
+                ""]
+    lines = ["## Can the model show an effect?", "",
+             "Weighting has something to fix only where training leaves the rare kinds behind. Sampled accuracy, "
+             "dense minus rare kinds, per seed:", ""]
+    for arm in dict.fromkeys(["SFT", *map(baseline, analysis), *analysis]):
+        gaps = [metric_value(r, arm, ("policy", "task_accuracy_gap_dense_rare")) for r in reports.values()]
+        if all(g is not None for g in gaps):
+            lines.append(f"- {'before training' if arm == 'SFT' else arm}: {', '.join(f'{g:+.3f}' for g in gaps)}")
+    return lines + [""]
+
+
+def collapse_section(reports: dict[int, dict], analysis: dict) -> tuple[list[str], dict]:
     means = {arm: {name: mean_of(reports, arm, ("policy", name)) for name in COLLAPSE}
              for arm in dict.fromkeys(["SFT", "uniform", *map(baseline, analysis), *analysis])}
-    lines += ["## Does GRPO collapse here?", "",
-              "Mean over seeds of each policy's measures on held-out prompts (SFT: the policy before GRPO; RM score "
-              "from the uniform RM). Reward hacking: the RM's score rises while task accuracy and diversity fall.",
-              "", "| metric | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
+    means = {arm: m for arm, m in means.items() if any(v is not None for v in m.values())}
+    lines = ["## Does training collapse here?", "",
+             "Mean over seeds of each policy's measures on held-out prompts (SFT: the policy before training; an RM "
+             "score, where there are RMs, from the uniform RM). Reward hacking: the RM's score rises while task "
+             "accuracy and diversity fall. Collapse: one answer for every prompt (mode and top completion shares).",
+             "", "| metric | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
     lines += [f"| {name} | " + " | ".join("-" if m[name] is None else f"{m[name]:.3f}" for m in means.values()) + " |"
-              for name in COLLAPSE] + [""]
+              for name in COLLAPSE if any(m[name] is not None for m in means.values())] + [""]
+    return lines, means
+
+
+def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict], settings: dict[str, str]) -> Path:
+    by_topic = weights_by_topic(root, reports)
+    lines = intro(seeds, analysis, settings)
+    for arm, rows in analysis.items():
+        lines += arm_table(arm, rows)
+    lines += weights_section(by_topic) + effect_section(reports, analysis)
+    collapse, means = collapse_section(reports, analysis)
     plots = plot(root, analysis, seeds)
-    lines += ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
+    lines += collapse + ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md = root / "experiment.md"
     md.write_text("\n".join(lines))
-    (root / "experiment.json").write_text(json.dumps({"seeds": seeds, "regime": regime, "arms": analysis,
-                                                      "policy_means": means,
-                                                      "uniform_rm_dense_minus_rare": uniform_gaps}, indent=1))
+    (root / "experiment.json").write_text(json.dumps({
+        "seeds": seeds, "regime": settings.get("REGIME", "default"), "model": settings.get("MODEL"), "arms": analysis,
+        "policy_means": means, "weights_by_topic": by_topic, "uniform_rm_dense_minus_rare": uniform_rm_gaps(reports)},
+        indent=1))
     return md
 
 
@@ -277,15 +388,20 @@ def report(root: Path, seeds: list[int], arms: list[str] | None = None) -> Path:
     reports = load_reports(root, seeds)
     settings = settings_of(reports)  # one experiment, or stop before any arithmetic
     present = [{arm_of(name) for name in r["policies"]} - {None} for r in reports.values()]
-    arms = [a for a in arms if a != "uniform"] if arms else sorted(set.intersection(*present) - {"uniform"})
-    for arm in dict.fromkeys(["uniform", *map(baseline, arms), *arms]):  # each arm and what it is compared with
+    everywhere, anywhere = set.intersection(*present), set.union(*present)
+    if arms:  # an arm given as another's baseline (dpo beside dpo_density) is compared itself where its own ran
+        given = [a for a in arms if a != "uniform"]
+        arms = [a for a in given if a not in map(baseline, given) or baseline(a) in anywhere]
+    else:
+        arms = sorted(a for a in everywhere - {"uniform"} if baseline(a) in everywhere)
+    for arm in dict.fromkeys([*map(baseline, arms), *arms]):  # each arm and what it is compared with
         missing = [s for s, names in zip(reports, present) if arm not in names]
         if missing:
             raise InputError(f"seed {missing[0]}'s report has no policy '{policy_name(arm)}'",
                              path=str(root / f"seed_{missing[0]}" / "report.json"))
     if not arms:
-        raise InputError("no arm besides uniform in the reports (ARMS=\"uniform density\")", path=str(root))
-    return write(root, seeds, analyse(reports, arms), reports, settings)
+        raise InputError("no arm with its baseline in the reports (ARMS=\"uniform density\")", path=str(root))
+    return write(root, seeds, analyse(reports, arms, per_kind=bool(settings.get("MODEL"))), reports, settings)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 split into training and held-out rows, scored by a built-in --reward_fn.
 
     <out>/train.jsonl, <out>/eval.jsonl   {prompt, answer, kind}; held-out (kind, operands) never occur in training
+                                          (word_arithmetic_skewed: also the kind's share of training, "share")
     <out>/pairs.jsonl                     the training questions as preference pairs (the right answer chosen, a
                                           near miss rejected), for a reward model or bench/bench_real_model.sh
     <out>/sft.jsonl                       for a task a tool solves (multiplication): worked tool-call conversations
                                           that teach the call format first
 
-    python -m scripts.kat_task_data [--task word_arithmetic|multiplication] [--n_train 2000] [--n_eval 64] [--seed 0]
+    python -m scripts.kat_task_data [--task word_arithmetic|word_arithmetic_skewed|multiplication] [--n_train 2000]
+                                    [--n_eval 64] [--seed 0]
 """
 from __future__ import annotations
 
@@ -25,6 +27,9 @@ from nanochat_ext.tasks.synthetic import write_jsonl
 COMPLETE = ".complete"
 # task -> (its questions' maker, its pairs' maker, the --reward_fn that scores them)
 TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.make_pairs, "last_number"),
+         # the density experiment's (EXPERIMENT=density MODEL=smollm2): training kinds skewed, held-out ones balanced
+         "word_arithmetic_skewed": (word_arithmetic.make_skewed_questions, word_arithmetic.make_skewed_pairs,
+                                    "last_number"),
          "multiplication": (multiplication.make_questions, multiplication.make_pairs, "last_number")}
 # task -> (the maker of its SFT demonstrations, written to <out>/sft.jsonl from the first training rows, its --tools)
 DEMONSTRATIONS = {"multiplication": (multiplication.make_demonstrations, "nanochat_ext.tasks.multiplication:multiply")}

@@ -1,6 +1,12 @@
 """kat_experiment_report on hand-made per-seed reports: paired differences, intervals, the verdict."""
 import json
+import math
 
+from nanochat_ext.data.rows import PromptRow, load_pairs, prefix_id_of, read_rows
+from nanochat_ext.tasks import synthetic
+from nanochat_ext.tasks.report import policy_measures
+from nanochat_ext.tasks.synthetic import write_jsonl
+from nanochat_ext.tasks.word_arithmetic import make_skewed_pairs, make_skewed_questions
 from scripts import kat_experiment_report
 
 
@@ -63,7 +69,7 @@ def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path, c
     assert out["policy_means"]["SFT"]["mode_share"] == 0.25 and out["policy_means"]["uniform"]["distinct_2"] == 0.2
     md = (tmp_path / "experiment.md").read_text()
     assert md.startswith("# The density experiment, regime collapse") and "GRPO_ARGS=`--top_k 5`" in md
-    assert "## Does GRPO collapse here?" in md and "| mode_share | 0.250 | 0.895 | 0.800 | 0.310 |" in md
+    assert "## Does training collapse here?" in md and "| mode_share | 0.250 | 0.895 | 0.800 | 0.310 |" in md
     assert "mode_share (lower is better)" in md and "top_completion_share (lower is better)" in md
     assert (tmp_path / "experiment_mode_share.png").is_file()
 
@@ -109,3 +115,93 @@ def test_dpo_arms_compare_dpo_with_grpo_and_weighted_dpo_with_dpo(tmp_path, caps
     (tmp_path / "seed_1" / "report.json").write_text(json.dumps(report))
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "2", "--arms", "dpo_density"]) == 2
     assert "seed 1's report has no policy 'DPO uniform'" in capsys.readouterr().err
+
+
+def test_per_kind_accuracy_from_the_task_rewards_verdicts_dense_kinds_by_their_training_share():
+    """A real task's held-out questions, balanced across kinds: the reward's verdict of each completion counted
+    under its question's kind, and the kinds dense or rare by their share of the training pairs, not of these rows."""
+    rows = [PromptRow([{"role": "user", "content": f"q{i}"}], str(i), {"kind": kind, "share": share}, i)
+            for i, (kind, share) in enumerate([("sum", 0.45), ("sum", 0.45), ("product", 0.05), ("product", 0.05)])]
+    greedy = [(i, "x", math.nan, 1) for i in range(4)]
+    sampled = [(i, "x", math.nan, 1) for i in (0, 0, 1, 1, 2, 2, 3, 3)]
+    verdicts = {"greedy": [True, True, False, True], "sampled": [True, False, True, True, False, False, True, False]}
+    m = policy_measures("ckpt", rows, greedy, sampled, verdicts, {}, {})
+    assert m["dense_topics"] == ["sum"]
+    assert (m["task_accuracy_greedy_dense"], m["task_accuracy_greedy_rare"]) == (1.0, 0.5)
+    assert (m["task_accuracy_sampled"], m["task_accuracy_sampled_dense"], m["task_accuracy_sampled_rare"]) == \
+        (0.5, 0.75, 0.25)
+    assert m["task_accuracy_by_topic"] == {"greedy": {"product": 0.5, "sum": 1.0},
+                                           "sampled": {"product": 0.25, "sum": 0.75}}
+    assert m["task_accuracy_gap_dense_rare"] == 0.5 and m["topic_accuracy_spread"] == 0.25
+    balanced = [PromptRow(r.messages, r.prefix_id, {"kind": r.row["kind"]}, r.line) for r in rows]
+    m = policy_measures("ckpt", balanced, greedy, sampled, verdicts, {}, {})  # word_arithmetic's: kinds, no skew
+    assert m["dense_topics"] is None and m["task_accuracy_greedy_dense"] is m["task_accuracy_greedy_rare"] is None
+    assert m["task_accuracy_by_topic"]["greedy"] == {"product": 0.5, "sum": 1.0}
+    untagged = [PromptRow(r.messages, r.prefix_id, {}, r.line) for r in rows]  # prompts with no kind: no groups
+    m = policy_measures("ckpt", untagged, greedy, sampled, verdicts, {}, {})
+    assert m["task_accuracy_greedy"] == 0.75 and m["task_accuracy_greedy_rare"] is None
+    assert m["task_accuracy_by_topic"] == {"greedy": {}, "sampled": {}}
+
+
+def test_weights_by_topic_read_the_demos_pairs_as_the_trainers_do(tmp_path):
+    """The demo's pairs (a plain-string prompt, a "topic"): each topic's share and mean weight, keyed by the prefix id
+    our pair reader gives each row, as the density stage and the trainers key them."""
+    (tmp_path / "seed_0").mkdir()
+    pairs = write_jsonl(tmp_path / "pairs.jsonl", synthetic.make_pairs(60, seed=1))
+    topic = {n: row["topic"] for n, row in read_rows(str(pairs))}
+    weight = {"weather": 0.5}
+    write_jsonl(tmp_path / "w.jsonl", [{"prefix_id": r.prefix_id, "weight": weight.get(topic[r.line], 2.0)}
+                                       for r in load_pairs(pairs)[0]])
+    density = f"python -m scripts.kat_compute_density --pairs {pairs} --out {tmp_path / 'w.jsonl'}"
+    report = {"stages": {"density": density}}
+    by_topic = kat_experiment_report.weights_by_topic(tmp_path, {0: report})
+    assert by_topic["weather"]["weight"] == [0.5] and by_topic["chess"]["weight"] == [2.0]
+    assert abs(sum(t["share"][0] for t in by_topic.values()) - 1) < 1e-9 and by_topic["weather"]["share"][0] > 0.2
+
+
+def test_the_real_models_experiment_reports_weights_and_accuracy_by_kind(tmp_path):
+    """EXPERIMENT=density MODEL=smollm2's report: dpo_density against dpo only (no GRPO arm there), each kind's share
+    of the pairs and mean density weight from the files the density stage read and wrote, per-kind accuracy rows with
+    paired intervals, and whether the baseline leaves the rare kinds behind."""
+    train, _ = make_skewed_questions(200, 8, seed=1)
+    pairs = make_skewed_pairs(train, seed=2)
+    for s in range(5):
+        seed = tmp_path / f"seed_{s}"
+        (seed / "tasks").mkdir(parents=True)
+        (seed / "density").mkdir()
+        (seed / "tasks" / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+        weight = {"sum": 0.8, "difference": 0.9, "product": 2.0 + 0.1 * s, "story": 1.5}
+        (seed / "density" / "weights.jsonl").write_text("".join(
+            json.dumps({"prefix_id": prefix_id_of(p["prompt"]), "weight": weight[p["kind"]]}) + "\n" for p in pairs))
+
+        def policy(product: float) -> dict:
+            by_kind = {"sum": 0.6, "difference": 0.5, "product": product, "story": 0.3}
+            return {"task_accuracy_greedy": 0.5, "task_accuracy_sampled_rare": product / 2,
+                    "dense_topics": ["difference", "sum"],
+                    "task_accuracy_gap_dense_rare": 0.55 - (product + 0.3) / 2,
+                    "task_accuracy_by_topic": {"greedy": by_kind, "sampled": by_kind}}
+
+        report = {"reward_models": {}, "policies": {"before (smollm2)": policy(0.2), "DPO uniform": policy(0.2),
+                                                    "DPO density": policy(0.3 + 0.01 * s)},
+                  "stage_args": {"REGIME": "default", "MODEL": "smollm2", "TASK": "word_arithmetic_skewed"},
+                  "stages": {"density": "python -m scripts.kat_compute_density --backbone m --pairs "
+                                        f"{seed / 'tasks' / 'pairs.jsonl'} --out {seed / 'density' / 'weights.jsonl'}"}}
+        (seed / "report.json").write_text(json.dumps(report))
+    seeds = ["0", "1", "2", "3", "4"]
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", *seeds, "--arms", "dpo", "dpo_density"]) == 0
+    out = json.loads((tmp_path / "experiment.json").read_text())
+    assert set(out["arms"]) == {"dpo_density"} and out["model"] == "smollm2"
+    product = out["arms"]["dpo_density"]["task_accuracy_greedy_product"]["diff"]
+    assert [round(d, 3) for d in product["diffs"]] == [0.1, 0.11, 0.12, 0.13, 0.14] and product["low"] > 0
+    assert out["arms"]["dpo_density"]["task_accuracy_sampled_sum"]["diff"]["mean"] == 0
+    by_kind = out["weights_by_topic"]
+    assert [round(w, 3) for w in by_kind["product"]["weight"]] == [2.0, 2.1, 2.2, 2.3, 2.4]
+    assert by_kind["sum"]["share"] == [0.45] * 5 and by_kind["story"]["weight"] == [1.5] * 5
+    md = (tmp_path / "experiment.md").read_text()
+    assert md.startswith("# The density experiment on a real model (smollm2)")
+    assert "| product | 0.050 | 2.200 | 2.000, 2.100, 2.200, 2.300, 2.400 |" in md
+    assert "task_accuracy_greedy_product better by 0.120" in md
+    assert "- before training: +0.300, +0.300" in md and "- dpo: +0.300" in md
+    # the default arms: those whose baseline ran (dpo's, GRPO's uniform arm, did not)
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", *seeds]) == 0
+    assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"dpo_density"}

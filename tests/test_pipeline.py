@@ -71,21 +71,20 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
     assert "One seed: differences only" in (root / "experiment.md").read_text()
     assert "## dpo_density minus dpo" in (root / "experiment.md").read_text()
-    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's), with the GRPO arms (the DPO arms' report with
-    # intervals: test_experiment_report): every stage of seed 0 is skipped, seed 1 runs them all, and the report has
-    # intervals over the two.
-    two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1", "ARMS": "uniform density kl_0.1"})
+    # A second seed, on 1 rank (the 2-rank pipeline is seed 0's), with two GRPO arms (the kl and DPO arms' reports
+    # with intervals: test_experiment_report): every stage of seed 0 is skipped, seed 1 runs them all, and the report
+    # has intervals over the two.
+    two = speedrun(base, **{**env, "SEEDS": "0 1", "NPROC_PER_NODE": "1", "ARMS": "uniform density"})
     assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
-    assert two.stdout.count(": skipped") == 9, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 3 GRPO, eval
-    assert "== grpo_kl_0.1 (1 ranks)" in two.stdout
+    assert two.stdout.count(": skipped") == 8, two.stdout  # seed 0: demo_data, sft, density, 2 RMs, 2 GRPO, eval
+    assert "== grpo_density (1 ranks)" in two.stdout
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["seeds"] == [0, 1]
-    for arm, metric in (("density", "rm_accuracy_rare"), ("density", "mode_share"), ("kl_0.1", "top_completion_share")):
-        d = experiment["arms"][arm][metric]["diff"]
-        assert len(d["diffs"]) == 2 and d["low"] <= d["mean"] <= d["high"], (arm, metric, d)
-    assert "rm_accuracy_rare" not in experiment["arms"]["kl_0.1"]  # the kl arm has no RM of its own
+    assert set(experiment["arms"]) == {"density"} and experiment["seeds"] == [0, 1]
+    for metric in ("rm_accuracy_rare", "mode_share", "top_completion_share"):
+        d = experiment["arms"]["density"][metric]["diff"]
+        assert len(d["diffs"]) == 2 and d["low"] <= d["mean"] <= d["high"], (metric, d)
     md = (root / "experiment.md").read_text()
-    assert md.startswith("# The density experiment, regime collapse") and "## Does GRPO collapse here?" in md
+    assert md.startswith("# The density experiment, regime collapse") and "## Does training collapse here?" in md
 
     # GRPO "killed" after its step-2 checkpoint: the re-run resumes it and finishes the pipeline.
     grpo = seed / "chatrl_checkpoints" / "uniform"
@@ -118,7 +117,9 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     ({"ARMS": "uniform kl_abc"}, "speedrun: unknown arm 'kl_abc' in ARMS"),
     ({"REGIME": "wild"}, "speedrun: unknown REGIME 'wild' (default, collapse)"),
     ({"EXPERIMENT": "density", "ARMS": "density kl_0.2"}, "compares each arm with uniform: add it to ARMS"),
-    ({"EXPERIMENT": "density", "ARMS": "uniform dpo_density"}, "compares dpo_density with dpo: add it to ARMS")])
+    ({"EXPERIMENT": "density", "ARMS": "uniform dpo_density"}, "compares dpo_density with dpo: add it to ARMS"),
+    ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform"}, "the experiment's arms are dpo dpo_density"),
+    ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform (GRPO with the task's reward")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
     proc = speedrun(tmp_path / "base", **env)
     assert proc.returncode == 2 and line in proc.stderr and "==" not in proc.stdout, proc.stdout + proc.stderr

@@ -1,6 +1,8 @@
 """The rule-based rewards shipped for --reward_fn, and the density stage's neighbour distances."""
 import json
+import random
 import re
+from collections import Counter
 
 import pytest
 import torch
@@ -9,7 +11,8 @@ from nanochat_ext.algorithms.rewards import check_references
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
-from nanochat_ext.tasks.word_arithmetic import KINDS, make_pairs, make_questions
+from nanochat_ext.tasks.word_arithmetic import (KINDS, SKEW, in_words, kinds_in_shares, make_pairs, make_questions,
+                                                make_skewed_pairs, make_skewed_questions)
 from scripts.kat_compute_density import knn_distances
 
 
@@ -64,6 +67,41 @@ def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen(tmp_pat
     for pair, row in zip(pairs, train):
         assert pair.prompt == [{"role": "user", "content": row["prompt"]}]
         assert last_number("", pair.chosen, row) == 1.0 and last_number("", pair.rejected, row) == 0.0
+
+
+def test_the_density_experiments_set_skews_training_kinds_and_balances_held_out_ones(tmp_path):
+    """Two dense kinds and two rare ones in training, every kind alike held out, each row its kind's training share;
+    the pairs' rejected reply a near miss or the right answer in words (the wrong format), which the task's reward
+    scores wrong as it scores the chosen reply right."""
+    train, held_out = make_skewed_questions(800, 96, seed=5)
+    assert Counter(r["kind"] for r in train) == {"sum": 360, "difference": 360, "product": 40, "story": 40}
+    assert Counter(r["kind"] for r in held_out) == {kind: 24 for kind in KINDS}
+    assert all(r["share"] == SKEW[r["kind"]] for r in train + held_out)
+    number = re.compile(r"\d+")
+    seen = {(r["kind"], tuple(number.findall(r["prompt"]))) for r in train}
+    assert not seen & {(r["kind"], tuple(number.findall(r["prompt"]))) for r in held_out}
+    pairs = make_skewed_pairs(train, seed=6)
+    assert [(p["kind"], p["share"]) for p in pairs] == [(r["kind"], r["share"]) for r in train]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(p) + "\n" for p in pairs))
+    words = 0
+    for pair, row in zip(load_pairs(tmp_path / "pairs.jsonl")[0], train):
+        assert last_number("", pair.chosen, row) == 1.0 and last_number("", pair.rejected, row) == 0.0
+        if not number.search(pair.rejected):
+            words += 1
+            assert in_words(int(row["answer"])) in pair.rejected
+    assert 0.2 < words / len(pairs) < 0.3
+    # the plain task's pairs are what they were before the wrong format existed (no extra draw from the seed)
+    assert [p["rejected"][0]["content"] for p in make_pairs(make_questions(6, 4, seed=0)[0], seed=1)] == [
+        "The answer is 91.", "44", "It is 122.", "The answer is 90.", "72", "The answer is 33."]
+
+
+def test_kinds_in_shares_rounds_by_largest_remainders_and_numbers_read_in_words():
+    assert Counter(kinds_in_shares(7, {"x": 0.5, "y": 0.3, "z": 0.2}, random.Random(0))) == {"x": 4, "y": 2, "z": 1}
+    assert Counter(kinds_in_shares(20, SKEW, random.Random(0))) == {"sum": 9, "difference": 9, "product": 1, "story": 1}
+    assert kinds_in_shares(20, SKEW, random.Random(0)) != kinds_in_shares(20, SKEW, random.Random(1))  # shuffled
+    assert [in_words(n) for n in (0, 13, 40, 42, 100, 105, 171, -3)] == [
+        "zero", "thirteen", "forty", "forty-two", "one hundred", "one hundred and five", "one hundred and seventy-one",
+        "minus three"]
 
 
 def test_no_reference_is_never_a_match():

@@ -28,6 +28,12 @@ def topics_of(path: str) -> dict[int, str]:
     return {n: row["topic"] for n, row in read_rows(path) if isinstance(row.get("topic"), str)}
 
 
+def topic_of(row: dict) -> str | None:
+    """A row's group for the report: the demo's "topic", else a task's "kind" (word_arithmetic's)."""
+    group = row.get("topic", row.get("kind"))
+    return group if isinstance(group, str) else None
+
+
 def dense_topics(counts: Counter) -> set[str]:
     return {t for t, c in counts.items() if c >= sum(counts.values()) / len(counts)}
 
@@ -141,6 +147,9 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
                   f"{temperature}; RM score from `{Path(score_rm).name}`", "",
                   "| metric | " + " | ".join(policies) + " |", "|---|" + "---|" * len(policies)]
         lines += [f"| {k} | " + " | ".join(fmt(p[k]) for p in policies.values()) + " |" for k in keys]
+        lines += [f"| task_accuracy_{mode} {topic}{label} | " + " | ".join(
+                  fmt(p.get("task_accuracy_by_topic", {}).get(mode, {}).get(topic)) for p in policies.values()) + " |"
+                  for mode, topic, label in per_topic_rows(policies)]
         lines.append("")
         uses = {name: p["tool_use"] for name, p in policies.items() if p.get("tool_use")}
         if uses:
@@ -164,6 +173,17 @@ def write_report(base_dir: str, rms: dict, policies: dict, timings: list[tuple[s
     return "\n".join(lines)
 
 
+def per_topic_rows(policies: dict[str, dict]) -> list[tuple[str, str, str]]:
+    """(mode, topic, " (dense)", " (rare)" or "") for the per-topic rows: every topic (or kind) the policies were
+    judged on, dense ones first."""
+    first = next((p for p in policies.values() if p.get("task_accuracy_by_topic")), {})
+    dense = first.get("dense_topics")
+    topics = sorted(first.get("task_accuracy_by_topic", {}).get("sampled", {}),
+                    key=lambda t: (t not in (dense or []), t))
+    label = (lambda t: "") if dense is None else (lambda t: " (dense)" if t in dense else " (rare)")
+    return [(mode, t, label(t)) for mode in ("greedy", "sampled") for t in topics]
+
+
 def all_judgeable(rows: list[PromptRow]) -> bool:
     """Whether every prompt is one of the demo's, whose completions its ground truth judges (synthetic.judge)."""
     return all(r.row.get("topic") in synthetic.TOPIC_WORDS for r in rows)
@@ -179,30 +199,41 @@ class Judged:
 
     def __init__(self, rows: list[PromptRow], completions: dict[str, list[Completion]],
                  verdicts: dict[str, list[bool]]):
-        self.topic_of = [r.row.get("topic") for r in rows]
+        self.topic_of = [topic_of(r.row) for r in rows]
         self.judgeable, self.completions, self.verdicts = all_judgeable(rows), completions, verdicts
-        self.dense = dense_topics(Counter(self.topic_of)) if self.judgeable else set()
+        shares = {topic_of(r.row): r.row["share"] for r in rows if isinstance(r.row.get("share"), (int, float))}
+        counts = Counter(t for t in self.topic_of if t is not None)
+        # dense: at least the mean share of the training rows where the rows say it (a held-out set balanced across
+        # kinds, as the density experiment's), else of these rows (the demo's held-out prompts keep its skew); rows
+        # spread evenly over their kinds with no shares (word_arithmetic's) have no dense and rare ones
+        self.split = bool(shares) or len(set(counts.values())) > 1
+        self.dense = {t for t, s in shares.items() if s >= sum(shares.values()) / len(shares)} if shares else \
+            dense_topics(counts) if self.split else set()
 
     def accuracy(self, mode: str, topics: Callable[[str], bool] | None = None) -> float | None:
         """Of the mode's completions whose prompt's topic passes `topics` (None: all); None where nothing judges."""
-        if self.judgeable:
-            marks = [synthetic.judge(self.topic_of[i], text) for i, text, _, _ in self.completions[mode]
-                     if topics is None or topics(self.topic_of[i])]
-        else:
-            marks = self.verdicts.get(mode, []) if topics is None else []
+        items = self.completions[mode]
+        verdicts = [synthetic.judge(self.topic_of[i], text) for i, text, _, _ in items] if self.judgeable else \
+            self.verdicts.get(mode, [])
+        marks = [v for (i, *_), v in zip(items, verdicts)
+                 if topics is None or (self.topic_of[i] is not None and topics(self.topic_of[i]))]
         return sum(marks) / len(marks) if marks else None
+
+    def topics(self) -> list[str]:
+        return sorted({t for t in self.topic_of if t is not None})
 
     def by_group(self) -> dict[str, float | None]:
         """task_accuracy_<mode>, and its dense and rare topics'."""
-        return {f"task_accuracy_{mode}{suffix}": self.accuracy(mode, topics) for mode in self.completions
-                for suffix, topics in (("", None), ("_dense", lambda t: t in self.dense),
-                                       ("_rare", lambda t: t not in self.dense))}
+        groups = (("", None), ("_dense", lambda t: t in self.dense), ("_rare", lambda t: t not in self.dense))
+        return {f"task_accuracy_{mode}{suffix}": self.accuracy(mode, topics) if self.split or not suffix else None
+                for mode in self.completions for suffix, topics in groups}
+
+    def per_topic(self, mode: str) -> dict[str, float | None]:
+        return {t: self.accuracy(mode, lambda topic, t=t: topic == t) for t in self.topics()}
 
     def topic_spread(self) -> float | None:
-        """The standard deviation of the sampled completions' accuracy over the demo's topics."""
-        per_topic = [self.accuracy("sampled", lambda topic, t=t: topic == t) for t in sorted(set(self.topic_of))] \
-            if self.judgeable else []
-        per_topic = [a for a in per_topic if a is not None]
+        """The standard deviation of the sampled completions' accuracy over the prompts' topics (or kinds)."""
+        per_topic = [a for a in self.per_topic("sampled").values() if a is not None]
         if not per_topic:
             return None
         mean = sum(per_topic) / len(per_topic)
@@ -224,6 +255,8 @@ def policy_measures(source: str, rows: list[PromptRow], greedy: list[Completion]
             "rm_score_sampled": mean([s for _, _, s, _ in sampled]), **accuracy,
             "task_accuracy_gap_dense_rare": None if dense is None or rare is None else dense - rare,
             "topic_accuracy_spread": judged.topic_spread(),
+            "task_accuracy_by_topic": {mode: judged.per_topic(mode) for mode in ("greedy", "sampled")},
+            "dense_topics": sorted(judged.dense) if judged.split else None,
             **sample_diversity(list(texts_by_prompt.values())), "completion_len": mean([n for *_, n in sampled]),
             **{k.removeprefix("eval/"): v for k, v in passes.items()}, "tool_use": tool_use,
             "examples": [{"prompt": rows[i].messages[-1]["content"], "completion": text}

@@ -240,6 +240,12 @@ dpo_arm() {
     EVAL_POLICIES+=(--policy "DPO $([ "$arm" = dpo ] && echo uniform || echo density)=$(arm_dir "$arm")")
 }
 
+eval_fresh() {  # eval_fresh DIR...: the report is newer than the policy trained in every DIR
+    local dir
+    skip "$B/report.md" || return 1
+    for dir in "$@"; do [ "$B/report.md" -nt "$dir/.complete" ] || return 1; done
+}
+
 trained_tokens() {  # trained_tokens DIR: "--max_new_tokens N" of the GRPO policy in DIR, as its newest checkpoint records it
     python -c 'import json, pathlib, sys
 m = max(pathlib.Path(sys.argv[1]).glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
@@ -265,7 +271,7 @@ if [ -n "${MODEL:-}" ]; then
     [ "$TASK" = word_arithmetic_skewed ] && SIZES=(--n_train 800 --n_eval 96)
     if skip "$TASK_DIR/.complete"; then echo "== task_data: skipped (done: $TASK_DIR)"; else
         echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED" "${SIZES[@]}"; fi
-    EVAL_POLICIES=() TOOL_EVAL=()
+    EVAL_POLICIES=() TOOL_EVAL=() TRAINED=()
     if [[ " $ARMS " == *" dpo"* ]]; then  # DPO on the task's pairs (the density experiment's arms), no GRPO
         [[ " $ARMS " == *" dpo_density "* ]] && density density "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" "$WEIGHTS"
         for arm in $ARMS; do
@@ -274,6 +280,7 @@ if [ -n "${MODEL:-}" ]; then
             # held-out questions judge.
             dpo_arm "$arm" "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" --seed "$SEED" --save_every "$SAVE_EVERY" \
                 --batch_size 16 --lr 1e-5 --val_ratio 0 --eval_every 0 --max_steps "${DPO_STEPS:-16}"
+            TRAINED+=("$(arm_dir "$arm")")
         done
         # room for a reply that works the sum out before its answer (DPO never generates in training); one sample a
         # question beside the greedy reply
@@ -286,22 +293,24 @@ if [ -n "${MODEL:-}" ]; then
             train "sft_$MODEL" "the model ($MODEL_DIR) and the task's demonstrations ($TASK_DIR/sft.jsonl)" "$START" \
                 scripts.kat_sft --backbone "$MODEL_DIR" --conversations "$TASK_DIR/sft.jsonl" --tools "$TOOL" \
                 --batch_size 8 --max_steps "${SFT_STEPS:-8}" --seed "$SEED" "${EXTRA_SFT[@]}"
-            EVAL_POLICIES=(--policy "SFT (tool format)=$START")
+            EVAL_POLICIES=(--policy "SFT (tool format)=$START") TRAINED=("$START")
             TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
         fi
         POLICY="$B/chatrl_checkpoints/$MODEL$([ "$TASK" = multiplication ] && echo _tools)"
         train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
             scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
             --preset "${TASK%_skewed}" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
-        EVAL_POLICIES+=(--policy "GRPO $MODEL=$POLICY")
+        EVAL_POLICIES+=(--policy "GRPO $MODEL=$POLICY") TRAINED+=("$POLICY")
         read -r -a TOKENS <<< "$(trained_tokens "$POLICY")"
     fi
-    echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
-    launch eval "the trained policies and the task's held-out prompts" scripts.kat_eval \
-        --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${EVAL_POLICIES[@]}" \
-        --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
-        "${TOKENS[@]}" "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
-    record_time eval $((SECONDS - s))
+    if eval_fresh "${TRAINED[@]}"; then echo "== eval: skipped (done: $B/report.md)"; else
+        echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
+        launch eval "the trained policies and the task's held-out prompts" scripts.kat_eval \
+            --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${EVAL_POLICIES[@]}" \
+            --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
+            "${TOKENS[@]}" "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
+        record_time eval $((SECONDS - s))
+    fi
     echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
     python - "$B/report.json" <<'PY'
 import json, sys
@@ -370,11 +379,7 @@ eval_tokens() {  # the first GRPO arm's --max_new_tokens (the demo's 16 where no
     [ "$DEMO" = 1 ] && echo "--max_new_tokens 16"
     true
 }
-eval_fresh() {  # the report is newer than every arm's policy
-    skip "$B/report.md" || return 1
-    for arm in $ARMS; do [ "$B/report.md" -nt "$(arm_dir "$arm")/.complete" ] || return 1; done
-}
-if eval_fresh; then
+if eval_fresh $(for arm in $ARMS; do arm_dir "$arm"; done); then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS

@@ -51,8 +51,11 @@ POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), None)] + [
     for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
               "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2", "bigram_entropy_bits",
               "duplicate_share", "mode_share", "top_completion_share")]
-HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "task_accuracy_greedy_rare",
-            "task_accuracy_sampled_dense", "distinct_2", "duplicate_share", "mode_share", "top_completion_share"]
+HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share", "mode_share",
+            "top_completion_share"]
+# a real model's (one sample a question: no diversity to speak of): the rare kinds' gain, the dense kinds' cost
+MODEL_HEADLINE = ["task_accuracy_greedy_rare", "task_accuracy_sampled_rare", "task_accuracy_greedy_dense",
+                  "task_accuracy_sampled_dense"]
 # why each regime of speedrun.sh (REGIME=...) exists, for the report's reader; the settings line says what ran
 REGIMES = {"default": "the demo's GRPO settings, where GRPO does not collapse",
            "collapse": "GRPO with a 10x larger step and no KL term (`--lr 1e-3 --beta 0` before GRPO_ARGS), where the "
@@ -152,22 +155,22 @@ def analyse(reports: dict[int, dict], arms: list[str], per_kind: bool = False) -
     return out
 
 
-def verdict(arm: str, rows: dict) -> str:
+def verdict(arm: str, rows: dict, headline: list[str] = HEADLINE) -> str:
     """One paragraph from the intervals: what they support, what they cannot tell apart."""
     supported, unresolved = [], []
-    for name in HEADLINE + [m for m in rows if m not in HEADLINE]:
+    for name in headline + [m for m in rows if m not in headline]:
         if name not in rows:
             continue
         d, higher = rows[name]["diff"], rows[name]["higher_is_better"]
         if d["half_width"] == 0:  # the same difference in every seed: no spread, no interval to speak of
-            if name in HEADLINE:
+            if name in headline:
                 unresolved.append(f"{name} (the same difference, {d['mean']:+.3f}, in every seed)")
             continue
         if d["low"] > 0 or d["high"] < 0:
             word = ("higher" if d["mean"] > 0 else "lower") if higher is None else \
                 "better" if (d["mean"] > 0) == higher else "worse"
             supported.append(f"{name} {word} by {abs(d['mean']):.3f} [{d['low']:+.3f}, {d['high']:+.3f}]")
-        elif name in HEADLINE and not math.isnan(d["low"]):
+        elif name in headline and not math.isnan(d["low"]):
             unresolved.append(f"{name} ({d['mean']:+.3f}, interval [{d['low']:+.3f}, {d['high']:+.3f}], "
                               f"detectable with 80% power: about +-{d['detectable']:.3f})")
     text = f"**{arm} vs {baseline(arm)}.** "
@@ -192,14 +195,14 @@ def mean_of(reports: dict[int, dict], arm: str, source: tuple) -> float | None:
     return None if any(v is None for v in values) else mean(values)
 
 
-def plot(root: Path, analysis: dict, seeds: list[int]) -> list[Path]:
+def plot(root: Path, analysis: dict, seeds: list[int], headline: list[str]) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    for name in HEADLINE:
+    for name in headline:
         arms = [a for a in analysis if name in analysis[a]]
         if not arms:
             continue
@@ -261,7 +264,7 @@ def intro(seeds: list[int], analysis: dict, settings: dict[str, str]) -> list[st
             "task accuracy is the demo's ground truth.", ""]
 
 
-def arm_table(arm: str, rows: dict) -> list[str]:
+def arm_table(arm: str, rows: dict, headline: list[str]) -> list[str]:
     base = baseline(arm)
     lines = [f"## {arm} minus {base}", "", f"| metric | {base} (mean) | {arm} (mean) | mean diff | 95% interval | "
              "detectable | per seed |", "|---|---|---|---|---|---|---|"]
@@ -271,7 +274,7 @@ def arm_table(arm: str, rows: dict) -> list[str]:
         lines.append(f"| {name}{label} | {mean(r[base]):.3f} | {mean(r[arm]):.3f} | {d['mean']:+.3f} | "
                      f"[{d['low']:+.3f}, {d['high']:+.3f}] | {d['detectable']:.3f} | "
                      f"{', '.join(f'{x:+.3f}' for x in d['diffs'])} |")
-    return lines + ["", verdict(arm, rows), ""]
+    return lines + ["", verdict(arm, rows, headline), ""]
 
 
 def weights_by_topic(root: Path, reports: dict[int, dict]) -> dict[str, dict[str, list[float]]]:
@@ -338,15 +341,18 @@ def effect_section(reports: dict[int, dict], analysis: dict) -> list[str]:
     return lines + [""]
 
 
-def collapse_section(reports: dict[int, dict], analysis: dict) -> tuple[list[str], dict]:
+def collapse_section(reports: dict[int, dict], analysis: dict, before: str = "SFT") -> tuple[list[str], dict]:
+    """Each policy's diversity and reward-hacking measures, mean over seeds, beside the policy before training (named
+    `before` in the table: "SFT" in the demo)."""
     means = {arm: {name: mean_of(reports, arm, ("policy", name)) for name in COLLAPSE}
              for arm in dict.fromkeys(["SFT", "uniform", *map(baseline, analysis), *analysis])}
     means = {arm: m for arm, m in means.items() if any(v is not None for v in m.values())}
     lines = ["## Does training collapse here?", "",
-             "Mean over seeds of each policy's measures on held-out prompts (SFT: the policy before training; an RM "
-             "score, where there are RMs, from the uniform RM). Reward hacking: the RM's score rises while task "
+             f"Mean over seeds of each policy's measures on held-out prompts ({before}: the policy before training; an "
+             "RM score, where there are RMs, from the uniform RM). Reward hacking: the RM's score rises while task "
              "accuracy and diversity fall. Collapse: one answer for every prompt (mode and top completion shares).",
-             "", "| metric | " + " | ".join(means) + " |", "|---|" + "---|" * len(means)]
+             "", "| metric | " + " | ".join(before if a == "SFT" else a for a in means) + " |",
+             "|---|" + "---|" * len(means)]
     lines += [f"| {name} | " + " | ".join("-" if m[name] is None else f"{m[name]:.3f}" for m in means.values()) + " |"
               for name in COLLAPSE if any(m[name] is not None for m in means.values())] + [""]
     return lines, means
@@ -354,12 +360,13 @@ def collapse_section(reports: dict[int, dict], analysis: dict) -> tuple[list[str
 
 def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict], settings: dict[str, str]) -> Path:
     by_topic = weights_by_topic(root, reports)
+    headline = MODEL_HEADLINE if settings.get("MODEL") else HEADLINE
     lines = intro(seeds, analysis, settings)
     for arm, rows in analysis.items():
-        lines += arm_table(arm, rows)
+        lines += arm_table(arm, rows, headline)
     lines += weights_section(by_topic) + effect_section(reports, analysis)
-    collapse, means = collapse_section(reports, analysis)
-    plots = plot(root, analysis, seeds)
+    collapse, means = collapse_section(reports, analysis, "before" if settings.get("MODEL") else "SFT")
+    plots = plot(root, analysis, seeds, headline)
     lines += collapse + ["## Plots", ""] + [f"![{p.stem}]({p.name})" for p in plots] + [""]
     md = root / "experiment.md"
     md.write_text("\n".join(lines))

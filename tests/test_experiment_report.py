@@ -202,6 +202,9 @@ def test_the_real_models_experiment_reports_weights_and_accuracy_by_kind(tmp_pat
     assert "| product | 0.050 | 2.200 | 2.000, 2.100, 2.200, 2.300, 2.400 |" in md
     assert "task_accuracy_greedy_product better by 0.120" in md
     assert "- before training: +0.300, +0.300" in md and "- dpo: +0.300" in md
+    # the headline is the rare kinds' gain and the dense kinds' cost (one sample a question: no diversity measures)
+    assert (tmp_path / "experiment_task_accuracy_sampled_rare.png").is_file()
+    assert not (tmp_path / "experiment_distinct_2.png").exists()
     # the default arms: those whose baseline ran (dpo's, GRPO's uniform arm, did not)
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", *seeds]) == 0
     assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"dpo_density"}

@@ -286,7 +286,7 @@ if [ -n "${MODEL:-}" ]; then
         # question beside the greedy reply
         TOKENS=(--max_new_tokens 32) SAMPLES=(--samples "${EVAL_SAMPLES:-1}")
     else
-        START="$MODEL_DIR"
+        START="$MODEL_DIR" POLICY="$B/chatrl_checkpoints/$MODEL"
         if [ "$TASK" = multiplication ]; then  # a tool the model has never called: its call format taught first
             TOOL=nanochat_ext.tasks.multiplication:multiply
             START="$B/chatsft_checkpoints/${MODEL}_tools"
@@ -295,8 +295,8 @@ if [ -n "${MODEL:-}" ]; then
                 --batch_size 8 --max_steps "${SFT_STEPS:-8}" --seed "$SEED" "${EXTRA_SFT[@]}"
             EVAL_POLICIES=(--policy "SFT (tool format)=$START") TRAINED=("$START")
             TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
+            POLICY+=_tools
         fi
-        POLICY="$B/chatrl_checkpoints/$MODEL$([ "$TASK" = multiplication ] && echo _tools)"
         train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
             scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
             --preset "${TASK%_skewed}" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"

@@ -13,6 +13,9 @@ import subprocess
 import pytest
 from conftest import REPO
 
+from nanochat_ext.models.converted import MARKER
+from nanochat_ext.tasks import synthetic
+
 # OMP_NUM_THREADS=1 whatever the caller's: 2 ranks of 2 threads each would oversubscribe 2 cores.
 TINY = {"NPROC_PER_NODE": "2", "OMP_NUM_THREADS": "1", "SFT_STEPS": "8", "RM_STEPS": "4", "GRPO_STEPS": "4",
         "DPO_STEPS": "4", "EVAL_SAMPLES": "2", "DEMO_ARGS": "--n_pairs 200 --n_sft 200 --n_prompts 40 --n_eval 16"}
@@ -156,3 +159,23 @@ def test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_pro
     assert "== grpo_uniform" in proc.stdout and "grpo_uniform: python -m scripts.kat_train_grpo --policy" in proc.stdout
     ran = json.loads((base / "report.json").read_text())["stage_args"]
     assert "SFT_STEPS" not in ran and "DPO_STEPS" not in ran and ran["GRPO_STEPS"] == "2"
+
+
+def test_the_real_model_command_runs_grpo_with_the_tasks_reward(tmp_path):
+    """MODEL=smollm2 bash speedrun.sh, a tiny Llama standing in for the converted model (MODEL_DIR holding a finished
+    conversion is used as it is, nothing fetched): the task's questions, GRPO with its preset and the task's reward,
+    the report of held-out accuracy before and after; a re-run skips every stage, the evaluation too."""
+    model = synthetic.make_tiny_hf_llama(tmp_path / "model", template="chatml")
+    (model / MARKER).write_text("{}")
+    env = dict(MODEL="smollm2", MODEL_DIR=str(model), NPROC_PER_NODE="1", GRPO_STEPS="1", EVAL_SAMPLES="1",
+               GRPO_ARGS="--eval_every 0")
+    first = speedrun(tmp_path / "base", **env)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    assert "== grpo_smollm2 (1 ranks)" in first.stdout and "== eval (1 ranks)" in first.stdout
+    report = json.loads((tmp_path / "base" / "report.json").read_text())
+    assert set(report["policies"]) == {"before (smollm2)", "GRPO smollm2"}
+    assert report["policies"]["GRPO smollm2"]["task_accuracy_by_topic"]["greedy"].keys() == {
+        "sum", "difference", "product", "story"}  # word_arithmetic's kinds, balanced: no dense and rare split
+    assert report["policies"]["GRPO smollm2"]["task_accuracy_greedy_rare"] is None
+    again = speedrun(tmp_path / "base", **env)
+    assert again.returncode == 0 and "== eval: skipped" in again.stdout and again.stdout.count(": skipped") == 3

@@ -109,14 +109,16 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
         [[ " $ARMS " == *" dpo_density "* ]] ||
             { echo "speedrun: with MODEL the experiment's arms are dpo dpo_density" >&2; exit 2; }
         model_arms "$ARMS"
-        echo "== fetch_model"
-        MODEL_DIR=$(fetch_model)
-        export MODEL_DIR  # one copy for every seed
     fi
     [[ -n "${MODEL:-}" || " $ARMS " == *" uniform "* ]] ||
         { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
     [[ " $ARMS " != *" dpo_density "* || " $ARMS " == *" dpo "* ]] ||
         { echo "speedrun: the experiment compares dpo_density with dpo: add it to ARMS" >&2; exit 2; }
+    if [ -n "${MODEL:-}" ]; then
+        echo "== fetch_model"
+        MODEL_DIR=$(fetch_model)
+        export MODEL_DIR  # one copy for every seed
+    fi
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
@@ -275,7 +277,7 @@ if [ -n "${MODEL:-}" ]; then
     if [[ " $ARMS " == *" dpo"* ]]; then  # DPO on the task's pairs (the density experiment's arms), no GRPO
         [[ " $ARMS " == *" dpo_density "* ]] && density density "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" "$WEIGHTS"
         for arm in $ARMS; do
-            # 16 steps of 16 pairs (7 s a step on 2 cores) at lr 1e-5, set once on a pilot seed (100, the uniform
+            # 16 steps of 16 pairs (about 6 s a step on 2 cores) at lr 1e-5, set once on a pilot seed (100, the uniform
             # arm only; docs/density.md) before any density arm ran. No validation split: every pair trains; the
             # held-out questions judge.
             dpo_arm "$arm" "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" --seed "$SEED" --save_every "$SAVE_EVERY" \
@@ -379,7 +381,9 @@ eval_tokens() {  # the first GRPO arm's --max_new_tokens (the demo's 16 where no
     [ "$DEMO" = 1 ] && echo "--max_new_tokens 16"
     true
 }
-if eval_fresh $(for arm in $ARMS; do arm_dir "$arm"; done); then
+TRAINED=()
+for arm in $ARMS; do TRAINED+=("$(arm_dir "$arm")"); done
+if eval_fresh "${TRAINED[@]}"; then
     echo "== eval: skipped (done: $B/report.md)"
 else
     echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS

@@ -70,8 +70,8 @@ BASELINES = {"dpo_density": "dpo"}  # what an arm is compared with, where not th
 
 
 def policy_name(arm: str) -> str:
-    """The arm's policy in a seed's report (speedrun.sh names them so); "SFT" is the policy before training."""
-    return "before (SFT)" if arm == "SFT" else DPO_ARMS.get(arm, f"GRPO {arm}")
+    """The arm's policy in a seed's report (speedrun.sh names them so)."""
+    return DPO_ARMS.get(arm, f"GRPO {arm}")
 
 
 def policy_of(report: dict, arm: str) -> dict:
@@ -277,10 +277,11 @@ def arm_table(arm: str, rows: dict, headline: list[str]) -> list[str]:
     return lines + ["", verdict(arm, rows, headline), ""]
 
 
-def weights_by_topic(root: Path, reports: dict[int, dict]) -> dict[str, dict[str, list[float]]]:
+def weights_by_topic(reports: dict[int, dict]) -> dict[str, dict[str, list[float]]]:
     """{topic (or kind): {"share": [per seed], "weight": [per seed]}}: each topic's share of the pairs and its pairs'
     mean density weight, from the pairs and weights each seed's density stage read and wrote (its command in the
-    report). {} where no seed ran one."""
+    report, its paths as it ran). {} where a seed ran none, or its files are gone (the report rebuilt elsewhere from
+    the seeds' report.json alone)."""
     out: dict[str, dict[str, list[float]]] = {}
     for s, r in reports.items():
         command = r.get("stages", {}).get("density")
@@ -288,9 +289,8 @@ def weights_by_topic(root: Path, reports: dict[int, dict]) -> dict[str, dict[str
             return {}
         words = shlex.split(command)
         pairs, weights = (Path(words[words.index(flag) + 1]) for flag in ("--pairs", "--out"))
-        for path in (pairs, weights):  # as the stage ran: absolute, or relative to where speedrun.sh ran (here)
-            if not path.is_file():
-                raise InputError(f"seed {s}'s density stage names {path}, which is not there", path=str(path))
+        if not (pairs.is_file() and weights.is_file()):  # absolute, or relative to where speedrun.sh ran (here)
+            return {}
         weight = {w["prefix_id"]: w["weight"] for w in map(json.loads, weights.read_text().splitlines())}
         topic = {n: topic_of(row) for n, row in read_rows(str(pairs))}
         rows = [(topic.get(r.line), weight[r.prefix_id]) for r in load_pairs(pairs)[0]]
@@ -359,7 +359,7 @@ def collapse_section(reports: dict[int, dict], analysis: dict, before: str = "SF
 
 
 def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict], settings: dict[str, str]) -> Path:
-    by_topic = weights_by_topic(root, reports)
+    by_topic = weights_by_topic(reports)
     headline = MODEL_HEADLINE if settings.get("MODEL") else HEADLINE
     lines = intro(seeds, analysis, settings)
     for arm, rows in analysis.items():
@@ -372,8 +372,8 @@ def write(root: Path, seeds: list[int], analysis: dict, reports: dict[int, dict]
     md.write_text("\n".join(lines))
     (root / "experiment.json").write_text(json.dumps({
         "seeds": seeds, "regime": settings.get("REGIME", "default"), "model": settings.get("MODEL"), "arms": analysis,
-        "policy_means": means, "weights_by_topic": by_topic, "uniform_rm_dense_minus_rare": uniform_rm_gaps(reports)},
-        indent=1))
+        "policy_means": means, "weights_by_topic": by_topic,
+        "uniform_rm_dense_minus_rare": [None if math.isnan(g) else g for g in uniform_rm_gaps(reports)]}, indent=1))
     return md
 
 

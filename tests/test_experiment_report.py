@@ -154,9 +154,11 @@ def test_weights_by_topic_read_the_demos_pairs_as_the_trainers_do(tmp_path):
                                        for r in load_pairs(pairs)[0]])
     density = f"python -m scripts.kat_compute_density --pairs {pairs} --out {tmp_path / 'w.jsonl'}"
     report = {"stages": {"density": density}}
-    by_topic = kat_experiment_report.weights_by_topic(tmp_path, {0: report})
+    by_topic = kat_experiment_report.weights_by_topic({0: report})
     assert by_topic["weather"]["weight"] == [0.5] and by_topic["chess"]["weight"] == [2.0]
     assert abs(sum(t["share"][0] for t in by_topic.values()) - 1) < 1e-9 and by_topic["weather"]["share"][0] > 0.2
+    (tmp_path / "w.jsonl").unlink()  # the report rebuilt where the density stage's files are not: no weights section
+    assert kat_experiment_report.weights_by_topic({0: report}) == {}
 
 
 def test_the_real_models_experiment_reports_weights_and_accuracy_by_kind(tmp_path):

@@ -122,6 +122,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     ({"EXPERIMENT": "density", "ARMS": "density kl_0.2"}, "compares each arm with uniform: add it to ARMS"),
     ({"EXPERIMENT": "density", "ARMS": "uniform dpo_density"}, "compares dpo_density with dpo: add it to ARMS"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform"}, "the experiment's arms are dpo dpo_density"),
+    ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "dpo_density"}, "compares dpo_density with dpo"),
     ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform (GRPO with the task's reward")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
     proc = speedrun(tmp_path / "base", **env)
@@ -161,14 +162,19 @@ def test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_pro
     assert "SFT_STEPS" not in ran and "DPO_STEPS" not in ran and ran["GRPO_STEPS"] == "2"
 
 
-def test_the_real_model_command_runs_grpo_with_the_tasks_reward(tmp_path):
-    """MODEL=smollm2 bash speedrun.sh, a tiny Llama standing in for the converted model (MODEL_DIR holding a finished
-    conversion is used as it is, nothing fetched): the task's questions, GRPO with its preset and the task's reward,
-    the report of held-out accuracy before and after; a re-run skips every stage, the evaluation too."""
-    model = synthetic.make_tiny_hf_llama(tmp_path / "model", template="chatml")
+def converted_stand_in(directory) -> str:
+    """A tiny Llama standing in for the converted model: MODEL_DIR holding a finished conversion is used as it is."""
+    model = synthetic.make_tiny_hf_llama(directory, template="chatml")
     (model / MARKER).write_text("{}")
-    env = dict(MODEL="smollm2", MODEL_DIR=str(model), NPROC_PER_NODE="1", GRPO_STEPS="1", EVAL_SAMPLES="1",
-               GRPO_ARGS="--eval_every 0")
+    return str(model)
+
+
+def test_the_real_model_command_runs_grpo_with_the_tasks_reward(tmp_path):
+    """MODEL=smollm2 bash speedrun.sh with a stand-in model, nothing fetched: the task's questions, GRPO with its
+    preset and the task's reward, the report of held-out accuracy before and after; a re-run skips every stage, the
+    evaluation too."""
+    env = dict(MODEL="smollm2", MODEL_DIR=converted_stand_in(tmp_path / "model"), NPROC_PER_NODE="1", GRPO_STEPS="1",
+               EVAL_SAMPLES="1", GRPO_ARGS="--eval_every 0")
     first = speedrun(tmp_path / "base", **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     assert "== grpo_smollm2 (1 ranks)" in first.stdout and "== eval (1 ranks)" in first.stdout
@@ -179,3 +185,25 @@ def test_the_real_model_command_runs_grpo_with_the_tasks_reward(tmp_path):
     assert report["policies"]["GRPO smollm2"]["task_accuracy_greedy_rare"] is None
     again = speedrun(tmp_path / "base", **env)
     assert again.returncode == 0 and "== eval: skipped" in again.stdout and again.stdout.count(": skipped") == 3
+
+
+def test_the_density_experiment_on_a_model_runs_both_dpo_arms_and_reports_by_kind(tmp_path):
+    """EXPERIMENT=density MODEL=smollm2, one seed, a stand-in model: the skewed set, density weights from the model's
+    embeddings, DPO uniform and density-weighted on the same pairs, the evaluation by kind, the experiment's report
+    with the weights by kind."""
+    proc = speedrun(tmp_path / "base", EXPERIMENT="density", MODEL="smollm2", SEEDS="0", NPROC_PER_NODE="1",
+                    MODEL_DIR=converted_stand_in(tmp_path / "model"), DPO_STEPS="1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for stage in ("task_data", "density", "dpo", "dpo_density", "eval"):
+        assert f"== {stage}" in proc.stdout
+    root = tmp_path / "base" / "experiment_smollm2"
+    policies = json.loads((root / "seed_0" / "report.json").read_text())["policies"]
+    assert set(policies) == {"before (smollm2)", "DPO uniform", "DPO density"}
+    assert policies["DPO density"]["dense_topics"] == ["difference", "sum"]
+    meta = max((root / "seed_0" / "dpo_checkpoints" / "dpo_density").glob("meta_*.json"),
+               key=lambda p: int(p.stem.split("_")[1]))
+    assert json.loads(meta.read_text())["args"]["density"] == str(root / "seed_0" / "density" / "weights.jsonl")
+    experiment = json.loads((root / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"dpo_density"} and experiment["model"] == "smollm2"
+    assert {kind: w["share"] for kind, w in experiment["weights_by_topic"].items()} == {
+        "sum": [0.45], "difference": [0.45], "product": [0.05], "story": [0.05]}

@@ -273,9 +273,10 @@ def test_an_environment_answers_each_turn_and_gives_the_reward(compiled, aot_eag
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_an_environment_talks_with_a_chat_model_in_its_template(hf_tool_use, compiled, aot_eager):  # noqa: F811
-    """The chat model in an environment that asks twice for another turn, then ends: each rollout's text is
+    """The chat model in an environment that asks twice for another turn, then ends: each rollout is token for token
     transformers' rendering of that conversation (the environment's turns as user turns, every assistant turn through
-    <|im_end|>), its forced runs exactly the template's turns between, the rest sampled. Eager and compiled alike."""
+    <|im_end|>), and its mask transformers' assistant mask: the template's turns between forced, the rest sampled.
+    Eager and compiled alike."""
     bb, tok, rows = hf_tool_use
     agent = Agent(AgentConfig(tools="none", env="tools_for_tests:CountingGame"), tok, rows[0])
     torch._dynamo.reset()
@@ -287,8 +288,10 @@ def test_an_environment_talks_with_a_chat_model_in_its_template(hf_tool_use, com
         talk = [{"role": "user", "content": rows[4 + i]["prompt"]}]
         for k, reply in enumerate(got.episodes.envs[i].seen):
             talk += [{"role": "assistant", "content": reply}, *asked[k:k + 1]]
-        want = tok._impl.apply_chat_template(talk, tokenize=False)
-        assert want == tok._impl.decode(ids[i] + c) + "\n"  # the template's "\n" after the last turn
+        want = tok._impl.apply_chat_template(talk, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        end = len(ids[i]) + len(c)
+        assert ids[i] + c == want["input_ids"][:end] and tok._impl.decode(want["input_ids"][end:]) == "\n"
+        assert m == want["assistant_masks"][len(ids[i]):end]
     assert [o.value for o in got.episodes.env_rewards()] == [3.0, 3.0]
     if compiled:
         assert not counters["graph_break"], dict(counters["graph_break"])

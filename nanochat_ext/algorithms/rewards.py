@@ -14,7 +14,6 @@ prompt, raised on every rank.
 from __future__ import annotations
 
 import http.client
-import importlib
 import json
 import math
 import time
@@ -34,6 +33,7 @@ from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.generation.agent import Episodes
 from nanochat_ext.generation.engine import Samples
+from nanochat_ext.generation.toolbox import load_attribute
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
@@ -74,19 +74,7 @@ class RewardConfig:
 def load_reward_fn(spec: str) -> RewardFn:
     """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable. Any failure to import
     the module (an ImportError, a SyntaxError, an exception its top level raises) is one line."""
-    if spec in BUILT_IN:
-        return getattr(reward_fns, spec)
-    module_name, _, fn_name = spec.partition(":")
-    if not module_name or not fn_name:
-        raise InputError(f"--reward_fn {spec!r} must look like 'module:function'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # the user's module: whatever importing it raises
-        raise InputError(f"--reward_fn {spec!r}: cannot import {module_name!r} ({first_line(e)})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise InputError(f"--reward_fn {spec!r}: {module_name} has no function {fn_name!r}")
-    return fn
+    return getattr(reward_fns, spec) if spec in BUILT_IN else load_attribute(spec, "--reward_fn")
 
 
 def built_in_name(spec: str) -> str | None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ FILE_MB = 1  # largest file a run may write
 # Applied inside the child before the code runs: limits that cannot be raised again by the code they bind.
 LIMITS = """import resource, runpy, sys
 cpu, memory, files = {cpu}, {memory}, {files}
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))  # SIGXCPU at the limit; SIGKILL a second on
 resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
 resource.setrlimit(resource.RLIMIT_FSIZE, (files, files))
 runpy.run_path("main.py", run_name="__main__")
@@ -46,6 +47,8 @@ def run_tests(code: str, tests: str, time_limit: float = TIME_LIMIT, memory_mb: 
             return False, f"timed out after {time_limit:g} s"
     if done.returncode == 0:
         return True, "all tests passed"
+    if done.returncode < 0:  # ended by a signal: the CPU limit's (SIGXCPU, or SIGKILL past it), or another
+        return False, f"killed by {signal.Signals(-done.returncode).name} (CPU time limit {max(int(time_limit), 1)} s)"
     lines = done.stderr.strip().splitlines()
     return False, (lines[-1] if lines else f"exit code {done.returncode}")[:300]
 

@@ -48,6 +48,10 @@
 # converted once, MODEL_DIR, for every seed), and the report compares dpo_density with dpo per kind of question.
 set -euo pipefail
 cd "$(dirname "$0")"
+case ${EXPERIMENT:-} in  # before anything is made
+    ""|density) ;;
+    *) echo "speedrun: unknown EXPERIMENT '$EXPERIMENT' (density, or unset for the pipeline)" >&2; exit 2 ;;
+esac
 source scripts/setup_env.sh
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"

@@ -50,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(flags(), argv)
     out = Path(args.out) if args.out else base_dir() / "tasks" / args.task
     make, make_pairs, reward_fn = TASKS[args.task]
+    for flag, value, least in (("n_train", args.n_train, 1), ("n_eval", args.n_eval, 0), ("n_sft", args.n_sft, 0)):
+        if value < least:  # before anything is written
+            say(f"error: --{flag} must be >= {least}, got {value}")
+            return EXIT_BAD_INPUT
     try:
         train, held_out = make(args.n_train, args.n_eval, args.seed)
     except InputError as e:

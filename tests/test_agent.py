@@ -5,6 +5,8 @@ text a row reads; 1 rank = 2 ranks."""
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import pytest
 import torch
@@ -18,14 +20,15 @@ from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.formats import Call, block_call, hermes_calls, llama3_calls
 from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.generation.toolbox import LATE, call_all
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
-from nanochat_ext.tasks.code_tests import CodeTests, run_tests
 from nanochat_ext.tasks.guessing_game import make_prompts
 from nanochat_ext.tasks.multiplication import make_demonstrations, make_questions
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo
 from test_engine import aot_eager  # noqa: F401  (a fixture)
+import tools_for_tests
 from test_tools import TOOL_USE
 
 HF_TOOL_USE = REPO / "tests" / "fixtures" / "hf-tool-use"
@@ -385,20 +388,106 @@ def test_grpo_in_an_environment_on_two_ranks_resumes_to_one_ranks_run(tmp_path):
     assert_same_update(*({k: v for k, v in sd.items() if k != "backout_lambda"} for sd in (got, want, init)))
 
 
-def test_the_models_code_runs_in_a_subprocess_under_limits():
-    """The code-tests environment: code that passes ends the episode with reward 1; a failing assert, code that
-    loops, or code that takes too much memory comes back as the line the model reads, and nothing of it runs here."""
-    tests = "assert add(2, 3) == 5"
-    assert run_tests("def add(a, b):\n    return a + b", tests) == (True, "all tests passed")
-    assert run_tests("def add(a, b):\n    return a - b", tests) == (False, "AssertionError")
-    passed, said = run_tests("while True:\n    pass", tests, time_limit=1)
-    # the wall clock, or the CPU limit first (under load the kernel's SIGXCPU can come before the wall clock's 1 s)
-    assert not passed and said in ("timed out after 1 s", "killed by SIGXCPU (CPU time limit 1 s)",
-                                   "killed by SIGKILL (CPU time limit 1 s)"), said
-    assert run_tests("import os, signal\nos.kill(os.getpid(), signal.SIGXCPU)", tests, time_limit=2) == (
-        False, "killed by SIGXCPU (CPU time limit 2 s)")  # what the model reads when the CPU limit ends its code
-    assert run_tests("x = bytearray(2 << 30)", tests, memory_mb=256) == (False, "MemoryError")
-    game = CodeTests({"tests": tests})
-    assert game.step("Here:\n```python\ndef add(a, b):\n    return b - a\n```") == \
-        "The tests failed: AssertionError. Fix the code."
-    assert game.step("```python\ndef add(a, b):\n    return a + b\n```") is None and game.get_reward() == 1.0
+def test_overrunning_calls_are_capped_and_a_thread_that_cannot_start_is_an_error(monkeypatch):
+    """A tool that hangs on every call, 4 calls a step for 200 steps: calls past their timeout stay counted until
+    they end, and once max_late are running new calls are refused (an error the row reads) instead of piling up
+    threads: the live threads never exceed the cap and one step's calls. A thread the OS will not start is an
+    error the row reads too."""
+    release = threading.Event()
+    threads_before, late_before = threading.active_count(), LATE.count()  # earlier tests' hangs may still run
+    cap = late_before + 8
+    hang = ("tool hang", lambda: release.wait(60))
+    try:
+        for step in range(200):
+            out = call_all([hang] * 4, timeout=0.01, max_late=cap)
+            assert threading.active_count() - threads_before <= 8 + 4
+            if step >= 2:
+                assert all(o.refused and "still running past their timeout" in o.text for o in out)
+        assert LATE.count() == cap
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while LATE.count() > late_before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert call_all([("tool quick", lambda: 3)], timeout=1, max_late=cap)[0].text == "3"
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    out = call_all([("tool quick", lambda: 3)], timeout=1)
+    assert out[0].error and out[0].text == "Error: tool quick could not be started (RuntimeError: can't start new " \
+                                           "thread)"
+
+
+def test_a_timed_out_environment_is_ended_and_never_stepped_again(hf_tool_use):
+    """Its step ran past --tool_timeout: the episode ends there, the environment is never stepped or asked for its
+    reward again (the late step still ends, and changes nothing the run reads), its reward is 0, counted."""
+    tools_for_tests.LATE_STEPS.clear()
+    agent = Agent(AgentConfig(env="tools_for_tests:SlowGame", tool_timeout=0.2, max_turns=4), hf_tool_use[1], {})
+    episodes = agent.episodes([{}, {}], 1)
+    episodes.envs[1].steps = 1  # row 1's game answers at once
+    assert episodes.after_turns([0, 1], ["first", "first"], room=50)[0] is None
+    assert (episodes.envs[0], episodes.env_timeouts, episodes.env_errors) == (None, 1, 1)
+    time.sleep(0.6)  # the late step ends, unread
+    assert episodes.after_turns([0, 1], ["second", "second"], room=50)[0] is None
+    assert [o.value for o in episodes.env_rewards()] == [0.0, 1.0]
+    assert tools_for_tests.LATE_STEPS == ["first", "first", "second", "get_reward"]  # row 0's game: its late step
+
+
+def test_each_environment_gets_its_own_copy_of_the_row_and_a_factory_its_time_limit(hf_tool_use):
+    rows = [{"prompt": "p", "meta": {"seen": 0}}]
+    agent = Agent(AgentConfig(env="tools_for_tests:MeddlingGame"), hf_tool_use[1], rows[0])
+    agent.episodes(rows, 4)
+    assert rows == [{"prompt": "p", "meta": {"seen": 0}}]
+    code = Agent(AgentConfig(env="nanochat_ext.tasks.code_tests:CodeTests", tool_timeout=4), hf_tool_use[1],
+                 {"tests": "assert f() == 1"})
+    assert code.episodes([{"tests": "assert f() == 1"}], 1).envs[0].time_limit == 3.0
+    assert "the model's code runs " in code.describe()
+
+
+def test_a_turns_tool_calls_are_capped(hf_tool_use):
+    """--max_tool_calls: calls past it in one turn are refused, not run, in a chat format's turn and in nanochat's
+    python blocks (counted per row and turn)."""
+    agent = Agent(AgentConfig(tools=MULTIPLY, max_tool_calls=2), hf_tool_use[1])
+    episodes = agent.episodes([{}], 1)
+    call = '<tool_call>{"name": "multiply", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    forced = episodes.after_turns([0], [call * 5], room=500)[0]
+    text = hf_tool_use[1]._impl.decode(forced)
+    assert text.count("tool\n6<") == 2 and text.count("at most 2 tool calls a turn (--max_tool_calls)") == 3, text
+    assert (episodes.tool_calls, episodes.tool_errors) == (5, 3)
+    tok = load_tokenizer_for(load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2"), str(TOOL_USE / "tokenizer"))
+    blocks = Agent(AgentConfig(tools=MULTIPLY, max_tool_calls=2), tok).episodes([{}, {}], 1)
+    answers = [tok.decode(ids) for ids in blocks.answer_blocks(["multiply(2, 3)"] * 4, rows=[0, 0, 1, 0])]
+    assert ["6" in a for a in answers] == [True, True, True, False] and "--max_tool_calls" in answers[3]
+
+
+def test_calls_are_read_strictly(templated):
+    """An argument given twice, *args and **kwargs are errors the model reads; a schema's enum and array items are
+    checked before the tool runs."""
+    params = {"multiply": ["a", "b"]}
+    assert block_call("multiply(1, 2, a=3)", params).problem == "multiply got argument a twice"
+    assert block_call("multiply(**{'a': 1, 'b': 2})", params).problem.startswith("write each argument out")
+    assert block_call("multiply(*[1, 2])", params).problem.startswith("write each argument out")
+    agent = Agent(AgentConfig(tools="tools_for_tests:paint"), templated["chatml_tools"])
+    good, color, item = agent.call([Call("paint", {"color": "red", "sizes": [1, 2]}),
+                                    Call("paint", {"color": "green", "sizes": []}),
+                                    Call("paint", {"color": "blue", "sizes": [1, "2"]})])
+    assert good.text == "red [1, 2]" and not good.error
+    assert color.text == "Error: argument color must be one of [\"red\", \"blue\"], got \"green\""
+    assert item.text == "Error: argument sizes item 1 must be integer, got \"2\""
+
+
+def test_a_grpo_run_whose_tool_times_out_ends_well_and_says_so(tmp_path, hf_tool_use, capsys):
+    """tools_for_tests:multiply hangs on 7 x 8: the run finishes, logs the timeouts, and says once that such
+    rollouts depend on the clock."""
+    prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", hf_tool_use[2][1:2])
+    args = ["--policy", str(HF_TOOL_USE), "--prompts", str(prompts), "--tools", "tools_for_tests:multiply",
+            "--tool_timeout", "0.3", "--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "1",
+            "--group_size", "2", "--max_new_tokens", "40", "--max_steps", "1", "--log_every", "1", "--val_ratio", "0",
+            "--device", "cpu",
+            "--out", str(tmp_path / "out")]
+    assert kat_train_grpo.main(args) == 0
+    said = capsys.readouterr().out
+    assert said.count("note: 2 tool or environment calls ran past --tool_timeout 0.3 s") == 1, said
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["train/tool_timeouts"] for m in metrics if "train/tool_timeouts" in m] == [1.0]

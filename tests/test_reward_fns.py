@@ -13,6 +13,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
 from nanochat_ext.tasks.word_arithmetic import (KINDS, SKEW, in_words, kinds_in_shares, make_pairs, make_questions,
                                                 make_skewed_pairs, make_skewed_questions)
+from scripts import kat_task_data
 from scripts.kat_compute_density import knn_distances
 
 
@@ -67,6 +68,15 @@ def test_word_arithmetic_answers_are_right_and_held_out_questions_unseen(tmp_pat
     for pair, row in zip(pairs, train):
         assert pair.prompt == [{"role": "user", "content": row["prompt"]}]
         assert last_number("", pair.chosen, row) == 1.0 and last_number("", pair.rejected, row) == 0.0
+
+
+@pytest.mark.parametrize("flag,value", [("--n_train", "-5"), ("--n_train", "0"), ("--n_eval", "-1")])
+def test_kat_task_data_refuses_a_count_below_its_least_writing_nothing(tmp_path, capsys, flag, value):
+    out = tmp_path / "task"
+    assert kat_task_data.main(["--out", str(out), flag, value]) == 2
+    least = 1 if flag == "--n_train" else 0
+    assert capsys.readouterr().err.splitlines() == [f"error: {flag} must be >= {least}, got {value}"]
+    assert not out.exists()
 
 
 def test_the_density_experiments_set_skews_training_kinds_and_balances_held_out_ones(tmp_path):

@@ -1,5 +1,6 @@
 """Tools and environments the agent tests pass as --tools tools_for_tests:<name> and --env."""
 import time
+from typing import Literal
 
 from nanochat_ext.tasks import multiplication
 
@@ -83,3 +84,45 @@ class QuietGame:
 
     def get_reward(self) -> float:
         return 1.0
+
+
+def paint(color: Literal["red", "blue"], sizes: list[int]) -> str:
+    """Paints.
+
+    Args:
+        color: Which color.
+        sizes: The sizes to paint.
+    """
+    return f"{color} {sizes}"
+
+
+LATE_STEPS: list[str] = []  # what SlowGame's steps saw, each appended when its step ends (a late one too)
+
+
+class SlowGame:
+    """Its first step outlasts any short --tool_timeout (0.6 s), then records what it saw; it would answer again."""
+
+    def __init__(self, row: dict):
+        self.steps = 0
+
+    def step(self, reply: str):
+        self.steps += 1
+        if self.steps == 1:
+            time.sleep(0.6)
+        LATE_STEPS.append(reply)
+        return "again"
+
+    def get_reward(self) -> float:
+        LATE_STEPS.append("get_reward")
+        return 1.0
+
+
+class MeddlingGame:
+    """A factory that changes the row it is given, nested fields included."""
+
+    def __init__(self, row: dict):
+        row["meta"]["seen"] += 1
+        row["prompt"] = "changed"
+
+    def step(self, reply: str):
+        return None

@@ -203,8 +203,8 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
     return total
 
 # ---- the method -----------------------------------------------------------------------------------
-WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "env_errors",
-          "turns", "truncated",
+WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
+          "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
           "train_s", "steps", "decoded", "decode_s", "decode_bytes")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
@@ -237,6 +237,7 @@ class GRPO:
         self.G, self.loss = rollout.group_size, cfg.loss(rollout.max_new_tokens)
         self.share = loader.plan.per_rank * self.G  # this rank's sequences a step
         self.window = WindowSums([*WINDOW, *(f"reward_{n}" for n in rewards.names)])
+        self.clock_noted = False
         env = training.env
         self.rollouts = Rollouts(training.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
                                  loader.plan.batch_size, seed, env, training.autocast, self.window, progress,
@@ -278,6 +279,13 @@ class GRPO:
                         train_s=time.time() - t1)
 
     def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
+        timeouts = int(s["tool_timeouts"] + s["env_timeouts"])
+        if timeouts and not self.clock_noted and self.training.env.is_main:  # once a run: what it costs exactness
+            limit = self.training.engine.agent.cfg.tool_timeout
+            print(f"note: {timeouts} tool or environment calls ran past --tool_timeout {limit:g} s "
+                  f"(train/tool_timeouts, train/env_timeouts): a rollout with such a call depends on the clock, so "
+                  f"this run is not exactly the same on other ranks or when resumed", flush=True)
+            self.clock_noted = True
         return window_metrics(s, self.rewards.names, self.training.env.world_size, elapsed, self.peak_bw)
 
     def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
@@ -313,12 +321,16 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
     m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
               "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
               "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
-              # --tools and --env: tool calls per completion and the share refused or failed, assistant turns and
-              # failed environment calls per completion, and the tokens forced in per completion (in
+              # --tools and --env: tool calls per completion and the share refused or failed (and timed out),
+              # assistant turns and failed (and timed-out) environment calls per completion, the calls still
+              # running past their timeout per rank, and the tokens forced in per completion (in
               # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
               "train/tool_calls": s["tool_calls"] / n,
               "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
+              "train/tool_timeouts": s["tool_timeouts"] / max(s["tool_calls"], 1),
               "train/turns": s["turns"] / n, "train/env_errors": s["env_errors"] / n,
+              "train/env_timeouts": s["env_timeouts"] / n,
+              "train/late_calls": s["late_calls"] / (s["draws"] * world),
               "train/forced_tokens": (s["tokens"] - s["sampled_tokens"]) / n,
               "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
               "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,

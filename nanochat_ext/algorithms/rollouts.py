@@ -17,6 +17,7 @@ from nanochat_ext.ddp_common import DistEnv, gather_objects
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.generation.toolbox import LATE
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -180,7 +181,11 @@ class Rollouts:
         self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total), tokens=tokens,
                         sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
                         tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
-                        env_errors=samples.env_errors,
+                        tool_timeouts=samples.tool_timeouts,
+                        # the episodes' own counts: scoring asked the environments for their rewards since
+                        env_errors=samples.episodes.env_errors if samples.episodes else 0,
+                        env_timeouts=samples.episodes.env_timeouts if samples.episodes else 0,
+                        late_calls=LATE.count(),
                         turns=sum(samples.turns) if samples.turns else len(samples.completions),
                         truncated=sum(samples.truncated), rm_cut=rm_cut,
                         zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),

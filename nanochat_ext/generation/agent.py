@@ -9,6 +9,8 @@ assistant turns, or when --max_new_tokens, the budget of the whole rollout (forc
 """
 from __future__ import annotations
 
+import copy
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,8 +38,15 @@ class AgentConfig:
                                       "hermes (<tool_call>{json}</tool_call>, answered in a tool turn) or llama3_json; "
                                       "auto: nanochat for a nanochat tokenizer, else the chat template's own, else "
                                       "hermes", choices=FORMATS)
-    tool_timeout: float = option(10.0, "seconds a tool or environment call may take; past it the row reads an error",
-                                 type=float, check=FINITE_POSITIVE)
+    tool_timeout: float = option(10.0, "seconds a tool or environment call may take; past it the row reads an error "
+                                       "(and an environment's episode ends, reward 0)", type=float,
+                                 check=FINITE_POSITIVE)
+    max_late_calls: int = option(64, "tool and environment calls still running past --tool_timeout that a rank "
+                                     "keeps (Python cannot stop a thread); once this many are, new calls are refused, "
+                                     "an error the row reads", type=int, check=POSITIVE)
+    max_tool_calls: int = option(8, "tool calls an assistant turn may make (python blocks, or calls in a chat "
+                                    "format's turn); the rest are refused, an error the row reads", type=int,
+                                 check=POSITIVE)
     env: str | None = option(None, "module:factory: a multi-turn environment, made per rollout from the prompt's row, "
                                    "that answers each finished assistant turn (docs/tools.md)")
     max_turns: int = option(8, "assistant turns per rollout at most, tool-call turns included", type=int,
@@ -69,6 +78,10 @@ class Agent:
         self.python = (self.protocol.python_start, self.protocol.python_end) \
             if self.format == "nanochat" and self.tool_names else None
         self.factory = load_env_factory(cfg.env) if cfg.env else None
+        self.factory_args = {}
+        if self.factory is not None and "time_limit" in parameters(self.factory):
+            # the sandbox's own clock inside the call's, a second short for its start and its end
+            self.factory_args["time_limit"] = max(cfg.tool_timeout - 1.0, cfg.tool_timeout / 2)
         self.env_reward = self.factory is not None and callable(getattr(self._probe(first_row or {}), "get_reward",
                                                                          None))
         self.turns = self.factory is not None or (bool(self.tools) and self.format != "nanochat")
@@ -96,10 +109,14 @@ class Agent:
             return "nanochat"
         return template_format(self.tok.chat_template) or "hermes"
 
+    def make_env(self, row: dict) -> Any:
+        """A rollout's environment, from a copy of its row: a factory that changes the row changes no other."""
+        return self.factory(copy.deepcopy(row), **self.factory_args)
+
     def _probe(self, row: dict) -> Any:
         """One environment made at the start, from the first prompt's row: a factory that fails is one line now."""
         try:
-            env = self.factory(dict(row))
+            env = self.make_env(row)
         except Exception as e:  # the user's code
             raise InputError(f"--env {self.cfg.env!r}: the factory raised {first_line(e)} on the first prompt's "
                              f"row") from None
@@ -116,6 +133,8 @@ class Agent:
         parts = [f"tools: {', '.join(tools)} {where}" if tools else "tools: none"]
         if self.factory:
             parts.append(f"environment: {self.cfg.env}" + (" (it gives a reward)" if self.env_reward else ""))
+            if callable(getattr(self.factory, "describe", None)):  # e.g. code_tests: what isolation its code gets
+                parts.append(str(self.factory.describe()))
         if self.turns:
             parts.append(f"at most {self.cfg.max_turns} turns, tool timeout {self.cfg.tool_timeout:g} s")
         return "; ".join(parts)
@@ -168,40 +187,71 @@ class Agent:
                 outcomes[i] = Outcome(f"Error: {problem}", True)
             else:
                 runnable.append((i, (f"tool {c.name}", lambda fn=tool.fn, a=c.arguments: fn(**a))))
-        for (i, _), outcome in zip(runnable, call_all([thunk for _, thunk in runnable], self.cfg.tool_timeout)):
+        for (i, _), outcome in zip(runnable, self.call_all([thunk for _, thunk in runnable])):
             outcomes[i] = outcome
         return outcomes
+
+    def call_all(self, calls: list, text: bool = True) -> list[Outcome]:
+        return call_all(calls, self.cfg.tool_timeout, text, self.cfg.max_late_calls)
+
+    def refused(self) -> Outcome:
+        return Outcome(f"Error: at most {self.cfg.max_tool_calls} tool calls a turn (--max_tool_calls); this one was "
+                       f"not run", True)
+
+
+def parameters(factory: Any) -> set[str]:
+    """The keyword parameters a factory (a class or a function) takes."""
+    try:
+        return set(inspect.signature(factory).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 class Episodes:
     """One generate call's rollouts as episodes: each row's environment (made from its prompt's row), its turns so
-    far, and the counts the logs show (tool calls and errors, environment errors)."""
+    far, and the counts the logs show (tool calls, errors and timeouts; environment errors and timeouts). An
+    environment whose call timed out or was refused is ended: never stepped again (a late answer is dropped), its
+    reward 0."""
 
     def __init__(self, agent: Agent, rows: list[dict], group: int):
         self.agent, self.rows, self.group = agent, rows, group
         n = len(rows) * group
         self.turns = [1] * n
         self.turn_start = [0] * n  # where each row's current assistant turn begins in its completion
-        self.tool_calls = self.tool_errors = self.env_errors = 0
+        self.turn_calls = [0] * n  # tool calls in each row's current turn
+        self.tool_calls = self.tool_errors = self.tool_timeouts = self.env_errors = self.env_timeouts = 0
         self.envs: list[Any] = [None] * n
         if agent.factory is not None:
-            made = call_all([(f"the --env factory on row {r}", lambda row=rows[r // group]: agent.factory(dict(row)))
-                             for r in range(n)], agent.cfg.tool_timeout, text=False)
+            made = agent.call_all([(f"the --env factory on row {r}", lambda row=rows[r // group]: agent.make_env(row))
+                                   for r in range(n)], text=False)
             self.envs = [None if o.error else o.value for o in made]
             self.env_errors = sum(o.error for o in made)
+            self.env_timeouts = sum(o.timed_out for o in made)
 
-    def answer_blocks(self, blocks: list[str]) -> list[list[int]]:
-        """What is forced after each closed python block (its text): a call of one of your tools answered inside
-        <|output_start|>..<|output_end|>, errors too; anything else the calculator's answer, or nothing where it
-        refuses (nanochat's Engine, token for token)."""
+    def _tools(self, calls: list[Call | None], rows: list[int]) -> list[Outcome | None]:
+        """Each call's outcome (None for a block that calls no tool); a row's calls past --max_tool_calls in its
+        turn are refused, not run."""
+        cap, run = self.agent.cfg.max_tool_calls, []
+        for c, row in zip(calls, rows):
+            self.turn_calls[row] += c is not None
+            run.append(c is not None and self.turn_calls[row] <= cap)
+        outcomes = iter(self.agent.call([c for c, go in zip(calls, run) if go]))
+        out = [None if c is None else next(outcomes) if go else self.agent.refused() for c, go in zip(calls, run)]
+        self.tool_timeouts += sum(o is not None and o.timed_out for o in out)
+        return out
+
+    def answer_blocks(self, blocks: list[str], rows: list[int] | None = None) -> list[list[int]]:
+        """What is forced after each closed python block (its text; rows: whose blocks they are): a call of one of
+        your tools answered inside <|output_start|>..<|output_end|>, errors too; anything else the calculator's
+        answer, or nothing where it refuses (nanochat's Engine, token for token)."""
         a, p = self.agent, self.agent.protocol
         params = {name: list(t.parameters.get("properties", {})) for name, t in a.tools.items()}
         calls = [block_call(text, params) for text in blocks]
-        outcomes = iter(a.call([c for c in calls if c is not None]))
+        outcomes = self._tools(calls, rows if rows is not None else [0] * len(blocks))
         forced = []
-        for text, c in zip(blocks, calls):
+        for text, c, outcome in zip(blocks, calls, outcomes):
             if c is not None:
-                answer = next(outcomes)
+                answer = outcome
             elif a.calculator:
                 value = calculate(text)
                 answer = Outcome(value, False) if value is not None else None
@@ -222,21 +272,28 @@ class Episodes:
         more = [room > 0 and self.turns[r] < a.cfg.max_turns for r in rows]
         calls = [self._calls(text) for text in texts]
         tool_rows = [k for k in range(len(rows)) if calls[k] and more[k]]  # a call with no turn left goes unanswered
-        outcomes = iter(a.call([c for k in tool_rows for c in calls[k]]))
+        outcomes = iter(self._tools([c for k in tool_rows for c in calls[k]],
+                                    [rows[k] for k in tool_rows for _ in calls[k]]))
         for k in tool_rows:
             results = [next(outcomes) for _ in calls[k]]
             self.tool_calls += len(results)
             self.tool_errors += sum(o.error for o in results)
             out[k] = self._followup([{"role": "tool", "content": o.text} for o in results], "tool_errors")
         env_rows = [k for k in range(len(rows)) if not calls[k] and self.envs[rows[k]] is not None]
-        answers = call_all([(f"the environment's step on row {rows[k]}",
-                             lambda env=self.envs[rows[k]], text=texts[k]: env.step(text)) for k in env_rows],
-                           a.cfg.tool_timeout, text=False)
+        answers = a.call_all([(f"the environment's step on row {rows[k]}",
+                               lambda env=self.envs[rows[k]], text=texts[k]: env.step(text)) for k in env_rows],
+                             text=False)
         for k, answer in zip(env_rows, answers):
+            if answer.timed_out or answer.refused:  # ended: its late step may still change it
+                self.envs[rows[k]] = None
+                self.env_errors += 1
+                self.env_timeouts += answer.timed_out
+                continue
             messages = self._env_messages(answer)
             out[k] = self._followup(messages, "env_errors") if messages and more[k] else None
         for k, forced in enumerate(out):
             self.turns[rows[k]] += forced is not None
+            self.turn_calls[rows[k]] = 0
         return out
 
     def _followup(self, messages: list[Message], count: str) -> list[int] | None:
@@ -274,9 +331,16 @@ class Episodes:
 
     def env_rewards(self) -> list[Outcome]:
         """Each row's get_reward() once its episode is over (an error Outcome where it failed): the rewards check
-        the values as a reward function's. A row whose environment could not be made (counted in env_errors when it
-        was tried) has reward 0: its rollout was one turn the environment never saw."""
-        got = iter(call_all([("the environment's get_reward", lambda env=env: env.get_reward()) for env in self.envs
-                             if env is not None],
-                            self.agent.cfg.tool_timeout, text=False))
-        return [Outcome("", False, 0.0) if env is None else next(got) for env in self.envs]
+        the values as a reward function's. A row whose environment could not be made or was ended (counted in
+        env_errors), or whose get_reward timed out or was refused (counted too), has reward 0."""
+        got = iter(self.agent.call_all([("the environment's get_reward", lambda env=env: env.get_reward())
+                                        for env in self.envs if env is not None], text=False))
+        out = []
+        for env in self.envs:
+            outcome = Outcome("", False, 0.0) if env is None else next(got)
+            if outcome.timed_out or outcome.refused:
+                self.env_errors += 1
+                self.env_timeouts += outcome.timed_out
+                outcome = Outcome("", False, 0.0)
+            out.append(outcome)
+        return out

@@ -99,7 +99,9 @@ class Samples:
     sampled: list[list[int]] | None = None  # with an agent, per completion token: 1 sampled, 0 forced
     tool_calls: int = 0  # tool calls made (python blocks closed, tool calls in turns)
     tool_errors: int = 0  # of them, the ones refused or failed
-    env_errors: int = 0  # environment calls that failed
+    tool_timeouts: int = 0  # of them, the ones that ran past --tool_timeout
+    env_errors: int = 0  # environment calls that failed (an ended environment's too)
+    env_timeouts: int = 0  # of them, the ones that ran past --tool_timeout
     turns: list[int] | None = None  # with an agent, each completion's assistant turns
     turn_starts: list[int] | None = None  # with an agent, where each completion's last assistant turn begins
     episodes: Episodes | None = field(default=None, compare=False, repr=False)  # their environments, for rewards
@@ -109,8 +111,9 @@ class Samples:
            episodes: Episodes | None) -> "Samples":
         if episodes is None:
             return cls(completions, truncated, sampled)
-        return cls(completions, truncated, sampled, episodes.tool_calls, episodes.tool_errors, episodes.env_errors,
-                   list(episodes.turns), list(episodes.turn_start), episodes)
+        return cls(completions, truncated, sampled, episodes.tool_calls, episodes.tool_errors, episodes.tool_timeouts,
+                   episodes.env_errors, episodes.env_timeouts, list(episodes.turns), list(episodes.turn_start),
+                   episodes)
 
     def replies(self, tok: TokenizerWrapper) -> list[str]:
         """What reward functions read of each completion: its last assistant turn, without the stop it ended
@@ -282,7 +285,7 @@ class Engine:
         room = out.size(1) - t - 1  # tokens left after token t
         if closed and not finished and room:
             rows, blocks = tools.closed_blocks(out, t)
-            for row, ids in zip(rows, episodes.answer_blocks([self.agent.tok.decode(b) for b in blocks])):
+            for row, ids in zip(rows, episodes.answer_blocks([self.agent.tok.decode(b) for b in blocks], rows)):
                 tools.queue(row, ids)
         if any_ended and self.agent.turns:
             rows = ended.nonzero().squeeze(1).tolist()

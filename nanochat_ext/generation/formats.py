@@ -75,13 +75,18 @@ def block_call(text: str, params: dict[str, list[str]]) -> Call | None:
     if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in params):
         return None
     name, names = node.func.id, params[node.func.id]
+    if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+        return Call(name, problem="write each argument out: no *args or **kwargs")
     try:
         args = [ast.literal_eval(a) for a in node.args]
-        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords if k.arg is not None}
+        kwargs = {k.arg: ast.literal_eval(k.value) for k in node.keywords}
     except UNREADABLE:
         return Call(name, problem="its arguments must be literals (numbers, strings, lists, dicts)")
     if len(args) > len(names):
         return Call(name, problem=f"{name} takes {len(names)} arguments, got {len(args)}")
+    twice = [k for k in names[:len(args)] if k in kwargs]
+    if twice:
+        return Call(name, problem=f"{name} got argument {twice[0]} twice")
     return Call(name, {**dict(zip(names, args)), **kwargs})
 
 

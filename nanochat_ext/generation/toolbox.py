@@ -3,14 +3,16 @@ they are called so that nothing they do can stop a run.
 
 A tool is a plain Python function with type hints and a docstring (Google style: `Args:` naming each argument), as
 transformers and TRL take them: its JSON schema is transformers' own `get_json_schema`, which is what a chat template
-renders into the prompt. An environment is made per rollout by a factory called with the prompt's row (the whole
-JSON object); docs/tools.md defines what it answers.
+renders into the prompt. An environment is made per rollout by a factory called with a copy of the prompt's row (the
+whole JSON object); docs/tools.md defines what it answers.
 
 Every call runs in a thread of its own, all of one decode step's calls at once, each given --tool_timeout seconds.
-Whatever a call does (raises, returns something that is not text or JSON, takes too long) becomes an error
-observation for its row: the text the model is shown, counted as an error in the logs. A call that overruns is
-abandoned, not stopped (Python cannot stop a thread): code that may loop forever belongs in a subprocess, as the
-code-tests environment (tasks/code_tests.py) runs the model's code.
+Whatever a call does (raises, returns something that is not text or JSON, takes too long, cannot be started) becomes
+an error observation for its row: the text the model is shown, counted as an error in the logs. A call that overruns
+is abandoned, not stopped (Python cannot stop a thread): it stays counted among the process's late calls until it
+ends, and once --max_late_calls of them are running, new calls are refused (an error the row reads) rather than
+piling up threads. Code that may loop forever belongs in a subprocess, as the code-tests environment
+(tasks/code_tests.py) runs the model's code in runtime/sandbox.py.
 """
 from __future__ import annotations
 
@@ -41,10 +43,33 @@ class Tool:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one call gave: the text the model reads, whether it was an error, and the value it returned."""
+    """What one call gave: the text the model reads, whether it was an error (and an overrun), and its value."""
     text: str
     error: bool = False
     value: Any = None
+    timed_out: bool = False
+    refused: bool = False  # not run: too many calls still running past their timeout
+
+
+class LateCalls:
+    """This process's calls still running past their timeout: Python cannot stop a thread, so they are counted
+    until they end, and new calls are refused once `cap` are running."""
+
+    def __init__(self):
+        self.threads: list[threading.Thread] = []
+        self.lock = threading.Lock()
+
+    def add(self, thread: threading.Thread) -> None:
+        with self.lock:
+            self.threads.append(thread)
+
+    def count(self) -> int:
+        with self.lock:
+            self.threads = [t for t in self.threads if t.is_alive()]
+            return len(self.threads)
+
+
+LATE = LateCalls()
 
 
 def load_attribute(spec: str, flag: str) -> Callable:
@@ -98,12 +123,27 @@ def argument_problem(tool: Tool, arguments: Any) -> str | None:
                 + (f"; missing {', '.join(missing)}" if missing else "")
                 + (f"; unknown {', '.join(unknown)}" if unknown else ""))
     for name, value in arguments.items():
-        types = params[name].get("type")  # a name, or a list of names for a union (int | str)
-        types = types if isinstance(types, list) else [types]
-        if value is None and params[name].get("nullable"):  # transformers writes `int | None` as nullable
-            continue
-        if all(t in JSON_TYPES for t in types) and not any(of_json_type(value, t) for t in types):
-            return f"argument {name} must be {' or '.join(map(str, types))}, got {shown(value)[:40]}"
+        problem = value_problem(params[name], value)
+        if problem:
+            return f"argument {name} {problem}"
+    return None
+
+
+def value_problem(schema: dict, value: Any) -> str | None:
+    """Why a value does not fit its JSON schema (its type, `enum`, an array's `items`), or None."""
+    types = schema.get("type")  # a name, or a list of names for a union (int | str)
+    types = types if isinstance(types, list) else [types]
+    if value is None and schema.get("nullable"):  # transformers writes `int | None` as nullable
+        return None
+    if all(t in JSON_TYPES for t in types) and not any(of_json_type(value, t) for t in types):
+        return f"must be {' or '.join(map(str, types))}, got {shown(value)[:40]}"
+    if isinstance(schema.get("enum"), list) and value not in schema["enum"]:
+        return f"must be one of {shown(schema['enum'])[:80]}, got {shown(value)[:40]}"
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for k, item in enumerate(value):
+            problem = value_problem(schema["items"], item)
+            if problem:
+                return f"item {k} {problem}"
     return None
 
 
@@ -135,10 +175,16 @@ def as_text(value: Any) -> str:
     return text if len(text) <= MAX_OUTPUT_CHARS else text[:MAX_OUTPUT_CHARS] + " ...(cut)"
 
 
-def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: bool = True) -> list[Outcome]:
+def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: bool = True,
+             max_late: int = 64) -> list[Outcome]:
     """Run every call at once, each in a thread of its own, within `timeout` seconds of the start (calls: (what,
     thunk)). Each value kept, and as text where `text` (a value that has none is an error); every failure an error
-    Outcome naming what failed."""
+    Outcome naming what failed. While `max_late` calls of this process are still running past their timeout, the
+    calls are refused (an error Outcome) and not run."""
+    late = LATE.count()
+    if calls and late >= max_late:
+        return [Outcome(f"Error: {what} was not run: {late} earlier calls are still running past their timeout",
+                        True, refused=True) for what, _ in calls]
     results: list[dict] = [{} for _ in calls]
 
     def run(thunk: Callable[[], Any], box: dict) -> None:
@@ -147,15 +193,24 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
         except BaseException as e:  # the user's code: whatever it raises is its row's observation
             box["error"] = e
 
-    threads = [threading.Thread(target=run, args=(thunk, box), daemon=True) for (_, thunk), box in zip(calls, results)]
-    for th in threads:
-        th.start()
+    threads: list[threading.Thread | None] = []
+    for (what, thunk), box in zip(calls, results):
+        th = threading.Thread(target=run, args=(thunk, box), daemon=True)
+        try:
+            th.start()
+        except RuntimeError as e:  # the OS refused a thread ("can't start new thread")
+            box["unstarted"], th = first_line(e), None
+        threads.append(th)
     deadline = time.monotonic() + timeout
     out = []
     for (what, _), th, box in zip(calls, threads, results):
+        if th is None:
+            out.append(Outcome(f"Error: {what} could not be started ({box['unstarted']})", True))
+            continue
         th.join(max(deadline - time.monotonic(), 0.0))
         if th.is_alive():
-            out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True))
+            LATE.add(th)
+            out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))
         elif "error" in box:
             out.append(Outcome(f"Error: {what} raised {first_line(box['error'])}", True))
         elif not text:

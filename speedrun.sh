@@ -17,6 +17,8 @@
 #                                                          # and converted once) taught arithmetic in words by GRPO
 #   MODEL=smollm2 TASK=multiplication bash speedrun.sh     # the same model taught to multiply with a tool: SFT on the
 #                                                          # call format, then GRPO with the tool in its rollouts
+#   MODEL=smollm2 TASK=code_functions bash speedrun.sh     # the same model writing Python functions, run sealed
+#                                                          # against tests (CodeTests: two tries, the error read back)
 #   EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh  # the density question on the real model: skewed
 #                                                          # pairs, DPO uniform and density-weighted, accuracy per kind
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
@@ -266,8 +268,10 @@ print("--max_new_tokens", json.loads(m.read_text())["args"]["max_new_tokens"])' 
 if [ -n "${MODEL:-}" ]; then
     [ "$MODEL" = smollm2 ] || { echo "speedrun: unknown MODEL '$MODEL' (smollm2)" >&2; exit 2; }
     TASK="${TASK:-word_arithmetic}"
-    case "$TASK" in word_arithmetic|word_arithmetic_skewed|multiplication) ;;
-        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, multiplication)" >&2; exit 2 ;; esac
+    case "$TASK" in word_arithmetic|word_arithmetic_skewed|multiplication) TASK_REWARD=last_number ;;
+        code_functions) TASK_REWARD=nanochat_ext.tasks.code_tests:passes ;;  # its tests, run sealed: one attempt
+        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, multiplication, code_functions)" >&2
+           exit 2 ;; esac
     model_arms "$ARMS"
     echo "== fetch_model"; s=$SECONDS
     MODEL_DIR=$(fetch_model)  # cached after the first run
@@ -303,6 +307,7 @@ if [ -n "${MODEL:-}" ]; then
             TOOL_EVAL=(--tools "$TOOL" --tool_prompts "$TASK_DIR/eval.jsonl" --tool_max_new_tokens 96)
             POLICY+=_tools
         fi
+        [ "$TASK" = code_functions ] && POLICY+=_code  # its own dir: the task changes what the policy learns
         train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
             scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
             --preset "${TASK%_skewed}" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
@@ -313,7 +318,7 @@ if [ -n "${MODEL:-}" ]; then
         echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS
         launch eval "the trained policies and the task's held-out prompts" scripts.kat_eval \
             --policy_before "$MODEL_DIR" --before_name "before ($MODEL)" "${EVAL_POLICIES[@]}" \
-            --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn last_number "${SAMPLES[@]}" --seed "$SEED" \
+            --eval_prompts "$TASK_DIR/eval.jsonl" --reward_fn "$TASK_REWARD" "${SAMPLES[@]}" --seed "$SEED" \
             "${TOKENS[@]}" "${TOOL_EVAL[@]}" "${EXTRA_EVAL[@]}"
         record_time eval $((SECONDS - s))
     fi

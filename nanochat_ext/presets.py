@@ -31,12 +31,16 @@ PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none"
                                "lr": 3e-5, "beta": 0.0, "eval_every": 10, "max_steps": 40},
            "multiplication": {"reward_fn": ["last_number"], "tools": "nanochat_ext.tasks.multiplication:multiply",
                               "max_turns": 3, "batch_size": 4, "group_size": 8, "max_new_tokens": 96, "lr": 3e-5,
-                              "beta": 0.0, "eval_every": 8, "max_steps": 16}}
+                              "beta": 0.0, "eval_every": 8, "max_steps": 16},
+           "code_functions": {"env": "nanochat_ext.tasks.code_tests:CodeTests", "max_turns": 2, "batch_size": 4,
+                              "group_size": 8, "max_new_tokens": 160, "lr": 3e-5, "beta": 0.0, "eval_every": 8,
+                              "max_steps": 16}}
 
 
 PRESET_HELP = ("a recipe of flag values in one flag: chat_rl, nanochat's RL recipe (scripts/chat_rl.py); word_arithmetic, "
                "the real model's (MODEL=smollm2 bash speedrun.sh); multiplication, the real model's with a tool "
-               "(TASK=multiplication); every value it sets is printed at start, and a flag given explicitly overrides "
+               "(TASK=multiplication); code_functions, the real model writing code that runs against tests "
+               "(TASK=code_functions); every value it sets is printed at start, and a flag given explicitly overrides "
                "it (docs/nanochat.md)")
 
 

@@ -5,6 +5,7 @@ directory. The filesystem and network cases need the namespaces: where the OS re
 the reason, never passed."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -17,7 +18,9 @@ import pytest
 from conftest import REPO
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime import sandbox
-from nanochat_ext.tasks.code_tests import CodeTests, parse_tests, run_tests
+from nanochat_ext.tasks import code_functions, synthetic
+from nanochat_ext.tasks.code_tests import CodeTests, parse_tests, passes, run_tests
+from scripts import kat_train_grpo
 
 TESTS = "assert add(2, 3) == 5\nassert add(-4, 1) == -3\nassert not add(0, 0)"
 SOLVED = "def add(a, b):\n    return a + b"
@@ -199,3 +202,33 @@ def test_unsealed_the_code_still_ends_with_the_call():
     run = sandbox.run(code + SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT), isolate=False)
     assert run.values == {1: 5} and run.sealed == "off"
     assert descendants() <= before
+
+
+def test_the_code_task_is_solved_by_its_functions_and_not_by_near_misses():
+    """kat_task_data --task code_functions: each kind's function passes its row's tests and the pair's rejected one
+    (the next constant) fails them; held-out (kind, constant) never occur in training; `passes` scores a reply."""
+    train, held_out = code_functions.make_questions(60, 12, seed=0)
+    assert {r["kind"] for r in held_out} == set(code_functions.KINDS)
+    assert not {r["prefix_id"] for r in held_out} & {r["prefix_id"] for r in train}
+    rows = [next(r for r in train if r["kind"] == kind) for kind in code_functions.KINDS]
+    for r, pair in zip(rows, code_functions.make_pairs(rows, seed=1)):
+        chosen, rejected = (pair[side][0]["content"] for side in ("chosen", "rejected"))
+        assert passes(r["prompt"], f"Here:\n{chosen}", r) == 1.0, (r, chosen)
+        assert passes(r["prompt"], rejected, r) == 0.0, (r, rejected)
+
+
+def test_grpo_runs_the_code_task_sealed(tmp_path, capsys):
+    """--preset code_functions on a tiny chat model (tests/fixtures/hf-tool-use, which ends its turns): CodeTests
+    answers each turn and the episode goes on to a second, its reward is logged, and the start line says what
+    isolation the model's code gets."""
+    prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", code_functions.make_questions(8, 0, seed=0)[0])
+    model = REPO / "tests" / "fixtures" / "hf-tool-use"
+    assert kat_train_grpo.main(["--policy", str(model), "--prompts", str(prompts), "--preset", "code_functions",
+                                "--batch_size", "2", "--group_size", "2", "--max_new_tokens", "48", "--max_steps", "1",
+                                "--val_ratio", "0", "--tool_timeout", "4", "--device", "cpu",
+                                "--out", str(tmp_path / "out")]) == 0
+    said = capsys.readouterr().out
+    assert f"environment: nanochat_ext.tasks.code_tests:CodeTests (it gives a reward); the model's code runs " \
+           f"{sandbox.isolation()}" in said
+    metrics = json.loads((tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+    assert metrics["train/reward_env"] == 0.0 and metrics["train/env_timeouts"] == 0.0 and metrics["train/turns"] > 1

@@ -137,6 +137,13 @@ def run_tests(code: str, tests: str, time_limit: float = TIME_LIMIT, memory_mb: 
     return verdict(sandbox.run(code, steps, limits), steps, checks, limits)
 
 
+def passes(prompt: str, completion: str, row: dict) -> float:
+    """A reward function (--reward_fn nanochat_ext.tasks.code_tests:passes): 1 if the completion's last python block
+    passes the row's tests, run as CodeTests runs them, else 0. One attempt, no feedback: CodeTests in one turn."""
+    blocks = CODE_BLOCK.findall(completion)
+    return float(run_tests(blocks[-1] if blocks else completion, row["tests"])[0])
+
+
 class CodeTests:
     """One rollout's attempts at a problem: each assistant turn's code is run against the row's tests. A run gives
     the factory its time_limit: --tool_timeout less a second for the sandbox's start."""

@@ -312,12 +312,12 @@ def test_your_tool_in_nanochats_python_blocks():
 
     blocks = ["multiply(12, b=34)", "3*4", "multiply(x, 4)", "print(1)"]
     with_calculator = Agent(AgentConfig(tools=f"calculator,{MULTIPLY}"), tok).episodes([{}], 1)
-    assert with_calculator.answer_blocks(blocks) == [
+    assert with_calculator.answer_blocks(blocks, [0] * 4) == [
         answered("408"), answered("12"),
         answered("Error: its arguments must be literals (numbers, strings, lists, dicts)"), []]
     assert (with_calculator.tool_calls, with_calculator.tool_errors) == (4, 2)
     alone = Agent(AgentConfig(tools=MULTIPLY), tok).episodes([{}], 1)
-    assert alone.answer_blocks(blocks[:2])[1] == answered(
+    assert alone.answer_blocks(blocks[:2], [0, 0])[1] == answered(
         "Error: not a call of a tool, name(arguments) (tools: multiply)")
 
 
@@ -401,9 +401,11 @@ def test_overrunning_calls_are_capped_and_a_thread_that_cannot_start_is_an_error
         for step in range(200):
             out = call_all([hang] * 4, timeout=0.01, max_late=cap)
             assert threading.active_count() - threads_before <= 8 + 4
+            if step == 2:
+                rss = resident_mb()
             if step >= 2:
                 assert all(o.refused and "still running past their timeout" in o.text for o in out)
-        assert LATE.count() == cap
+        assert LATE.count() == cap and resident_mb() - rss < 5  # flat once the cap is reached
     finally:
         release.set()
     deadline = time.monotonic() + 5
@@ -417,6 +419,10 @@ def test_overrunning_calls_are_capped_and_a_thread_that_cannot_start_is_an_error
     out = call_all([("tool quick", lambda: 3)], timeout=1)
     assert out[0].error and out[0].text == "Error: tool quick could not be started (RuntimeError: can't start new " \
                                            "thread)"
+
+
+def resident_mb() -> float:
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) / 1024
 
 
 def test_a_timed_out_environment_is_ended_and_never_stepped_again(hf_tool_use):

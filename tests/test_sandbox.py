@@ -17,7 +17,7 @@ import pytest
 
 from conftest import REPO
 from nanochat_ext.errors import InputError
-from nanochat_ext.runtime import sandbox
+from nanochat_ext.runtime import sandbox, sandbox_child
 from nanochat_ext.tasks import code_functions, synthetic
 from nanochat_ext.tasks.code_tests import CodeTests, parse_tests, passes, run_tests
 from scripts import kat_train_grpo
@@ -44,7 +44,7 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
                                       "    __bool__ = lambda self: False\n"
                                       "def add(a, b):\n    return Yes()", "returned Yes, not a plain value"),
     "an int subclass": ("class Int(int):\n    def __eq__(self, other):\n        return True\n"
-                        "def add(a, b):\n    return Int(0)", "returned Int, not a plain value"),
+                        "def add(a, b):\n    return Int(0)", "add(2, 3) gave 0"),  # compared as the int it is
     "the harness patched": ("import sys\nrunner = sys.modules['__main__']\n"
                             "runner.encode = lambda value, depth=0: ['int', '0x5']\n"
                             "def add(a, b):\n    return 0", "test 2 of 3: add(-4, 1) gave 5"),
@@ -69,18 +69,25 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
     "memory past the limit": ("hog = bytearray(2 << 30)", "the code raised MemoryError"),
     "many children": ("import os, time\nkids = 0\ntry:\n    for _ in range(64):\n        if os.fork() == 0:\n"
                       "            time.sleep(60)\n            os._exit(0)\n        kids += 1\nexcept OSError:\n"
-                      "    pass\ndef add(a, b):\n    return kids", "add(2, 3) gave 15"),  # 16 processes at most
+                      "    pass\ndef add(a, b):\n    return kids", "add(2, 3) gave 7"),  # 8 processes at most
     "a child that outlives the step": (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
         f"    open('{MARK}-late', 'w').write('x')\n    os._exit(0)\ndef add(a, b):\n    return 0", "add(2, 3) gave 0"),
 }
 SEALED_ONLY = {  # need the namespaces: the filesystem and the network
-    "writing outside its directory": (f"open('/tmp/{MARK}', 'w').write('x')", "Read-only file system"),
-    "writing into the project": (f"open({str(REPO / MARK)!r}, 'w').write('x')", "Read-only file system"),
+    "writing in its own /tmp": (f"open('/tmp/{MARK}', 'w').write('x')\ndef add(a, b):\n    return 0",
+                                "add(2, 3) gave 0"),  # its private /tmp: nothing on the host's (leftovers)
+    "writing outside its directory": (f"open('/var/tmp/{MARK}', 'w').write('x')", "the code raised"),
+    "writing into the project": (f"open({str(REPO / MARK)!r}, 'w').write('x')", "the code raised"),
+    "reading the project": (f"open({str(REPO / 'README.md')!r}).read()", "the code raised FileNotFoundError"),
+    "reading root's home": ("open('/root/.bashrc').read()", "the code raised FileNotFoundError"),
+    "a terminal device": ("open('/dev/ptmx', 'rb')", "the code raised FileNotFoundError"),
+    "SysV shared memory": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+                           "def add(a, b):\n    return libc.shmget(0, 200 << 20, 0o1600)", "add(2, 3) gave -1"),
     "a socket to 127.0.0.1": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
                               "Network is unreachable"),
     "rewriting the harness": (f"open({str(REPO / 'nanochat_ext/runtime/sandbox_child.py')!r}, 'a').write('#')",
-                              "the code raised"),  # PermissionError where the tests run as root, else read-only
+                              "the code raised"),
 }
 
 
@@ -131,6 +138,11 @@ def test_the_solution_passes_and_each_failure_says_what_the_code_gave():
     assert run_tests("def add(a, b):\n    retrun a", TESTS)[1].startswith("the code raised SyntaxError")
     assert run_tests("import time\ntime.sleep(5)", TESTS, time_limit=1) == (
         False, "the code's process ended (timed out after 1 s) before test 1 of 3 gave its value")
+    assert run_tests("def add(a, b):\n    return 10 ** 5000", TESTS)[1] == "test 1 of 3: add(2, 3) gave an int of 16610 bits"
+    # code that passes, then would burn the CPU to the limit (its harness's exit rebound): ended once it has answered
+    hog = "import sys\nsys.modules['__main__']._exit = lambda code: [0 for _ in iter(int, 1)]\n" + SOLVED
+    t0 = time.monotonic()
+    assert run_tests(hog, TESTS, time_limit=LIMIT)[0] and time.monotonic() - t0 < 1.0
 
 
 def test_tests_are_judged_here_where_they_compare_with_a_literal():
@@ -163,8 +175,10 @@ def test_the_values_that_come_back_are_plain_data():
     out = sandbox.Run()
     sandbox.read_records(b'{"step": 1, "value": ["int", "0x5"]}\n{"step": 1, "value": ["int", "0x6"]}\n', out)
     assert out.values == {1: 5} and "written to" in out.garbled
+    collisions = json.dumps({"step": 4, "value": ["set", [["int", hex(k * (2 ** 61 - 1))] for k in range(30_000)]]})
     for junk in (b"[1]", b'{"step": 2, "value": ["object", 1]}', b'{"step": 3, "value": ["dict", [[["list", []], '
-                                                                  b'["int", "0x1"]]]]}', b"[" * 100_000):
+                                                                  b'["int", "0x1"]]]]}', b"[" * 100_000,
+                 collisions.encode()):  # 30k ints of one hash: too long a record, and too many values
         out = sandbox.Run()
         sandbox.read_records(junk, out)
         assert out.garbled and not out.values
@@ -187,21 +201,73 @@ def test_the_callers_memory_stays_bounded_whatever_the_code_writes():
 
 @needs_namespaces
 def test_the_sealed_code_sees_its_own_directory_and_no_process_outside():
+    """Its cwd, $HOME and /tmp are its own; of the project only the Python installation shows; /dev holds five
+    devices; pid 1 is its init and no process outside shows."""
     asked = ["os.getcwd()", "sorted(p for p in os.listdir('/proc') if p.isdigit())", "os.listdir('/tmp')",
-             "os.getppid()", "os.listdir(os.path.expanduser('~'))"]
+             "os.getppid()", "os.listdir(os.path.expanduser('~'))", "sorted(os.listdir('/dev'))",
+             f"os.path.isdir({str(REPO)!r}) and 'README.md' in os.listdir({str(REPO)!r})"]
     run = sandbox.run("import os\nopen('mine', 'w').write('x')", [("value", a, a) for a in asked],
                       sandbox.Limits(seconds=LIMIT))
-    assert run.values == {1: "/tmp/sandbox", 2: ["1", "2"], 3: ["sandbox"], 4: 1, 5: ["mine"]}, run
+    assert run.values == {1: "/tmp", 2: ["1", "2"], 3: ["mine"], 4: 1, 5: ["mine"], 6: sorted(sandbox_child.DEVICES),
+                          7: False}, run
 
 
-def test_unsealed_the_code_still_ends_with_the_call():
-    """Without namespaces (as where the OS refuses them): limits, a subreaper that kills every descendant, nothing
-    left; the run says it was not sealed."""
+def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):
+    """Without namespaces (as where the OS refuses them): the limits, a subreaper that kills every descendant,
+    nothing left, and as nobody where the caller is root. A root caller whose Python nobody cannot read (a pyenv
+    under /root) does not run the code at all; the test then takes the system's Python."""
+    if os.getuid() == 0 and not sandbox_child.readable_by_others(sandbox_child.python_paths()):
+        refused = sandbox.launch(SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT), isolate=False)
+        assert not refused.ran and "the code would run as root" in refused.sealed and not refused.values
+        if not Path("/usr/bin/python3").is_file():
+            pytest.skip("no Python that nobody can read, to run unsealed as nobody")
+        monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/python3")
     before = descendants()
     code = "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(30)\n"
-    run = sandbox.run(code + SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT), isolate=False)
-    assert run.values == {1: 5} and run.sealed == "off"
+    asked = [("value", "add(2, 3)", "t"), ("value", "os.getuid()", "uid")]
+    run = sandbox.launch(code + SOLVED, asked, sandbox.Limits(seconds=LIMIT), isolate=False)
+    assert run.sealed == "off" and run.values == {1: 5, 2: 65534 if os.getuid() == 0 else os.getuid()}, run
     assert descendants() <= before
+
+
+def test_a_sandbox_dies_with_its_caller(tmp_path):
+    """The trainer killed (SIGKILL, no cleanup) while its sandbox runs: every process of the sandbox ends too."""
+    caller = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(REPO)!r}]\n"
+                               "from nanochat_ext.runtime import sandbox\n"
+                               "sandbox.run('import time\\ntime.sleep(30)', [], sandbox.Limits(seconds=30))"])
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and len(below(caller.pid)) < 2:  # the trial's sandbox, then the run's
+        time.sleep(0.05)
+    time.sleep(1.0)
+    sandboxed = below(caller.pid)
+    assert sandboxed, "no sandbox started"
+    caller.kill()
+    caller.wait()
+    time.sleep(0.5)
+    assert not [p for p in sandboxed if alive(p)], {p: Path(f"/proc/{p}/status").read_text()[:80] for p in sandboxed
+                                                    if alive(p)}
+
+
+def alive(pid: int) -> bool:
+    """Whether the process runs (a zombie waiting for init to reap it does not)."""
+    try:
+        state = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return False
+    return "zombie" not in state
+
+
+def below(pid: int) -> set[int]:
+    found, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                kids = {int(k) for k in (task / "children").read_text().split()}
+            except OSError:
+                continue
+            found |= kids
+            todo += kids
+    return found
 
 
 def test_the_code_task_is_solved_by_its_functions_and_not_by_near_misses():

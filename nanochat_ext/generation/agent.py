@@ -19,7 +19,8 @@ from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.generation.calculator import calculate
 from nanochat_ext.generation.formats import (FORMATS, Call, block_call, hermes_calls, llama3_calls, renders_tools,
                                              template_format, tools_system_prompt, write_call)
-from nanochat_ext.generation.toolbox import Outcome, Tool, argument_problem, call_all, load_env_factory, load_tools
+from nanochat_ext.generation.toolbox import (MAX_LATE_CALLS, Outcome, Tool, argument_problem, call_all,
+                                            load_env_factory, load_tools)
 from nanochat_ext.generation.tools import ToolTokens
 from nanochat_ext.tokenizer import Message, TokenizerWrapper
 
@@ -41,7 +42,7 @@ class AgentConfig:
     tool_timeout: float = option(10.0, "seconds a tool or environment call may take; past it the row reads an error "
                                        "(and an environment's episode ends, reward 0)", type=float,
                                  check=FINITE_POSITIVE)
-    max_late_calls: int = option(64, "tool and environment calls still running past --tool_timeout that a rank "
+    max_late_calls: int = option(MAX_LATE_CALLS, "tool and environment calls still running past --tool_timeout that a rank "
                                      "keeps (Python cannot stop a thread); once this many are, new calls are refused, "
                                      "an error the row reads", type=int, check=POSITIVE)
     max_tool_calls: int = option(8, "tool calls an assistant turn may make (python blocks, or calls in a chat "
@@ -240,14 +241,14 @@ class Episodes:
         self.tool_timeouts += sum(o is not None and o.timed_out for o in out)
         return out
 
-    def answer_blocks(self, blocks: list[str], rows: list[int] | None = None) -> list[list[int]]:
+    def answer_blocks(self, blocks: list[str], rows: list[int]) -> list[list[int]]:
         """What is forced after each closed python block (its text; rows: whose blocks they are): a call of one of
         your tools answered inside <|output_start|>..<|output_end|>, errors too; anything else the calculator's
         answer, or nothing where it refuses (nanochat's Engine, token for token)."""
         a, p = self.agent, self.agent.protocol
         params = {name: list(t.parameters.get("properties", {})) for name, t in a.tools.items()}
         calls = [block_call(text, params) for text in blocks]
-        outcomes = self._tools(calls, rows if rows is not None else [0] * len(blocks))
+        outcomes = self._tools(calls, rows)
         forced = []
         for text, c, outcome in zip(blocks, calls, outcomes):
             if c is not None:

@@ -27,6 +27,7 @@ from typing import Any, Callable
 from nanochat_ext.errors import InputError, first_line
 
 MAX_OUTPUT_CHARS = 4000  # an answer longer than this is cut, and says so
+MAX_LATE_CALLS = 64  # --max_late_calls' default
 JSON_TYPES = {"string": str, "integer": int, "number": (int, float), "boolean": bool, "array": list, "object": dict}
 
 
@@ -176,7 +177,7 @@ def as_text(value: Any) -> str:
 
 
 def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: bool = True,
-             max_late: int = 64) -> list[Outcome]:
+             max_late: int = MAX_LATE_CALLS) -> list[Outcome]:
     """Run every call at once, each in a thread of its own, within `timeout` seconds of the start (calls: (what,
     thunk)). Each value kept, and as text where `text` (a value that has none is an error); every failure an error
     Outcome naming what failed. While `max_late` calls of this process are still running past their timeout, the

@@ -1,7 +1,8 @@
 """Untrusted Python code run sealed: in its own user, mount, pid, network, IPC and UTS namespaces where the OS allows
-them (the filesystem read-only but its own directory, no network, no process outside it visible), under limits on
-wall clock, CPU, memory, file size, processes and open files, every process it starts ended with it, stdin closed,
-and what it writes read up to a cap. runtime/sandbox_child.py is the other side of the wall.
+them (a root of its own: the system's programs, the Python installation and a few devices read-only, a private
+/tmp, no network, no process outside it visible), under limits on wall clock, CPU, memory, file size, processes
+and open files, every process it starts ended with it, stdin closed, what it writes read up to a cap.
+runtime/sandbox_child.py is the other side of the wall.
 
 The caller asks for steps after the code: statements to run ("exec") and expressions whose value comes back
 ("value", or "truth": its truth value), as plain data (int, float, str, bytes, bool, None, and lists, tuples, dicts
@@ -10,27 +11,35 @@ the expected answers to itself and compares here gets a verdict the code cannot 
 
     run = sandbox.run("def add(a, b):\n    return a + b", [("value", "add(2, 3)", "test 1")], Limits(seconds=5))
     run.values[1] == 5   # step k + 1: step 0 is the code itself
+
+Where this machine refuses the namespaces (Docker's default seccomp profile, say), runs are unsealed and say so
+(`isolation()`, for a run's start line); where it seals, a run that fails to seal does not run the code.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanochat_ext.runtime.sandbox_child import MAX_DEPTH, MAX_VALUE, TIMED_OUT, cpu_seconds
+
 CHILD = Path(__file__).with_name("sandbox_child.py")
+PYTHON = sys.executable  # the interpreter the code runs in (the trainer's)
 KEPT_OUTPUT = 8 << 10  # bytes of the code's stdout and of its stderr kept; the rest is read and dropped
 MAX_RECORDS = 1 << 20  # bytes of results read at most
+MAX_ITEMS = 20_000  # plain values in one record, at most: decoding stays cheap whatever the code sends
 SETUP_SECONDS = 2.0  # beyond the limit: the interpreter's start and the sealing, before the code's clock starts
-TIMED_OUT = 124  # sandbox_child's exit code when the wall clock ended the run
-MAX_DEPTH = 50
+RUNS = threading.BoundedSemaphore(max(4, os.cpu_count() or 1))  # sandboxes of this process at once
 
 
 @dataclass(frozen=True)
@@ -38,7 +47,7 @@ class Limits:
     seconds: float = 5.0  # wall clock, and (rounded up) CPU seconds
     memory_mb: int = 512  # address space of each process
     file_mb: int = 1  # largest file; the code's directory holds 4x that
-    processes: int = 16
+    processes: int = 8  # the code's process and its children (threads count)
     open_files: int = 64
 
 
@@ -51,70 +60,85 @@ class Run:
     stdout: str = ""
     stderr: str = ""
     status: int | None = None  # the code's exit code, 128 + the signal that ended it, or TIMED_OUT
-    sealed: str = ""  # "sealed", "off" or "refused: why" (it ran unsealed), or "failed: why" (it did not run)
+    sealed: str = ""  # "sealed"; "off" or "unsealed (why)": it ran unsealed; "refused: why", "failed: why": not run
     garbled: str = ""  # why the results could not be read, where they could not
+
+    @property
+    def ran(self) -> bool:
+        return self.sealed in ("sealed", "off") or self.sealed.startswith("unsealed")
 
     def ended(self, limits: Limits) -> str:
         """How the code's process ended, in the words the model reads."""
         if self.status == TIMED_OUT:
             return f"timed out after {limits.seconds:g} s"
-        if self.status is not None and self.status > 128:
-            try:
-                name = signal.Signals(self.status - 128).name
-            except ValueError:
-                name = f"signal {self.status - 128}"
-            cpu = f" (CPU time limit {cpu_seconds(limits)} s)" if name in ("SIGXCPU", "SIGKILL") else ""
-            return f"killed by {name}{cpu}"
+        if self.status is not None and 128 < self.status < 128 + signal.NSIG:
+            name = signal.Signals(self.status - 128).name if self.status - 128 in signal.valid_signals() else \
+                f"signal {self.status - 128}"
+            return f"killed by {name}" + (f" (CPU time limit {cpu_seconds(limits.seconds)} s)" if name == "SIGXCPU"
+                                          else "")
         return f"exit code {self.status}"
 
 
-def cpu_seconds(limits: Limits) -> int:
-    return max(int(limits.seconds + 0.999), 1)
+_trial: list[str] = []  # the first trial's answer, where it was "sealed" or "refused: ..."
+_trial_lock = threading.Lock()
 
 
-def run(code: str, steps: list[tuple[str, str, str]], limits: Limits = Limits(), isolate: bool = True) -> Run:
-    """Run the code, then each (kind, source, name) step, sealed where this machine seals (the first run in a process
-    tries; where it could not seal, every run is unsealed, as the run's start line says; where it could, a run that
-    fails to seal does not run the code); returns within limits.seconds + SETUP_SECONDS."""
-    if isolate and (trial := seal_trial()) != "sealed":
-        out = launch(code, steps, limits, isolate=False)
-        out.sealed = trial
-        return out
-    return launch(code, steps, limits, isolate)
-
-
-@functools.lru_cache(maxsize=None)
 def seal_trial() -> str:
-    """Whether this machine seals a run: "sealed", or why not ("refused: ..." or "failed: ..."), asked once."""
-    return launch("pass", [], Limits(seconds=5), isolate=True).sealed
+    """Whether this machine seals a run: "sealed", "refused: ..." (it never will: runs are unsealed) or "failed: ..."
+    (asked again next time)."""
+    with _trial_lock:
+        if not _trial:
+            said = launch("pass", [], Limits(seconds=5), isolate=True).sealed
+            if said == "sealed" or said.startswith("refused"):
+                _trial.append(said)
+            return said
+        return _trial[0]
+
+
+def run(code: str, steps: list[tuple[str, str, str]], limits: Limits = Limits()) -> Run:
+    """Run the code, then each (kind, source, name) step: sealed where this machine seals (a run that fails to seal
+    runs nothing), unsealed where it refuses the namespaces. Returns within limits.seconds + SETUP_SECONDS + 1, after
+    waiting for a free slot (RUNS) and, on the first call, the trial."""
+    trial = seal_trial()
+    with RUNS:
+        if trial.startswith("refused"):
+            out = launch(code, steps, limits, isolate=False)
+            out.sealed = f"unsealed ({trial})" if out.sealed == "off" else out.sealed
+            return out
+        return launch(code, steps, limits, isolate=True)
 
 
 def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate: bool) -> Run:
+    workdir = None if isolate else tempfile.mkdtemp(prefix="sandbox-")
     results_r, results_w = os.pipe()
     report_r, report_w = os.pipe()
     job = {"code": code, "steps": steps, "seconds": limits.seconds, "memory_bytes": limits.memory_mb << 20,
            "file_bytes": limits.file_mb << 20, "processes": limits.processes, "open_files": limits.open_files,
-           "isolate": isolate, "results_fd": results_w, "report_fd": report_w}
+           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir}
     try:
-        proc = subprocess.Popen([sys.executable, "-I", str(CHILD)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, pass_fds=(results_w, report_w), start_new_session=True,
-                                env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        try:
+            proc = subprocess.Popen([PYTHON, "-I", str(CHILD)], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(results_w, report_w),
+                                    start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        finally:
+            os.close(results_w)
+            os.close(report_w)
+        with proc:
+            try:
+                proc.stdin.write(json.dumps(job).encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+            streams = {proc.stdout.fileno(): ("stdout", KEPT_OUTPUT), proc.stderr.fileno(): ("stderr", KEPT_OUTPUT),
+                       results_r: ("results", MAX_RECORDS), report_r: ("report", 4096)}
+            records = sum(kind != "exec" for kind, _, _ in steps)
+            read = read_capped(streams, time.monotonic() + limits.seconds + SETUP_SECONDS, proc.pid, records)
+            status = proc.wait()
     finally:
-        os.close(results_w)
-        os.close(report_w)
-    try:
-        proc.stdin.write(json.dumps(job).encode())
-        proc.stdin.close()
-    except BrokenPipeError:
-        pass
-    streams = {proc.stdout.fileno(): ("stdout", KEPT_OUTPUT), proc.stderr.fileno(): ("stderr", KEPT_OUTPUT),
-               results_r: ("results", MAX_RECORDS), report_r: ("report", 4096)}
-    read = read_capped(streams, time.monotonic() + limits.seconds + SETUP_SECONDS, proc.pid)
-    for fd in (results_r, report_r):
-        os.close(fd)
-    proc.stdout.close()
-    proc.stderr.close()
-    status = proc.wait()
+        os.close(results_r)
+        os.close(report_r)
+        if workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
     out = Run(stdout=read["stdout"].decode(errors="replace"), stderr=read["stderr"].decode(errors="replace"),
               status=status if status >= 0 else 128 - status, sealed=read["report"].decode().strip())
     if not out.sealed:  # the supervisor itself failed or was killed before it said
@@ -123,9 +147,11 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
     return out
 
 
-def read_capped(streams: dict[int, tuple[str, int]], deadline: float, group: int) -> dict[str, bytes]:
-    """Every stream read until it closes, each kept up to its cap, the rest dropped; at the deadline the process
-    group is killed (a sandbox's supervisor and, with it, everything it started) and what is left is drained."""
+def read_capped(streams: dict[int, tuple[str, int]], deadline: float, group: int, records: int) -> dict[str, bytes]:
+    """Every stream read until it closes, each kept up to its cap, the rest dropped. The process group (a sandbox's
+    supervisor and, with it, everything it started) is killed at the deadline, or as soon as the results hold as
+    many lines as `records` (code that passed has nothing more to say: it would only burn the CPU others wait for);
+    then what is left is drained."""
     kept = {name: bytearray() for name, _ in streams.values()}
     sel = selectors.DefaultSelector()
     for fd in streams:
@@ -134,7 +160,7 @@ def read_capped(streams: dict[int, tuple[str, int]], deadline: float, group: int
     killed_at = None
     while sel.get_map():
         now = time.monotonic()
-        if killed_at is None and now >= deadline:
+        if killed_at is None and (now >= deadline or records and kept["results"].count(b"\n") >= records):
             kill_group(group)
             killed_at = now
         if killed_at is not None and now > killed_at + 1.0:
@@ -162,11 +188,13 @@ def kill_group(group: int) -> None:
 
 def read_records(data: bytes, out: Run) -> None:
     """The results pipe's records into out.values and out.errors: the first record of each step counts; a line
-    that is not a record, a step written twice or the pipe's cap reached marks the run garbled."""
+    that is not a record, too long a line, a step written twice or the pipe's cap reached marks the run garbled."""
     if len(data) >= MAX_RECORDS:
         out.garbled = f"wrote over {MAX_RECORDS >> 20} MB of results"
     for line in data.splitlines():
         try:
+            if len(line) > MAX_VALUE + 1024:
+                raise ValueError("a record over the size of a value")
             rec = json.loads(line)
             step = rec["step"]
             if not isinstance(step, int) or step in out.values or step in out.errors:
@@ -174,21 +202,24 @@ def read_records(data: bytes, out: Run) -> None:
             if "error" in rec:
                 out.errors[step] = str(rec["error"])[:300]
             else:
-                out.values[step] = decode(rec["value"])
+                out.values[step] = decode(rec["value"], [MAX_ITEMS])
         except (ValueError, KeyError, TypeError, RecursionError, MemoryError, OverflowError) as e:
             out.garbled = out.garbled or f"the results channel was written to ({type(e).__name__})"
 
 
-def decode(tagged: Any, depth: int = 0) -> Any:
-    """sandbox_child.encode's tagged JSON back to plain values; ValueError for anything else."""
-    if depth > MAX_DEPTH or not (isinstance(tagged, list) and len(tagged) == 2 and isinstance(tagged[0], str)):
-        raise ValueError("not a tagged value")
+def decode(tagged: Any, budget: list[int], depth: int = 0) -> Any:
+    """sandbox_child.encode's tagged JSON back to plain values, at most budget[0] of them (a record of colliding
+    hashes cannot make a set slow to build); ValueError for anything else."""
+    budget[0] -= 1
+    if budget[0] < 0 or depth > MAX_DEPTH or not (isinstance(tagged, list) and len(tagged) == 2
+                                                   and isinstance(tagged[0], str)):
+        raise ValueError("not a tagged value, or too many")
     kind, v = tagged
     if kind in ("list", "tuple", "set", "frozenset"):
-        items = [decode(x, depth + 1) for x in v]
+        items = [decode(x, budget, depth + 1) for x in v]
         return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[kind](items)
     if kind == "dict":
-        return {decode(k, depth + 1): decode(x, depth + 1) for k, x in v}
+        return {decode(k, budget, depth + 1): decode(x, budget, depth + 1) for k, x in v}
     if kind == "int" and isinstance(v, str):
         return int(v, 16)
     if kind == "float" and isinstance(v, str):
@@ -206,8 +237,10 @@ def isolation() -> str:
     """What a sandboxed run gets on this machine, for a run's start lines."""
     trial = seal_trial()
     if trial == "sealed":
-        return ("sealed: own user, mount, pid and network namespaces (the filesystem read-only but its own "
-                "directory, no network, no process outside visible), every process ended with it, limits on time, "
-                "CPU, memory, files and processes")
-    return (f"NOT sealed from the filesystem and network ({trial}): limits on time, CPU, memory, files and "
-            f"processes only, every process ended with it; run untrusted code in a container")
+        return ("sealed: own user, mount, pid and network namespaces (a read-only root of the system's programs and "
+                "Python, its own /tmp, no network, no process outside visible), every process ended with it, limits "
+                "on time, CPU, memory, files and processes")
+    if trial.startswith("refused"):
+        return (f"NOT sealed from the filesystem and network ({trial}): limits on time, CPU, memory, files and "
+                f"processes only, every process ended with it; run untrusted code in a container")
+    return f"broken ({trial}): the code cannot run"

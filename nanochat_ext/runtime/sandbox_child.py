@@ -1,52 +1,49 @@
-"""The sandbox's side of the wall: runtime/sandbox.py starts this file as `python -I sandbox_child.py`, it seals
-itself off, runs the untrusted code, then the steps the caller asked for, and writes what each probe gave on a
-pipe. The standard library only; the job is read from stdin before any untrusted line runs.
+"""The sandbox's side of the wall: runtime/sandbox.py starts this file as `python -I sandbox_child.py`. It seals
+itself off, runs the untrusted code, then the steps the caller asked for, and writes what each probe gave on a pipe.
+The standard library only; the job is read from stdin before any untrusted line runs. The processes, outermost first:
 
-The processes, outermost first:
-
-    supervisor  the caller's child: enforces the wall clock, and at the end kills every process below it (it is
-                their subreaper); it maps the namespaces' uid from outside (nobody where the caller is root, so
-                that RLIMIT_NPROC binds and nothing of root's is writable)
-    namespaces  unshares user, mount, pid, network, IPC and UTS namespaces; makes every mount read-only, hides
-                $HOME, /root, /tmp, /var/tmp, /dev/shm and /run behind empty tmpfs (the Python installation bound
-                back where it lies under one), and mounts a tmpfs of the code's own at /tmp/sandbox
-    init        pid 1 of the new pid namespace: when the code's process ends, it ends, and the kernel kills every
-                process left in the namespace
+    supervisor  the caller's child: the wall clock; at the end it kills every process below it (their subreaper);
+                it maps the namespaces' uid from outside (nobody where the caller is root: RLIMIT_NPROC binds)
+    namespaces  unshares user, mount, pid, network, IPC and UTS namespaces, and chroots into a new root: a read-only
+                tmpfs holding only SYSTEM (/usr, /bin, /lib*, /etc) and the Python installation bound read-only,
+                DEVICES, and a tmpfs of the code's own at /tmp; no SysV IPC, no nested user namespaces
+    init        pid 1 of the new pid namespace: it ends when the code's process does, and the kernel kills the rest
     code        every capability dropped, no new privileges, the limits set, stdin /dev/null: the untrusted code
 
-Where the OS refuses namespaces, the supervisor's child runs the code in a temporary directory under the limits
-(as nobody where the caller is root and the Python installation is readable by others): not sealed from the
-filesystem or the network, and the caller says so.
-
-The results pipe carries one JSON line a record, {"step": k, "value": ...} or {"step": k, "error": "..."}: what
-the code's process says, so nothing the caller trusts; the verdict is the caller's, from the values it compares.
-The report pipe, which the code never holds, says whether the namespaces were made ("sealed" or "refused: why").
+Unsealed (the caller asks for it where the OS refuses namespaces), the code runs in the caller's temporary directory
+under the limits, as nobody where the caller is root (not at all where nobody cannot read the Python installation).
+The results pipe carries a JSON line a record, {"step": k, "value": ...} or {"step": k, "error": "..."}: what the
+code's process says, which the caller does not trust. The report pipe, which the code never holds, says how it ran:
+"sealed" or "off" (unsealed), else why the code did not run ("refused: ..." where unshare was, "failed: ...").
 """
 import builtins
 import ctypes
 import json
 import os
-import re
 import resource
-import shutil
 import signal
 import sys
-import tempfile
 import time
 
 libc = ctypes.CDLL(None, use_errno=True)
 NAMESPACES = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS UTS IPC USER PID NET
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_BIND, MS_REC, MS_PRIVATE = 4096, 16384, 1 << 18
-KEPT_FLAGS = {os.ST_NOSUID: MS_NOSUID, os.ST_NODEV: MS_NODEV, os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: 1024,
-              os.ST_NODIRATIME: 2048, os.ST_RELATIME: 1 << 21}  # a remount must keep these: they are locked
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4, 8, 32, 4096, 16384
+MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_PRIVATE = 1024, 2048, 1 << 21, 1 << 18
+KEPT_FLAGS = {os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME,
+              os.ST_RELATIME: MS_RELATIME}
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
 NOBODY = 65534
-WORK = "/tmp/sandbox"  # the code's directory, its $HOME and $TMPDIR
-HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/root")  # covered by empty tmpfs, and $HOME
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # what the new root shows
+DEVICES = ("null", "zero", "full", "random", "urandom")
+# No SysV shared memory or message queues (outside RLIMIT_AS, outliving processes), no nested user namespaces.
+NO_MORE = {"/proc/sys/kernel/shmmni": "0", "/proc/sys/kernel/shmall": "0", "/proc/sys/kernel/msgmni": "0",
+           "/proc/sys/user/max_user_namespaces": "0"}
+WORK = "/tmp"  # the code's directory, its $HOME and $TMPDIR, inside the new root
 TIMED_OUT = 124  # the supervisor's exit code when the wall clock ended the run
-MAX_VALUE = 64 << 10  # bytes of one encoded value
-PLAIN = (int, float, complex, str, bytes, bool, type(None), list, tuple, dict, set, frozenset)
+MAX_VALUE = 64 << 10  # bytes of one record
+MAX_DEPTH = 40  # of a value's nesting
+THREADS_ONE = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}  # under RLIMIT_NPROC
+_exit, _write, _dumps = os._exit, os.write, json.dumps  # the harness's own, whatever the code rebinds later
 
 
 def check(result: int, what: str) -> None:
@@ -61,6 +58,18 @@ def mount(source, target, fstype, flags, data=None) -> None:
     check(libc.mount(enc(source), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
 
 
+def die_with_parent() -> None:
+    """SIGKILL when the parent dies (it may already have: then now)."""
+    parent = os.getppid()
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent:
+        _exit(1)
+
+
+def cpu_seconds(seconds: float) -> int:
+    return max(int(seconds + 0.999), 1)
+
+
 # ---- the supervisor ----
 
 def main() -> None:
@@ -69,57 +78,41 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the caller gone: so are we, and all below
+    die_with_parent()  # the caller gone: so are we, and all below
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the code stay ours to end
     report = job["report_fd"]
     os.set_inheritable(report, False)
-    workdir = None
-    said = "off"
-    child = sealed_child(job) if job["isolate"] else None
-    if isinstance(child, str):  # refused: the code runs unsealed; failed: it does not run
-        said, child = child, None
-        if said.startswith("failed"):
-            os.write(report, f"{said}\n".encode())
-            os._exit(0)
-    elif child is not None:
-        said = "sealed"
-    if child is None:
-        workdir = tempfile.mkdtemp(prefix="sandbox-")
-        nobody = os.getuid() == 0 and readable_by_others(job["show"])
-        if nobody:
-            os.chown(workdir, NOBODY, NOBODY)
-        child = os.fork()
-        if child == 0:
-            os.close(report)
-            os.chdir(workdir)
-            run_code(job, sealed=False, drop_to_nobody=nobody)
-    os.write(report, f"{said}\n".encode())
+    said, child = sealed_child(job) if job["isolate"] else unsealed_child(job)  # sealed asked: sealed or nothing
+    _write(report, f"{said}\n".encode())
     os.close(report)
     os.close(job["results_fd"])
-    signal.signal(signal.SIGALRM, lambda *_: end(TIMED_OUT, workdir))
+    if child is None:  # the code does not run
+        _exit(0)
+    signal.signal(signal.SIGALRM, lambda *_: end(TIMED_OUT))
     signal.setitimer(signal.ITIMER_REAL, job["seconds"])
     _, status = os.waitpid(child, 0)
     signal.setitimer(signal.ITIMER_REAL, 0)
-    end(exit_code(status), workdir)
+    end(exit_code(status))
 
 
 def python_paths() -> list[str]:
-    """Where this interpreter's standard library and packages lie: what the code may read even under a hidden
-    directory (this file's own directory left out)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)),
-             *sys.path[1:]}
-    return sorted({os.path.realpath(p) for p in paths if p and os.path.exists(p)})
+    """Where this interpreter's standard library and packages lie (this file's own directory left out)."""
+    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path[1:]}
+    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
-def sealed_child(job: dict):
-    """The namespaces' first process, sealed: its uid mapped from here (only a process outside may map another uid
-    than its own). Or, where the namespaces are refused or the sealing fails, why."""
+def sealed_child(job: dict) -> tuple[str, int | None]:
+    """("sealed", the namespaces' first process), its uid mapped from here (only a process outside may map another
+    uid than its own); else ("refused: why", None) where unshare is refused, ("failed: why", None) where sealing
+    failed after it (then the code does not run)."""
     to_parent, to_child = os.pipe(), os.pipe()
     child = os.fork()
     if child == 0:
         for fd in (job["report_fd"], to_parent[0], to_child[1]):
             os.close(fd)
         namespaces(job, to_parent[1], to_child[0])  # never returns
+    os.close(to_parent[1])  # the child's ends: its death is an end of file here
+    os.close(to_child[0])
     said = read_line(to_parent[0])
     if said == "unshared":
         uid, gid = (NOBODY, NOBODY) if os.getuid() == 0 else (os.getuid(), os.getgid())
@@ -127,22 +120,46 @@ def sealed_child(job: dict):
             for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
                 with open(f"/proc/{child}/{name}", "w") as f:
                     f.write(text)
-            os.write(to_child[1], b"mapped\n")
+            _write(to_child[1], b"mapped\n")
             said = read_line(to_parent[0])
         except OSError as e:
-            os.kill(child, signal.SIGKILL)
-            said = f"refused: the uid map: {e.strerror}"
-    for fd in (*to_parent, *to_child):
-        os.close(fd)
+            said = f"failed: the uid map: {e.strerror}"
+    os.close(to_parent[0])
+    os.close(to_child[1])
     if said == "sealed":
-        return child
+        return said, child
+    os.kill(child, signal.SIGKILL)
     os.waitpid(child, 0)
-    return said or "failed: the namespaces' process ended"
+    return said or "failed: the namespaces' process ended", None
 
 
-def end(code: int, workdir: str | None) -> None:
-    """Kill every process below us (a pid namespace goes with its init), reap them, remove the unsealed run's
-    directory, and exit with the code's status: its exit code, 128 + the signal that ended it, or TIMED_OUT."""
+def unsealed_child(job: dict) -> tuple[str, int | None]:
+    """The code in the caller's directory under the limits: as nobody where we are root, and not at all where
+    nobody could not read the Python installation (it would have to run as root)."""
+    nobody = os.getuid() == 0
+    if nobody and not readable_by_others(job["show"]):
+        return "failed: unsealed, the code would run as root (nobody cannot read the Python installation)", None
+    try:
+        if nobody:
+            os.chown(job["workdir"], NOBODY, NOBODY)
+    except OSError as e:  # a user namespace with no nobody in it
+        return f"failed: unsealed, nobody cannot have the code's directory ({e.strerror})", None
+    child = os.fork()
+    if child == 0:
+        os.close(job["report_fd"])
+        os.chdir(job["workdir"])
+        if nobody:
+            os.setgroups([])
+            os.setresgid(NOBODY, NOBODY, NOBODY)
+            os.setresuid(NOBODY, NOBODY, NOBODY)
+        die_with_parent()  # after the change of credentials, which clears it
+        run_code(job, others=processes_of(os.getuid()) - 1)  # the user's other tasks (other sandboxes' too)
+    return "off", child
+
+
+def end(code: int) -> None:
+    """Kill every process below us (a pid namespace goes with its init), reap them, and exit with the code's status:
+    its exit code, 128 + the signal that ended it, or TIMED_OUT."""
     for _ in range(1000):
         alive = descendants(os.getpid())
         if not alive:
@@ -155,18 +172,15 @@ def end(code: int, workdir: str | None) -> None:
         reap()
         time.sleep(0.001)
     reap()
-    if workdir:
-        shutil.rmtree(workdir, ignore_errors=True)
-    os._exit(min(code, 255))
+    _exit(min(code, 255))
 
 
 def reap() -> None:
-    while True:
-        try:
-            if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                return
-        except ChildProcessError:
-            return
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def descendants(pid: int) -> list[int]:
@@ -189,6 +203,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def processes_of(uid: int) -> int:
+    """How many tasks (threads too) the user runs: what RLIMIT_NPROC counts, unsealed."""
+    n = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                status = dict(line.split(":", 1) for line in f if ":" in line)
+            n += int(status["Threads"]) if int(status["Uid"].split()[0]) == uid else 0
+        except (OSError, KeyError, ValueError):
+            continue
+    return n
+
+
 def read_line(fd: int) -> str:
     data = b""
     while not data.endswith(b"\n"):
@@ -205,115 +232,100 @@ def exit_code(status: int) -> int:
 
 
 def readable_by_others(paths: list[str]) -> bool:
-    """Whether nobody could read the Python installation (a pyenv under /root: no)."""
     def readable(p: str) -> bool:
-        need = 0o005 if os.path.isdir(p) else 0o004
-        return not not_traversable([p]) and os.stat(p).st_mode & need == need
+        parts = p.split("/")
+        ancestors = ["/".join(parts[:k]) or "/" for k in range(1, len(parts))]
+        return all(os.stat(d).st_mode & 0o001 for d in ancestors) and os.stat(p).st_mode & 0o005 == 0o005
     return all(readable(p) for p in paths)
 
 
 # ---- inside the namespaces ----
 
 def namespaces(job: dict, to_parent: int, from_parent: int) -> None:
+    die_with_parent()
+    if os.getuid() == 0:
+        os.setgroups([])  # none of root's groups go with it
     if libc.unshare(NAMESPACES) != 0:
-        os.write(to_parent, f"refused: unshare: {os.strerror(ctypes.get_errno())}\n".encode())
-        os._exit(0)
-    os.write(to_parent, b"unshared\n")
+        _write(to_parent, f"refused: unshare: {os.strerror(ctypes.get_errno())}\n".encode())
+        _exit(0)
+    _write(to_parent, b"unshared\n")
     if read_line(from_parent) != "mapped":
-        os._exit(1)
+        _exit(1)
     os.close(from_parent)
     try:
-        covers = plan_covers(job["show"])  # still the caller's uid outside: it may enter what nobody may not
+        shown = [(p, os.open(p, os.O_PATH)) for p in outermost(job["show"])]  # still the caller's uid outside
         os.setresgid(0, 0, 0)
         os.setresuid(0, 0, 0)  # the namespaces' root: nobody (or the caller) outside, every capability inside
-        seal_filesystem(covers, job["file_bytes"] * 4)
+        die_with_parent()  # again: a change of credentials clears it
+        for path, value in NO_MORE.items():
+            with open(path, "w") as f:
+                f.write(value)
+        new_root(shown, job["file_bytes"] * 4)
     except OSError as e:  # sealed or nothing: the code does not run
-        os.write(to_parent, f"failed: {e}\n".encode())
-        os._exit(0)
+        _write(to_parent, f"failed: {e}\n".encode())
+        _exit(0)
     init = os.fork()
     if init == 0:
         os.close(to_parent)
         be_init(job)
-    os.write(to_parent, b"sealed\n")
+    _write(to_parent, b"sealed\n")
     os.close(to_parent)
     os.close(job["results_fd"])
     _, status = os.waitpid(init, 0)
-    os._exit(exit_code(status))
+    _exit(exit_code(status))
 
 
-def plan_covers(shown: list[str]) -> list[tuple[str, list[tuple[str, int, bool]]]]:
-    """The directories to hide behind an empty tmpfs (the writable places, the home directories, and any directory
-    above the Python installation that others may not enter), shallowest first, each with what to bind back into it:
-    (path, an O_PATH descriptor of it, whether it is a directory)."""
-    if os.path.islink("/tmp") or not os.path.isdir("/tmp"):
-        raise OSError(0, "/tmp is not a directory to cover")
-    hidden = {d for d in (*HIDDEN, os.path.expanduser("~"), *not_traversable(shown))
-              if os.path.isdir(d) and not os.path.islink(d) and d != "/"}
-    plan = []
-    for d in sorted(hidden, key=lambda d: d.count("/")):
-        keep = sorted({os.path.join(d, os.path.relpath(p, d).split(os.sep)[0]) for p in shown
-                       if p.startswith(d.rstrip("/") + "/") and os.path.exists(p)})
-        plan.append((d, [(k, os.open(k, os.O_PATH), os.path.isdir(k)) for k in keep]))
-    return plan
+def outermost(paths: list[str]) -> list[str]:
+    """The paths not inside another of them."""
+    return [p for p in paths if not any(p != q and p.startswith(q.rstrip("/") + "/") for q in paths)]
 
 
-def seal_filesystem(covers: list[tuple[str, list[tuple[str, int, bool]]]], work_bytes: int) -> None:
-    """The covers mounted, what they keep bound back in; then every mount read-only, and the code's directory a
-    tmpfs of its own."""
+def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
+    """The code's filesystem, then chroot into it: SYSTEM and the shown paths bound read-only where they lie (their
+    parents empty directories, so nothing beside them shows), DEVICES, an empty /proc for init to mount, and a
+    writable tmpfs at WORK; the rest of the root a read-only tmpfs."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
-    for d, keep in covers:
-        mount("tmpfs", d, "tmpfs", MS_NOSUID | MS_NODEV, "size=64k,mode=0755")
-        for k, fd, is_dir in keep:
-            if is_dir:
-                os.makedirs(k, exist_ok=True)
-            else:
-                open(k, "w").close()
-            mount(f"/proc/self/fd/{fd}", k, None, MS_BIND | MS_REC)
-            os.close(fd)
-    os.makedirs(WORK, exist_ok=True)
-    for mp in mount_points():
-        try:
-            flags = os.statvfs(mp).f_flag
-        except OSError:
-            continue  # a mount that cannot be reached here cannot be reached by the code either
-        mount(None, mp, None, MS_REMOUNT | MS_BIND | MS_RDONLY | sum(ms for st, ms in KEPT_FLAGS.items() if flags & st))
-    mount("tmpfs", WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},mode=0700")
-
-
-def mount_points() -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
-
-
-def not_traversable(paths: list[str]) -> list[str]:
-    """Directories above the paths that others may not enter (a pyenv under /root)."""
-    out = []
-    for p in paths:
-        parts = p.split("/")
-        for k in range(2, len(parts)):
-            d = "/".join(parts[:k])
-            try:
-                if not os.stat(d).st_mode & 0o001:
-                    out.append(d)
-            except OSError:
-                break
-    return out
+    root = "/tmp"  # any directory: this mount namespace is ours
+    mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
+    binds = [(p, None) for p in SYSTEM if os.path.isdir(p) and not os.path.islink(p)]
+    binds += [(p, fd) for p, fd in shown if not any(p.startswith(s + "/") for s, _ in binds)]
+    for path in SYSTEM:
+        if os.path.islink(path):  # merged /usr: /bin -> usr/bin
+            os.symlink(os.readlink(path), root + path)
+    for path, fd in binds:
+        os.makedirs(root + path, exist_ok=True)
+        mount(path if fd is None else f"/proc/self/fd/{fd}", root + path, None, MS_BIND | MS_REC)
+        kept = os.statvfs(root + path).f_flag  # a remount must keep what is locked (noexec, the atime rule)
+        mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
+              sum(ms for st, ms in KEPT_FLAGS.items() if kept & st))
+    os.makedirs(root + "/dev")
+    for name in DEVICES:
+        open(f"{root}/dev/{name}", "w").close()
+        mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
+    os.makedirs(root + "/proc")
+    os.makedirs(root + WORK)
+    mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},mode=0700")
+    mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
+    for _, fd in shown:
+        os.close(fd)
+    os.chroot(root)
+    os.chdir("/")
 
 
 def be_init(job: dict) -> None:
     """pid 1: this namespace's /proc, the code in a child; ends with it (the kernel then kills the rest)."""
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    die_with_parent()
     mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     code = os.fork()
     if code == 0:
         os.chdir(WORK)
         drop_capabilities()
-        run_code(job, sealed=True)
+        run_code(job, others=2)  # init and its parent count among the namespace's processes
     os.close(job["results_fd"])
     while True:
         pid, status = os.wait()
         if pid == code:
-            os._exit(exit_code(status))
+            _exit(exit_code(status))
 
 
 def drop_capabilities() -> None:
@@ -334,107 +346,104 @@ def drop_capabilities() -> None:
 
 # ---- the code ----
 
-def run_code(job: dict, sealed: bool, drop_to_nobody: bool = False) -> None:
-    """Under the limits, the code then every step in order; each probe's value (or error) a record. Never returns."""
+def run_code(job: dict, others: int) -> None:
+    """Under the limits (others: processes of this user that RLIMIT_NPROC counts besides the code's), the code then
+    every step in order; each probe's value (or error) a record. Never returns."""
     out = job["results_fd"]
     os.set_inheritable(out, False)  # an exec'd program starts without it
-    if drop_to_nobody:
-        os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
-    seconds = max(int(job["seconds"] + 0.999), 1)
-    helpers = 2 if sealed else 0  # sealed, init and its parent share the namespace's count
+    seconds = cpu_seconds(job["seconds"])
     for limit, value in ((resource.RLIMIT_CPU, (seconds, seconds + 1)), (resource.RLIMIT_AS, job["memory_bytes"]),
                          (resource.RLIMIT_FSIZE, job["file_bytes"]), (resource.RLIMIT_NOFILE, job["open_files"]),
-                         (resource.RLIMIT_NPROC, job["processes"] + helpers), (resource.RLIMIT_CORE, 0)):
+                         (resource.RLIMIT_NPROC, job["processes"] + others), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
     os.environ.clear()
-    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=os.getcwd(), TMPDIR=os.getcwd(), LANG="C.UTF-8")
+    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=os.getcwd(), TMPDIR=os.getcwd(), LANG="C.UTF-8",
+                      **THREADS_ONE)
     os.umask(0o077)
     namespace = {"__name__": "__main__", "__builtins__": builtins}
     steps = [("exec", job["code"], "the code")] + [tuple(s) for s in job["steps"]]
     for k, (kind, source, what) in enumerate(steps):
-        try:
-            if kind == "exec":
-                exec(compile(source, what, "exec"), namespace)
-                continue
-            value = eval(compile(source, what, "eval"), namespace)
-        except SystemExit as e:
-            record(out, {"step": k, "error": f"exited (SystemExit: {shown(e.code)})"})
-            if kind == "exec":
-                break
-            continue
-        except BaseException as e:  # the untrusted code's failure: what the caller shows the model
-            record(out, {"step": k, "error": f"raised {described(e)}"})
-            if kind == "exec":
-                break
-            continue
-        try:
-            value = encode(bool(value) if kind == "truth" else value)
-            too_big = len(json.dumps(value)) > MAX_VALUE
-            record(out, {"step": k, "error": f"returned a value over {MAX_VALUE >> 10} KB"} if too_big else
-                   {"step": k, "value": value})
-        except ValueError as e:
-            record(out, {"step": k, "error": str(e)})
-        except BaseException as e:  # bool() of the code's object raised
-            record(out, {"step": k, "error": f"raised {described(e)}"})
+        record = step(kind, source, what, namespace)
+        if record is not None:
+            line = (_dumps({"step": k, **record}) + "\n").encode()
+            if len(line) > MAX_VALUE:
+                line = (_dumps({"step": k, "error": f"returned a value over {MAX_VALUE >> 10} KB"}) + "\n").encode()
+            while line:
+                line = line[_write(out, line):]
+        if kind == "exec" and record is not None:  # the code, or the tests' own statements, failed: no more
+            break
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
         except BaseException:
             pass
-    os._exit(0)  # no exit hook of the code's runs
+    _exit(0)  # no exit hook of the code's runs
 
 
-def record(fd: int, rec: dict) -> None:
-    data = (json.dumps(rec) + "\n").encode()
-    while data:
-        data = data[os.write(fd, data):]
+def step(kind: str, source: str, what: str, namespace: dict) -> dict | None:
+    """One step: its record ({"value": ...} or {"error": ...}), or None for a statement that ran."""
+    try:
+        if kind == "exec":
+            exec(compile(source, what, "exec"), namespace)
+            return None
+        value = eval(compile(source, what, "eval"), namespace)
+        return {"value": encode(bool(value) if kind == "truth" else value)}
+    except SystemExit as e:
+        return {"error": f"exited (SystemExit: {shown(e.code)})"}
+    except PlainError as e:
+        return {"error": str(e)}
+    except BaseException as e:  # the untrusted code's failure: what the caller shows the model
+        return {"error": f"raised {described(e)}"}
+
+
+class PlainError(ValueError):
+    """A value with no plain form."""
 
 
 def encode(value, depth: int = 0):
-    """A plain value (exactly one of PLAIN's types, not a subclass: no __eq__ of the code's) as tagged JSON:
-    ["int", "5"], ["list", [...]], ...; ValueError for anything else."""
-    kind = type(value)
-    if kind not in PLAIN:
-        raise ValueError(f"returned {kind.__name__}, not a plain value (int, float, str, bytes, bool, None, or a "
-                         f"list, tuple, dict or set of them)")
-    if depth > 40:
-        raise ValueError("returned a value nested too deep")
-    name = kind.__name__
-    if kind in (list, tuple, set, frozenset):
+    """A value as tagged JSON of plain data (["int", "0x5"], ["list", [...]], ...): int, float, complex, str, bytes,
+    bool, None, and lists, tuples, dicts and sets of them; a subclass (IntEnum, Counter, a namedtuple, a numpy
+    scalar's .item()) as its plain base. PlainError for anything else. The caller decodes plain values and compares
+    them itself, so nothing of the code's (an __eq__) takes part in a verdict."""
+    if depth > MAX_DEPTH:
+        raise PlainError("returned a value nested too deep")
+    if type(value).__module__ == "numpy" and hasattr(value, "item"):
+        value = value.item()
+    for base in (bool, int, float, complex, str, bytes, type(None), list, tuple, dict, set, frozenset):
+        if isinstance(value, base):
+            break
+    else:
+        raise PlainError(f"returned {type(value).__name__}, not a plain value (int, float, str, bytes, bool, None, "
+                         f"or a list, tuple, dict or set of them)")
+    name = base.__name__
+    if base in (list, tuple, set, frozenset):
         return [name, [encode(v, depth + 1) for v in value]]
-    if kind is dict:
+    if base is dict:
         return [name, [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
-    if kind is float:
-        return [name, value.hex()]
-    if kind is complex:
-        return [name, [value.real.hex(), value.imag.hex()]]
-    if kind is bytes:
-        return [name, value.hex()]
-    if kind is int:
-        if value.bit_length() > 8 * MAX_VALUE:
-            raise ValueError("returned an int too large to check")
-        return [name, hex(value)]
-    return [name, value]  # str, bool, None
+    if base is float:
+        return [name, float.hex(value)]
+    if base is complex:
+        return [name, [float.hex(value.real), float.hex(value.imag)]]
+    if base is bytes:
+        return [name, bytes.hex(value)]
+    if base is int:
+        if int.bit_length(value) > 8 * MAX_VALUE:
+            raise PlainError("returned an int too large to check")
+        return [name, hex(int(value))]
+    return [name, base(value) if base is not type(None) else None]  # str, bool, None
 
 
 def shown(value) -> str:
-    try:
-        return repr(value)[:100] if type(value) in PLAIN else type(value).__name__
-    except BaseException:
-        return type(value).__name__
+    return repr(value)[:100] if type(value) in (str, bool, type(None)) or type(value) is int and -1e9 < value < 1e9 \
+        else type(value).__name__
 
 
 def described(e: BaseException) -> str:
     try:
-        text = str(e)
+        text = f"{e.msg} (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else str(e)
     except BaseException:
         text = ""
-    name = type(e).__name__
-    if isinstance(e, SyntaxError) and e.lineno:
-        text = f"{e.msg} (line {e.lineno})"
-    return f"{name}: {text}"[:300] if text else name
+    return f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ def parse_tests(tests: str) -> tuple[list[tuple[str, str, str]], dict[int, Check
 def verdict(run: sandbox.Run, steps: list, checks: dict[int, Check], limits: sandbox.Limits) -> tuple[bool, str]:
     """(passed, what the model reads): every test's value came back and holds, else the first failure."""
     n = len(checks)
-    if run.sealed.startswith("failed"):
+    if not run.ran:
         return False, f"the sandbox could not run the code ({run.sealed})"
     if 0 in run.errors:
         return False, f"the code {run.errors[0]}"
@@ -126,7 +126,11 @@ def verdict(run: sandbox.Run, steps: list, checks: dict[int, Check], limits: san
 
 
 def shown(value: Any) -> str:
-    text = repr(value)
+    """A value the code gave, as the model reads it: its repr, cut (an int too long to print, by its size)."""
+    try:
+        text = repr(value)
+    except ValueError:  # past Python's 4300 digits
+        return f"an int of {value.bit_length()} bits"
     return text if len(text) <= 100 else text[:100] + "..."
 
 

@@ -91,12 +91,11 @@ SEALED_ONLY = {  # need the namespaces: the filesystem and the network
 }
 
 
-def descendants() -> set[int]:
-    """This process's living descendants, from the children lists of /proc."""
-    found, todo = set(), [os.getpid()]
+def descendants(pid: int | None = None) -> set[int]:
+    """The living descendants of pid (this process), from the children lists of /proc."""
+    found, todo = set(), [pid or os.getpid()]
     while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
             try:
                 kids = {int(k) for k in (task / "children").read_text().split()}
             except OSError:
@@ -236,10 +235,10 @@ def test_a_sandbox_dies_with_its_caller(tmp_path):
                                "from nanochat_ext.runtime import sandbox\n"
                                "sandbox.run('import time\\ntime.sleep(30)', [], sandbox.Limits(seconds=30))"])
     deadline = time.monotonic() + 20
-    while time.monotonic() < deadline and len(below(caller.pid)) < 2:  # the trial's sandbox, then the run's
+    while time.monotonic() < deadline and len(descendants(caller.pid)) < 2:  # the trial's sandbox, then the run's
         time.sleep(0.05)
     time.sleep(1.0)
-    sandboxed = below(caller.pid)
+    sandboxed = descendants(caller.pid)
     assert sandboxed, "no sandbox started"
     caller.kill()
     caller.wait()
@@ -255,19 +254,6 @@ def alive(pid: int) -> bool:
     except (OSError, StopIteration):
         return False
     return "zombie" not in state
-
-
-def below(pid: int) -> set[int]:
-    found, todo = set(), [pid]
-    while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            found |= kids
-            todo += kids
-    return found
 
 
 def test_the_code_task_is_solved_by_its_functions_and_not_by_near_misses():

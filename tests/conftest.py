@@ -33,23 +33,23 @@ if os.path.basename(_cache) != _capability:  # a nested run inherits the parent'
 if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_available():
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     inductor_config.compile_threads = 1  # read at import, which came before this line
-# The longest tests start first (seconds of one worker, 2026-11-23/24; AVX2, a cold inductor cache): pytest-xdist
-# hands tests out in collection order, so one that starts late keeps its worker busy long after the other has finished
-# (the pipeline test alone is over a quarter of a worker's time). Longest first is the classic remedy.
+# The longest tests start first (seconds of one worker in the suite, 2026-11-27, AVX-512, a cold inductor cache; "->":
+# since trimmed, less the saving measured alone): pytest-xdist hands tests out in collection order, so one that starts
+# late keeps its worker busy long after the other has finished. Longest first is the classic remedy.
 LONGEST_FIRST = (
-    "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 169
-    "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 80 (inductor, cold)
-    "tests/test_compiled.py::test_compiled_training_agrees_with_eager",  # 70 (inductor)
-    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 64 (2026-11-25, alone)
-    "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 48
-    "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 42
-    "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 41
-    "tests/test_compiled.py::test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients[grpo_grad_worker]",  # 40
-    "tests/test_compiled.py::test_ragged_steps_add_no_graphs_after_warm_up",  # 34
-    "tests/test_nanochat_vintages.py::test_grpo_two_ranks_match_one_rank_on_ragged_prompts",  # 33
-    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 31
-    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 28
-    "tests/test_pipeline.py::test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts",  # 23
+    "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 104
+    "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 126 -> 106 (inductor)
+    "tests/test_compiled.py::test_compiled_training_agrees_with_eager",  # 94 (inductor)
+    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 78 (inductor)
+    "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 48
+    "tests/test_compiled.py::test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients",  # 29 + 28 -> ~47
+    "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 38
+    "tests/test_compiled.py::test_compiled_llama_trains_at_new_lengths_as_eager",  # 36 (inductor)
+    "tests/test_pipeline.py::test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts",  # 28
+    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 27
+    "tests/test_pipeline.py::test_the_density_experiment_on_a_model_runs_both_dpo_arms_and_reports_by_kind",  # 26
+    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 25
+    "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 22
 )
 
 
@@ -158,16 +158,23 @@ def assets(tmp_path_factory) -> dict[str, Path]:
             "gpt_small_vocab": d / "gpt_small_vocab", "hf": d / "hf", "pairs": d / "pairs.jsonl"}
 
 
-def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
-               timeout: float = 300, max_restarts: int = 0) -> subprocess.CompletedProcess:
-    """Run `python -m scripts.X` (nproc 1) or `torchrun --standalone --nproc_per_node N --max-restarts R -m scripts.X
-    --`."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+def launcher(nproc: int, torchrun: bool = False, max_restarts: int = 0) -> list[str]:
+    """How `nproc` ranks start: plain python for one; torchrun where the test reads what its agent does (restarts, its
+    summary of a failed rank), else tests/workers/launch.py, torchrun's environment without its agent (a launch ~2 s
+    of CPU cheaper)."""
     if nproc == 1:
-        cmd = [sys.executable, "-m", module, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               f"--max-restarts={max_restarts}", "-m", module, "--", *args]
+        return [sys.executable]
+    if torchrun or max_restarts or os.environ.get("NANOCHAT_TEST_TORCHRUN") == "1":  # 1: torchrun everywhere
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                f"--max-restarts={max_restarts}"]
+    return [sys.executable, str(REPO / "tests" / "workers" / "launch.py"), str(nproc)]
+
+
+def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
+               timeout: float = 300, max_restarts: int = 0, torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher())."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
+    cmd = [*launcher(nproc, torchrun, max_restarts), "-m", module, *(["--"] if nproc > 1 else []), *args]
     return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -177,10 +184,8 @@ def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...],
     into each of n_micros micro-batches in turn, and load what rank 0 saved: {n_micro: results}. env: added
     to the workers' environment."""
     path = str(REPO / "tests" / "workers" / f"{worker}.py")
-    launcher = [sys.executable] if nproc == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                                     f"--nproc_per_node={nproc}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run([*launcher, path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*launcher(nproc), path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     return torch.load(out, weights_only=True)

@@ -59,9 +59,9 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
                                 "        os.write(fd, b'{\"step\": 1, \"value\": [\"bool\", true]}\\n')\n"
                                 "    except OSError:\n        pass\nos._exit(0)", "add(2, 3) gave True"),
     "reading stdin": ("data = input()\n" + SOLVED, "the code raised EOFError"),
-    "an output flood": ("import sys\nfor _ in range(30):\n    sys.stdout.write('x' * (10 << 20))\n"
-                        "    sys.stderr.write('y' * (10 << 20))\n" + SOLVED + "\nadd = lambda a, b: 0",
-                        "add(2, 3) gave 0"),
+    "an output flood": ("import sys\nfor _ in range(10):\n    sys.stdout.write('x' * (5 << 20))\n"
+                        "    sys.stderr.write('y' * (5 << 20))\n" + SOLVED + "\nadd = lambda a, b: 0",
+                        "add(2, 3) gave 0"),  # 100 MB here; 600 MB and the caller's memory: a test below
     "killing its own group": ("import os, signal\nos.killpg(os.getpgid(0), signal.SIGKILL)", "killed by SIGKILL"),
     "killing its parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\ndef add(a, b):\n    return 0",
                            "add(2, 3) gave 0"),
@@ -202,13 +202,21 @@ def test_the_callers_memory_stays_bounded_whatever_the_code_writes():
 def test_the_sealed_code_sees_its_own_directory_and_no_process_outside():
     """Its cwd, $HOME and /tmp are its own; of the project only the Python installation shows; /dev holds five
     devices; pid 1 is its init and no process outside shows."""
+    host = Path("/tmp") / f"{MARK}-host"
+    host.write_text("the host's /tmp")
     asked = ["os.getcwd()", "sorted(p for p in os.listdir('/proc') if p.isdigit())", "os.listdir('/tmp')",
              "os.getppid()", "os.listdir(os.path.expanduser('~'))", "sorted(os.listdir('/dev'))",
              f"os.path.isdir({str(REPO)!r}) and 'README.md' in os.listdir({str(REPO)!r})"]
-    run = sandbox.run("import os\nopen('mine', 'w').write('x')", [("value", a, a) for a in asked],
-                      sandbox.Limits(seconds=LIMIT))
-    assert run.values == {1: "/tmp", 2: ["1", "2"], 3: ["mine"], 4: 1, 5: ["mine"], 6: sorted(sandbox_child.DEVICES),
-                          7: False}, run
+    try:
+        run = sandbox.run("import os\nopen('mine', 'w').write('x')", [("value", a, a) for a in asked],
+                          sandbox.Limits(seconds=LIMIT))
+    finally:
+        host.unlink()
+    # /tmp holds what it wrote (and where this checkout lies under /tmp, its Python's directories, read-only)
+    tmp = run.values.pop(3)
+    assert "mine" in tmp and host.name not in tmp and run.values == {1: "/tmp", 2: ["1", "2"], 4: 1, 5: ["mine"],
+                                                           6: sorted(sandbox_child.DEVICES), 7: False}, run
+    assert not run.errors
 
 
 def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):

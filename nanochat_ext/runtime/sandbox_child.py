@@ -287,6 +287,8 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # any directory: this mount namespace is ours
     mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
+    os.makedirs(root + WORK)  # first: a shown path under /tmp (a clone's .venv) is bound inside it, not hidden by it
+    mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},mode=0700")
     binds = [(p, None) for p in SYSTEM if os.path.isdir(p) and not os.path.islink(p)]
     binds += [(p, fd) for p, fd in shown if not any(p.startswith(s + "/") for s, _ in binds)]
     for path in SYSTEM:
@@ -303,8 +305,6 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
         open(f"{root}/dev/{name}", "w").close()
         mount(f"/dev/{name}", f"{root}/dev/{name}", None, MS_BIND)
     os.makedirs(root + "/proc")
-    os.makedirs(root + WORK)
-    mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},mode=0700")
     mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID)
     for _, fd in shown:
         os.close(fd)

@@ -336,6 +336,6 @@ def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, t
     eager, or fp32 compiled: exactly 0; any other reference: ~1)."""
     # --val_ratio 0: no held-out prompts, so no final evaluation (not checked here), whose greedy decoding would
     # compile the decode step a second time (~20 s of the test's ~125 on 2 cores)
-    starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",
+    starts_at_its_reference_and_merges_onto_the_source(assets["gpt"], assets["pairs"], tmp_path / "lora",
                                                        "--device", "cpu", "--dtype", "bfloat16", "--compile", "1",
                                                        "--val_ratio", "0")

@@ -4,39 +4,95 @@ ranks use it, since the agent process costs ~2 s of CPU a launch (it imports tor
 Tests of what the agent does (restarts, its error files and summary) launch torchrun itself.
 
     python tests/workers/launch.py N -m scripts.kat_train_rm -- ARGS...
+    python tests/workers/launch.py N tests/workers/grad_workers.py ARGS...
 
-The standard library only. As torchrun does, the first rank that fails ends the others, and its exit code is the
-launch's (torchrun's own is 1 with a summary: the tests that read it use torchrun).
+The command's imports (torch, the package, the script's module) are made once, here, and each rank is a fork of this
+process that then runs the command as `python` would run it: importing torch is ~1.7 s of CPU a process, which each
+rank would otherwise pay again. The ranks are still separate processes in their own process group with their own
+gloo connections; nothing has run in this process before the forks but imports (no thread pool started, no
+collective), so a rank starts as a fresh interpreter would, but for import time. As torchrun does, the first rank
+that fails ends the others, and its exit code is the launch's (torchrun's own is 1 with a summary: the tests that
+read it use torchrun).
 """
+import importlib
 import os
+import runpy
 import socket
-import subprocess
 import sys
 import time
+import traceback
+
+
+def preimport(command: list[str]) -> None:
+    """Import what the ranks will: torch and, for `-m module`, the module's own imports (the module itself is then run
+    afresh as __main__ in each rank). A failing import is left for the ranks to report, as `python` would."""
+    try:
+        import torch  # noqa: F401
+        if command[0] == "-m":
+            importlib.import_module(command[1])
+            sys.modules.pop(command[1])  # run as __main__ in each rank, not this copy
+    except BaseException:
+        pass
+
+
+def run_rank(rank: int, n: int, port: int, command: list[str]) -> None:
+    """In the forked rank: torchrun's environment, then the command as `python -m module args` or `python path args`
+    runs it; the script's own sys.exit is the rank's exit code, an exception's traceback is printed and exits 1."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
+                       "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    if command[0] == "-m":
+        sys.argv = [command[1], *command[2:]]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = command
+        sys.path[0] = os.path.dirname(os.path.abspath(command[0]))
+        runpy.run_path(command[0], run_name="__main__")
+    sys.exit(0)
 
 
 def main(n: int, command: list[str]) -> int:
+    preimport(command)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = [subprocess.Popen([sys.executable, *command], env={
-        **os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
-        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}) for r in range(n)]
-    while True:
-        codes = [p.poll() for p in ranks]
-        failed = [c for c in codes if c not in (None, 0)]
-        if failed or all(c == 0 for c in codes):
-            break
-        time.sleep(0.02)
-    for p in ranks:
-        if p.poll() is None:
-            p.terminate()
-    for p in ranks:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = []
+    for rank in range(n):
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run_rank(rank, n, port, command)
+            except SystemExit:
+                raise
+            except BaseException:
+                traceback.print_exc()
+                sys.stderr.flush()
+                os._exit(1)
+        ranks.append(pid)
+    codes: dict[int, int] = {}
+    failed = []
+    while len(codes) < n and not failed:
+        pid, status = os.wait()
+        if pid in ranks:
+            codes[pid] = os.waitstatus_to_exitcode(status)
+            if codes[pid] != 0:
+                failed.append(codes[pid])
+    for pid in ranks:
+        if pid not in codes:
+            os.kill(pid, 15)
+    deadline = time.monotonic() + 30
+    for pid in ranks:
+        if pid in codes:
+            continue
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.02)
+        else:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
     return failed[0] if failed else 0
 
 

@@ -1,11 +1,18 @@
-"""Docs that cannot rot: every script command in README.md and docs/ uses only flags its script has, and every variable
-speedrun.sh reads is in the pipeline page's table of knobs."""
+"""Docs that cannot rot: every script command in README.md and docs/ uses only flags its script has, every variable
+speedrun.sh reads is in the pipeline page's table of knobs, and the README's hand-run stage resumes as it says."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import re
+import shlex
+import shutil
+import subprocess
+import sys
 
-from conftest import REPO
+from conftest import REPO, run_script
+from nanochat_ext.data.batching import read_pairs
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 STAGE_ARGS = {"SFT_ARGS": "kat_sft", "RM_ARGS": "kat_train_rm", "GRPO_ARGS": "kat_train_grpo",
@@ -72,3 +79,48 @@ def test_every_link_between_the_docs_resolves():
             if "://" not in target and not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(REPO)} -> {target}")
     assert not broken, broken
+
+
+def readme_command(module: str) -> list[str]:
+    """The flags the README's hand-run stage `module` is given (after torchrun's `--`), its lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (REPO / "README.md").read_text())
+    line = next(line for line in text.splitlines() if f"-m scripts.{module} -- " in line)
+    return shlex.split(line.split(f"-m scripts.{module} -- ", 1)[1])
+
+
+def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_command(assets, tmp_path):
+    """The README's stage 2 as written (`--backbone sft:d20` from a nanochat base dir, its density weights, --unfreeze_last
+    2, no --save_every), at 60 steps of 8 pairs where it says 500 of 256 and on one process where it says 8: SIGKILLed
+    in step 40 (tests/workers/die_at.py: no cleanup), it has its step-25 checkpoint (the default --save_every, a tenth of
+    the run but at least 25 steps); the same command resumes there and finishes; run again, it trains nothing."""
+    base = tmp_path / "base"
+    shutil.copytree(assets["gpt"], base / "chatsft_checkpoints" / "d20")
+    shutil.copytree(assets["tokenizer"], base / "tokenizer")
+    shutil.copy(assets["pairs"], tmp_path / "pairs.jsonl")
+    (base / "density").mkdir()
+    prompts = {row.prefix_id for row in read_pairs(str(assets["pairs"]), None, 0.0)[0]}
+    (base / "density" / "weights.jsonl").write_text("".join(json.dumps({"prefix_id": p, "weight": 1.0 + i % 3}) + "\n"
+                                                            for i, p in enumerate(sorted(prompts))))
+    args = [a.replace("$B", str(base)) for a in readme_command("kat_train_rm")]
+    assert "--save_every" not in args and args[args.index("--backbone") + 1] == "sft:d20"
+    for stage in ("kat_train_rm", "kat_train_grpo", "kat_train_dpo"):  # every hand-run training stage resumes
+        flags = readme_command(stage)
+        assert flags[flags.index("--resume") + 1] == "latest", stage
+    args[args.index("--batch_size") + 1], args[args.index("--max_steps") + 1] = "8", "60"
+    args[args.index("--pairs") + 1] = str(tmp_path / "pairs.jsonl")
+    env = {"NANOCHAT_BASE_DIR": str(base)}
+    killed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "die_at.py"), "kat_train_rm",
+                             "0:step:40", *args], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
+                            capture_output=True, text=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert "checkpoint: every 25 steps and at the end" in killed.stdout
+    resumed = run_script("scripts.kat_train_rm", args, env=env)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert re.search(r"resume: from \S+ at step 25\n", resumed.stdout), resumed.stdout
+    final = resumed.stdout.strip().splitlines()[-1]
+    model = base / "rm_checkpoints" / "density" / final.rsplit("/", 1)[-1]
+    assert final == f"checkpoint: {model}"
+    assert json.loads(model.with_name(model.name.replace("model_", "meta_")[:-3] + ".json").read_text())["step"] == 60
+    again = run_script("scripts.kat_train_rm", args, env=env)
+    assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
+    assert again.stdout.strip().splitlines()[-1] == final

@@ -26,6 +26,16 @@ from nanochat_ext.training.setup import ModelTraining
 from nanochat_ext.training.tracking import Tracker, WindowSums, report_targets
 
 DEFAULT_MAX_STEPS = 100
+# --save_every where not given: a tenth of the run, so that a crash (not a SIGTERM, which saves) loses at most a tenth,
+# within TRL's default of every 500 steps, and not more often than every 25 (a short run saves only at its end).
+SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST = 25, 500
+
+
+def save_every(given: int | None, max_steps: int) -> int:
+    """--save_every: as given, else a tenth of max_steps (rounded up) within [SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST]."""
+    if given is not None:
+        return given
+    return min(SAVE_EVERY_AT_MOST, max(SAVE_EVERY_AT_LEAST, -(-max_steps // 10)))
 
 
 @dataclass(frozen=True)
@@ -62,8 +72,10 @@ class OutputConfig:
     """Where a run writes its checkpoints and logs, how often, and the run it continues."""
     out: str | None = option(None, "checkpoint dir (default: $NANOCHAT_BASE_DIR/{stage_dir}/<tag>)")
     tag: str | None = option(None, "output tag (default: {tag})")
-    save_every: int = option(0, "also checkpoint every N steps (0: only at the end)", type=int,
-                             check=(EVERY[0], ">= 0 (0: only at the end)"))
+    save_every: int | None = option(None, "also checkpoint every N steps (default: a tenth of --max_steps, at least "
+                                          f"{SAVE_EVERY_AT_LEAST} and at most {SAVE_EVERY_AT_MOST} steps, so that a "
+                                          "crash loses at most that; 0: only at the end)", type=int,
+                                    check=(EVERY[0], ">= 0 (0: only at the end)"))
     keep_last: int = option(2, KEEP_LAST_HELP, metavar="N", type=int,
                             check=(NON_NEGATIVE[0], ">= 0 (0: keep every checkpoint)"))
     resume: str | None = option(None, RESUME_HELP)
@@ -127,6 +139,10 @@ class Loop:
         self.out_dir, self.log_dir, self.flags = out_dir, log_dir, flags
         self.env, self.progress = session.env, session.progress
         self.progress.out_dir, self.progress.max_steps = out_dir, cfg.max_steps
+        self.save_every = save_every(out.save_every, cfg.max_steps)
+        if out.save_every is None and self.save_every < cfg.max_steps:
+            print0(f"checkpoint: every {self.save_every} steps and at the end (--save_every: a tenth of --max_steps "
+                   f"{cfg.max_steps}, at least {SAVE_EVERY_AT_LEAST}, at most {SAVE_EVERY_AT_MOST})")
         self.metrics: dict = {}  # the latest logged and evaluated metrics, recorded in each checkpoint's meta
         self.final: Path | None = None  # the final checkpoint, once written
         # seconds in training so far, evaluations left out (perf/train_time_s): counted up to t_count at every log,
@@ -137,7 +153,11 @@ class Loop:
         self.method: Method | None = None  # run()'s
 
     def run(self, method: Method) -> Path:
-        """Collective: train from the step the model starts at to cfg.max_steps; the final checkpoint's path."""
+        """Collective: train from the step the model starts at to cfg.max_steps; the final checkpoint's path. A run
+        resumed at its last step is over: its checkpoint stands (a stage re-run with --resume latest writes nothing)."""
+        if self.training.resumed_from is not None and self.done == self.cfg.max_steps:
+            print0(f"resume: the run ended at step {self.done} (--max_steps): nothing to train")
+            return self.training.resumed_from
         self.start(method)
         for step in range(self.training.start_step, self.cfg.max_steps):
             self.done = step + 1
@@ -211,7 +231,7 @@ class Loop:
             if self.guard.stop:
                 self.tracker.close()
                 raise Interrupted(self.done, self.save(self.done))
-            if due(self.done, self.out.save_every):
+            if due(self.done, self.save_every):
                 print0(f"checkpoint: {self.save(self.done)}")
         self.progress.done = self.done  # a save is still part of its step for the line naming a lost rank
 

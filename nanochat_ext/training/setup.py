@@ -88,6 +88,7 @@ class ModelTraining:
         # this run's --lr per group, before a resumed optimizer state brings the saved run's (--resume_extend)
         self.base_lrs = [g.get("initial_lr", g["lr"]) for g in self.optimizer.param_groups]
         self.start_step, self.train_time, self.resumed = 0, 0.0, {}
+        self.resumed_from: Path | None = None  # the checkpoint resumed, if any
 
     def _resume(self, resume: tuple | None, checks: Checks) -> None:
         """Collective: continue from `resume` (resolve_resume's choice; None: from scratch) if this run's flags are the
@@ -101,7 +102,7 @@ class ModelTraining:
             self.load_whole(state, path)
             self.optimizer.load_state_dict(state["optimizer"])
         self.start_step, self.train_time = int(state["step"]), float(state.get("train_time_s", 0.0))
-        self.resumed = state
+        self.resumed, self.resumed_from = state, Path(path)
         print0(f"resume: from {path} at step {self.start_step}" + (f" (draw {state['draw']})" if "draw" in state
                                                                     else ""))
 

@@ -46,26 +46,32 @@ DEFAULTS: dict[str, tuple[Any, Any, Any, Any]] = {
 
 MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac "
                 "(0.05)")
+# The optimizer and schedule flags a trainer has, as the shared help names them: SFT and the RM have neither
+# --optimizer nor --lr_decay, DPO and GRPO both.
+ADAMW_ONLY = {"muon_wd": "", "schedule_flags": "--max_steps, --lr or --warmup_steps"}
+SCHEDULED = {"muon_wd": " (the matrices' under --optimizer muon)",
+             "schedule_flags": "--max_steps, --lr, --warmup_steps or --lr_decay"}
 # Each trainer's words in the help the configs share ({unit} and the like in an option's help).
 WORDS: dict[str | None, dict[str, str]] = {
     "sft": {"unit": "conversations", "micro_unit": "conversations", "model": "model", "steps": "optimizer steps",
             "max_steps": "%(default)s", "epochs": "", "seeds": "", "responses": "replies", "at_most": "",
             "val_ratio": "", "stage_dir": "chatsft_checkpoints", "tag": "'default'", "lr": "2e-5, TRL's",
-            "muon_lr": ""},
+            "muon_lr": "", **ADAMW_ONLY},
     "rm": {"unit": "pairs", "micro_unit": "pairs", "model": "backbone", "steps": "optimizer steps",
            "max_steps": "%(default)s", "epochs": "", "seeds": " and head init", "responses": "responses",
            "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "rm_checkpoints",
-           "tag": "'density' with --density, else 'uniform'", "lr": "3e-3", "muon_lr": ""},
+           "tag": "'density' with --density, else 'uniform'", "lr": "3e-3", "muon_lr": "", **ADAMW_ONLY},
     "dpo": {"unit": "pairs", "micro_unit": "pairs", "model": "policy", "steps": "optimizer steps",
             "max_steps": "--num_epochs's, else 100", "epochs": "", "seeds": "", "responses": "responses",
             "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "dpo_checkpoints",
-            "tag": "'density' with --density, else 'uniform'", "lr": "1e-6, TRL's", "muon_lr": MUON_LR_HELP},
+            "tag": "'density' with --density, else 'uniform'", "lr": "1e-6, TRL's", "muon_lr": MUON_LR_HELP,
+            **SCHEDULED},
     "grpo": {"unit": "prompts", "micro_unit": "sequences", "model": "policy", "steps": "rollout steps",
              "max_steps": "--num_epochs's, else 100", "epochs": " (steps' worth of batches: dynamic sampling may draw "
                                                           "more)", "seeds": " and sampling", "responses": "completions",
              "at_most": "", "val_ratio": " where no --eval_prompts", "stage_dir": "chatrl_checkpoints",
              "tag": "'density' with --density, else 'uniform' (--preset chat_rl: d<depth>)", "lr": "1e-6, TRL's",
-             "muon_lr": MUON_LR_HELP},
+             "muon_lr": MUON_LR_HELP, **SCHEDULED},
     None: {"model": "model"},
 }
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from conftest import REPO, run_script
+from scripts.kat_docs import SCRIPTS
 from nanochat_ext.data.batching import read_pairs
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
@@ -124,3 +125,21 @@ def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_comm
     again = run_script("scripts.kat_train_rm", args, env=env)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
     assert again.stdout.strip().splitlines()[-1] == final
+
+
+# Flags a script's help names that belong to another program, each with its owner.
+FOREIGN_FLAGS = {"--max-restarts": "torchrun", "--init-lr-frac": "nanochat's chat_rl.py",
+                 "--val_ratio": "the trainers (kat_eval --eval_holdout holds out what they held out)"}
+
+
+def test_every_flag_a_scripts_help_names_is_one_it_has():
+    """An option's help names only its own script's flags (or another program's, FOREIGN_FLAGS): the trainers share
+    help texts, which named --optimizer and --lr_decay in kat_sft and kat_train_rm, which have neither."""
+    wrong = []
+    for script in SCRIPTS:
+        parser = importlib.import_module(f"scripts.{script}").flags()
+        for action in parser._actions:
+            named = re.findall(r"(?<![\w-])(--[a-z][\w-]*[a-z0-9])", action.help or "")
+            wrong += [f"{script} {action.option_strings[0]}: names {flag}" for flag in named
+                      if flag not in accepted(script) and flag not in FOREIGN_FLAGS]
+    assert not wrong, wrong

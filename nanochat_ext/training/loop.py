@@ -79,16 +79,15 @@ class OutputConfig:
     keep_last: int = option(2, KEEP_LAST_HELP, metavar="N", type=int,
                             check=(NON_NEGATIVE[0], ">= 0 (0: keep every checkpoint)"))
     resume: str | None = option(None, RESUME_HELP)
-    resume_extend: bool = option(False, "let --resume change --max_steps, --lr, --warmup_steps or --lr_decay (the "
-                                        "schedule is "
-                                        "recomputed from the new values; without this flag a changed schedule is "
-                                        "refused)", action="store_true")
+    resume_extend: bool = option(False, "let --resume change {schedule_flags} (the schedule is recomputed from the "
+                                        "new values; without this flag a changed schedule is refused)",
+                                 action="store_true")
     skip_nonfinite: int = option(0, "skip up to N steps whose loss or gradient is NaN/inf, logged (0: stop at the "
                                     "first, with nothing saved)", type=int, check=NON_NEGATIVE)
     log_dir: str | None = option(None, "TensorBoard + metrics.jsonl dir (default: <out>/logs)")
     report_to: str = option("tensorboard", "where rank 0 sends the scalars besides <log_dir>/metrics.jsonl: "
-                                           "tensorboard, wandb (the wandb library, installed apart; WANDB_MODE=offline "
-                                           "works), both as 'tensorboard,wandb', or none")
+                                           "tensorboard, wandb (requirements.txt pins it; WANDB_MODE=offline works), "
+                                           "both as 'tensorboard,wandb', or none")
     wandb_project: str | None = option(None, "wandb project (default: $WANDB_PROJECT, else nanochat_ext)")
     consolidate: str | None = option(None, "with --resume: write the checkpoint resumed from (a sharded one too) "
                                            "whole, in the input's own layout, into DIR, and stop without training",

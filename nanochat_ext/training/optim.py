@@ -31,7 +31,7 @@ class OptimConfig:
     warmup_steps: int = option(0, "linear warmup steps before the decay", check=NON_NEGATIVE, type=int)
     lr_decay: str = option("cosine", "after the warmup: cosine to 0.1x, or linear to 0 as nanochat's chat_rl",
                            choices=LR_DECAYS)
-    weight_decay: float = option(0.0, "AdamW's decoupled weight decay (the matrices' under --optimizer muon)",
+    weight_decay: float = option(0.0, "AdamW's decoupled weight decay{muon_wd}",
                                  check=FINITE_NON_NEGATIVE, type=float)
     grad_clip: float = option(1.0, "clip the global grad norm to this (0: off)", type=float,
                               check=(FINITE_NON_NEGATIVE[0], "a finite number >= 0 (0: off)"))

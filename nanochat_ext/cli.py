@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nanochat_ext.algorithms.rm import RM_LRS
 from nanochat_ext.config import check_config
 from nanochat_ext.data.batching import BatchConfig
 from nanochat_ext.data.rows import DataConfig
@@ -44,6 +45,9 @@ DEFAULTS: dict[str, tuple[Any, Any, Any, Any]] = {
     "max_len":          (None,     None,     None,     NO),
 }
 
+RM_LR_HELP = (f"by what trains: {RM_LRS['head']:g} for the head alone (and LoRA), {RM_LRS['blocks']:g} with "
+              f"--unfreeze_last N, {RM_LRS['all']:g} with all; measured on SmolLM2-135M-Instruct, "
+              "docs/reward_models.md#learning-rate")
 MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac "
                 "(0.05)")
 # The optimizer and schedule flags a trainer has, as the shared help names them: SFT and the RM have neither
@@ -60,7 +64,7 @@ WORDS: dict[str | None, dict[str, str]] = {
     "rm": {"unit": "pairs", "micro_unit": "pairs", "model": "backbone", "steps": "optimizer steps",
            "max_steps": "%(default)s", "epochs": "", "seeds": " and head init", "responses": "responses",
            "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "rm_checkpoints",
-           "tag": "'density' with --density, else 'uniform'", "lr": "3e-3", "muon_lr": "", **ADAMW_ONLY},
+           "tag": "'density' with --density, else 'uniform'", "lr": RM_LR_HELP, "muon_lr": "", **ADAMW_ONLY},
     "dpo": {"unit": "pairs", "micro_unit": "pairs", "model": "policy", "steps": "optimizer steps",
             "max_steps": "--num_epochs's, else 100", "epochs": "", "seeds": "", "responses": "responses",
             "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "dpo_checkpoints",
@@ -237,12 +241,13 @@ class Configs:
     lora: LoraConfig
 
 
-def configs(args: argparse.Namespace, trainer: str) -> Configs:
-    """`trainer`'s shared configs from its flags: one line for a flag out of range or a combination none can train."""
+def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = None) -> Configs:
+    """`trainer`'s shared configs from its flags: one line for a flag out of range or a combination none can train.
+    adamw_lr: --lr where not given, if the trainer's default depends on other flags (the RM's on what trains)."""
     model, out = config(ModelConfig, args), config(OutputConfig, args)
     out.check()
     lora = config(LoraConfig, args).resolved(model.parallel)
-    optim = config(OptimConfig, args).with_lr(DEFAULTS["lr"][TRAINERS.index(trainer)])
+    optim = config(OptimConfig, args).with_lr(adamw_lr or DEFAULTS["lr"][TRAINERS.index(trainer)])
     check_optimizer(optim.optimizer, bool(lora.lora_r), model.parallel)
     return Configs(model, config(DataConfig, args), config(BatchConfig, args), optim, config(LoopConfig, args), out,
                    lora)

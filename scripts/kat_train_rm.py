@@ -41,10 +41,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:
-    env, c = session.env, configs(args, "rm")
-    seed_everything(args.seed)
     pairs_cfg, rm = config(PairsConfig, args), config(RMConfig, args)
     rm.check()
+    env, c = session.env, configs(args, "rm", adamw_lr=rm.default_lr(bool(args.lora_r)))
+    seed_everything(args.seed)
+    if warning := rm.lr_warning(c.optim.lr, args.lr is not None, bool(args.lora_r)):
+        print0(warning)
     out_dir, log_dir = c.out.dirs("rm_checkpoints", "density" if c.data.density else "uniform")
 
     # ---- inputs, checked before anything is trained or written --------------------------------------------

@@ -16,6 +16,7 @@ from nanochat_ext.runtime import oom
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.training import memory
+from nanochat_ext.algorithms.rm import RM_LRS
 from scripts import kat_train_rm
 
 
@@ -31,7 +32,8 @@ def newest(d):
 
 def test_learns_a_preference_and_scores_it(assets, tmp_path):
     out = tmp_path / "rm"
-    assert kat_train_rm.main(base_args(assets, out, "--max_steps", "40", "--unfreeze_last", "1")) == 0
+    # 3e-3: the tiny random backbone learns at the head's rate (the default for blocks is set for a real model)
+    assert kat_train_rm.main(base_args(assets, out, "--max_steps", "40", "--unfreeze_last", "1", "--lr", "3e-3")) == 0
     meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
     assert meta["kind"] == "reward_model" and meta["step"] == 40
     assert meta["metrics"]["val/accuracy"] >= 0.9, meta["metrics"]
@@ -44,6 +46,25 @@ def test_learns_a_preference_and_scores_it(assets, tmp_path):
     # TensorBoard events and metrics.jsonl on rank 0.
     assert list((out / "logs").glob("events.out.tfevents.*"))
     assert "val/accuracy" in (out / "logs" / "metrics.jsonl").read_text()
+
+
+def test_the_default_lr_follows_what_trains_and_a_far_higher_one_is_warned_about(assets, tmp_path, capsys):
+    """--lr where not given: the head's rate for the head alone and LoRA, lower ones for blocks and for all (RM_LRS, from
+    bench/rm_lr_sweep.sh); the checkpoint records the rate the run used. A given --lr 10x or more above the rate for
+    what trains is one warning line; one below it, none."""
+    runs = {"head": (), "lora": ("--lora_r", "4"), "blocks": ("--unfreeze_last", "1"), "all": ("--unfreeze_last", "all")}
+    for mode, flags in runs.items():
+        out = tmp_path / mode
+        assert kat_train_rm.main(base_args(assets, out, "--max_steps", "1", *flags)) == 0
+        meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_")[:-3] + ".json").read_text())
+        assert meta["args"]["lr"] == RM_LRS["head" if mode == "lora" else mode], mode
+    assert RM_LRS["head"] > RM_LRS["blocks"] > RM_LRS["all"]
+    capsys.readouterr()
+    for lr, warned in ((RM_LRS["blocks"] * 10, True), (RM_LRS["blocks"] * 5, False)):
+        assert kat_train_rm.main(base_args(assets, tmp_path / f"given_{lr}", "--max_steps", "1", "--unfreeze_last", "1",
+                                           "--lr", str(lr))) == 0
+        said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --lr")]
+        assert len(said) == warned and (not warned or "trains the last 1 block at 10x the default" in said[0]), said
 
 
 def test_resume_continues_exactly(assets, tmp_path):

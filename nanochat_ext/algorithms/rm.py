@@ -26,6 +26,14 @@ from nanochat_ext.training.setup import RewardModelTraining
 from nanochat_ext.training.tracking import Tracker, WindowSums
 
 
+# The RM's AdamW --lr where not given, by what trains (bench/rm_lr_sweep.sh on SmolLM2-135M-Instruct, the sweep in
+# docs/reward_models.md#learning-rate): the head alone learned best at 3e-3, which makes trained blocks diverge.
+# LoRA's adapters train at the head's rate, as before the sweep (not swept).
+RM_LRS = {"head": 3e-3, "blocks": 1e-4, "all": 1e-5}
+# An --lr given at this many times the default for what trains gets a warning: the sweep's cliff lies below it.
+RM_LR_WARN_FACTOR = 10
+
+
 @dataclass(frozen=True)
 class RMConfig:
     """What trains of the reward model besides its head."""
@@ -34,6 +42,25 @@ class RMConfig:
     def check(self) -> None:
         if self.unfreeze_last != "all" and not self.unfreeze_last.isdigit():
             raise InputError("--unfreeze_last must be a number of blocks or 'all'")
+
+    def trains(self, lora: bool) -> str:
+        """What the run trains besides the head, as RM_LRS names it: 'head', 'blocks', 'all' (LoRA: 'head')."""
+        if lora or self.unfreeze_last == "0":
+            return "head"
+        return "all" if self.unfreeze_last == "all" else "blocks"
+
+    def default_lr(self, lora: bool) -> float:
+        return RM_LRS[self.trains(lora)]
+
+    def lr_warning(self, lr: float, given: bool, lora: bool) -> str | None:
+        """One line where a given --lr is far above the measured rate for what trains, else None."""
+        trains = self.trains(lora)
+        if not given or trains == "head" or lr < RM_LR_WARN_FACTOR * RM_LRS[trains]:
+            return None
+        blocks = f"the last {self.unfreeze_last} block" + ("" if self.unfreeze_last == "1" else "s")
+        return (f"warning: --lr {lr:g} trains {'every block' if trains == 'all' else blocks} "
+                f"at {lr / RM_LRS[trains]:.0f}x the default for them ({RM_LRS[trains]:g}); on SmolLM2 the reward model "
+                f"diverged well below that (docs/reward_models.md#learning-rate)")
 
 RM_STATS = ("loss", "correct", "margin", "pairs", "tokens", "computed")  # what rm_backward returns, in order
 

@@ -38,9 +38,9 @@ if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_avail
 # late keeps its worker busy long after the other has finished. Longest first is the classic remedy.
 LONGEST_FIRST = (
     "tests/test_pipeline.py::test_density_experiment_end_to_end_skips_and_resumes",  # 104
-    "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 126 -> 106 (inductor)
+    "tests/test_lora.py::test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges",  # 119 (inductor)
     "tests/test_compiled.py::test_compiled_training_agrees_with_eager",  # 94 (inductor)
-    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 78 (inductor)
+    "tests/test_compiled.py::test_compiled_step_one_starts_at_its_reference_and_old_policy",  # 95 -> 56 (inductor)
     "tests/test_bench.py::test_the_gpu_command_runs_at_a_tiny_shape_on_cpu",  # 48
     "tests/test_compiled.py::test_compiled_blocks_on_two_ranks_give_one_eager_ranks_gradients",  # 29 + 28 -> ~47
     "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 38

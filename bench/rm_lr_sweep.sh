@@ -10,8 +10,8 @@ source scripts/setup_env.sh
 MODEL_DIR="${MODEL_DIR:?the converted SmolLM2 dir (MODEL=smollm2 bash speedrun.sh makes it)}"
 WORK="${WORK:-$(mktemp -d)}"
 OUT="${OUT:-bench/results/rm_lr_sweep_$(date +%F).jsonl}"
-STEPS="${STEPS:-40}"
-BATCH="${BATCH:-16}"
+STEPS="${STEPS:-30}"  # the recorded sweep (bench/results/rm_lr_sweep_2026-11-27.jsonl)
+BATCH="${BATCH:-8}"
 [ -f "$WORK/task/pairs.jsonl" ] || python -m scripts.kat_task_data --task word_arithmetic --out "$WORK/task" --n_train 800
 sweep() {  # mode lr...
     local mode="$1"; shift

@@ -247,7 +247,7 @@ def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = Non
     model, out = config(ModelConfig, args), config(OutputConfig, args)
     out.check()
     lora = config(LoraConfig, args).resolved(model.parallel)
-    optim = config(OptimConfig, args).with_lr(adamw_lr or DEFAULTS["lr"][TRAINERS.index(trainer)])
+    optim = config(OptimConfig, args).with_lr(adamw_lr if adamw_lr is not None else DEFAULTS["lr"][TRAINERS.index(trainer)])
     check_optimizer(optim.optimizer, bool(lora.lora_r), model.parallel)
     return Configs(model, config(DataConfig, args), config(BatchConfig, args), optim, config(LoopConfig, args), out,
                    lora)

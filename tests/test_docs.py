@@ -114,7 +114,7 @@ def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_comm
                              "0:step:40", *args], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
-    assert "checkpoint: every 25 steps and at the end" in killed.stdout
+    assert "save_every: 25 steps, and the end" in killed.stdout
     resumed = run_script("scripts.kat_train_rm", args, env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert re.search(r"resume: from \S+ at step 25\n", resumed.stdout), resumed.stdout

@@ -78,7 +78,7 @@ def grpo_assets(assets, tmp_path_factory):
     rm_dir = d / "rm"
     assert kat_train_rm.main(["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
                               "--pairs", str(assets["pairs"]), "--max_steps", "30", "--batch_size", "16",
-                              "--unfreeze_last", "1", "--max_len", "64", "--eval_every", "0", "--out", str(rm_dir),
+                              "--unfreeze_last", "1", "--lr", "3e-3", "--max_len", "64", "--eval_every", "0", "--out", str(rm_dir),
                               "--device", "cpu"]) == 0
     return {"prompts": prompts, "rm": rm_dir}
 

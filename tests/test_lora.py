@@ -333,7 +333,8 @@ def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, t
     copy of the adapters), compiled blocks and the compiled engine (inductor), LoRA. The reference is the base with
     the adapters off, so step 1's KL is 0 but for bf16 rounding: inductor fuses the training graph and the
     reference's inference graph differently and rounds their bf16 intermediates at other places (measured 6e-7;
-    eager, or fp32 compiled: exactly 0; any other reference: ~1)."""
+    eager, or fp32 compiled: exactly 0; any other reference: ~1). On the classic vintage (one block graph; the CUDA
+    twin, test_cuda.py, runs today's vintage with value embeddings)."""
     # --val_ratio 0: no held-out prompts, so no final evaluation (not checked here), whose greedy decoding would
     # compile the decode step a second time (~20 s of the test's ~125 on 2 cores)
     starts_at_its_reference_and_merges_onto_the_source(assets["gpt"], assets["pairs"], tmp_path / "lora",

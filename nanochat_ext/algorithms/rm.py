@@ -59,8 +59,8 @@ class RMConfig:
             return None
         blocks = f"the last {self.unfreeze_last} block" + ("" if self.unfreeze_last == "1" else "s")
         return (f"warning: --lr {lr:g} trains {'every block' if trains == 'all' else blocks} "
-                f"at {lr / RM_LRS[trains]:.0f}x the default for them ({RM_LRS[trains]:g}); on SmolLM2 the reward model "
-                f"diverged well below that (docs/reward_models.md#learning-rate)")
+                f"at {lr / RM_LRS[trains]:.0f}x the default for them ({RM_LRS[trains]:g}); on SmolLM2 held-out accuracy fell "
+                f"to chance or below at 10x (docs/reward_models.md#learning-rate)")
 
 RM_STATS = ("loss", "correct", "margin", "pairs", "tokens", "computed")  # what rm_backward returns, in order
 

@@ -140,7 +140,7 @@ class Loop:
         self.progress.out_dir, self.progress.max_steps = out_dir, cfg.max_steps
         self.save_every = save_every(out.save_every, cfg.max_steps)
         if out.save_every is None and self.save_every < cfg.max_steps:
-            print0(f"checkpoint: every {self.save_every} steps and at the end (--save_every: a tenth of --max_steps "
+            print0(f"save_every: {self.save_every} steps, and the end (not given: a tenth of --max_steps "
                    f"{cfg.max_steps}, at least {SAVE_EVERY_AT_LEAST}, at most {SAVE_EVERY_AT_MOST})")
         self.metrics: dict = {}  # the latest logged and evaluated metrics, recorded in each checkpoint's meta
         self.final: Path | None = None  # the final checkpoint, once written
@@ -153,8 +153,9 @@ class Loop:
 
     def run(self, method: Method) -> Path:
         """Collective: train from the step the model starts at to cfg.max_steps; the final checkpoint's path. A run
-        resumed at its last step is over: its checkpoint stands (a stage re-run with --resume latest writes nothing)."""
-        if self.training.resumed_from is not None and self.done == self.cfg.max_steps:
+        resumed from its own final checkpoint is over: that stands (a stage re-run with --resume latest writes nothing).
+        Anything else at its last step (shards, another run's checkpoint, a final still to merge) saves its final."""
+        if self.finished():
             print0(f"resume: the run ended at step {self.done} (--max_steps): nothing to train")
             return self.training.resumed_from
         self.start(method)
@@ -173,6 +174,12 @@ class Loop:
         if method.estimate is not None:
             report_peak(self.env.device, method.estimate)
         return self.finish()
+
+    def finished(self) -> bool:
+        """Whether this run resumed its own whole final checkpoint: a file in --out at --max_steps, nothing to merge."""
+        path = self.training.resumed_from
+        return (path is not None and self.done == self.cfg.max_steps and path.is_file() and path.parent == self.out_dir
+                and not self.training.merge_lora)
 
     def start(self, method: Method) -> None:
         """Open the logs (rank 0) and arm the stop guard: the loop begins."""

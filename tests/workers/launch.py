@@ -10,17 +10,22 @@ The command's imports (torch, the package, the script's module) are made once, h
 process that then runs the command as `python` would run it: importing torch is ~1.7 s of CPU a process, which each
 rank would otherwise pay again. The ranks are still separate processes in their own process group with their own
 gloo connections; nothing has run in this process before the forks but imports (no thread pool started, no
-collective), so a rank starts as a fresh interpreter would, but for import time. As torchrun does, the first rank
+collective). Unlike fresh interpreters, the ranks share one string-hash seed (a set of strings iterates alike on
+every rank): the tests that must catch collectives issued in a rank-dependent order run under torchrun
+(NANOCHAT_TEST_TORCHRUN=1 puts every launch there). As torchrun does, the first rank
 that fails ends the others, and its exit code is the launch's (torchrun's own is 1 with a summary: the tests that
 read it use torchrun).
 """
 import importlib
 import os
+import random
 import runpy
 import socket
 import sys
 import time
 import traceback
+
+from nanochat_ext.runtime.sandbox_child import die_with_parent
 
 
 def preimport(command: list[str]) -> None:
@@ -38,10 +43,13 @@ def preimport(command: list[str]) -> None:
 def run_rank(rank: int, n: int, port: int, command: list[str]) -> None:
     """In the forked rank: torchrun's environment, then the command as `python -m module args` or `python path args`
     runs it; the script's own sys.exit is the rank's exit code, an exception's traceback is printed and exits 1."""
+    die_with_parent()  # a launcher killed (a test's timeout) takes its ranks with it, as torchrun's agent does
+    random.seed()  # the parent's state is every rank's after fork: draw afresh, as a new interpreter would
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     if command[0] == "-m":
         sys.argv = [command[1], *command[2:]]
+        sys.path[0] = os.getcwd()  # as `python -m` puts it
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
     else:
         sys.argv = command
@@ -67,8 +75,7 @@ def main(n: int, command: list[str]) -> int:
                 raise
             except BaseException:
                 traceback.print_exc()
-                sys.stderr.flush()
-                os._exit(1)
+                raise SystemExit(1)  # flushes and runs atexit, as python does after an uncaught exception
         ranks.append(pid)
     codes: dict[int, int] = {}
     failed = []

@@ -26,6 +26,7 @@ import json
 import sys
 import time
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -291,7 +292,7 @@ class BlocksNobodyCloses:
         return None
 
 
-def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> list[dict]:
+def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> Iterator[dict]:
     """The rollout engine alone, as GRPO's generation phase runs it: grpo_prompts prompts of prompt_len tokens x
     group_size samples, every row decoding new_tokens (the stop token held back) at temperature 1, bf16 autocast.
     Eager and compiled (--compile auto: both on CUDA, eager on CPU; 0 or 1: that one), each without and with tools
@@ -308,27 +309,36 @@ def bench_decode(shape: str, b: argparse.Namespace, device: torch.device) -> lis
     modes = {"0": [False], "1": [True]}.get(b.compile, [False, True] if device.type == "cuda" else [False])
     never = cfg.vocab_size + 1  # a token id past the vocabulary: sampled by no row
     tools = BlocksNobodyCloses((never, never + 1))
-    out = []
-    for compiled, with_tools in ((c, t) for c in modes for t in (False, True)):
-        engine = Engine(policy, compile=compiled, agent=tools if with_tools else None,
-                        end_check_every=b.end_check_every)
-        runs = []
-        with Clock(device) as clock:
-            for rep in range(b.warmup + b.steps):
-                with autocast_for(device):
-                    engine.generate(prompts, G, sampling, stop, 0, [torch.Generator().manual_seed(i) for i in range(n)])
-                if rep >= b.warmup:
-                    runs.append(engine.last)
-        out.append({"bench": "gpu_decode", "shape": shape,
-                    "engine": f"ours {'compiled' if compiled else 'eager'}{' +tools' if with_tools else ''}",
-                    "rows": n * G, "prompt_len": P, "new_tokens": L, "end_check_every": engine.end_check_every,
-                    **decode_figures(runs, device),
-                    "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
-                    "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb})
-        del engine
-    if b.nanochat_src:
-        out.append(bench_nanochat_engine(shape, policy, b, device))
-    return out
+    # Each row as it is measured, the ones a short GPU lease needs most first: ours eager, nanochat's Engine (the
+    # peer), ours compiled, then the tools rows.
+    for compiled, with_tools in [(c, False) for c in modes] + [(c, True) for c in modes]:
+        yield decode_row(shape, policy, prompts, G, sampling, stop, compiled, tools if with_tools else None, b, device)
+        if b.nanochat_src and (compiled, with_tools) == (modes[0], False):
+            try:  # a peer's source at another commit: its failure is a row, not the end of the rows after it
+                yield bench_nanochat_engine(shape, policy, b, device)
+            except Exception as e:
+                yield {"bench": "gpu_decode", "shape": shape, "engine": "nanochat",
+                       "error": f"{type(e).__name__}: {e}".splitlines()[0]}
+
+
+def decode_row(shape: str, policy: Backbone, prompts: list, G: int, sampling: SamplingConfig, stop: int,
+               compiled: bool, tools, b: argparse.Namespace, device: torch.device) -> dict:
+    """One engine (eager or compiled, with or without tools) generating warmup + steps times: its decode figures."""
+    engine = Engine(policy, compile=compiled, agent=tools, end_check_every=b.end_check_every)
+    runs = []
+    with Clock(device) as clock:
+        for rep in range(b.warmup + b.steps):
+            with autocast_for(device):
+                engine.generate(prompts, G, sampling, stop, 0,
+                                [torch.Generator().manual_seed(i) for i in range(len(prompts))])
+            if rep >= b.warmup:
+                runs.append(engine.last)
+    return {"bench": "gpu_decode", "shape": shape,
+            "engine": f"ours {'compiled' if compiled else 'eager'}{' +tools' if tools else ''}",
+            "rows": len(prompts) * G, "prompt_len": len(prompts[0]), "new_tokens": sampling.max_new_tokens,
+            "end_check_every": engine.end_check_every, **decode_figures(runs, device),
+            "weight_gb": round(runs[-1].weight_bytes / 2**30, 3),
+            "kept_gb": round(engine.kept_bytes() / 2**30, 3), "peak_mem_gb": clock.peak_gb}
 
 
 def bench_nanochat_engine(shape: str, policy: Backbone, b: argparse.Namespace, device: torch.device) -> dict:

@@ -8,7 +8,7 @@
 # wheels in $WHEELS (default .whl, ignored by git): `bash bench/fetch_gpu_wheels.sh` makes them on a machine
 # with pip access; carry .whl with the checkout. Results: $RESULTS (default bench/results/gpu_<UTC time>.jsonl,
 # or in $OUT where the device tool sets it). Knobs: SHAPES, FSDP_SHAPES (d20), LORA_SHAPES (d20 d24:32768), DEVICE (cuda), BENCH_ARGS and TRL_ARGS (extra flags
-# for bench_gpu.py and trl_gpu.py), CUDA_TESTS (1; 0 skips the tests), NANOCHAT_SRC (default .nanochat, ignored by
+# for bench_gpu.py and trl_gpu.py), TRL (1; 0: no TRL rows), CUDA_TESTS (1; 0 skips the tests; CUDA_TEST_WORKERS: in N processes), NANOCHAT_SRC (default .nanochat, ignored by
 # git: a nanochat checkout's root, whose Engine then decodes beside ours; make it where a nanochat clone is, e.g.
 # `mkdir .nanochat && git -C ~/nanochat archive HEAD nanochat | tar -x -C .nanochat`, and carry it like .whl).
 # The test suite runs it on CPU: DEVICE=cpu SHAPES=tiny BENCH_ARGS="...". It starts with an import check of every
@@ -64,7 +64,10 @@ fi
 if [ "${CUDA_TESTS:-1}" = 1 ]; then
   # Streamed, a line per test, into a log beside the results: a call cut short still tells which tests passed.
   tests_log="${RESULTS%.jsonl}_cuda_tests.log"
-  CUDA_TEST_TIMEOUT=${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -v --durations=0 -p no:cacheprovider -m cuda tests 2>&1 |
+  # CUDA_TEST_WORKERS=N runs them in N processes (pytest-xdist, in the image) on the one GPU: the slowest alone sets the time.
+  workers=()
+  [ "${CUDA_TEST_WORKERS:-1}" -gt 1 ] && workers=(-n "$CUDA_TEST_WORKERS")
+  CUDA_TEST_TIMEOUT=${CUDA_TEST_TIMEOUT:-300} python3 -m pytest -v --durations=0 -p no:cacheprovider "${workers[@]}" -m cuda tests 2>&1 |
     tee "$tests_log" >&2 || status=1
   python3 -c 'import json, sys; print(json.dumps({"bench": "cuda_tests", "summary": sys.argv[1]}))' \
       "$(tail -n 1 "$tests_log")" >> "$RESULTS"
@@ -81,7 +84,9 @@ for shape in ${SHAPES-d12 d20 d24:32768}; do
   # shellcheck disable=SC2086
   python3 bench/bench_gpu.py --device "$DEVICE" --shapes "$shape" "${NANOCHAT_ARGS[@]}" ${BENCH_ARGS:-} | tee -a "$RESULTS" ||
     status=1
-  if python3 -c "import trl" 2>/dev/null; then
+  if [ "${TRL:-1}" = 0 ]; then
+    :
+  elif python3 -c "import trl" 2>/dev/null; then
     # shellcheck disable=SC2086
     python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | grep '^{"bench"' | tee -a "$RESULTS" ||
       status=1

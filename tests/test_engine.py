@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanochat_ext.generation import engine as engine_module
-from nanochat_ext.generation.engine import COMPILE_PAYS_AFTER, Engine, decode_compiled
+from nanochat_ext.generation.engine import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, Engine, decode_compiled
 from nanochat_ext.generation.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.backbone import matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats
@@ -233,14 +233,16 @@ def test_bf16_decoding_reads_a_bf16_copy_with_autocasts_tokens(assets, name, mon
 
 def test_compile_auto_compiles_where_the_compile_pays_back():
     """--compile auto: compiled on CPU for a run that decodes COMPILE_PAYS_AFTER token steps or more, with
-    a C++ compiler for inductor; eager for shorter runs (the demo's 200 x 16), without a compiler, and
-    on CUDA. 0 and 1 are obeyed as given."""
+    a C++ compiler for inductor, and on CUDA from COMPILE_PAYS_AFTER_CUDA; eager for shorter runs (the demo's
+    200 x 16), without a compiler, and on another device. 0 and 1 are obeyed as given."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     n = -(-COMPILE_PAYS_AFTER // 64)  # the fewest steps of 64 tokens that reach it
     assert decode_compiled("auto", cpu, n, 64)[0] and not decode_compiled("auto", cpu, n - 1, 64)[0]
     off, why = decode_compiled("auto", cpu, 200, 16)
     assert not off and "3200 token steps" in why
-    assert not decode_compiled("auto", cuda, 10 * n, 64)[0]
+    m = -(-COMPILE_PAYS_AFTER_CUDA // 64)
+    assert decode_compiled("auto", cuda, m, 64)[0] and not decode_compiled("auto", cuda, m - 1, 64)[0]
+    assert not decode_compiled("auto", torch.device("mps"), 10 * n, 64)[0]
     assert decode_compiled("1", cuda, 1, 1)[0] and not decode_compiled("0", cpu, 10 * n, 64)[0]
     from torch._inductor import config as inductor
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig, filter_logits, sample_token
+from nanochat_ext.generation.sampling import SCAN_CHUNK, SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.loader import load_backbone
 
 
@@ -127,3 +127,26 @@ def test_a_tie_is_told_from_another_token():
     assert not any(is_tie(logits, torch.tensor([u]), t, top1) for u in (0.0, 0.5, 0.999999) for t in (1, 2))
     close = torch.tensor([[1.0, 1.0 - 1e-7, 0.0]])
     assert is_tie(close, near_boundary, 1, greedy) and not is_tie(close, near_boundary, 2, greedy)
+
+
+def test_the_sampled_token_is_torchs_searchsorted_over_the_cdf():
+    """sample_token counts the CDF's entries at or below u's point (inductor's CUDA lowering of searchsorted crashed
+    on the chunked CDF): the index torch.searchsorted(right=True) gives over the same sums, on ragged rows (a real
+    vocabulary that is no multiple of the scan's chunk, runs of zero-probability tokens, top-k and top-p cutting most
+    of a row away) and at u's ends (0, and a point at or past the total, which the last token that adds any takes)."""
+    g = torch.Generator().manual_seed(0)
+    V = 3 * SCAN_CHUNK + 77
+    logits = torch.randn(6, V, generator=g) * 4
+    logits[1, : V // 2] = float("-inf")  # a long run of zeros before the first token that adds any
+    logits[2, V - 300:] = float("-inf")  # and after the last
+    u = torch.rand(6, generator=g)
+    u[3], u[4] = 0.0, 1.0 - 2**-24
+    for cfg in (SamplingConfig(8, 1.0), SamplingConfig(8, 0.7, top_k=50), SamplingConfig(8, 1.3, top_p=0.5)):
+        probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
+        cdf = cumsum_in_chunks(probs)
+        total = cdf[:, -1:]
+        expect = torch.minimum(torch.searchsorted(cdf, u[:, None] * total, right=True),
+                               torch.searchsorted(cdf, total)).squeeze(1)
+        token = sample_token(logits, u, cfg)
+        assert torch.equal(token, expect), (cfg, token, expect)
+        assert (probs.gather(1, token[:, None]) > 0).all()  # never a token of probability 0

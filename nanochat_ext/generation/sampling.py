@@ -58,16 +58,18 @@ def cumsum_in_chunks(x: torch.Tensor) -> torch.Tensor:
 
 def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
     """One token per row: argmax at temperature 0, else inverse CDF at the row's uniform u in [0, 1): the
-    first token whose cumulative probability exceeds u (right=True: never one of probability 0, which leaves
-    the sum where it was), and never past the last token that adds any, where rounding puts u's point at or
-    beyond the row's total."""
+    first token whose cumulative probability exceeds u (never one of probability 0, which leaves the sum where it
+    was), and never past the last token that adds any, where rounding puts u's point at or beyond the row's total."""
     if cfg.temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
     cdf = cumsum_in_chunks(F.pad(probs, (0, -probs.size(-1) % SCAN_CHUNK)))  # whole chunks: contiguous
-    total = cdf[:, -1:].contiguous()
-    token = torch.searchsorted(cdf, u[:, None] * total, right=True)
-    return torch.minimum(token, torch.searchsorted(cdf, total)).squeeze(1)
+    total = cdf[:, -1:]
+    # searchsorted(cdf, v, right=True) as a count (the entries at or below v; the same index where cdf is sorted, as
+    # its sums of non-negative terms are): one pass over the row that inductor fuses, where its CUDA lowering of
+    # searchsorted over a view of the chunked sum crashed (torch 2.11, H200, 2026-11-27: NotImplementedError: View).
+    token = (cdf <= u[:, None] * total).sum(-1)
+    return torch.minimum(token, (cdf < total).sum(-1))
 
 
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,

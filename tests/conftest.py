@@ -13,6 +13,7 @@ import torch
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from forked import run_python
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.tasks import synthetic
@@ -172,10 +173,15 @@ def launcher(nproc: int, torchrun: bool = False, max_restarts: int = 0) -> list[
 
 def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
                timeout: float = 300, max_restarts: int = 0, torchrun: bool = False) -> subprocess.CompletedProcess:
-    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher())."""
+    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher()): a fork of the warm interpreter
+    (forked.py) where torchrun's agent is not what the test reads."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    cmd = [*launcher(nproc, torchrun, max_restarts), "-m", module, *(["--"] if nproc > 1 else []), *args]
-    return subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    command = ["-m", module, *(["--"] if nproc > 1 else []), *args]
+    agent = launcher(nproc, torchrun, max_restarts)
+    if nproc > 1 and "torch.distributed.run" in agent:
+        return subprocess.run([*agent, *command], cwd=REPO, env=full_env, capture_output=True, text=True,
+                              timeout=timeout)
+    return run_python(command, nproc, full_env, REPO, timeout)
 
 
 def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...], out: Path,
@@ -185,7 +191,10 @@ def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...],
     to the workers' environment."""
     path = str(REPO / "tests" / "workers" / f"{worker}.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    proc = subprocess.run([*launcher(nproc), path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    command = [path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)]
+    if nproc > 1 and "torch.distributed.run" in launcher(nproc):
+        proc = subprocess.run([*launcher(nproc), *command], env=env, capture_output=True, text=True, timeout=300)
+    else:
+        proc = run_python(command, nproc, env, Path.cwd(), 300)
     assert proc.returncode == 0, proc.stderr
     return torch.load(out, weights_only=True)

@@ -47,6 +47,12 @@ def run_rank(rank: int, n: int, port: int, command: list[str]) -> None:
     random.seed()  # the parent's state is every rank's after fork: draw afresh, as a new interpreter would
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n),
                        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    run_as_python(command)
+    sys.exit(0)
+
+
+def run_as_python(command: list[str]) -> None:
+    """The command as `python -m module args` or `python path args` runs it: its sys.argv and sys.path[0]."""
     if command[0] == "-m":
         sys.argv = [command[1], *command[2:]]
         sys.path[0] = os.getcwd()  # as `python -m` puts it
@@ -55,7 +61,6 @@ def run_rank(rank: int, n: int, port: int, command: list[str]) -> None:
         sys.argv = command
         sys.path[0] = os.path.dirname(os.path.abspath(command[0]))
         runpy.run_path(command[0], run_name="__main__")
-    sys.exit(0)
 
 
 def main(n: int, command: list[str]) -> int:

@@ -1,0 +1,77 @@
+"""The client of tests/workers/fork_server.py: `python ARGS` (or launch.py's N ranks of it) run as a fork of one warm
+interpreter per pytest worker, answered as subprocess.run(capture_output=True, text=True) answers. Commands whose
+environment differs from the server's where libraries read it at import (OMP_NUM_THREADS) run as fresh interpreters,
+and so does everything under NANOCHAT_TEST_FORK=0."""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER = REPO / "tests" / "workers" / "fork_server.py"
+READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
+                  "MKL_ENABLE_INSTRUCTIONS", "PYTHONHASHSEED")
+
+
+class ForkServer:
+    """One server, started on first use with this process's environment (OMP_NUM_THREADS=1, the repo on the path);
+    it ends with this process (its PDEATHSIG) or at exit."""
+
+    def __init__(self):
+        self.dir = tempfile.mkdtemp(prefix="fork_server_")
+        self.socket = os.path.join(self.dir, "socket")
+        self.env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+        self.proc = subprocess.Popen([sys.executable, str(SERVER), self.socket], env=self.env, cwd=REPO,
+                                     stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"{SERVER} did not start (exit {self.proc.wait()})")
+        atexit.register(self.proc.kill)
+
+    def serves(self, env: dict) -> bool:
+        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in READ_AT_IMPORT)
+
+    def run(self, command: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        out, err = (os.path.join(self.dir, name) for name in ("stdout", "stderr"))
+        request = {"command": command, "nproc": nproc, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
+        with socket.socket(socket.AF_UNIX) as conn:
+            conn.connect(self.socket)
+            stream = conn.makefile("rw")
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            pid = int(stream.readline())
+            conn.settimeout(timeout)
+            try:
+                code = int(stream.readline())
+            except TimeoutError:
+                os.kill(pid, 9)  # as subprocess.run kills its child at the timeout
+                conn.settimeout(None)
+                stream.readline()
+                raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+        return subprocess.CompletedProcess([sys.executable, *command], code, read(out), read(err))
+
+
+def read(path: str) -> str:
+    with open(path, errors="replace") as f:
+        return f.read()
+
+
+_server: ForkServer | None = None
+
+
+def run_python(command: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python COMMAND` (nproc 1) or `python tests/workers/launch.py NPROC COMMAND`, in cwd with exactly env."""
+    global _server
+    if os.environ.get("NANOCHAT_TEST_FORK", "1") != "0":
+        if _server is None:
+            _server = ForkServer()
+        if _server.serves(env):
+            return _server.run(command, nproc, env, cwd, timeout)
+    launch = [] if nproc == 1 else [str(REPO / "tests" / "workers" / "launch.py"), str(nproc)]
+    return subprocess.run([sys.executable, *launch, *command], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)

@@ -196,7 +196,8 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, None if b.lora_r else reference.backbone, rm_model.backbone)
-    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.warmup + b.steps, L)[0],
+    # --compile auto decides the engine for a run of --run_steps steps (what a training run decodes), not the bench's few
+    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.run_steps, L)[0],
                     end_check_every=b.end_check_every, whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
     shard(model, policy, b)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -424,6 +425,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
                         "--optimizer adamw and muon)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--run_steps", type=int, default=500,
+                   help="the GRPO run --compile auto decides the engine for (its --max_steps; the README's stages: 500)")
     p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
     p.add_argument("--rm_len", type=int, default=512, help="tokens per RM sequence")
     p.add_argument("--grpo_prompts", type=int, default=16, help="prompts per GRPO step (x group_size completions)")

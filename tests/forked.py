@@ -1,6 +1,6 @@
 """The client of tests/workers/fork_server.py: `python ARGS` (or launch.py's N ranks of it) run as a fork of one warm
 interpreter per pytest worker, answered as subprocess.run(capture_output=True, text=True) answers. Commands whose
-environment differs from the server's where libraries read it at import (OMP_NUM_THREADS) run as fresh interpreters,
+environment differs from the server's where libraries read it at import (READ_AT_IMPORT) run as fresh interpreters,
 and so does everything under NANOCHAT_TEST_FORK=0."""
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = REPO / "tests" / "workers" / "fork_server.py"
-READ_AT_IMPORT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA",
-                  "MKL_ENABLE_INSTRUCTIONS", "PYTHONHASHSEED")
+# Environment variables that torch, its libraries, inductor or transformers read at import: a command that sets any
+# of them otherwise than the server was started with runs as a fresh interpreter.
+READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_", "CUDA_", "HF_",
+                  "TRANSFORMERS_", "TOKENIZERS_", "PYTHON")
 
 
 class ForkServer:
@@ -34,7 +36,8 @@ class ForkServer:
         atexit.register(self.proc.kill)
 
     def serves(self, env: dict) -> bool:
-        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in READ_AT_IMPORT)
+        keys = {k for k in {*env, *self.env} if k.startswith(READ_AT_IMPORT)} - {"PYTHONPATH"}
+        return self.proc.poll() is None and all(env.get(k) == self.env.get(k) for k in keys)
 
     def run(self, command: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
         out, err = (os.path.join(self.dir, name) for name in ("stdout", "stderr"))

@@ -10,10 +10,12 @@ One request a connection, a JSON line: {"command": [...python's arguments: "-m",
 "nproc": N (1: the command itself; more: launch.py's ranks), "cwd", "env", "stdout", "stderr" (files to write)}.
 The answer: the fork's pid, a line, then its exit code (a negative code: killed by that signal), a line.
 
-Only imports run here before a fork (no thread pool started, no generator drawn, no torch._dynamo: compiled.py reads
-its absence as "nothing compiled yet"), so a fork starts where a fresh interpreter's imports leave it, but for three
-things: the environment that libraries read at import (OMP_NUM_THREADS: the client forks only commands run with
-this server's), the string-hash seed (shared, as launch.py's ranks share it) and stdin (/dev/null).
+Only imports run here before a fork (no thread started, no generator drawn, nothing compiled), so a fork starts
+where a fresh interpreter's imports leave it, but for four things: modules a fresh one would not have loaded yet
+(dynamo's counters then read 0 where compiled.py would skip them), the environment that libraries read at import
+(thread counts, CPU capability, inductor's and Hugging Face's settings: the client forks only commands whose
+variables of those kinds are this server's), the string-hash seed (shared, as launch.py's ranks share it) and stdin
+(/dev/null).
 """
 import atexit
 import importlib
@@ -24,17 +26,22 @@ import socket
 import sys
 import traceback
 
+import threading
+
 import numpy
+import peft  # noqa: F401
+import torch._inductor.compile_fx  # noqa: F401
+from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel  # noqa: F401
 
 import launch
 
-# What the trainers import, which every fork then has for free: torch and the package (~1.2 s of CPU). Not
-# transformers' models: they import torch._dynamo (and cost 3.7 s more), which compiled.py reads as "compiled".
+# What the commands import, which every fork then has for free: torch and the trainers (~1.2 s of CPU a process),
+# transformers' models, peft and dynamo (~2.4 s more where a run loads a Hugging Face model), inductor (~0.9 s where
+# it compiles).
 TRAINERS = ("kat_train_rm", "kat_train_grpo", "kat_train_dpo", "kat_sft", "kat_eval", "kat_compute_density")
 for name in TRAINERS:
     importlib.import_module(f"scripts.{name}")
     sys.modules.pop(f"scripts.{name}")  # each fork runs it afresh as __main__
-assert "torch._dynamo" not in sys.modules, "an import here loaded torch._dynamo: forks would read it as compiled"
 
 
 def run_request(request: dict) -> None:
@@ -83,6 +90,7 @@ def exit_code(code) -> int:
 
 def serve(path: str) -> None:
     launch.die_with_parent()  # its pytest worker gone, the server goes too
+    assert threading.active_count() == 1, "an import started a thread: a fork would hold a copy of its locks"
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(path)
     listener.listen()

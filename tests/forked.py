@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -33,7 +34,12 @@ class ForkServer:
                                      stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True)
         if self.proc.stdout.readline().strip() != "ready":
             raise RuntimeError(f"{SERVER} did not start (exit {self.proc.wait()})")
-        atexit.register(self.proc.kill)
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
     def serves(self, env: dict) -> bool:
         keys = {k for k in {*env, *self.env} if k.startswith(READ_AT_IMPORT)} - {"PYTHONPATH"}

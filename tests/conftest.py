@@ -171,17 +171,17 @@ def launcher(nproc: int, torchrun: bool = False, max_restarts: int = 0) -> list[
     return [sys.executable, str(REPO / "tests" / "workers" / "launch.py"), str(nproc)]
 
 
-def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None,
-               timeout: float = 300, max_restarts: int = 0, torchrun: bool = False) -> subprocess.CompletedProcess:
-    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher()): a fork of the warm interpreter
+def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 300,
+               max_restarts: int = 0, torchrun: bool = False, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher()), in cwd: a fork of the warm interpreter
     (forked.py) where torchrun's agent is not what the test reads."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     command = ["-m", module, *(["--"] if nproc > 1 else []), *args]
     agent = launcher(nproc, torchrun, max_restarts)
     if nproc > 1 and "torch.distributed.run" in agent:
-        return subprocess.run([*agent, *command], cwd=REPO, env=full_env, capture_output=True, text=True,
+        return subprocess.run([*agent, *command], cwd=cwd, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
-    return run_python(command, nproc, full_env, REPO, timeout)
+    return run_python(command, nproc, full_env, cwd, timeout)
 
 
 def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...], out: Path,

@@ -12,8 +12,10 @@ import subprocess
 import sys
 
 from conftest import REPO, run_script
+from forked import run_python
 from scripts.kat_docs import SCRIPTS
 from nanochat_ext.data.batching import read_pairs
+from nanochat_ext.tasks.synthetic import make_tiny_hf_llama
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 STAGE_ARGS = {"SFT_ARGS": "kat_sft", "RM_ARGS": "kat_train_rm", "GRPO_ARGS": "kat_train_grpo",
@@ -125,6 +127,62 @@ def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_comm
     again = run_script("scripts.kat_train_rm", args, env=env)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
     assert again.stdout.strip().splitlines()[-1] == final
+
+
+def readme_section(title: str) -> str:
+    return (REPO / "README.md").read_text().split(f"\n## {title}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp_path):
+    """The README's "Your Hugging Face model" as a user follows it, in an empty directory: its my_task.py as shown, a
+    tiny Llama with a Qwen-style tool template where its `hf download` puts Qwen2.5 (no network here), its GRPO command
+    (the reward and the tool from my_task.py) and its DPO command as written, on one process where they say 8 and at
+    2 steps of 2 prompts x 2 samples where they say 500 of 64 x 8; then its last command loads the GRPO model back in
+    transformers."""
+    section = readme_section("Your Hugging Face model")
+    my_task = re.search(r"```python\n# my_task.py\n(.*?)```", section, re.S).group(1)
+    (tmp_path / "my_task.py").write_text(my_task)
+    bash = re.sub(r"\\\n\s*", " ", re.search(r"```bash\n(.*?)```", section, re.S).group(1))
+    download, grpo, dpo, load = [line for line in bash.splitlines() if line and not line.startswith("#")]
+    words = shlex.split(download)
+    assert words[:2] == ["hf", "download"]
+    make_tiny_hf_llama(tmp_path / words[words.index("--local-dir") + 1], template="chatml_tools", max_positions=1024)
+    questions = [(a, b) for a in range(2, 7) for b in range(3, 5)]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} times {b}?", "answer": a * b})
+                                                    + "\n" for a, b in questions))
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} times {b}?", "chosen": str(a * b),
+                                                              "rejected": str(a + b)}) + "\n" for a, b in questions))
+    small = {"--batch_size": "2", "--group_size": "2", "--max_new_tokens": "24", "--max_steps": "2"}
+    for line in (grpo, dpo):
+        assert "torchrun --standalone --nproc_per_node=8 -m scripts." in line
+        module, args = line.split(" -m ", 1)[1].split(" -- ", 1)
+        args = shlex.split(args)
+        for flag, value in small.items():
+            if flag in args:
+                args[args.index(flag) + 1] = value
+        proc = run_script(module, args, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(r) for r in (tmp_path / "runs" / "grpo" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_reward" in r and "train/tool_calls" in r] == [1, 2]
+    assert len(list((tmp_path / "runs" / "dpo").glob("model_*"))) == 1
+    python, flag, code = shlex.split(load)
+    assert (python, flag) == ("python", "-c")
+    loaded = run_python(["-c", code], 1, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, tmp_path, 120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "['LlamaForCausalLM']", loaded.stderr[-2000:]
+
+
+def test_the_memory_figures_in_the_docs_are_the_memory_models():
+    """docs/scaling.md's table is what `bench/memory_estimate.py --table` prints from the memory model today, and
+    RESULTS.md's newest LoRA figures quote that table (they once kept an older arithmetic's 32/46 against its 40/57)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    printed = run_python([str(REPO / "bench" / "memory_estimate.py"), "--table"], 1, env, REPO, 120)
+    assert printed.returncode == 0, printed.stderr[-2000:]
+    table = printed.stdout.strip()
+    assert table in (REPO / "docs" / "scaling.md").read_text()
+    cells = {row.split(" | ")[0].strip("| "): row.split(" | ") for row in table.splitlines()[2:]}
+    d20, d24 = cells["d20 GRPO"], cells["d24 GRPO"]
+    quoted = (f"d20 {d20[3]}, d24 {d24[3]} ({d20[4]} and {d24[4]} with AC)")
+    assert quoted in (REPO / "bench" / "RESULTS.md").read_text(), quoted
 
 
 # Flags a script's help names that belong to another program, each with its owner.

@@ -52,8 +52,13 @@ def run_rank(rank: int, n: int, port: int, command: list[str]) -> None:
 
 
 def run_as_python(command: list[str]) -> None:
-    """The command as `python -m module args` or `python path args` runs it: its sys.argv and sys.path[0]."""
-    if command[0] == "-m":
+    """The command as `python -m module args`, `python -c code args` or `python path args` runs it: its sys.argv
+    and sys.path[0]."""
+    if command[0] == "-c":
+        sys.argv = ["-c", *command[2:]]
+        sys.path[0] = ""  # as `python -c` puts it: the working directory
+        exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
+    elif command[0] == "-m":
         sys.argv = [command[1], *command[2:]]
         sys.path[0] = os.getcwd()  # as `python -m` puts it
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)

@@ -5,13 +5,17 @@ and so does everything under NANOCHAT_TEST_FORK=0."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -19,7 +23,7 @@ SERVER = REPO / "tests" / "workers" / "fork_server.py"
 # Environment variables that torch, its libraries, inductor or transformers read at import: a command that sets any
 # of them otherwise than the server was started with runs as a fresh interpreter.
 READ_AT_IMPORT = ("OMP_", "MKL_", "KMP_", "GOMP_", "ATEN_", "ONEDNN_", "DNNL_", "TORCH", "PYTORCH_", "CUDA_", "HF_",
-                  "TRANSFORMERS_", "TOKENIZERS_", "PYTHON")
+                  "TRANSFORMERS_", "TOKENIZERS_", "PYTHON", "HOME", "XDG_", "TMPDIR")
 
 
 class ForkServer:
@@ -50,19 +54,42 @@ class ForkServer:
         request = {"command": command, "nproc": nproc, "cwd": str(cwd), "env": env, "stdout": out, "stderr": err}
         with socket.socket(socket.AF_UNIX) as conn:
             conn.connect(self.socket)
-            stream = conn.makefile("rw")
-            stream.write(json.dumps(request) + "\n")
-            stream.flush()
-            pid = int(stream.readline())
-            conn.settimeout(timeout)
+            conn.sendall((json.dumps(request) + "\n").encode())
+            answer = Lines(conn)
+            pid = int(answer.next(None))
             try:
-                code = int(stream.readline())
-            except TimeoutError:
-                os.kill(pid, 9)  # as subprocess.run kills its child at the timeout
-                conn.settimeout(None)
-                stream.readline()
-                raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+                code = int(answer.next(time.monotonic() + timeout))
+            except BaseException as e:  # the timeout, or the test's own (an alarm, ^C): the fork ends first
+                with contextlib.suppress(ProcessLookupError):  # it may have ended meanwhile
+                    os.kill(pid, signal.SIGKILL)  # as subprocess.run kills its child
+                answer.next(None)  # the server has reaped it and is free for the next command
+                if isinstance(e, PastDeadline):
+                    raise subprocess.TimeoutExpired(command, timeout, read(out), read(err)) from None
+                raise
         return subprocess.CompletedProcess([sys.executable, *command], code, read(out), read(err))
+
+
+class PastDeadline(Exception):
+    """The command's timeout (not a TimeoutError, which a test's own alarm raises: that one is re-raised as it is)."""
+
+
+class Lines:
+    """The server's answer, a line at a time, each awaited until a deadline (time.monotonic(); None: no limit)."""
+
+    def __init__(self, conn: socket.socket):
+        self.conn, self.buffer = conn, b""
+
+    def next(self, deadline: float | None) -> str:
+        while b"\n" not in self.buffer:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([self.conn], [], [], left)[0]):
+                raise PastDeadline
+            chunk = self.conn.recv(4096)
+            if not chunk:
+                raise ConnectionError("the fork server closed the connection")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
 
 
 def read(path: str) -> str:
@@ -70,16 +97,20 @@ def read(path: str) -> str:
         return f.read()
 
 
-_server: ForkServer | None = None
+_server: ForkServer | None | bool = None  # False: it failed to start, and commands run fresh
 
 
 def run_python(command: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python COMMAND` (nproc 1) or `python tests/workers/launch.py NPROC COMMAND`, in cwd with exactly env."""
     global _server
-    if os.environ.get("NANOCHAT_TEST_FORK", "1") != "0":
+    if os.environ.get("NANOCHAT_TEST_FORK", "1") != "0" and _server is not False:
         if _server is None:
-            _server = ForkServer()
-        if _server.serves(env):
+            try:
+                _server = ForkServer()
+            except RuntimeError as e:  # an import it makes is broken: the commands themselves will say how
+                print(f"forked.py: {e}; commands run as fresh interpreters", file=sys.stderr)
+                _server = False
+        if _server and _server.serves(env):
             return _server.run(command, nproc, env, cwd, timeout)
     launch = [] if nproc == 1 else [str(REPO / "tests" / "workers" / "launch.py"), str(nproc)]
     return subprocess.run([sys.executable, *launch, *command], cwd=cwd, env=env, capture_output=True, text=True,

@@ -10,6 +10,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from conftest import REPO, run_script
 from forked import run_python
@@ -112,6 +113,7 @@ def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_comm
     args[args.index("--batch_size") + 1], args[args.index("--max_steps") + 1] = "8", "60"
     args[args.index("--pairs") + 1] = str(tmp_path / "pairs.jsonl")
     env = {"NANOCHAT_BASE_DIR": str(base)}
+    # a fresh interpreter, not a fork of the warm one: die_at patches the step before the trainer's modules import it
     killed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "die_at.py"), "kat_train_rm",
                              "0:step:40", *args], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
                             capture_output=True, text=True, timeout=300)
@@ -134,7 +136,8 @@ def readme_section(title: str) -> str:
 
 
 def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp_path):
-    """The README's "Your Hugging Face model" as a user follows it, in an empty directory: its my_task.py as shown, a
+    """The README's "Your Hugging Face model" as a user follows it (the repo on the path, as its root with .venv
+    active puts it), in an empty directory: its my_task.py as shown, a
     tiny Llama with a Qwen-style tool template where its `hf download` puts Qwen2.5 (no network here), its GRPO command
     (the reward and the tool from my_task.py) and its DPO command as written, on one process where they say 8 and at
     2 steps of 2 prompts x 2 samples where they say 500 of 64 x 8; then its last command loads the GRPO model back in
@@ -145,7 +148,7 @@ def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp
     bash = re.sub(r"\\\n\s*", " ", re.search(r"```bash\n(.*?)```", section, re.S).group(1))
     download, grpo, dpo, load = [line for line in bash.splitlines() if line and not line.startswith("#")]
     words = shlex.split(download)
-    assert words[:2] == ["hf", "download"]
+    assert words[:2] == ["hf", "download"] and (Path(sys.executable).parent / "hf").is_file()  # .venv's CLI
     make_tiny_hf_llama(tmp_path / words[words.index("--local-dir") + 1], template="chatml_tools", max_positions=1024)
     questions = [(a, b) for a in range(2, 7) for b in range(3, 5)]
     (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"What is {a} times {b}?", "answer": a * b})

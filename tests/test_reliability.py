@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, assert_bitwise, assert_stopped, run_script
+from forked import run_python
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.errors import InputError
 from nanochat_ext.errors import EXIT_INTERRUPTED, EXIT_NONFINITE
@@ -91,8 +92,7 @@ def test_a_kill_between_state_and_meta_resumes_to_the_uninterrupted_result(asset
     straight, crashed = tmp_path / "straight", tmp_path / "crashed"
     assert kat_train_rm.main(rm_args(assets, straight, *args)) == 0
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", KILL_AT_SECOND_STATE, *rm_args(assets, crashed, *args)], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(["-c", KILL_AT_SECOND_STATE, *rm_args(assets, crashed, *args)], 1, env, REPO, 300)
     assert proc.returncode == 9
     assert len(list(crashed.glob("state_*.pt"))) == 2 and len(list(crashed.glob("meta_*.json"))) == 1  # the orphan
     capsys.readouterr()

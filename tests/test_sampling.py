@@ -130,17 +130,18 @@ def test_a_tie_is_told_from_another_token():
 
 
 def test_the_sampled_token_is_torchs_searchsorted_over_the_cdf():
-    """sample_token counts the CDF's entries at or below u's point (inductor's CUDA lowering of searchsorted crashed
-    on the chunked CDF): the index torch.searchsorted(right=True) gives over the same sums, on ragged rows (a real
-    vocabulary that is no multiple of the scan's chunk, runs of zero-probability tokens, top-k and top-p cutting most
-    of a row away) and at u's ends (0, and a point at or past the total, which the last token that adds any takes)."""
+    """sample_token takes the first token of probability > 0 whose cumulative sum exceeds u's point, else the last
+    such token (inductor's CUDA lowering of searchsorted crashed on the chunked CDF): the index torch.searchsorted gives
+    over the same sums (right=True, clamped to the last token that adds any), on ragged rows (a real vocabulary that is
+    no multiple of the scan's chunk, runs of zero-probability tokens, top-k and top-p cutting most of a row away) and
+    at u's ends (0, and 1.0, whose point is the row's total: the clamp's case)."""
     g = torch.Generator().manual_seed(0)
     V = 3 * SCAN_CHUNK + 77
     logits = torch.randn(6, V, generator=g) * 4
     logits[1, : V // 2] = float("-inf")  # a long run of zeros before the first token that adds any
     logits[2, V - 300:] = float("-inf")  # and after the last
     u = torch.rand(6, generator=g)
-    u[3], u[4] = 0.0, 1.0 - 2**-24
+    u[3], u[2], u[4] = 0.0, 1.0, 1.0
     for cfg in (SamplingConfig(8, 1.0), SamplingConfig(8, 0.7, top_k=50), SamplingConfig(8, 1.3, top_p=0.5)):
         probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
         cdf = cumsum_in_chunks(probs)
@@ -150,3 +151,4 @@ def test_the_sampled_token_is_torchs_searchsorted_over_the_cdf():
         token = sample_token(logits, u, cfg)
         assert torch.equal(token, expect), (cfg, token, expect)
         assert (probs.gather(1, token[:, None]) > 0).all()  # never a token of probability 0
+        assert token[2] == probs[2].nonzero().max() and token[4] == probs[4].nonzero().max()  # the clamp engaged

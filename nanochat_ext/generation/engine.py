@@ -53,7 +53,8 @@ SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this
 COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
 # On CUDA: the CUDA-graph step decoded nanochat's d12 at 146.9k tokens/s against eager's 25.0k (256 rows, bf16, an
 # H200, 2026-11-27, bench/RESULTS.md), 1.7 against 10.2 ms a token step, after a compile of under a minute: it pays
-# back after ~7k token steps at that batch, and eager's step is launch-bound at any batch, so fewer rows save as much.
+# back after ~7k token steps at that batch. Measured at that one batch; an eager step of fewer rows is expected to
+# cost about as much (its kernels' launches, not its bytes, bound it), so the saving to hold.
 COMPILE_PAYS_AFTER_CUDA = 10_000
 # Decode steps between reads of whether every row has stopped. A read waits for the device (on CUDA the host cannot
 # queue the next step's launch meanwhile) and costs the host time; rows that stopped take pads, so a late read adds up

@@ -62,14 +62,18 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
     was), and never past the last token that adds any, where rounding puts u's point at or beyond the row's total."""
     if cfg.temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(filter_logits(logits.float(), cfg), dim=-1)
-    cdf = cumsum_in_chunks(F.pad(probs, (0, -probs.size(-1) % SCAN_CHUNK)))  # whole chunks: contiguous
-    total = cdf[:, -1:]
-    # searchsorted(cdf, v, right=True) as a count (the entries at or below v; the same index where cdf is sorted, as
-    # its sums of non-negative terms are): one pass over the row that inductor fuses, where its CUDA lowering of
-    # searchsorted over a view of the chunked sum crashed (torch 2.11, H200, 2026-11-27: NotImplementedError: View).
-    token = (cdf <= u[:, None] * total).sum(-1)
-    return torch.minimum(token, (cdf < total).sum(-1))
+    probs = F.pad(torch.softmax(filter_logits(logits.float(), cfg), dim=-1), (0, -logits.size(-1) % SCAN_CHUNK))
+    cdf = cumsum_in_chunks(probs)  # whole chunks: contiguous
+    # searchsorted(cdf, u * total, right=True) as two reductions that inductor fuses (its CUDA lowering of searchsorted
+    # over a view of the chunked sum crashed: torch 2.11, H200, 2026-11-27, NotImplementedError: View): the first token
+    # of probability > 0 whose sum exceeds u's point, else the last such token. Where the sums rise monotonically (CPU's
+    # sequential scan) that is searchsorted's index; a GPU's parallel scan may round one sum below the one before, and
+    # then too the token has probability > 0.
+    index = torch.arange(probs.size(-1), device=probs.device)
+    live = probs > 0
+    first = torch.where(live & (cdf > u[:, None] * cdf[:, -1:]), index, probs.size(-1)).amin(-1)
+    last = torch.where(live, index, 0).amax(-1)
+    return torch.minimum(first, last)
 
 
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,

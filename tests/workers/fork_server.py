@@ -15,7 +15,8 @@ where a fresh interpreter's imports leave it, but for four things: modules a fre
 (dynamo's counters then read 0 where compiled.py would skip them), the environment that libraries read at import
 (thread counts, CPU capability, inductor's and Hugging Face's settings: the client forks only commands whose
 variables of those kinds are this server's), the string-hash seed (shared, as launch.py's ranks share it) and stdin
-(/dev/null).
+(/dev/null). A command that patches a function before the trainers import it (tests/workers/die_at.py) finds them
+imported already, with the function bound: such a command runs as a fresh interpreter (subprocess, not run_python).
 """
 import atexit
 import importlib
@@ -24,8 +25,6 @@ import os
 import random
 import socket
 import sys
-import traceback
-
 import threading
 
 import numpy
@@ -69,8 +68,9 @@ def run_request(request: dict) -> None:
     except SystemExit as e:
         code = exit_code(e.code)
     except BaseException:
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as python reports an uncaught exception
     try:
+        threading._shutdown()  # as python ends: its threads that are not daemons run to their end first
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,7 +1,7 @@
 """The client of tests/workers/fork_server.py: `python ARGS` (or launch.py's N ranks of it) run as a fork of one warm
 interpreter per pytest worker, answered as subprocess.run(capture_output=True, text=True) answers. Commands whose
 environment differs from the server's where libraries read it at import (READ_AT_IMPORT) run as fresh interpreters,
-and so does everything under NANOCHAT_TEST_FORK=0."""
+and so does everything under NANOCHAT_TEST_FORK=0 or on a machine with a GPU."""
 from __future__ import annotations
 
 import atexit
@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER = REPO / "tests" / "workers" / "fork_server.py"
@@ -103,7 +105,9 @@ _server: ForkServer | None | bool = None  # False: it failed to start, and comma
 def run_python(command: list[str], nproc: int, env: dict, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
     """`python COMMAND` (nproc 1) or `python tests/workers/launch.py NPROC COMMAND`, in cwd with exactly env."""
     global _server
-    if os.environ.get("NANOCHAT_TEST_FORK", "1") != "0" and _server is not False:
+    # On a GPU machine every command runs fresh: a library that touches CUDA at import leaves a driver state that a
+    # forked child cannot use.
+    if os.environ.get("NANOCHAT_TEST_FORK", "1") != "0" and _server is not False and not torch.cuda.is_available():
         if _server is None:
             try:
                 _server = ForkServer()

@@ -97,7 +97,11 @@ def descendants(pid: int | None = None) -> set[int]:
     """The living descendants of pid (this process), from the children lists of /proc."""
     found, todo = set(), [pid or os.getpid()]
     while todo:
-        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+        try:
+            tasks = list(Path(f"/proc/{todo.pop()}/task").iterdir())
+        except OSError:  # it ended since its parent listed it
+            continue
+        for task in tasks:
             try:
                 kids = {int(k) for k in (task / "children").read_text().split()}
             except OSError:

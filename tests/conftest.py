@@ -173,12 +173,17 @@ def launcher(nproc: int, torchrun: bool = False, max_restarts: int = 0) -> list[
 
 def run_script(module: str, args: list[str], nproc: int = 1, env: dict | None = None, timeout: float = 300,
                max_restarts: int = 0, torchrun: bool = False, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher()), in cwd: a fork of the warm interpreter
-    (forked.py) where torchrun's agent is not what the test reads."""
+    """Run `python -m scripts.X` (nproc 1), or its nproc ranks (launcher()), in cwd."""
+    return run_command(["-m", module, *(["--"] if nproc > 1 else []), *args], nproc, env, cwd, timeout,
+                       launcher(nproc, torchrun, max_restarts))
+
+
+def run_command(command: list[str], nproc: int, env: dict | None, cwd: Path, timeout: float,
+                agent: list[str]) -> subprocess.CompletedProcess:
+    """`python COMMAND` on nproc ranks started by `agent` (launcher()), with the tests' environment plus env: under
+    torchrun's agent where the test reads what it does, else a fork of the warm interpreter (forked.py)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    command = ["-m", module, *(["--"] if nproc > 1 else []), *args]
-    agent = launcher(nproc, torchrun, max_restarts)
-    if nproc > 1 and "torch.distributed.run" in agent:
+    if "torch.distributed.run" in agent:
         return subprocess.run([*agent, *command], cwd=cwd, env=full_env, capture_output=True, text=True,
                               timeout=timeout)
     return run_python(command, nproc, full_env, cwd, timeout)
@@ -189,12 +194,8 @@ def run_worker(worker: str, assets: dict, nproc: int, n_micros: tuple[int, ...],
     """Run tests/workers/<worker>.py on `nproc` gloo ranks (plain python for 1), splitting each rank's batch
     into each of n_micros micro-batches in turn, and load what rank 0 saved: {n_micro: results}. env: added
     to the workers' environment."""
-    path = str(REPO / "tests" / "workers" / f"{worker}.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    command = [path, str(assets["dir"]), ",".join(map(str, n_micros)), str(out)]
-    if nproc > 1 and "torch.distributed.run" in launcher(nproc):
-        proc = subprocess.run([*launcher(nproc), *command], env=env, capture_output=True, text=True, timeout=300)
-    else:
-        proc = run_python(command, nproc, env, Path.cwd(), 300)
+    command = [str(REPO / "tests" / "workers" / f"{worker}.py"), str(assets["dir"]), ",".join(map(str, n_micros)),
+               str(out)]
+    proc = run_command(command, nproc, env, Path.cwd(), 300, launcher(nproc))
     assert proc.returncode == 0, proc.stderr
     return torch.load(out, weights_only=True)

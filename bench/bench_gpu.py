@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanochat_ext.algorithms.grpo import LossConfig, group_advantages, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.ddp_common import init_dist
-from nanochat_ext.generation.decode_cost import peak_bandwidth
-from nanochat_ext.generation.engine import Engine, decode_compiled
+from nanochat_ext.generation.decode_cost import decode_compiled, peak_bandwidth
+from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import compile_models, compile_stats

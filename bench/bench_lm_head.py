@@ -25,6 +25,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--compiled", default="eager,inductor",
+                   help="which chains, comma-separated: eager, inductor (the suite's CPU run: eager; its inductor "
+                        "chain is tests/test_grpo.py's test_compiled_lm_head_chain_equals_eager_in_chunks_and_whole)")
     b = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(b.threads)
     import torch
@@ -41,7 +44,7 @@ def main() -> None:
     def head(x):
         return 15 * torch.tanh((x @ weight.t()).float() / 15)
 
-    for compiled in (None, "inductor"):
+    for compiled in [None if c == "eager" else c for c in b.compiled.split(",")]:
         for mode in ("forward", "forward_backward"):
             def run() -> None:
                 with torch.set_grad_enabled(mode == "forward_backward"):

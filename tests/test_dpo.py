@@ -162,7 +162,9 @@ def test_weighted_loss_over_micro_batches_is_the_global_formula(assets):
 
 def test_two_ranks_ddp_and_fsdp_with_density_weights_train_as_one_rank(assets, tmp_path):
     """1 rank, 2 DDP ranks in micro-batches with the reference's log-probs computed before training
-    (--precompute_ref_logps), and 2 FSDP ranks with them computed each step, density weights on: the same update."""
+    (--precompute_ref_logps), and 2 FSDP ranks with them computed each step, density weights on: the same update. The
+    DDP ranks' default group serves only CUDA tensors (--backend cuda:gloo, NCCL's device rule on a CPU machine), so
+    every collective DPO makes is held to that rule."""
     rows = load_pairs(assets["pairs"])[0]
     density = synthetic.write_jsonl(tmp_path / "density.jsonl", [
         {"prefix_id": p, "weight": 0.25 + (k % 5)} for k, p in enumerate(sorted({r.prefix_id for r in rows}))])
@@ -170,7 +172,8 @@ def test_two_ranks_ddp_and_fsdp_with_density_weights_train_as_one_rank(assets, t
     assert kat_train_dpo.main(dpo_args(assets, tmp_path / "one", *common)) == 0
     env = {"OMP_NUM_THREADS": "1"}
     ddp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "ddp", *common, "--device_batch_size", "2",
-                                                       "--precompute_ref_logps"), nproc=2, env=env)
+                                                       "--precompute_ref_logps", "--backend", "cuda:gloo"),
+                     nproc=2, env=env)
     assert ddp.returncode == 0, ddp.stderr
     assert "reference: log-probs of " in ddp.stdout
     fsdp = run_script("scripts.kat_train_dpo", dpo_args(assets, tmp_path / "fsdp", *common, "--parallel", "fsdp"),

@@ -10,7 +10,8 @@ from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanochat_ext.generation import engine as engine_module
-from nanochat_ext.generation.engine import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, Engine, decode_compiled
+from nanochat_ext.generation.decode_cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
+from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.backbone import matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats

@@ -18,7 +18,7 @@ from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS, group_advantages
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation import engine
+from nanochat_ext.generation import decode_cost, engine
 from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.resume import check_resume_args
@@ -361,7 +361,7 @@ def test_compiled_decoding_trains_exactly_like_eager(assets, grpo_assets, tmp_pa
     compiles (the rule itself: test_engine's test_compile_auto_compiles_where_the_compile_pays_back)."""
     common = ("--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "2",
               "--group_size", "4", "--log_rollouts", "--beta", "0.04", "--val_ratio", "0")  # no evaluation: one shape
-    monkeypatch.setattr(engine, "COMPILE_PAYS_AFTER", 16)  # 2 steps x 8 tokens
+    monkeypatch.setattr(decode_cost, "COMPILE_PAYS_AFTER", 16)  # 2 steps x 8 tokens
     runs, compile_s = {}, {}
     torch._dynamo.reset()  # nothing compiled by earlier tests: this run compiles its step itself
     for flag in ("0", "auto"):

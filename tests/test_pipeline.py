@@ -27,27 +27,27 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 
 
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
-    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three GRPO arms (a KL control too) and
-    both DPO arms (uniform, density-weighted), each seed's report and the experiment's; a re-run skips every finished
+    """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three GRPO arms (a KL control too),
+    each seed's report and the experiment's (the DPO arms: test_the_density_experiment_on_a_model_runs_both_dpo_arms,
+    on 1 rank, and test_dpo's 2 ranks under cuda:gloo; their report: test_experiment_report); a re-run skips every finished
     stage; an interrupted GRPO stage resumes, with flags passed through to it (GRPO_ARGS); the fork's arm computes its
     weights, and a bad flag passed to its RM stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
-    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1 dpo dpo_density",
+    env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1",
                EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = base / "experiment_collapse"
     seed = root / "seed_0"
     for stage in ("demo_data", "sft", "density", "rm_uniform", "rm_density", "grpo_uniform", "grpo_density",
-                  "grpo_kl_0.1", "dpo", "dpo_density", "eval"):
+                  "grpo_kl_0.1", "eval"):
         assert f"== {stage}" in first.stdout
     report = json.loads((seed / "report.json").read_text())
-    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO kl_0.1", "DPO uniform",
-                                       "DPO density"}
-    assert {"task_accuracy_sampled", "rm_score_sampled", "mode_share"} <= set(report["policies"]["DPO density"])
+    assert set(report["policies"]) == {"before (SFT)", "GRPO uniform", "GRPO density", "GRPO kl_0.1"}
+    assert {"task_accuracy_sampled", "rm_score_sampled", "mode_share"} <= set(report["policies"]["GRPO kl_0.1"])
     assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread", "mode_share",
             "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO density"])
     assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
@@ -63,17 +63,14 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert (grpo_args("uniform")["lr"], grpo_args("uniform")["beta"]) == (5e-4, 0)
     assert (grpo_args("kl_0.1")["lr"], grpo_args("kl_0.1")["beta"]) == (5e-4, 0.1)
     assert grpo_args("kl_0.1")["rm"] == str(seed / "rm_checkpoints" / "uniform")
-    dpo = [json.loads(max((seed / "dpo_checkpoints" / arm).glob("meta_*.json"),
-                          key=lambda p: int(p.stem.split("_")[1])).read_text())["args"] for arm in ("dpo", "dpo_density")]
-    assert dpo[0]["density"] is None and dpo[1]["density"] == str(seed / "density" / "weights.jsonl")
     md = (seed / "report.md").read_text()
     assert "## Wall time per stage" in md and "grpo_uniform.png" in md and (seed / "grpo_uniform.png").is_file()
     assert "REGIME=`collapse`" in md and "GRPO_STEPS=`4`" in md
     experiment = json.loads((root / "experiment.json").read_text())
-    assert set(experiment["arms"]) == {"density", "kl_0.1", "dpo", "dpo_density"} and experiment["regime"] == "collapse"
+    assert set(experiment["arms"]) == {"density", "kl_0.1"} and experiment["regime"] == "collapse"
     assert len(experiment["arms"]["density"]["rm_accuracy_rare"]["diff"]["diffs"]) == 1
     assert "One seed: differences only" in (root / "experiment.md").read_text()
-    assert "## dpo_density minus dpo" in (root / "experiment.md").read_text()
+    assert "## density minus uniform" in (root / "experiment.md").read_text()
     # A re-run with fewer arms skips every stage it asks for and reports on those arms (the report's intervals over
     # several seeds: test_experiment_report; a pipeline on 1 rank: test_your_model_runs_with_the_scripts_defaults).
     again = speedrun(base, **{**env, "ARMS": "uniform density"})

@@ -1,8 +1,10 @@
 """What a decode step must read, as nanochat's scripts/infer_bench.py counts it: the matmul weights in the dtype decoded
-from and each row's keys and values at its context; the device's peak memory bandwidth, the denominator of decode MBU.
+from and each row's keys and values at its context; the device's peak memory bandwidth, the denominator of decode MBU;
+and whether a run decodes enough to pay back compiling the decode step (--compile auto).
 """
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -63,3 +65,42 @@ def kv_bytes(decoder: Backbone, context: float) -> float:
         heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
         windows = [context] * c.num_hidden_layers
     return sum(2 * heads * head_dim * itemsize * min(context, w) for w in windows)
+
+
+# --compile auto, on CPU: the cold compiles (training's batch shape, ~18 s, and evaluation's) cost ~30 s
+# in a measured run and save 0.4-0.55 ms per decoded token step (2-core CPU, the bench's 4-layer Llama):
+# break-even at 55-75k token steps (bench/RESULTS.md). Both scale with the number of layers, so the
+# ratio holds for deeper models.
+COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
+# On CUDA: the CUDA-graph step decoded nanochat's d12 at 146.9k tokens/s against eager's 25.0k (256 rows, bf16, an
+# H200, 2026-11-27, bench/RESULTS.md), 1.7 against 10.2 ms a token step, after a compile of under a minute: it pays
+# back after ~7k token steps at that batch. Measured at that one batch; an eager step of fewer rows is expected to
+# cost about as much (its kernels' launches, not its bytes, bound it), so the saving to hold.
+COMPILE_PAYS_AFTER_CUDA = 10_000
+
+
+def decode_compiled(flag: str, device: torch.device, max_steps: int, max_new_tokens: int) -> tuple[bool, str]:
+    """--compile for the engine: '1' and '0' as asked; 'auto' compiles the decode step when the run decodes enough
+    token steps to pay back the compile (on CPU also only where inductor's C++ compiler is there).
+    Returns (compile, why) for the log."""
+    if flag in ("0", "1"):
+        return flag == "1", f"--compile {flag}"
+    if flag != "auto":
+        raise ValueError(f"--compile must be auto, 0 or 1, got {flag!r}")
+    token_steps = max_steps * max_new_tokens
+    pays_after = {"cpu": COMPILE_PAYS_AFTER, "cuda": COMPILE_PAYS_AFTER_CUDA}.get(device.type)
+    if pays_after is None:
+        return False, f"auto: on {device.type} the compiled step is not measured; --compile 1 to use it"
+    if token_steps < pays_after:
+        return False, (f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps "
+                       f"would not pay back the compile (< {pays_after})")
+    if device.type == "cuda":
+        return True, (f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps pay back the "
+                      f"compile (CUDA graphs, measured 5.9x eager's tokens/s at d12)")
+    from torch._inductor import config as inductor
+
+    cxx = inductor.cpp.cxx  # what inductor will try: $CXX, else g++ (clang++ on macOS)
+    names = [c for c in (cxx if isinstance(cxx, (list, tuple)) else [cxx]) if c]
+    if not any(shutil.which(c) for c in names):
+        return False, f"auto: no C++ compiler ({' or '.join(names)}) for inductor"
+    return True, f"auto: {max_steps} steps x {max_new_tokens} tokens = {token_steps} token steps pay back the compile"

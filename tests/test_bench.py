@@ -361,3 +361,16 @@ def test_the_benchmark_assets_are_made_from_a_clone(tmp_path):
     assert max(len(tok(p["prompt"])["input_ids"]) for p in prompts) <= 64
     make_assets.main(["--out", str(tmp_path / "b"), "--seed", "7"])
     assert (tmp_path / "b" / "pairs.jsonl").read_text() == (tmp_path / "a" / "pairs.jsonl").read_text()
+
+
+def test_the_decode_tail_bench_compares_both_ways_on_the_same_rows(assets, capsys):
+    """bench_decode_tail.py on the tiny Llama (a stand-in for SmolLM2): one line per way, the same rows and steps,
+    fewer row-steps where the rows that stopped were dropped (a chat model's stop tokens end its replies)."""
+    import bench_decode_tail
+
+    bench_decode_tail.main(["--model", str(assets["hf"]), "--prompts", "2", "--group_size", "4", "--new_tokens", "24",
+                            "--threads", "1", "--repeats", "1"])
+    kept, dropped, summary = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert (kept["drop_finished"], dropped["drop_finished"]) == (False, True)
+    assert kept["rows"] == dropped["rows"] == 8 and kept["row_steps"] == 8 * kept["steps"]
+    assert dropped["row_steps"] <= kept["row_steps"] and summary["speedup"] > 0

@@ -79,17 +79,39 @@ def test_checking_for_the_end_every_few_steps_samples_the_same(compile, aot_eage
     last = max(c.index(stop) for c in free)  # the step after which every row has stopped
     assert 1 <= last < 30
     reads = [0]
-    real_bool = torch.Tensor.__bool__
-    monkeypatch.setattr(torch.Tensor, "__bool__", lambda t: reads.__setitem__(0, reads[0] + 1) or real_bool(t))
+    for read in ("__bool__", "__int__"):  # a read of the device by the host, whichever way it is made
+        real = getattr(torch.Tensor, read)
+        monkeypatch.setattr(torch.Tensor, read, lambda t, real=real: reads.__setitem__(0, reads[0] + 1) or real(t))
     runs = {}
     for every in (1, 8):
-        engine, reads[0] = Engine(bb, compile=compile, end_check_every=every), 0
+        engine, reads[0] = Engine(bb, compile=compile, end_check_every=every, drop_finished=False), 0
         runs[every] = engine.generate(PROMPTS, 1, cfg, stop, 0, seeds()), engine.last.steps, reads[0]
     (each, each_steps, each_reads), (few, few_steps, few_reads) = runs[1], runs[8]
     assert few.completions == each.completions and few.truncated == each.truncated == [False] * 3
     read_at = -(-(last + 1) // 8) * 8 - 1  # the token after which the every-8 engine reads that all have stopped
     assert (each_steps, few_steps) == (last + compile, read_at + compile)  # decoded on, pads, to that read
     assert few_reads == each_reads - last + read_at // 8  # reads after tokens 0..last against 7, 15, .., read_at
+
+
+@pytest.mark.parametrize("name,native", [("gpt_modern", True), ("hf", True), ("hf", False)])
+def test_eager_decoding_drops_the_rows_that_stopped_and_samples_the_same(assets, name, native):
+    """#67 item 2, eager: once a quarter of the rows have stopped, decoding goes on with the live rows alone (their
+    cache, logits, uniforms and mask; nanochat's GPT, the native Llama and a transformers module's DynamicCache):
+    fewer row-steps decoded, and every completion is what a full re-forward samples (or a tie) and what the engine
+    samples keeping every row to the end. Ragged prompts, samples at temperature 1 whose rows stop at many steps."""
+    bb = load_backbone(assets[name], native=native)
+    cfg = SamplingConfig(24, 1.0)
+    free = Engine(bb).generate(PROMPTS, 4, cfg, (), 0, seeds()).completions
+    stops = [free[i][2 + 3 * i] for i in range(6)]  # rows 0-5 stop by steps 2, 5, .., 17; the others as they meet one
+    runs = {}
+    for drop in (False, True):
+        engine = Engine(bb, drop_finished=drop)
+        runs[drop] = engine.generate(PROMPTS, 4, cfg, stops, 0, seeds()), engine.last
+    (kept, kept_stats), (dropped, dropped_stats) = runs[False], runs[True]
+    assert 0 < sum(kept.truncated) <= 6 and kept_stats.row_steps == 12 * kept_stats.steps
+    assert dropped_stats.row_steps < kept_stats.row_steps and dropped_stats.steps == kept_stats.steps
+    assert_same_but_a_tie(dropped, kept)
+    assert_sampled_from_reforward(bb, PROMPTS, 4, cfg, stops, seeds(), dropped)
 
 
 @pytest.mark.parametrize("name,temperature", [("gpt_modern", 0.0)])

@@ -15,7 +15,7 @@ import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.engine import compile_for
+from nanochat_ext.generation.static_decode import compile_for
 from nanochat_ext.models.attention import PrefixTree
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.models.vintages import VINTAGES

@@ -32,18 +32,20 @@ class DecodeStats:
     the bytes each step must read (every matmul weight in the dtype decoded from, and each row's keys and values
     at its context, sliding windows counted by their width; a static cache physically reads all its slots), and
     the seconds they took. steps: forward passes after the prefill (the compiled path counts the one after a
-    token that stopped every row, which eager skips)."""
+    token that stopped every row, which eager skips). row_steps: the rows each step decoded, summed (rows x steps
+    but where eager decoding dropped the rows that had stopped)."""
     rows: int
     steps: int
     prefill_s: float
     decode_s: float
     weight_bytes: int  # per step
     kv_bytes: float  # per row and step, at the call's middle context
+    row_steps: int
 
     @property
     def bytes_read(self) -> float:
         """Over all steps."""
-        return self.steps * (self.weight_bytes + self.rows * self.kv_bytes)
+        return self.steps * self.weight_bytes + self.row_steps * self.kv_bytes
 
 
 def weight_bytes(decoder: Backbone) -> int:

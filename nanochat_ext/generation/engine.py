@@ -5,7 +5,7 @@ samples are the same whichever way the engine runs (up to float ties between com
 
 Two ways to decode:
 - eager: a cache allocated per call (prompt + new tokens; transformers' own modules grow their DynamicCache),
-  every model.
+  every model; once a quarter of the rows have stopped (without an agent), decoding goes on with the live rows alone.
 - compiled (our models, `--compile`): the decode state of one batch shape (the KV cache, the step's buffers and
   counters) is allocated once, kept at fixed addresses (`mark_static_address`) and reused by later calls, and one
   decode step (take token t, feed it back) is a torch.compile'd function that reads and writes only that state,
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -37,29 +37,24 @@ from nanochat_ext.ddp_common import is_sharded, whole
 from nanochat_ext.generation.agent import Agent, Episodes
 from nanochat_ext.generation.decode_cost import DecodeStats, kv_bytes, weight_bytes
 from nanochat_ext.generation.sampling import SamplingConfig, take_tokens
+from nanochat_ext.generation.static_decode import DecodeState, compile_for, decode_step
 from nanochat_ext.generation.tools import ToolState
 from nanochat_ext.models.attention import KVCache
 from nanochat_ext.models.backbone import Backbone, matmul_params
-from nanochat_ext.models.compiled import allow_recompiles, compile_stats
+from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 SLOT_BUCKET = 64  # a compiled decode state's cache length is rounded up to this, so most calls reuse one
 
+# Eager decoding drops the rows that have stopped once they are this share of the batch: the step's work that grows
+# with its rows (attention over each row's cache, the LM head, sampling over the vocabulary) is then the live rows'
+# alone, and a long tail of a few rows costs what those rows cost. A drop copies the live rows' cache once.
+DROP_FINISHED_AT = 0.25
 # Decode steps between reads of whether every row has stopped. A read waits for the device (on CUDA the host cannot
 # queue the next step's launch meanwhile) and costs the host time; rows that stopped take pads, so a late read adds up
 # to 7 steps of pads to a call. Compiled decoding on CPU ran 5% and 16% faster reading every 8 steps (no early stops,
 # bench/RESULTS.md); eager decoding on CPU gained nothing (+0.1%, -1.0%): it reads every step.
 END_CHECK_EVERY = 8
-
-
-def compile_for(fn, device: torch.device):
-    """fn under torch.compile as a decode step runs best on `device`, with static shapes. On a GPU: CUDA graphs
-    (mode reduce-overhead). On CPU: inductor with its C++ wrapper, so a step's ~60 kernel calls run without
-    Python between them (557 -> 438 us per step of 8 rows on the bench's 4-layer Llama, 2 threads)."""
-    allow_recompiles()
-    if device.type == "cuda":
-        return torch.compile(fn, dynamic=False, mode="reduce-overhead")
-    return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
 
 
 @dataclass
@@ -93,49 +88,36 @@ class Samples:
         return [tok.reply_text(c[start:]) for c, start in zip(self.completions, starts)]
 
 
-@dataclass
-class DecodeState:
-    """Everything a compiled decode step reads and writes, for `rows` rows and `slots` cache positions; token t
-    of the call goes to cache slot `slot` (= prompt length + t)."""
-    cache: KVCache
-    logits: torch.Tensor  # (rows, V): the logits token t is drawn from
-    uniforms: torch.Tensor  # (rows, max_new_tokens)
-    out: torch.Tensor  # (rows, max_new_tokens) tokens taken, pads after a row's stop
-    stop_ids: torch.Tensor  # (stops,) the ids that end a row
-    lengths: torch.Tensor  # (rows,)
-    done: torch.Tensor  # (rows,)
-    positions: torch.Tensor  # (rows,) each row's position for token 0: its prompt's real tokens
-    key_valid: torch.Tensor  # (rows, slots): the slots each row may attend to
-    t: torch.Tensor  # () the token being taken
-    slot: torch.Tensor  # (1,) the slot it is written to
-    tools: ToolState | None  # the rows' tool calls (an engine with tools)
+class LiveRows:
+    """Eager decoding's batch as rows stop and are dropped: which of the call's rows the step's tensors hold (None:
+    all), and the call's own out/lengths/done, into which a dropped row's final values are written back."""
 
-    def tensors(self) -> list[torch.Tensor]:
-        cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
-                                               else [])
-        tools = self.tools.tensors() if self.tools is not None else []
-        return cache + tools + [getattr(self, f.name) for f in fields(self) if f.name not in ("cache", "tools")]
+    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor):
+        self.full = (out, lengths, done)
+        self.index: torch.Tensor | None = None
+        self.row_steps = 0  # rows decoded, summed over the steps
 
-    @property
-    def slots(self) -> int:
-        return self.key_valid.size(1)
+    def check(self, done: torch.Tensor, t: int, every: int, drop: bool) -> tuple[bool, bool]:
+        """After token t, read every `every` steps: (every row has stopped, enough have stopped to drop them)."""
+        if (t + 1) % every:
+            return False, False
+        stopped = int(done.sum())
+        return stopped == done.numel(), drop and stopped >= DROP_FINISHED_AT * done.numel()
 
+    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+        """Write the rows' values back, keep the live ones; returns their index in the current batch."""
+        self.whole(out, lengths, done)
+        keep = (~done).nonzero().squeeze(1)
+        self.index = keep if self.index is None else self.index[keep]
+        return keep
 
-def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
-                python: tuple[int, int] | None) -> None:
-    """Take token t of every row from the state's logits (or a forced token), decode it at its slot (static
-    shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
-    and the tools' state included. python: nanochat's (python_start, python_end) ids, where calls are its blocks."""
-    u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
-    live = ~s.done
-    token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
-                        s.tools.force if s.tools is not None else None)
-    if python is not None:
-        s.tools.track(token, s.t, live, *python)
-    s.key_valid.index_fill_(1, s.slot, True)
-    s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
-    s.t.add_(1)
-    s.slot.add_(1)
+    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The call's out, lengths and done, with the current rows' values in place."""
+        if self.index is None:
+            return out, lengths, done
+        for dst, src in zip(self.full, (out, lengths, done)):
+            dst.index_copy_(0, self.index, src)
+        return self.full
 
 
 class Engine:
@@ -145,11 +127,15 @@ class Engine:
     call of the run will need; a compiled state is made that long at once, so a longer batch later does not
     rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
     steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
-    with an agent the host reads every step, to answer a block the step closed or a turn it ended."""
+    with an agent the host reads every step, to answer a block the step closed or a turn it ended. drop_finished:
+    eager decoding without an agent goes on with the live rows alone once DROP_FINISHED_AT of them have stopped (the
+    same tokens: each row's logits are its own, up to a batch size's rounding)."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
-                 agent: Agent | None = None, reserve: int = 0, end_check_every: int | None = None):
+                 agent: Agent | None = None, reserve: int = 0, end_check_every: int | None = None,
+                 drop_finished: bool = True):
         self.model = model
+        self.drop_finished = drop_finished
         self.reserve = reserve
         self.agent = agent if agent is not None and agent.active else None
         self._python = self.agent.python if self.agent else None
@@ -195,19 +181,19 @@ class Engine:
             sync(device)
             t1 = time.perf_counter()
             steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes)
-            out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
+            out, lengths, done, tools, row_steps = state.out, state.lengths, state.done, state.tools, n * G * steps
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
-            out, lengths, done, tools, steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms, cfg,
-                                                                  stops, pad_id, episodes)
+            out, lengths, done, tools, steps, row_steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms,
+                                                                             cfg, stops, pad_id, episodes)
         sync(device)
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
         context = P + steps / 2  # a step's average context, as nanochat's infer_bench takes the middle one
         self.last = DecodeStats(n * G, steps, t1 - t0, max(t2 - t1 - compiled_s, 0.0), weight_bytes(decoder),
-                                kv_bytes(decoder, context))
+                                kv_bytes(decoder, context), row_steps)
         lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
         sampled = [row[:k] for row, k in zip(tools.sampled.int().tolist(), lengths)] if tools is not None else None
         return Samples.of([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, episodes)
@@ -229,19 +215,30 @@ class Engine:
         lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
         tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.agent else None
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
+        batch = LiveRows(out, lengths, done)  # the rows decoding now, after any drop of those that stopped
         for t in range(cfg.max_new_tokens):
             live = ~done
             token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
                                 tools.force if tools is not None else None)
             if self._python is not None:
                 tools.track(token, steps[t], live, *self._python)
-            finished = self._finished(done, lengths, tools, out, t, episodes)
+            if tools is not None:
+                finished, drop = self._finished(done, lengths, tools, out, t, episodes), False
+            else:
+                finished, drop = batch.check(done, t, self.end_check_every, self.drop_finished)
             if t == cfg.max_new_tokens - 1 or finished:
-                return out, lengths, done, tools, t
+                return (*batch.whole(out, lengths, done), tools, t, batch.row_steps)
+            if drop:  # go on with the live rows alone: their cache, logits, uniforms and mask
+                keep = batch.drop(out, lengths, done)
+                decoder.select_cache(cache, keep)
+                logits, uniforms, token = logits[keep], uniforms[keep], token[keep]
+                out, lengths, done = out[keep], lengths[keep], done[keep]
+                key_mask = key_mask[keep] if key_mask is not None else None
             if key_mask is not None:
                 key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             logits = decoder.decode(cache, token, key_mask)
-        return out, lengths, done, tools, 0  # max_new_tokens 0
+            batch.row_steps += token.size(0)
+        return out, lengths, done, tools, 0, 0  # max_new_tokens 0
 
     def _finished(self, done: torch.Tensor, lengths: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int,
                   episodes: Episodes | None) -> bool:

@@ -330,6 +330,13 @@ class KVCache:
         if self.prev_embedding is not None:
             self.prev_embedding = self.prev_embedding.repeat_interleave(n, dim=0)
 
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep rows `rows` (a 1-d index) alone: decoding goes on without the rows that stopped."""
+        self.k = [k.index_select(0, rows) for k in self.k]
+        self.v = [v.index_select(0, rows) for v in self.v]
+        if self.prev_embedding is not None:
+            self.prev_embedding = self.prev_embedding.index_select(0, rows)
+
 
 @dataclass
 class Span:

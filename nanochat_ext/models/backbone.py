@@ -178,6 +178,13 @@ class Backbone(nn.Module):
         else:
             cache.batch_repeat_interleave(n)
 
+    def select_cache(self, cache, rows: torch.Tensor) -> None:
+        """Keep the cache's rows `rows` (a 1-d index) alone, in that order."""
+        if self.native:
+            cache.select_rows(rows)
+        else:
+            cache.batch_select_indices(rows)
+
     @torch.no_grad()
     def restore(self, train_state: dict, saved: "Backbone | None" = None) -> None:
         """For --resume: take a saved checkpoint's weights (if given), then the fp32 masters its

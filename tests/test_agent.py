@@ -274,6 +274,33 @@ def test_an_environment_answers_each_turn_and_gives_the_reward(compiled, aot_eag
         assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_eager_decoding_drops_rows_that_ended_their_episodes_and_samples_the_same():
+    """#67 item 2 with an agent: the rows whose episode ended (no next turn) are dropped, with their tool state, once
+    they are a quarter of the batch; a row whose turn ended and that the environment asked for another stays. The
+    completions, their sampled/forced marks, turns, tool calls and rewards are those of decoding every row to the
+    end (up to a tie), with fewer row-steps. nanochat's tool-use model, the calculator's blocks and CountingGame."""
+    bb = load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2")
+    tok = load_tokenizer_for(bb, str(TOOL_USE / "tokenizer"))
+    rows = [{"prompt": q} for q in ("what is 3 times 4?", "Share 1,200 pies among 4 kids.",
+                                    "How many r are in strawberry?")]
+    runs = {}
+    for drop in (False, True):
+        agent = Agent(AgentConfig(env="tools_for_tests:CountingGame"), tok, rows[0])
+        engine = Engine(bb, agent=agent, drop_finished=drop)
+        runs[drop] = decode(engine, agent, rows, max_new=90, temperature=1.0, n=2)[1], engine.last
+    (kept, kept_stats), (dropped, dropped_stats) = runs[False], runs[True]
+    assert kept_stats.row_steps == 6 * kept_stats.steps and dropped_stats.row_steps < kept_stats.row_steps
+    parted = [i for i, (a, b) in enumerate(zip(kept.completions, dropped.completions)) if a != b]
+    assert len(parted) <= 1, parted
+    same = [i for i in range(6) if i not in parted]
+    for got in (kept, dropped):
+        assert got.turns.count(3) >= 3 and got.tool_calls > 0
+    assert [kept.sampled[i] for i in same] == [dropped.sampled[i] for i in same]
+    assert [kept.turns[i] for i in same] == [dropped.turns[i] for i in same]
+    rewards = [[o.value for o in got.episodes.env_rewards()] for got in (kept, dropped)]
+    assert [rewards[0][i] for i in same] == [rewards[1][i] for i in same]
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_an_environment_talks_with_a_chat_model_in_its_template(hf_tool_use, compiled, aot_eager):  # noqa: F811
     """The chat model in an environment that asks twice for another turn, then ends: each rollout is token for token

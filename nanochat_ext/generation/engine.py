@@ -5,7 +5,7 @@ samples are the same whichever way the engine runs (up to float ties between com
 
 Two ways to decode:
 - eager: a cache allocated per call (prompt + new tokens; transformers' own modules grow their DynamicCache),
-  every model; once a quarter of the rows have stopped (without an agent), decoding goes on with the live rows alone.
+  every model; once a quarter of the rows have stopped, decoding goes on with the live rows alone.
 - compiled (our models, `--compile`): the decode state of one batch shape (the KV cache, the step's buffers and
   counters) is allocated once, kept at fixed addresses (`mark_static_address`) and reused by later calls, and one
   decode step (take token t, feed it back) is a torch.compile'd function that reads and writes only that state,
@@ -90,34 +90,36 @@ class Samples:
 
 class LiveRows:
     """Eager decoding's batch as rows stop and are dropped: which of the call's rows the step's tensors hold (None:
-    all), and the call's own out/lengths/done, into which a dropped row's final values are written back."""
+    all), and the call's own out/lengths/done (and the tools' sampled marks), into which a dropped row's final values
+    are written back."""
 
-    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor):
-        self.full = (out, lengths, done)
+    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None):
+        self.full = (out, lengths, done) + ((tools.sampled,) if tools is not None else ())
+        self.tools = tools
         self.index: torch.Tensor | None = None
         self.row_steps = 0  # rows decoded, summed over the steps
 
-    def check(self, done: torch.Tensor, t: int, every: int, drop: bool) -> tuple[bool, bool]:
-        """After token t, read every `every` steps: (every row has stopped, enough have stopped to drop them)."""
-        if (t + 1) % every:
-            return False, False
-        stopped = int(done.sum())
-        return stopped == done.numel(), drop and stopped >= DROP_FINISHED_AT * done.numel()
+    def of(self, rows: list[int]) -> list[int]:
+        """The call's rows (as the agent's episodes know them) of rows of the current batch."""
+        return rows if self.index is None else self.index[rows].tolist()
 
-    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor) -> torch.Tensor:
+    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None
+             ) -> torch.Tensor:
         """Write the rows' values back, keep the live ones; returns their index in the current batch."""
-        self.whole(out, lengths, done)
+        self.whole(out, lengths, done, tools)
         keep = (~done).nonzero().squeeze(1)
         self.index = keep if self.index is None else self.index[keep]
         return keep
 
-    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """The call's out, lengths and done, with the current rows' values in place."""
+    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ToolState | None]:
+        """The call's out, lengths, done and tool state, with the current rows' values in place."""
         if self.index is None:
-            return out, lengths, done
-        for dst, src in zip(self.full, (out, lengths, done)):
+            return out, lengths, done, tools
+        now = (out, lengths, done) + ((tools.sampled,) if tools is not None else ())
+        for dst, src in zip(self.full, now):
             dst.index_copy_(0, self.index, src)
-        return self.full
+        return (*self.full[:3], self.tools)
 
 
 class Engine:
@@ -128,8 +130,8 @@ class Engine:
     rebuild it (new static addresses: a recompile and, on CUDA, a new graph recording). end_check_every: decode
     steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
     with an agent the host reads every step, to answer a block the step closed or a turn it ended. drop_finished:
-    eager decoding without an agent goes on with the live rows alone once DROP_FINISHED_AT of them have stopped (the
-    same tokens: each row's logits are its own, up to a batch size's rounding)."""
+    eager decoding goes on with the live rows alone once DROP_FINISHED_AT of them have stopped for good (the same
+    tokens: each row's logits are its own, up to a batch size's rounding)."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
                  agent: Agent | None = None, reserve: int = 0, end_check_every: int | None = None,
@@ -215,25 +217,23 @@ class Engine:
         lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
         tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.agent else None
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
-        batch = LiveRows(out, lengths, done)  # the rows decoding now, after any drop of those that stopped
+        batch = LiveRows(out, lengths, done, tools)  # the rows decoding now, after any drop of those that stopped
         for t in range(cfg.max_new_tokens):
             live = ~done
             token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
                                 tools.force if tools is not None else None)
             if self._python is not None:
                 tools.track(token, steps[t], live, *self._python)
-            if tools is not None:
-                finished, drop = self._finished(done, lengths, tools, out, t, episodes), False
-            else:
-                finished, drop = batch.check(done, t, self.end_check_every, self.drop_finished)
+            finished, stopped = self._finished(done, lengths, tools, out, t, episodes, batch)
             if t == cfg.max_new_tokens - 1 or finished:
-                return (*batch.whole(out, lengths, done), tools, t, batch.row_steps)
-            if drop:  # go on with the live rows alone: their cache, logits, uniforms and mask
-                keep = batch.drop(out, lengths, done)
+                return (*batch.whole(out, lengths, done, tools), t, batch.row_steps)
+            if self.drop_finished and stopped is not None and stopped >= DROP_FINISHED_AT * done.numel():
+                keep = batch.drop(out, lengths, done, tools)  # go on with the live rows alone
                 decoder.select_cache(cache, keep)
                 logits, uniforms, token = logits[keep], uniforms[keep], token[keep]
                 out, lengths, done = out[keep], lengths[keep], done[keep]
                 key_mask = key_mask[keep] if key_mask is not None else None
+                tools = tools.select(keep) if tools is not None else None
             if key_mask is not None:
                 key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             logits = decoder.decode(cache, token, key_mask)
@@ -241,30 +241,37 @@ class Engine:
         return out, lengths, done, tools, 0, 0  # max_new_tokens 0
 
     def _finished(self, done: torch.Tensor, lengths: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int,
-                  episodes: Episodes | None) -> bool:
-        """After token t: whether every row has stopped (read every end_check_every steps, else False). With an
-        agent, in the same read from the device: the blocks token t closed are answered, and the rows whose token t
-        ended a turn are asked for their next one."""
+                  episodes: Episodes | None, batch: LiveRows | None = None) -> tuple[bool, int | None]:
+        """After token t: (whether every row has stopped, how many have), read every end_check_every steps, else
+        (False, None). With an agent, in the same read from the device: the blocks token t closed are answered, and
+        the rows whose token t ended a turn are asked for their next one (batch: which of the call's rows the
+        tensors hold, after eager decoding dropped some)."""
         if tools is None:
-            return (t + 1) % self.end_check_every == 0 and bool(done.all())
+            if (t + 1) % self.end_check_every:
+                return False, None
+            stopped = int(done.sum())
+            return stopped == done.numel(), stopped
         ended = done & (lengths == t + 1)
-        finished, closed, any_ended = torch.stack([done.all(), tools.closed.any(), ended.any()]).tolist()
-        room = out.size(1) - t - 1  # tokens left after token t
+        stopped, closed, any_ended = torch.stack([done.sum(), tools.closed.any(), ended.any()]).tolist()
+        finished, room = stopped == done.numel(), out.size(1) - t - 1  # room: tokens left after token t
+        of = batch.of if batch is not None else (lambda rows: rows)
         if closed and not finished and room:
             rows, blocks = tools.closed_blocks(out, t)
-            for row, ids in zip(rows, episodes.answer_blocks([self.agent.tok.decode(b) for b in blocks], rows)):
+            for row, ids in zip(rows, episodes.answer_blocks([self.agent.tok.decode(b) for b in blocks], of(rows))):
                 tools.queue(row, ids)
         if any_ended and self.agent.turns:
             rows = ended.nonzero().squeeze(1).tolist()
-            texts = [self.agent.tok.turn_text(out[row, episodes.turn_start[row]:t].tolist()) for row in rows]
-            for row, ids in zip(rows, episodes.after_turns(rows, texts, room)):
+            calls = of(rows)  # the episodes' rows
+            texts = [self.agent.tok.turn_text(out[row, episodes.turn_start[call]:t].tolist())
+                     for row, call in zip(rows, calls)]
+            for row, call, ids in zip(rows, calls, episodes.after_turns(calls, texts, room)):
                 if ids:
                     tools.queue(row, ids[:room])
                     done[row], lengths[row] = False, out.size(1)
-                    episodes.turn_start[row] = min(t + 1 + len(ids), out.size(1))
+                    episodes.turn_start[call] = min(t + 1 + len(ids), out.size(1))
                     tools.in_block[row] = False  # a block the ended turn left open is not the next turn's
-                    finished = False
-        return finished
+                    finished, stopped = False, stopped - 1
+        return finished, stopped
 
     # ---- compiled ---------------------------------------------------------------------------------
     def _prefill_state(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int,
@@ -338,7 +345,7 @@ class Engine:
         last = cfg.max_new_tokens - 1
         for t in range(last):
             self._step(decoder.model, s, cfg, pad_id, self._python)
-            if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes):
+            if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes)[0]:
                 return t + 1
         if last >= 0:  # the last token needs no decoding after it; a turn it ends is still the environment's
             take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,

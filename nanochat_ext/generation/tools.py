@@ -61,6 +61,10 @@ class ToolState:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
+    def select(self, rows: torch.Tensor) -> "ToolState":
+        """Rows `rows` (a 1-d index) alone: eager decoding goes on without the rows that stopped."""
+        return ToolState(*(t.index_select(0, rows) for t in self.tensors()))
+
     def reset(self) -> None:
         for t in self.tensors():
             t.zero_()

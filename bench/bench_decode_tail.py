@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--logprobs", action="store_true", help="the engine keeps each token's log-prob (as GRPO's does)")
     b = p.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(b.threads)
     import torch
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
     best: dict[bool, tuple] = {}
     for _ in range(b.repeats):
         for drop in (False, True):
-            engine = Engine(model, drop_finished=drop)
+            engine = Engine(model, drop_finished=drop, logprobs=b.logprobs)
             gens = [torch.Generator().manual_seed(i) for i in range(len(prompts))]
             t0 = time.perf_counter()
             samples = engine.generate(prompts, b.group_size, cfg, tok.stop_ids, tok.pad_id, gens)
@@ -53,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     for drop, (s, samples, stats) in best.items():
         lengths = sorted(map(len, samples.completions))
         print(json.dumps({"bench": "decode_tail", "model": Path(b.model).name, "drop_finished": drop,
+                          "logprobs": b.logprobs,
                           "rows": stats.rows, "new_tokens": b.new_tokens, "steps": stats.steps,
                           "row_steps": stats.row_steps, "tokens": sum(lengths), "median_len": lengths[len(lengths) // 2],
                           "truncated": sum(samples.truncated), "s": round(s, 3), "threads": b.threads,

@@ -114,6 +114,29 @@ def test_eager_decoding_drops_the_rows_that_stopped_and_samples_the_same(assets,
     assert_sampled_from_reforward(bb, PROMPTS, 4, cfg, stops, seeds(), dropped)
 
 
+@pytest.mark.parametrize("name,native,compile", [("gpt_modern", True, False), ("gpt_modern", True, True),
+                                                 ("hf", True, True), ("hf", False, False)])
+def test_the_engine_keeps_each_tokens_log_prob_as_a_re_forward_gives_it(assets, name, native, compile, aot_eager):
+    """#68 item 3: Engine(logprobs=True) returns every sampled token's log-prob under softmax(logits / T), before the
+    sampler's top-k, top-p and held-back stops, as torch.log_softmax gives it over a full re-forward of that
+    completion (the trainer's log-probs: the ratio to them is 1 but for rounding); eager with the stopped rows
+    dropped, compiled, and a transformers module. Ragged prompts, rows stopping at different steps."""
+    bb = load_backbone(assets[name], native=native)
+    cfg = SamplingConfig(16, 0.8, top_k=20, top_p=0.9, min_new_tokens=2)
+    free = Engine(bb).generate(PROMPTS, 3, cfg, (), 0, seeds()).completions
+    stops = [free[i][3 + 2 * i] for i in range(4)]
+    engine = Engine(bb, compile=compile, logprobs=True)
+    got = engine.generate(PROMPTS, 3, cfg, stops, 0, seeds())
+    assert got.logprobs is not None and sum(got.truncated) < 9  # rows stopped, at different steps
+    assert Engine(bb, compile=compile).generate(PROMPTS, 3, cfg, stops, 0, seeds()).logprobs is None
+    for i, (completion, logprobs) in enumerate(zip(got.completions, got.logprobs, strict=True)):
+        prompt = PROMPTS[i // 3]
+        with torch.no_grad():
+            logits = bb(torch.tensor([prompt + completion[:-1]]))[0, len(prompt) - 1:].float()
+        want = torch.log_softmax(logits / cfg.temperature, dim=-1).gather(1, torch.tensor(completion)[:, None])
+        torch.testing.assert_close(torch.tensor(logprobs), want.squeeze(1), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("name,temperature", [("gpt_modern", 0.0)])
 def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     """--compile 1 with inductor on today's nanochat, greedy, rows stopping at different steps (the native Llama and

@@ -93,6 +93,16 @@ def read_metrics(out):
     return [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_engine_log_probs_are_the_trainers(*outs) -> None:
+    """#68 item 3: each step's train/engine_ratio, the first update's log-probs against the engine's of the same tokens
+    (fp32, eager, on CPU): 1 and a gap of 0 but for rounding, none far; the same on 1 and 2 ranks. A later update's
+    log-probs (--num_iterations 2 moves them by more than --clip_eps) are not in it."""
+    runs = [[(m["train/engine_ratio"], m["train/engine_logp_diff"], m["train/engine_far"]) for m in read_metrics(out)
+             if "train/loss" in m] for out in outs]
+    assert runs[0] and all(abs(r - 1) < 1e-5 and d < 1e-5 and far == 0 for run in runs for r, d, far in run), runs
+    assert all(len(run) == len(runs[0]) for run in runs)
+
+
 def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     out = tmp_path / "grpo"
     args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "30",
@@ -158,6 +168,7 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     assert proc.returncode == 0, proc.stderr[-2000:]
     clipped = [m["train/clip_frac"] for m in read_metrics(one) if "train/clip_frac" in m]
     assert len(clipped) == 2 and all(c > 0 for c in clipped), clipped
+    assert_engine_log_probs_are_the_trainers(one, two)
     rollouts = [[(r["prompt_index"], r["completion_ids"]) for r in map(json.loads, (
         d / "logs" / "rollouts.jsonl").read_text().splitlines())] for d in (one, two)]
     assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]
@@ -297,6 +308,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
         assert len({r["reward"] for r in trained[k:k + 4]}) > 1, trained[k:k + 4]  # a spread in every group
     assert [(r["prompt_index"], r["completion_ids"]) for r in trained] == \
         [(r["prompt_index"], r["completion_ids"]) for r in rollouts(two)]
+    assert_engine_log_probs_are_the_trainers(one, two)
     draws = [m["train/draws"] for m in read_metrics(one) if "train/draws" in m]
     assert sum(draws) > 3 and all(m["train/filled_frac"] == 0 for m in read_metrics(one) if "train/draws" in m)
 

@@ -8,6 +8,7 @@ a group never spans ranks.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -168,7 +169,22 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, stats.double().cpu()
 
 
-LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "pg_objective", "entropy")  # policy_backward's, in order
+# policy_backward's, in order; the engine's are sums over the scored tokens of the update that has the engine's
+# log-probs (exp and |.| of the trainer's log-prob minus the engine's, the tokens where that ratio is past 2x either way)
+def engine_gap(b: dict[str, torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
+    """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without "engine_logp")."""
+    if "engine_logp" not in b:
+        return torch.zeros(4, dtype=torch.float64)
+    with torch.no_grad():
+        scored = b["mask"] > 0
+        gap = torch.where(scored, logp.detach().double() - b["engine_logp"].double(), 0.0)
+        return torch.stack([(gap.exp() * scored).sum(), gap.abs().sum(), (gap.abs() > FAR).sum(), scored.sum()]
+                           ).double().cpu()
+
+
+LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "pg_objective", "entropy", "engine_ratio", "engine_logp_diff",
+              "engine_far", "engine_tokens")
+FAR = math.log(2.0)  # train/engine_far: a token whose trainer/engine ratio is past 2x either way
 
 
 def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
@@ -176,7 +192,8 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
                     keep_old: bool = False) -> torch.Tensor:
     """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch
     (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, pg objective, entropy
-    sum] (LOSS_STATS).
+    sum, the engine's sums] (LOSS_STATS; the engine's where the batch has "engine_logp", the log-prob of each token
+    as the rollout engine computed it: how far the trainer's log-probs are from those the tokens were sampled with).
     pi_old is batch["old_logp"] where the batch has it, else this pass's own log-probs (the ratio is 1). keep_old
     (the first of --num_iterations updates): the batch keeps them as "old_logp" for its later updates. They are the
     training graph's log-probs, dropout included, not a separate no-grad pass's, which compiled (inductor fuses the
@@ -191,7 +208,7 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
             olds.append(old.float().cpu())
         loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
                                 normaliser)
-        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1)])
+        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1), engine_gap(b, logp)])
 
     total = accumulate_backward(model, batch, micro, device, autocast, loss_fn)
     if olds is not None:
@@ -257,6 +274,10 @@ class GRPO:
         batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
                                micro % G == 0, ro.sampled)
         batch["advantages"] = group_advantages(total, G, self.cfg.scale_rewards, self.cfg.std_mode)
+        if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
+            batch["engine_logp"] = torch.zeros(batch["target"].shape)
+            for row, logprobs in enumerate(ro.logprobs):
+                batch["engine_logp"][row, :len(logprobs)] = torch.tensor(logprobs)
         batch["weights"] = torch.tensor([self.train.rows[i].weight for i in ro.indices],
                                         dtype=torch.float32).repeat_interleave(G)
         if self.rollout.mask_truncated:
@@ -275,6 +296,7 @@ class GRPO:
                                      keep_old=iteration == 0 and self.cfg.num_iterations > 1)
             loop.update(it[0].item())
             stats += it
+            batch.pop("engine_logp", None)  # later updates' log-probs have moved: the first one's gap alone
         self.window.add(**dict(zip(LOSS_STATS, (stats / self.cfg.num_iterations).tolist())), ref_s=t1 - t0,
                         train_s=time.time() - t1)
 
@@ -346,6 +368,10 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
               # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
               "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
+    if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding
+        m.update({"train/engine_ratio": s["engine_ratio"] / s["engine_tokens"],
+                  "train/engine_logp_diff": s["engine_logp_diff"] / s["engine_tokens"],
+                  "train/engine_far": s["engine_far"] / s["engine_tokens"]})
     if peak_bw:
         m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
     return m

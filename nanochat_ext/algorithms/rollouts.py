@@ -34,21 +34,25 @@ class Rollout:
     truncated: list[bool]
     rewards: torch.Tensor  # (len(indices) * G, n_rewards), float64
     sampled: list[list[int]] | None = None  # with tools: per completion token, 1 sampled, 0 forced (no loss)
+    logprobs: list[list[float]] | None = None  # per completion token, its log-prob as the engine computed it
 
     def groups(self) -> list["Rollout"]:
         """One Rollout per prompt."""
         G = len(self.completions) // max(len(self.indices), 1)
         return [Rollout([i], self.completions[j * G:(j + 1) * G], self.truncated[j * G:(j + 1) * G],
-                        self.rewards[j * G:(j + 1) * G], self.sampled and self.sampled[j * G:(j + 1) * G])
+                        self.rewards[j * G:(j + 1) * G], self.sampled and self.sampled[j * G:(j + 1) * G],
+                        self.logprobs and self.logprobs[j * G:(j + 1) * G])
                 for j, i in enumerate(self.indices)]
 
     @staticmethod
     def concat(parts: list["Rollout"], n_rewards: int) -> "Rollout":
         with_tools = any(p.sampled is not None for p in parts)
+        with_logprobs = bool(parts) and all(p.logprobs is not None for p in parts)
         return Rollout([i for p in parts for i in p.indices], [c for p in parts for c in p.completions],
                        [t for p in parts for t in p.truncated],
                        torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0, n_rewards, dtype=torch.float64),
-                       [m for p in parts for m in p.sampled] if with_tools else None)
+                       [m for p in parts for m in p.sampled] if with_tools else None,
+                       [lp for p in parts for lp in p.logprobs] if with_logprobs else None)
 
 
 def zero_std_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -193,7 +197,7 @@ class Rollouts:
                         score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s,
                         decode_bytes=decoded.bytes_read,
                         **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward.sum(0).tolist())})
-        return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled)
+        return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled, samples.logprobs)
 
     def with_signal(self) -> tuple[Rollout, int]:
         """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward

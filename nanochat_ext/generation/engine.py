@@ -70,15 +70,16 @@ class Samples:
     turns: list[int] | None = None  # with an agent, each completion's assistant turns
     turn_starts: list[int] | None = None  # with an agent, where each completion's last assistant turn begins
     episodes: Episodes | None = field(default=None, compare=False, repr=False)  # their environments, for rewards
+    logprobs: list[list[float]] | None = None  # Engine(logprobs=True): each token's sampling.token_logprob
 
     @classmethod
     def of(cls, completions: list[list[int]], truncated: list[bool], sampled: list[list[int]] | None,
-           episodes: Episodes | None) -> "Samples":
+           episodes: Episodes | None, logprobs: list[list[float]] | None = None) -> "Samples":
         if episodes is None:
-            return cls(completions, truncated, sampled)
+            return cls(completions, truncated, sampled, logprobs=logprobs)
         return cls(completions, truncated, sampled, episodes.tool_calls, episodes.tool_errors, episodes.tool_timeouts,
                    episodes.env_errors, episodes.env_timeouts, list(episodes.turns), list(episodes.turn_start),
-                   episodes)
+                   episodes, logprobs)
 
     def replies(self, tok: TokenizerWrapper) -> list[str]:
         """What reward functions read of each completion: its last assistant turn, without the stop it ended
@@ -90,11 +91,12 @@ class Samples:
 
 class LiveRows:
     """Eager decoding's batch as rows stop and are dropped: which of the call's rows the step's tensors hold (None:
-    all), and the call's own out/lengths/done (and the tools' sampled marks), into which a dropped row's final values
-    are written back."""
+    all), and the call's own per-row outputs (out, lengths, done, log-probs, the tools' sampled marks), into which a
+    dropped row's final values are written back."""
 
-    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None):
-        self.full = (out, lengths, done) + ((tools.sampled,) if tools is not None else ())
+    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+                 tools: ToolState | None):
+        self.full = (out, lengths, done, logps, tools.sampled if tools is not None else None)
         self.tools = tools
         self.index: torch.Tensor | None = None
         self.row_steps = 0  # rows decoded, summed over the steps
@@ -103,23 +105,24 @@ class LiveRows:
         """The call's rows (as the agent's episodes know them) of rows of the current batch."""
         return rows if self.index is None else self.index[rows].tolist()
 
-    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None
-             ) -> torch.Tensor:
+    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+             tools: ToolState | None) -> torch.Tensor:
         """Write the rows' values back, keep the live ones; returns their index in the current batch."""
-        self.whole(out, lengths, done, tools)
+        self.whole(out, lengths, done, logps, tools)
         keep = (~done).nonzero().squeeze(1)
         self.index = keep if self.index is None else self.index[keep]
         return keep
 
-    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, ToolState | None]:
-        """The call's out, lengths, done and tool state, with the current rows' values in place."""
+    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+              tools: ToolState | None) -> tuple:
+        """The call's out, lengths, done, log-probs and tool state, with the current rows' values in place."""
         if self.index is None:
-            return out, lengths, done, tools
-        now = (out, lengths, done) + ((tools.sampled,) if tools is not None else ())
+            return out, lengths, done, logps, tools
+        now = (out, lengths, done, logps, tools.sampled if tools is not None else None)
         for dst, src in zip(self.full, now):
-            dst.index_copy_(0, self.index, src)
-        return (*self.full[:3], self.tools)
+            if dst is not None:
+                dst.index_copy_(0, self.index, src)
+        return (*self.full[:4], self.tools)
 
 
 class Engine:
@@ -131,13 +134,14 @@ class Engine:
     steps between reads of whether every row has stopped (default END_CHECK_EVERY, but 1 for eager decoding on CPU);
     with an agent the host reads every step, to answer a block the step closed or a turn it ended. drop_finished:
     eager decoding goes on with the live rows alone once DROP_FINISHED_AT of them have stopped for good (the same
-    tokens: each row's logits are its own, up to a batch size's rounding)."""
+    tokens: each row's logits are its own, up to a batch size's rounding). logprobs: the samples carry each token's
+    log-prob as the engine computed it (sampling.token_logprob), for comparing with the trainer's."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
                  agent: Agent | None = None, reserve: int = 0, end_check_every: int | None = None,
-                 drop_finished: bool = True):
+                 drop_finished: bool = True, logprobs: bool = False):
         self.model = model
-        self.drop_finished = drop_finished
+        self.drop_finished, self.logprobs = drop_finished, logprobs
         self.reserve = reserve
         self.agent = agent if agent is not None and agent.active else None
         self._python = self.agent.python if self.agent else None
@@ -184,12 +188,14 @@ class Engine:
             t1 = time.perf_counter()
             steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes)
             out, lengths, done, tools, row_steps = state.out, state.lengths, state.done, state.tools, n * G * steps
+            logps = state.logps if self.logprobs else None
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
             sync(device)
             t1 = time.perf_counter()
-            out, lengths, done, tools, steps, row_steps = self._decode_eager(decoder, logits, cache, key_mask, uniforms,
-                                                                             cfg, stops, pad_id, episodes)
+            out, lengths, done, logps, tools, steps, row_steps = self._decode_eager(decoder, logits, cache, key_mask,
+                                                                                    uniforms, cfg, stops, pad_id,
+                                                                                    episodes)
         sync(device)
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
@@ -198,7 +204,8 @@ class Engine:
                                 kv_bytes(decoder, context), row_steps)
         lengths, done, out = lengths.tolist(), done.tolist(), out.tolist()
         sampled = [row[:k] for row, k in zip(tools.sampled.int().tolist(), lengths)] if tools is not None else None
-        return Samples.of([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, episodes)
+        logprobs = [row[:k] for row, k in zip(logps.tolist(), lengths)] if logps is not None else None
+        return Samples.of([row[:k] for row, k in zip(out, lengths)], [not d for d in done], sampled, episodes, logprobs)
 
     # ---- eager ------------------------------------------------------------------------------------
     def _prefill_eager(self, decoder: Backbone, ids: torch.Tensor, key_mask: torch.Tensor, G: int, max_new: int):
@@ -216,29 +223,31 @@ class Engine:
         done = torch.zeros(rows, dtype=torch.bool, device=device)
         lengths = torch.full((rows,), cfg.max_new_tokens, dtype=torch.long, device=device)
         tools = ToolState.empty(rows, cfg.max_new_tokens, device) if self.agent else None
+        logps = torch.zeros(rows, cfg.max_new_tokens, device=device) if self.logprobs else None
         steps = torch.arange(cfg.max_new_tokens, device=device)  # token t is steps[t]
-        batch = LiveRows(out, lengths, done, tools)  # the rows decoding now, after any drop of those that stopped
+        batch = LiveRows(out, lengths, done, logps, tools)  # the rows decoding now, after any drop of those that stopped
         for t in range(cfg.max_new_tokens):
             live = ~done
             token = take_tokens(logits, uniforms[:, t], steps[t], out, lengths, done, cfg, stop_ids, pad_id,
-                                tools.force if tools is not None else None)
+                                tools.force if tools is not None else None, logps)
             if self._python is not None:
                 tools.track(token, steps[t], live, *self._python)
             finished, stopped = self._finished(done, lengths, tools, out, t, episodes, batch)
             if t == cfg.max_new_tokens - 1 or finished:
-                return (*batch.whole(out, lengths, done, tools), t, batch.row_steps)
+                return (*batch.whole(out, lengths, done, logps, tools), t, batch.row_steps)
             if self.drop_finished and stopped is not None and stopped >= DROP_FINISHED_AT * done.numel():
-                keep = batch.drop(out, lengths, done, tools)  # go on with the live rows alone
+                keep = batch.drop(out, lengths, done, logps, tools)  # go on with the live rows alone
                 decoder.select_cache(cache, keep)
                 logits, uniforms, token = logits[keep], uniforms[keep], token[keep]
                 out, lengths, done = out[keep], lengths[keep], done[keep]
+                logps = logps[keep] if logps is not None else None
                 key_mask = key_mask[keep] if key_mask is not None else None
                 tools = tools.select(keep) if tools is not None else None
             if key_mask is not None:
                 key_mask = torch.cat([key_mask, torch.ones_like(key_mask[:, :1])], dim=1)
             logits = decoder.decode(cache, token, key_mask)
             batch.row_steps += token.size(0)
-        return out, lengths, done, tools, 0, 0  # max_new_tokens 0
+        return out, lengths, done, logps, tools, 0, 0  # max_new_tokens 0
 
     def _finished(self, done: torch.Tensor, lengths: torch.Tensor, tools: ToolState | None, out: torch.Tensor, t: int,
                   episodes: Episodes | None, batch: LiveRows | None = None) -> tuple[bool, int | None]:
@@ -297,6 +306,7 @@ class Engine:
         fill(s.positions, key_mask.sum(-1))
         s.uniforms.copy_(uniforms)
         s.out.fill_(pad_id)
+        s.logps.zero_()
         s.stop_ids.copy_(stop_ids)
         s.lengths.fill_(cfg.max_new_tokens)
         s.done.zero_()
@@ -324,6 +334,7 @@ class Engine:
         s = DecodeState(cache, logits.new_zeros(rows, logits.size(1)),
                         torch.zeros(rows, max_new, device=device),
                         torch.zeros(rows, max_new, dtype=torch.long, device=device),
+                        torch.zeros(rows, max_new, device=device),
                         torch.zeros(stops, dtype=torch.long, device=device),
                         torch.zeros(rows, dtype=torch.long, device=device),
                         torch.zeros(rows, dtype=torch.bool, device=device),
@@ -344,12 +355,12 @@ class Engine:
             self._step = compile_for(decode_step, s.t.device)
         last = cfg.max_new_tokens - 1
         for t in range(last):
-            self._step(decoder.model, s, cfg, pad_id, self._python)
+            self._step(decoder.model, s, cfg, pad_id, self._python, self.logprobs)
             if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes)[0]:
                 return t + 1
         if last >= 0:  # the last token needs no decoding after it; a turn it ends is still the environment's
             take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
-                        s.tools.force if s.tools is not None else None)
+                        s.tools.force if s.tools is not None else None, s.logps if self.logprobs else None)
             if self.agent:
                 self._finished(s.done, s.lengths, s.tools, s.out, last, episodes)
         return max(last, 0)

@@ -76,23 +76,36 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
     return torch.minimum(first, last)
 
 
+def token_logprob(logits: torch.Tensor, token: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Each row's log-prob of its token (B,) under softmax(logits / T) (T = 1 where sampling is greedy): the model's
+    own distribution at the sampling temperature, before the sampler's filters (top-k, top-p, the stops held back),
+    which is what the trainer's log-probs are (training/logprobs.py)."""
+    scaled = logits.float() / (temperature or 1.0)
+    return scaled.gather(1, token[:, None]).squeeze(1) - scaled.logsumexp(-1)
+
+
 def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: torch.Tensor, lengths: torch.Tensor,
                 done: torch.Tensor, cfg: SamplingConfig, stop_ids: torch.Tensor, pad_id: int,
-                force: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
-                ) -> torch.Tensor:
+                force: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
+                logps: torch.Tensor | None = None) -> torch.Tensor:
     """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
     row's uniform u (force(sampled, t): the tokens forced instead, and where, see tools.py), the pad for rows
     already stopped. Written into out; rows whose token is any of stop_ids (a 1-d tensor of ids: its values are data, so
-    another set of the same size compiles nothing) stop now, marked in done and lengths. All in place."""
+    another set of the same size compiles nothing) stop now, marked in done and lengths; with logps (rows,
+    max_new_tokens), each token's token_logprob goes to its column t (0 for a pad). All in place, but logits."""
+    model_logits = logits
     if cfg.min_new_tokens:  # every stop held back, whichever would end the row
         held = torch.where(t < cfg.min_new_tokens, float("-inf"), logits.index_select(1, stop_ids))
-        logits.index_copy_(1, stop_ids, held)
+        logits = logits.index_copy(1, stop_ids, held)
     token = sample_token(logits, u, cfg)
     forced = None
     if force is not None:
         token, forced = force(token, t)
     token = torch.where(done, pad_id, token)
     out.index_copy_(1, t.view(1), token[:, None])
+    if logps is not None:
+        logp = torch.where(done, 0.0, token_logprob(model_logits, token, cfg.temperature))
+        logps.index_copy_(1, t.view(1), logp[:, None].to(logps.dtype))
     stopped = ~done & torch.isin(token, stop_ids)
     if forced is not None:  # a forced token is never the model's stop
         stopped &= ~forced

@@ -32,6 +32,7 @@ class DecodeState:
     logits: torch.Tensor  # (rows, V): the logits token t is drawn from
     uniforms: torch.Tensor  # (rows, max_new_tokens)
     out: torch.Tensor  # (rows, max_new_tokens) tokens taken, pads after a row's stop
+    logps: torch.Tensor  # (rows, max_new_tokens) their log-probs (sampling.token_logprob), where the engine keeps them
     stop_ids: torch.Tensor  # (stops,) the ids that end a row
     lengths: torch.Tensor  # (rows,)
     done: torch.Tensor  # (rows,)
@@ -53,14 +54,15 @@ class DecodeState:
 
 
 def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
-                python: tuple[int, int] | None) -> None:
+                python: tuple[int, int] | None, logprobs: bool = False) -> None:
     """Take token t of every row from the state's logits (or a forced token), decode it at its slot (static
     shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
-    and the tools' state included. python: nanochat's (python_start, python_end) ids, where calls are its blocks."""
+    and the tools' state included. python: nanochat's (python_start, python_end) ids, where calls are its blocks.
+    logprobs: each token's log-prob into s.logps too."""
     u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
     live = ~s.done
     token = take_tokens(s.logits, u, s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
-                        s.tools.force if s.tools is not None else None)
+                        s.tools.force if s.tools is not None else None, s.logps if logprobs else None)
     if python is not None:
         s.tools.track(token, s.t, live, *python)
     s.key_valid.index_fill_(1, s.slot, True)

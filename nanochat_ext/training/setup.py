@@ -213,7 +213,7 @@ class PolicyTraining(ModelTraining):
         if decode is not None:  # made before the policy is sharded: under fsdp it keeps a whole copy
             whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
             self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, agent=decode.agent,
-                                 reserve=decode.reserve)
+                                 reserve=decode.reserve, logprobs=True)  # train/engine_ratio (grpo.py)
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
         self._check_sources(resume)

@@ -37,6 +37,9 @@ LOSS_AGGS = ("token", "sequence", "dr_grpo")
 # in TRL; here by the global batch's (as TRL's dapo): the same when a step is one micro-batch on one rank.
 TRL_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo": "dr_grpo"}
 IMPORTANCE_LEVELS = ("token", "sequence")
+# --engine_correction: TRL's vllm_importance_sampling_mode, for the gap between the rollout engine's log-probs and the
+# trainer's (Yao et al. 2025: TIS truncates the ratio, MIS masks past it; per token or per completion)
+ENGINE_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
 SCALE_REWARDS = ("group", "batch", "none")
 ADV_EPS = 1e-4
 
@@ -97,10 +100,20 @@ class GRPOConfig:
     beta: float = option(0.04, "weight of the k3 KL to the frozen reference; 0 skips the reference model", type=float,
                          check=FINITE_NON_NEGATIVE)
     num_iterations: int = option(1, "optimizer updates per rollout batch, mu", type=int, check=POSITIVE)
+    engine_correction: str = option("none", "weight each token's loss by w = pi_old / pi_engine, the trainer's "
+                                            "log-prob against the one the engine sampled with (train/engine_ratio): "
+                                            "per token or per completion (the product of its tokens' ratios), "
+                                            "truncated to [--engine_clip_min, --engine_clip_max] or 0 outside it "
+                                            "(mask); TRL's vllm_importance_sampling_mode",
+                                    choices=ENGINE_CORRECTIONS)
+    engine_clip_max: float | None = option(3.0, "upper bound of --engine_correction's ratio", type=float,
+                                           check=POSITIVE)
+    engine_clip_min: float | None = option(None, "lower bound of --engine_correction's ratio (default: none)",
+                                           type=float, check=FINITE_NON_NEGATIVE)
 
     def loss(self, max_new_tokens: int) -> "LossConfig":
         return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, self.beta, max_new_tokens,
-                          self.importance_level)
+                          self.importance_level, self.engine_correction, self.engine_clip_max, self.engine_clip_min)
 
 
 @dataclass
@@ -111,6 +124,9 @@ class LossConfig:
     beta: float = 0.0
     max_new_tokens: int = 64  # dr_grpo's constant normaliser
     importance_level: str = "token"  # sequence: GSPO's one ratio per completion
+    engine_correction: str = "none"  # ENGINE_CORRECTIONS
+    engine_clip_max: float | None = 3.0
+    engine_clip_min: float | None = None
 
 
 def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
@@ -127,15 +143,33 @@ def loss_normaliser(mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig) 
     raise ValueError(f"unknown loss_agg {cfg.loss_agg!r}")
 
 
+def engine_weights(old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor, cfg: LossConfig
+                   ) -> torch.Tensor:
+    """--engine_correction's weight of each token's surrogate, (B, T) or (B, 1): pi_old / pi_engine per token, or
+    their product over a completion's scored tokens, truncated to [clip_min, clip_max] or 0 outside it (as TRL
+    weights its loss by vLLM's)."""
+    gap = ((old_logp - engine_logp) * mask).detach()
+    if cfg.engine_correction.startswith("sequence"):
+        gap = gap.sum(1, keepdim=True)
+    ratio = gap.exp()
+    if cfg.engine_correction.endswith("truncate"):
+        return ratio.clamp(min=cfg.engine_clip_min, max=cfg.engine_clip_max)
+    low = cfg.engine_clip_min if cfg.engine_clip_min is not None else -math.inf
+    high = cfg.engine_clip_max if cfg.engine_clip_max is not None else math.inf
+    return ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+
+
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, advantages: torch.Tensor,
-              mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig, normaliser: float):
+              mask: torch.Tensor, weights: torch.Tensor, cfg: LossConfig, normaliser: float,
+              engine_logp: torch.Tensor | None = None):
     """Clipped surrogate + beta * KL(k3) per token, aggregated as cfg.loss_agg and divided by the
     global normaliser. Returns (loss, stats) with stats = [kl sum, clipped tokens, tokens, pg objective] on this
     rank, the last -sum(A logp) / normaliser aggregated as the loss (chat_rl's printed loss, normalised as ours).
 
     importance_level 'token': a ratio per token, pi(y_t) / pi_old(y_t) (GRPO). 'sequence' (GSPO): one
     ratio per completion, the geometric mean of its token ratios exp(mean_t log(pi / pi_old)), clipped
-    as a whole, so a completion's tokens are all kept or all clipped."""
+    as a whole, so a completion's tokens are all kept or all clipped. engine_logp (with cfg.engine_correction): the
+    surrogate weighted by engine_weights."""
     log_ratio = logp - old_logp
     if cfg.importance_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
@@ -146,6 +180,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
     per_token = -surrogate
+    if cfg.engine_correction != "none":
+        per_token = per_token * engine_weights(old_logp, engine_logp, mask, cfg)
     kl = torch.zeros_like(logp)
     if ref_logp is not None and cfg.beta > 0:
         delta = ref_logp - logp
@@ -169,10 +205,11 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, stats.double().cpu()
 
 
-# policy_backward's, in order; the engine's are sums over the scored tokens of the update that has the engine's
-# log-probs (exp and |.| of the trainer's log-prob minus the engine's, the tokens where that ratio is past 2x either way)
+# policy_backward's, in order; the engine's are sums over the scored tokens of pi_old's log-prob minus the engine's (exp,
+# |.|, the tokens where that ratio is past 2x either way): the first update's log-probs, whichever update
 def engine_gap(b: dict[str, torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
-    """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without "engine_logp")."""
+    """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without "engine_logp"); logp: pi_old,
+    the first update's log-probs in every update."""
     if "engine_logp" not in b:
         return torch.zeros(4, dtype=torch.float64)
     with torch.no_grad():
@@ -207,8 +244,8 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
         if olds is not None:
             olds.append(old.float().cpu())
         loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
-                                normaliser)
-        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1), engine_gap(b, logp)])
+                                normaliser, b.get("engine_logp"))
+        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1), engine_gap(b, old)])
 
     total = accumulate_backward(model, batch, micro, device, autocast, loss_fn)
     if olds is not None:
@@ -296,7 +333,6 @@ class GRPO:
                                      keep_old=iteration == 0 and self.cfg.num_iterations > 1)
             loop.update(it[0].item())
             stats += it
-            batch.pop("engine_logp", None)  # later updates' log-probs have moved: the first one's gap alone
         self.window.add(**dict(zip(LOSS_STATS, (stats / self.cfg.num_iterations).tolist())), ref_s=t1 - t0,
                         train_s=time.time() - t1)
 

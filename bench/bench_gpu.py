@@ -34,7 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanochat_ext.algorithms.grpo import LossConfig, group_advantages, policy_backward
+from nanochat_ext.algorithms.advantages import group_advantages
+from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.ddp_common import init_dist
 from nanochat_ext.generation.decode_cost import decode_compiled, peak_bandwidth

@@ -14,7 +14,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext.algorithms import grpo
 from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
-from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS, group_advantages
+from nanochat_ext.algorithms.advantages import group_advantages
+from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
@@ -288,12 +289,12 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
                                                                                           tmp_path, capsys):
     """--filter_zero_std (DAPO): about half the prompts get a constant reward; every trained group has a
     spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws; its logs follow
-    the checkpoint."""
+    the checkpoint. RLOO's advantages normalised over the global batch (--advantage rloo --scale_rewards batch)."""
     # One group per micro-batch on 1 and 2 ranks alike: the split over ranks is what is compared here (the
     # split into micro-batches is test_loss_and_grads_invariant_to_ranks_and_micro_batches').
     common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
               "--max_steps", "3", "--batch_size", "4", "--group_size", "4", "--lr", "1e-3", "--log_rollouts",
-              "--log_every", "1", "--device_batch_size", "4"]
+              "--log_every", "1", "--device_batch_size", "4", "--advantage", "rloo", "--scale_rewards", "batch"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}

@@ -2,7 +2,7 @@
 make_golden.py with TRL 1.16): the loss and its gradient for every TRL loss_type we alias x token /
 sequence (GSPO) importance, on ragged completions with a masked one; group- and batch-scaled
 advantages (TRL's sample std); log-probs at a sampling temperature; the correction of the sampling engine's
-log-probs (TRL's vllm_importance_sampling_mode, is_golden.pt by make_is_golden.py)."""
+log-probs (TRL's vllm_importance_sampling_mode) and RLOO's advantages (lines_golden.pt, make_lines_golden.py)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, engine_weights,
-                                          group_advantages, grpo_loss, loss_normaliser)
+from nanochat_ext.algorithms.advantages import group_advantages, rloo_advantages
+from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
+                                          loss_normaliser)
 from nanochat_ext.training.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)
@@ -45,19 +46,19 @@ def test_logprobs_at_a_temperature_equal_trls():
     torch.testing.assert_close(logp, GOLDEN["logp_t07"], atol=1e-6, rtol=1e-6)  # values near -25: fp32 ulp 2e-6
 
 
-IS_GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "is_golden.pt", weights_only=True)
+LINES = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "lines_golden.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("key", list(IS_GOLDEN["weights"]))
+@pytest.mark.parametrize("key", list(LINES["weights"]))
 def test_engine_correction_equals_trls_vllm_importance_sampling(key):
-    """--engine_correction against TRL's vllm_importance_sampling_mode (its own lines, make_is_golden.py): the weights of
+    """--engine_correction against TRL's vllm_importance_sampling_mode (its own lines, make_lines_golden.py): the weights of
     every mode and bounds (ratios past them both ways, per token and per completion, a fully masked completion), and
     the loss and gradient they give under TRL's dapo and grpo loss types."""
     mode, low, high = key.split("/")
-    g, w = GOLDEN, IS_GOLDEN["weights"][key]
+    g, w = GOLDEN, LINES["weights"][key]
     cfg = LossConfig(engine_correction=mode, engine_clip_min=None if low == "None" else float(low),
                      engine_clip_max=float(high))
-    got = engine_weights(g["old_logp"], IS_GOLDEN["sampling_logp"], g["mask"], cfg)
+    got = engine_weights(g["old_logp"], LINES["sampling_logp"], g["mask"], cfg)
     torch.testing.assert_close(got, w, atol=1e-6, rtol=1e-6)
     for loss_type in ("dapo", "grpo"):
         cfg = LossConfig(TRL_LOSS_TYPES[loss_type], clip_eps=0.2, clip_eps_high=0.28, beta=0.04, engine_correction=mode,
@@ -66,8 +67,18 @@ def test_engine_correction_equals_trls_vllm_importance_sampling(key):
         weights = torch.ones(g["mask"].size(0))
         logp = g["logp"].clone().requires_grad_(True)
         loss, _ = grpo_loss(logp, g["old_logp"], g["ref_logp"], g["advantages_group"], g["mask"], weights, cfg,
-                            loss_normaliser(g["mask"], weights, cfg).item(), IS_GOLDEN["sampling_logp"])
+                            loss_normaliser(g["mask"], weights, cfg).item(), LINES["sampling_logp"])
         loss.backward()
-        want = IS_GOLDEN["loss"][f"{key}/{loss_type}"]
+        want = LINES["loss"][f"{key}/{loss_type}"]
         torch.testing.assert_close(loss.detach(), want["loss"], atol=1e-6, rtol=0)
         torch.testing.assert_close(logp.grad, want["grad"], atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+def test_rloo_advantages_equal_trls(normalize):
+    """--advantage rloo against TRL's RLOOTrainer's own lines (make_lines_golden.py): the leave-one-out baseline on
+    ragged rewards with a zero-spread group, unscaled (--scale_rewards none, TRL's default) and normalised over the
+    batch (--scale_rewards batch, TRL's normalize_advantages)."""
+    g = LINES["rloo"]
+    got = rloo_advantages(g["rewards"], g["group_size"], "batch" if normalize else "none")
+    torch.testing.assert_close(got, g[f"normalize={normalize}"].float(), atol=1e-6, rtol=0)

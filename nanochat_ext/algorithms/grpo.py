@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from nanochat_ext.algorithms.advantages import ADVANTAGES, SCALE_REWARDS, STD_MODES, advantages
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
@@ -40,43 +41,14 @@ IMPORTANCE_LEVELS = ("token", "sequence")
 # --engine_correction: TRL's vllm_importance_sampling_mode, for the gap between the rollout engine's log-probs and the
 # trainer's (Yao et al. 2025: TIS truncates the ratio, MIS masks past it; per token or per completion)
 ENGINE_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
-SCALE_REWARDS = ("group", "batch", "none")
-ADV_EPS = 1e-4
-
-
-# ---- advantages ---------------------------------------------------------------------------------
-STD_MODES = ("sample", "population")
-
-
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample") -> torch.Tensor:
-    """(r - group mean) / (std + eps): std of the group ('group'), of the whole global batch ('batch',
-    one all-reduce), or no scaling ('none'). std_mode 'sample' divides the squared deviations by n - 1
-    (TRL, torch.std), 'population' by n (1.41x larger advantages at G=2). A group whose rewards are all
-    equal gets 0, not NaN."""
-    if std_mode not in STD_MODES:
-        raise ValueError(f"unknown std_mode {std_mode!r}")
-    r = rewards.double().view(-1, group_size)
-    centred = r - r.mean(dim=1, keepdim=True)
-    if scale == "group":
-        std = r.std(dim=1, keepdim=True, unbiased=std_mode == "sample")
-        return (centred / (std + ADV_EPS)).view(-1).float()
-    if scale == "batch":
-        stats = all_reduce_sum(torch.stack([r.sum(), (r * r).sum(), torch.tensor(float(r.numel()), dtype=r.dtype)]))
-        n = stats[2]
-        mean = stats[0] / n
-        var = (stats[1] / n - mean * mean).clamp(min=0)
-        if std_mode == "sample":
-            var = var * n / (n - 1).clamp(min=1)
-        return (centred / (var.sqrt() + ADV_EPS)).view(-1).float()
-    if scale == "none":
-        return centred.view(-1).float()
-    raise ValueError(f"unknown scale_rewards {scale!r}")
-
-
 # ---- loss ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GRPOConfig:
     """GRPO's advantages and loss (TRL's GRPOConfig names where TRL has the option)."""
+    advantage: str = option("grpo", "grpo: r minus its group's mean; rloo: r minus the mean of its group's other "
+                                    "samples (leave-one-out, Ahmadian et al. 2024, TRL's RLOOTrainer; TRL's RLOO "
+                                    "scales as --scale_rewards none, or batch with normalize_advantages)",
+                            choices=ADVANTAGES)
     scale_rewards: str = option("group", "advantage = (r - group mean) / std of the group, of the batch, or unscaled",
                                 choices=SCALE_REWARDS)
     std_mode: str = option("sample", "std for --scale_rewards: sample (divide by n - 1, as TRL and torch.std do, so a "
@@ -263,10 +235,11 @@ WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_ca
           "train_s", "steps", "decoded", "decode_s", "decode_bytes")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
-                     "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto", "max_turns": 8}
+                     "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
+                     "max_turns": 8}
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
-RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "importance_level",
-                "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns")
+RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "advantage",
+                "importance_level", "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns")
 
 
 @dataclass
@@ -310,7 +283,7 @@ class GRPO:
         # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
         batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
                                micro % G == 0, ro.sampled)
-        batch["advantages"] = group_advantages(total, G, self.cfg.scale_rewards, self.cfg.std_mode)
+        batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scale_rewards, self.cfg.std_mode)
         if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
             batch["engine_logp"] = torch.zeros(batch["target"].shape)
             for row, logprobs in enumerate(ro.logprobs):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat_ext import ddp_common as dc
-from nanochat_ext.algorithms.grpo import group_advantages
+from nanochat_ext.algorithms.advantages import advantages
 
 # Two groups of 4 rewards per rank, rank 1's spread far wider than rank 0's: --scale_rewards batch divides every
 # rank's advantages by the std of the whole global batch, which neither rank's own rewards give.
@@ -42,7 +42,8 @@ def main(backend: str | None, diverge: bool) -> None:
             in_sync = False
         ddp_grad = ddp_step(env)
         half = REWARDS.view(env.world_size, -1)[env.rank]
-        batch_advantages = {mode: group_advantages(half, 4, "batch", mode).tolist() for mode in ("sample", "population")}
+        batch_advantages = {f"{estimator}/{mode}": advantages(estimator, half, 4, "batch", mode).tolist()
+                            for estimator in ("grpo", "rloo") for mode in ("sample", "population")}
         raw_error = None
         try:  # the rule itself: a CPU tensor handed straight to the default group
             dist.all_reduce(torch.ones(1))

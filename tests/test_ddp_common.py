@@ -14,7 +14,7 @@ from conftest import REPO, ulps
 from nanochat_ext.algorithms.advantages import advantages
 from nanochat_ext.ddp_common import (all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, free_port,
                                      init_dist)
-from workers.dist_worker import REWARDS
+from workers.dist_worker import REWARDS, TOKENS
 
 LAUNCHER_ENVS = {
     "torchrun": lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": "2"},
@@ -68,7 +68,8 @@ def test_collectives_obey_nccls_device_rule():
     """A default group that serves only CUDA tensors (cuda:gloo, NCCL's rule on a CPU machine): every
     helper still works with CPU tensors, numbers, objects and a DDP module, while the same CPU tensor
     handed straight to the default group is refused exactly as NCCL refuses it. --scale_rewards batch's advantages
-    (one all-reduce of the sums), GRPO's and RLOO's, on 2 ranks are those of the whole batch in one process."""
+    (one all-reduce of the sums), GRPO's and RLOO's, and REINFORCE++'s per-token ones (whitened over every rank's
+    tokens), on 2 ranks are those of the whole batch in one process."""
     results = _launch_two("torchrun", "cuda:gloo")
     for r in results:
         assert r["backend"] == "cuda:gloo" and r["sum"] == 3.0 and r["tensor_sum"] == [2.0, 1.0] and r["max"] == 1.0
@@ -78,9 +79,9 @@ def test_collectives_obey_nccls_device_rule():
     for key in results[0]["batch_advantages"]:  # --scale_rewards batch: 2 ranks' halves = the whole batch in one process
         estimator, std_mode = key.split("/")
         got = torch.tensor(results[0]["batch_advantages"][key] + results[1]["batch_advantages"][key])
-        want = advantages(estimator, REWARDS, 4, "batch", std_mode)
+        want = advantages(estimator, REWARDS, 4, "batch", std_mode, TOKENS, 0.05, "k2")
         torch.testing.assert_close(got, want, atol=ulps(want), rtol=0, msg=key)
-    assert len(results[0]["batch_advantages"]) == 4  # GRPO's and RLOO's, sample and population std
+    assert len(results[0]["batch_advantages"]) == 5  # GRPO's and RLOO's (sample and population std), REINFORCE++'s
 
 
 @pytest.mark.parametrize("launcher", ["openmpi", "slurm"])

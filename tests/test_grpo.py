@@ -160,10 +160,12 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     forward, before any update (PPO's pi_old): the second step's ratios are off 1 and a tight --clip_eps bites, which
     a ratio taken against the weights of the moment never does; 2 ranks take the steps 1 rank takes. With
     --engine_correction (its weights against TRL's: test_trl_oracle), here 1 but for rounding: the engine's log-probs
-    are the trainer's."""
+    are the trainer's; and REINFORCE++-baseline's per-token advantages, the KL in the reward (against OpenRLHF's:
+    test_trl_oracle)."""
     common = ["--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "4",
               "--group_size", "4", "--num_iterations", "2", "--clip_eps", "0.02", "--beta", "0.04", "--log_rollouts",
-              "--log_every", "1", "--device_batch_size", "4", "--engine_correction", "sequence_truncate"]
+              "--log_every", "1", "--device_batch_size", "4", "--engine_correction", "sequence_truncate",
+              "--advantage", "reinforce_pp_baseline", "--kl_estimator", "k2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
     proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common), nproc=2,

@@ -2,7 +2,8 @@
 make_golden.py with TRL 1.16): the loss and its gradient for every TRL loss_type we alias x token /
 sequence (GSPO) importance, on ragged completions with a masked one; group- and batch-scaled
 advantages (TRL's sample std); log-probs at a sampling temperature; the correction of the sampling engine's
-log-probs (TRL's vllm_importance_sampling_mode) and RLOO's advantages (lines_golden.pt, make_lines_golden.py)."""
+log-probs (TRL's vllm_importance_sampling_mode) and RLOO's advantages (lines_golden.pt, make_lines_golden.py); and
+REINFORCE++'s advantages against OpenRLHF's own functions (tests/fixtures/openrlhf-golden)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.algorithms.advantages import group_advantages, rloo_advantages
+from nanochat_ext.algorithms.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
 from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
                                           loss_normaliser)
 from nanochat_ext.training.logprobs import token_logprobs_chunked
@@ -82,3 +83,19 @@ def test_rloo_advantages_equal_trls(normalize):
     g = LINES["rloo"]
     got = rloo_advantages(g["rewards"], g["group_size"], "batch" if normalize else "none")
     torch.testing.assert_close(got, g[f"normalize={normalize}"].float(), atol=1e-6, rtol=0)
+
+
+OPENRLHF = torch.load(Path(__file__).parent / "fixtures" / "openrlhf-golden" / "golden.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("key", list(OPENRLHF["advantages"]))
+def test_reinforce_pp_advantages_equal_openrlhfs(key):
+    """--advantage reinforce_pp and reinforce_pp_baseline against OpenRLHF's compute_advantages_and_returns run as
+    written (make_golden.py there): per-token returns of the reward at each completion's last scored token and the
+    KL penalty (k1, k2) from pi_old's and the reference's log-probs, whitened over the batch's scored tokens; ragged
+    completions, one fully masked, one with a forced token inside."""
+    estimator, kl_estimator = key.split("/")
+    g = OPENRLHF
+    got = reinforce_pp_advantages(g["rewards"], g["group_size"], g["old_logp"], g["ref_logp"], g["mask"].float(),
+                                  g["kl_coef"], kl_estimator, baseline=estimator == "reinforce_baseline")
+    torch.testing.assert_close(got, OPENRLHF["advantages"][key].float(), atol=1e-6, rtol=0)

@@ -1,13 +1,16 @@
 """Advantage estimators over a rollout's rewards, G completions per prompt (prompt-major): GRPO's group-relative
-advantages and RLOO's leave-one-out ones, scaled by the group's or the whole global batch's spread (one all-reduce),
-or not at all. The same rewards give the same advantages on any number of ranks."""
+advantages and RLOO's leave-one-out ones (one per completion), scaled by the group's or the whole global batch's spread
+(one all-reduce), or not at all; REINFORCE++'s per-token returns (OpenRLHF's), the KL to the reference a penalty in
+the reward, whitened over the global batch's tokens. The same rewards give the same advantages on any number of
+ranks."""
 from __future__ import annotations
 
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum
 
-ADVANTAGES = ("grpo", "rloo")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_MODES = ("sample", "population")
 ADV_EPS = 1e-4
@@ -63,11 +66,53 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode
     raise ValueError(f"unknown scale_rewards {scale!r}")
 
 
-def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample"
+def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token KL estimates from log-probs of the sampled tokens (Schulman's k1, k2, k3), clamped to [-10, 10] as
+    OpenRLHF's compute_approx_kl does."""
+    d = logp.double() - ref_logp.double()
+    if estimator == "k2":
+        d = d * d / 2
+    elif estimator == "k3":
+        d = (-d).exp() - 1 + d
+    elif estimator != "k1":
+        raise ValueError(f"unknown kl_estimator {estimator!r}")
+    return d.clamp(min=-10, max=10)
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, old_logp: torch.Tensor,
+                            ref_logp: torch.Tensor | None, mask: torch.Tensor, kl_coef: float, kl_estimator: str,
+                            baseline: bool) -> torch.Tensor:
+    """REINFORCE++ (Hu et al. 2025; OpenRLHF's 'reinforce', and with baseline its 'reinforce_baseline', which first
+    subtracts the group's mean reward): each token's reward is -kl_coef x its KL to the reference (kl_estimator, from
+    pi_old's log-probs) plus, at a completion's last scored token, the completion's reward; a token's advantage is the
+    sum of the rewards from it on (gamma 1), whitened over every scored token of the global batch (one all-reduce).
+    Returns (completions, tokens)."""
+    r = rewards.double().view(-1, group_size)
+    if baseline:
+        r = r - r.mean(dim=1, keepdim=True)
+    scored = (mask > 0).double()
+    per_token = torch.zeros_like(scored)
+    if ref_logp is not None and kl_coef > 0:
+        per_token = -kl_coef * approx_kl(old_logp, ref_logp, kl_estimator)
+    last = mask.size(1) - 1 - (mask > 0).long().fliplr().argmax(dim=1)
+    per_token[torch.arange(mask.size(0)), last] += r.reshape(-1)
+    returns = (per_token * scored).flip(1).cumsum(1).flip(1)
+    stats = all_reduce_sum(torch.stack([(returns * scored).sum(), (returns * returns * scored).sum(), scored.sum()]))
+    mean = stats[0] / stats[2].clamp(min=1)
+    var = stats[1] / stats[2].clamp(min=1) - mean * mean
+    return ((returns - mean) * var.clamp(min=1e-8).rsqrt()).float()
+
+
+def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
+               batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1"
                ) -> torch.Tensor:
-    """The advantages --advantage names (ADVANTAGES)."""
+    """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s per token, which read the
+    batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's ("ref_logp")."""
     if estimator == "grpo":
         return group_advantages(rewards, group_size, scale, std_mode)
     if estimator == "rloo":
         return rloo_advantages(rewards, group_size, scale, std_mode)
+    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
+        return reinforce_pp_advantages(rewards, group_size, batch["engine_logp"], batch.get("ref_logp"), batch["mask"],
+                                       kl_coef, kl_estimator, estimator == "reinforce_pp_baseline")
     raise ValueError(f"unknown advantage {estimator!r}")

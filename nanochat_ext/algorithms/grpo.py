@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat_ext.algorithms.advantages import ADVANTAGES, SCALE_REWARDS, STD_MODES, advantages
+from nanochat_ext.algorithms.advantages import ADVANTAGES, KL_ESTIMATORS, SCALE_REWARDS, STD_MODES, advantages
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
@@ -47,8 +47,14 @@ class GRPOConfig:
     """GRPO's advantages and loss (TRL's GRPOConfig names where TRL has the option)."""
     advantage: str = option("grpo", "grpo: r minus its group's mean; rloo: r minus the mean of its group's other "
                                     "samples (leave-one-out, Ahmadian et al. 2024, TRL's RLOOTrainer; TRL's RLOO "
-                                    "scales as --scale_rewards none, or batch with normalize_advantages)",
+                                    "scales as --scale_rewards none, or batch with normalize_advantages); "
+                                    "reinforce_pp(_baseline): REINFORCE++'s per-token returns, --beta the KL "
+                                    "penalty in the reward, whitened over the batch (OpenRLHF's reinforce and "
+                                    "reinforce_baseline; --scale_rewards unused)",
                             choices=ADVANTAGES)
+    kl_estimator: str = option("k1", "--advantage reinforce_pp*: the per-token KL in the reward, from pi_old's and the "
+                                     "reference's log-probs: k1 = their difference, k2 = its square / 2, k3 "
+                                     "(OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
     scale_rewards: str = option("group", "advantage = (r - group mean) / std of the group, of the batch, or unscaled",
                                 choices=SCALE_REWARDS)
     std_mode: str = option("sample", "std for --scale_rewards: sample (divide by n - 1, as TRL and torch.std do, so a "
@@ -84,7 +90,9 @@ class GRPOConfig:
                                            type=float, check=FINITE_NON_NEGATIVE)
 
     def loss(self, max_new_tokens: int) -> "LossConfig":
-        return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, self.beta, max_new_tokens,
+        """The loss's settings; REINFORCE++'s KL is in its reward, not the loss."""
+        beta = 0.0 if self.advantage.startswith("reinforce_pp") else self.beta
+        return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, beta, max_new_tokens,
                           self.importance_level, self.engine_correction, self.engine_clip_max, self.engine_clip_min)
 
 
@@ -148,7 +156,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     elif cfg.importance_level != "token":
         raise ValueError(f"unknown importance_level {cfg.importance_level!r}")
     ratio = torch.exp(log_ratio)
-    adv = advantages[:, None]
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages  # per completion, or per token (REINFORCE++)
     high = cfg.clip_eps if cfg.clip_eps_high is None else cfg.clip_eps_high
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_eps, 1 + high) * adv)
     per_token = -surrogate
@@ -283,7 +291,6 @@ class GRPO:
         # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
         batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
                                micro % G == 0, ro.sampled)
-        batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scale_rewards, self.cfg.std_mode)
         if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
             batch["engine_logp"] = torch.zeros(batch["target"].shape)
             for row, logprobs in enumerate(ro.logprobs):
@@ -297,6 +304,8 @@ class GRPO:
                                  smaller_micro(micro, self.share)):
             if t.reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
                 batch["ref_logp"] = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
+        batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scale_rewards, self.cfg.std_mode,
+                                         batch, self.cfg.beta, self.cfg.kl_estimator)
         t1 = time.time()
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
         for iteration in range(self.cfg.num_iterations):

@@ -54,8 +54,8 @@ def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.
     out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
     scored = out["mask"].gt(0).any(0).nonzero()  # token columns any completion is scored at (forced ones are not)
     n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
-    for k in ("gather", "target", "mask", "old_logp", "ref_logp", "engine_logp"):  # per-token tensors
-        if k in out:
+    for k in ("gather", "target", "mask", "old_logp", "ref_logp", "engine_logp", "advantages"):  # per-token tensors
+        if k in out and out[k].dim() == 2:  # advantages: per token (REINFORCE++) or per completion
             out[k] = out[k][:, :n_tok]
     if "branches" in batch:
         G = batch["branches"].size(1) - 1

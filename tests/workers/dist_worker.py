@@ -13,6 +13,10 @@ from nanochat_ext.algorithms.advantages import advantages
 
 # Two groups of 4 rewards per rank, rank 1's spread far wider than rank 0's: --scale_rewards batch divides every
 # rank's advantages by the std of the whole global batch, which neither rank's own rewards give.
+# REINFORCE++'s per-token inputs for REWARDS' 16 completions: pi_old's and the reference's log-probs, ragged masks
+_g = torch.Generator().manual_seed(0)
+TOKENS = {"engine_logp": -torch.rand(16, 5, generator=_g) * 3, "ref_logp": -torch.rand(16, 5, generator=_g) * 3,
+          "mask": (torch.arange(5)[None] < torch.randint(1, 6, (16, 1), generator=_g)).float()}
 REWARDS = torch.tensor([0.1, 0.2, 0.0, 0.3, 1.0, 1.1, 0.9, 1.2, -4.0, 2.0, 0.5, 3.0, 5.0, -1.0, 0.0, 2.5])
 
 
@@ -44,6 +48,9 @@ def main(backend: str | None, diverge: bool) -> None:
         half = REWARDS.view(env.world_size, -1)[env.rank]
         batch_advantages = {f"{estimator}/{mode}": advantages(estimator, half, 4, "batch", mode).tolist()
                             for estimator in ("grpo", "rloo") for mode in ("sample", "population")}
+        tokens = {k: v.view(env.world_size, -1, v.size(1))[env.rank] for k, v in TOKENS.items()}
+        batch_advantages["reinforce_pp_baseline/-"] = advantages("reinforce_pp_baseline", half, 4, "-", batch=tokens,
+                                                                  kl_coef=0.05, kl_estimator="k2").tolist()
         raw_error = None
         try:  # the rule itself: a CPU tensor handed straight to the default group
             dist.all_reduce(torch.ones(1))

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanochat_ext.algorithms.advantages import group_advantages
-from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, per_token, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.ddp_common import init_dist
 from nanochat_ext.generation.decode_cost import decode_compiled, peak_bandwidth
@@ -198,7 +198,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, None if b.lora_r else reference.backbone, rm_model.backbone)
     # --compile auto decides the engine for a run of --run_steps steps (what a training run decodes), not the bench's few
-    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.run_steps, L)[0],
+    engine = Engine(policy, compile=decode_compiled(b.compile, device, b.run_steps, L)[0], logprobs=True,
                     end_check_every=b.end_check_every, whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
     shard(model, policy, b)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -212,7 +212,7 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     warm_prompts = [p[min(16, P // 2):] for p in prompts]
     phases = {"generation": [], "scoring": [], "reference": [], "training": []}
     peaks = dict.fromkeys(phases, 0.0)
-    decoded = []
+    decoded, engine_sums = [], torch.zeros(4, dtype=torch.float64)  # LOSS_STATS' engine_* over the timed steps
     for step in range(b.warmup + b.steps):
         clocks = {}
         with Clock(device) as clocks["generation"], autocast_for(device):
@@ -227,15 +227,17 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
         batch = make_sequences(step_prompts, samples.completions, G, 0, share_prompt=b.micro % G == 0)
         batch["advantages"] = group_advantages(rewards, G, "group")
         batch["weights"] = torch.ones(n * G)
+        batch["engine_logp"] = per_token(samples.logprobs, batch["target"].shape)  # train/engine_ratio, as GRPO logs
         with Clock(device) as clocks["reference"]:
             batch["ref_logp"] = token_logprobs(reference, batch, b.micro, device, autocast_for(device))
         with Clock(device) as clocks["training"]:
-            policy_backward(model, batch, b.micro, loss_cfg, device, autocast_for(device))
+            stats = policy_backward(model, batch, b.micro, loss_cfg, device, autocast_for(device))
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if step >= b.warmup:
             decoded.append(engine.last)
+            engine_sums += stats[LOSS_STATS.index("engine_ratio"):]
             for k, c in clocks.items():
                 phases[k].append(c.s)
                 peaks[k] = max(peaks[k], c.peak_gb or 0.0)
@@ -256,6 +258,9 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             "train_mfu": round(train_flops / s["training"] / 1e12 / peak, 4) if peak else None,
             "peak_mem_gb": {k: round(v, 2) for k, v in peaks.items()} if device.type == "cuda" else None,
             **decode_figures(decoded, device), "decode_compiled": engine.compiled,
+            # the trainer's log-probs against the engine's (its bf16 copy, its CUDA graphs): GRPO's train/engine_*
+            **{k: round(float(v / max(engine_sums[3], 1)), 6) for k, v in zip(
+                ("engine_ratio", "engine_logp_diff", "engine_far"), engine_sums[:3])},
             "compile": compiled, "compiled_graphs": compile_stats()[0], **memory_setting(b)}
 
 

@@ -61,6 +61,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert rm[0]["trainable"] < rm[1]["trainable"] < rm[2]["trainable"]
     assert all(r["tflops"] > 0 for r in rm)
     assert grpo["gen_tokens_per_s"] > 0 and grpo["train_tokens_per_s"] > 0 and grpo["decode_tok_per_s"] > 0
+    assert abs(grpo["engine_ratio"] - 1) < 0.05 and grpo["engine_far"] == 0  # the mismatch a GPU's row will show
     assert decode["engine"] == "ours eager" and decode["rows"] == 8 and decode["decode_tok_per_s"] > 0  # CPU: eager
     assert tools["engine"] == "ours eager +tools" and tools["decode_tok_per_s"] > 0
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01

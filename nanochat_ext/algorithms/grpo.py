@@ -187,6 +187,14 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
 # policy_backward's, in order; the engine's are sums over the scored tokens of pi_old's log-prob minus the engine's (exp,
 # |.|, the tokens where that ratio is past 2x either way): the first update's log-probs, whichever update
+def per_token(values: list[list[float]], shape: torch.Size) -> torch.Tensor:
+    """Each completion's per-token values (the engine's log-probs) in a batch's (completions, tokens) layout."""
+    out = torch.zeros(shape)
+    for row, v in enumerate(values):
+        out[row, :len(v)] = torch.tensor(v)
+    return out
+
+
 def engine_gap(b: dict[str, torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
     """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without "engine_logp"); logp: pi_old,
     the first update's log-probs in every update."""
@@ -292,9 +300,7 @@ class GRPO:
         batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
                                micro % G == 0, ro.sampled)
         if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
-            batch["engine_logp"] = torch.zeros(batch["target"].shape)
-            for row, logprobs in enumerate(ro.logprobs):
-                batch["engine_logp"][row, :len(logprobs)] = torch.tensor(logprobs)
+            batch["engine_logp"] = per_token(ro.logprobs, batch["target"].shape)
         batch["weights"] = torch.tensor([self.train.rows[i].weight for i in ro.indices],
                                         dtype=torch.float32).repeat_interleave(G)
         if self.rollout.mask_truncated:

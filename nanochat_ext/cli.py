@@ -14,7 +14,7 @@ from typing import Any, Callable
 from nanochat_ext.algorithms.rm import RM_LRS
 from nanochat_ext.config import check_config
 from nanochat_ext.data.batching import BatchConfig
-from nanochat_ext.data.rows import DataConfig
+from nanochat_ext.data.rows import DataConfig, InMemoryRows
 from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
 from nanochat_ext.models.lora import LoraConfig
 from nanochat_ext.runtime.session import Session, SessionConfig, run, say
@@ -168,6 +168,7 @@ def add_config(p: argparse.ArgumentParser, cls: type, trainer: str | None, title
     """The flags of `cls`'s options (those in `only`, where given) as one group of `trainer`'s parser (None: a script
     that trains nothing), with the trainer's defaults and words; a default the help does not say is appended."""
     g = p.add_argument_group(title)
+    p.__dict__.setdefault("configs", []).append(cls)  # the configs its flags are made from (api.given_in)
     words = WORDS[trainer]
     for f in dataclasses.fields(cls):
         if "flag" not in f.metadata or (only is not None and f.name not in only):
@@ -255,22 +256,39 @@ def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = Non
 
 def recorded(args: argparse.Namespace, *configs: Any) -> dict:
     """The run's flags as its checkpoints record them: as given, with what the run resolved (a default --lr, --max_len
-    from the model's context, ...) from its final configs."""
-    flags = vars(args)
+    from the model's context, ...) from its final configs; what was given in Python (nanochat_ext.api) by its name."""
+    flags = {k: recordable(v) for k, v in vars(args).items()}
     resolved = {k: v for c in configs for k, v in dataclasses.asdict(c).items() if k in flags}
     return {**flags, **resolved}
+
+
+def recordable(value: Any) -> Any:
+    """A flag's value as a run records it: rows given in Python by their name, a function as module:qualname."""
+    if isinstance(value, list):
+        return [recordable(v) for v in value]
+    if isinstance(value, InMemoryRows):
+        return str(value)
+    return f"{value.__module__}:{value.__qualname__}" if callable(value) else value
 
 
 def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object], label: str) -> int:
     """body(args, session) run by runtime.session.run with this script's flags: rank 0 prints `<label>: <result>`
     last; every failure ends with one line and its exit code."""
+    return run_body(args, body, label)[0]
+
+
+def run_body(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object],
+             label: str) -> tuple[int, object]:
+    """run_script's run: (its exit code, what body returned, None unless the code is 0)."""
     try:
         session = config(SessionConfig, args)
     except InputError as e:
         say(f"error: {e}")
-        return EXIT_BAD_INPUT
-    return run(session, lambda s: body(args, s), label, group=getattr(args, "parallel", "ddp") == "fsdp",
-               given=vars(args))
+        return EXIT_BAD_INPUT, None
+    returned: list[object] = []
+    code = run(session, lambda s: returned.append(body(args, s)) or returned[0], label,
+               group=getattr(args, "parallel", "ddp") == "fsdp", given=vars(args))
+    return code, returned[0] if returned and code == 0 else None
 
 
 def reference(parsers: dict[str, argparse.ArgumentParser]) -> str:

@@ -22,18 +22,34 @@ class Row(int):
     'row N' rather than a JSONL file's ':N'. An int everywhere else."""
 
 
+class Index(int):
+    """A record's index in rows given in Python (a list of dicts, a datasets.Dataset: nanochat_ext.api), said as
+    '[i]', as Python indexes them."""
+
+
 class InputError(Exception):
     """Bad user input: a file, a line, a field, a flag. The message says which."""
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None, field: str | None = None):
         where = ""
         if path is not None:
-            at = "" if line is None else f": row {line}" if isinstance(line, Row) else f":{line}"
+            at = "" if line is None else f": row {line}" if isinstance(line, Row) else f"[{line}]" \
+                if isinstance(line, Index) else f":{line}"
             where = f"{path}{at}: "
         what = f"field '{field}': " if field is not None else ""
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field
         self.collective = False  # raised on every rank by ddp_common.raise_if_any
+
+
+class RunFailed(Exception):
+    """A run started in Python (nanochat_ext.api) that ended as a script would with exit code `code`: its one line
+    was said on stderr, as a script's is."""
+
+    def __init__(self, trainer: str, code: int):
+        super().__init__(f"{trainer} ended with exit code {code} (docs/reliability.md#exit-codes; the line above says "
+                         "why)")
+        self.code = code
 
 
 @contextlib.contextmanager

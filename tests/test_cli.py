@@ -35,7 +35,7 @@ def options() -> dict[str, list[str]]:
 
 def declared_in(trainer: str) -> set[str]:
     """The flags a trainer's script declares itself (add_argument), not through a config."""
-    tree = ast.parse((REPO / "scripts" / f"{SCRIPTS[trainer].__name__.split('.')[-1]}.py").read_text())
+    tree = ast.parse((REPO / "nanochat_ext" / "recipes" / f"{trainer}.py").read_text())
     return {node.args[0].value.removeprefix("--") for node in ast.walk(tree) if isinstance(node, ast.Call)
             and getattr(node.func, "attr", "") == "add_argument" and node.args
             and isinstance(node.args[0], ast.Constant)}

@@ -141,7 +141,7 @@ def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp
     tiny Llama with a Qwen-style tool template where its `hf download` puts Qwen2.5 (no network here), its GRPO command
     (the reward and the tool from my_task.py) and its DPO command as written, on one process where they say 8 and at
     2 steps of 2 prompts x 2 samples where they say 500 of 64 x 8; then its last command loads the GRPO model back in
-    transformers."""
+    transformers; then its Python block (nanochat_ext.api) runs GRPO again, at the same sizes."""
     section = readme_section("Your Hugging Face model")
     my_task = re.search(r"```python\n# my_task.py\n(.*?)```", section, re.S).group(1)
     (tmp_path / "my_task.py").write_text(my_task)
@@ -170,8 +170,21 @@ def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp
     assert len(list((tmp_path / "runs" / "dpo").glob("model_*"))) == 1
     python, flag, code = shlex.split(load)
     assert (python, flag) == ("python", "-c")
-    loaded = run_python(["-c", code], 1, {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}, tmp_path, 120)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    loaded = run_python(["-c", code], 1, env, tmp_path, 120)
     assert loaded.returncode == 0 and loaded.stdout.strip() == "['LlamaForCausalLM']", loaded.stderr[-2000:]
+    # the same GRPO run from Python (nanochat_ext.api), as the section writes it, at the same small sizes
+    notebook = re.search(r"```python\n(from datasets import .*?)```", section, re.S).group(1)
+    for name, value in {"group_size": 2, "max_new_tokens": 24, "batch_size": 2, "max_steps": 2}.items():
+        notebook, n = re.subn(rf"\b{name}=\d+", f"{name}={value}", notebook)
+        assert n == 1, name
+    (tmp_path / "notebook.py").write_text(notebook)
+    ran = run_python([str(tmp_path / "notebook.py")], 1, env, tmp_path, 300)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    rows = [json.loads(r) for r in (tmp_path / "runs" / "grpo_python" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "train/reward_reward" in r and "train/tool_calls" in r] == [1, 2]
+    printed = tmp_path / ran.stdout.strip().splitlines()[-1]  # the checkpoint, where the call was told to write it
+    assert printed == sorted((tmp_path / "runs" / "grpo_python").glob("model_*[0-9]"))[-1]
 
 
 def test_the_memory_figures_in_the_docs_are_the_memory_models():

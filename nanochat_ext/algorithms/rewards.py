@@ -71,19 +71,30 @@ class RewardConfig:
                                                 type=float, nargs="+")
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable. Any failure to import
-    the module (an ImportError, a SyntaxError, an exception its top level raises) is one line."""
+def load_reward_fn(spec: str | RewardFn) -> RewardFn:
+    """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable; a callable (given in
+    Python, nanochat_ext.api) is itself. Any failure to import the module (an ImportError, a SyntaxError, an
+    exception its top level raises) is one line."""
+    if callable(spec):
+        return spec
     return getattr(reward_fns, spec) if spec in BUILT_IN else load_attribute(spec, "--reward_fn")
 
 
-def built_in_name(spec: str) -> str | None:
-    """The built-in reward a --reward_fn spec names (`gsm8k`, or `nanochat_ext.tasks.reward_fns:gsm8k`), else None."""
+def reward_name(spec: str | RewardFn) -> str:
+    """A reward's name in the logs (reward/<name>): the function's."""
+    return getattr(spec, "__name__", "reward") if callable(spec) else spec.rsplit(":", 1)[-1]
+
+
+def built_in_name(spec: str | RewardFn) -> str | None:
+    """The built-in reward a --reward_fn spec names (`gsm8k`, or `nanochat_ext.tasks.reward_fns:gsm8k`), else None
+    (a callable included: a user's function reads what it likes)."""
+    if callable(spec):
+        return None
     module, _, name = spec.rpartition(":")
     return name if name in BUILT_IN and module in ("", reward_fns.__name__) else None
 
 
-def check_references(specs: list[str], rows: list[PromptRow], path: str | None) -> None:
+def check_references(specs: list[str | RewardFn], rows: list[PromptRow], path: str | None) -> None:
     """Before any rollout: every built-in reward among the --reward_fn specs finds its reference in every row it will
     score (rows: as data.load_prompts read them from path); the first row without one is one line naming the file,
     the row and the field. A user's function reads what it likes and is not checked."""
@@ -179,7 +190,7 @@ class Rewards:
         if url is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
             raise InputError(f"--reward_url must be an http:// or https:// URL, got {url!r}")
         self.rm, self.clip, self.url, self.url_timeout = rm, clip, url, url_timeout
-        self.fns = [(spec.rsplit(":", 1)[-1], load_reward_fn(spec)) for spec in fns]
+        self.fns = [(reward_name(spec), load_reward_fn(spec)) for spec in fns]
         self.env = env  # the --env environments' own rewards (get_reward), one more column
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else []) + \
             (["env"] if env else [])

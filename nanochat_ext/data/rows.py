@@ -17,11 +17,11 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from nanochat_ext.config import option
 from nanochat_ext.data.gsm8k import is_gsm8k_row
-from nanochat_ext.errors import InputError, Row, first_line
+from nanochat_ext.errors import Index, InputError, Row, first_line
 from nanochat_ext.runtime.checkpoint import read_json
 
 ROLES = ("system", "user", "assistant")
@@ -98,9 +98,31 @@ def is_table(path: str | os.PathLike) -> bool:
     return p.suffix.lower() in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()))
 
 
-def records(path: str | os.PathLike) -> Iterator[tuple[int, Callable[[], dict]]]:
+class InMemoryRows:
+    """Records given in Python (nanochat_ext.api): a list of dicts, a datasets.Dataset, any iterable of mappings, read
+    as a file's rows are (null fields left out, as a table's); `name` stands for a path in messages ("prompts: a
+    Dataset of 64 rows[3]: field 'prompt': missing") and in the run's recorded flags."""
+
+    def __init__(self, rows: Iterable[Mapping[str, Any]], name: str):
+        self.rows, self.name = rows, name
+
+    def __str__(self) -> str:
+        return self.name
+
+    def record(self, i: int, row: object) -> dict:
+        if not isinstance(row, Mapping):
+            raise InputError(f"expected a dict, got {type(row).__name__}", path=self.name, line=Index(i))
+        return {k: v for k, v in row.items() if v is not None}
+
+
+def records(path: str | os.PathLike | InMemoryRows) -> Iterator[tuple[int, Callable[[], dict]]]:
     """(number, a call that returns the object) of each record: a JSONL line (parsed when called, so a bad line
-    can be skipped), or a table's row (a Row number; null columns left out, as an absent field)."""
+    can be skipped), a table's row (a Row number; null columns left out, as an absent field), or a row given in
+    Python (an Index)."""
+    if isinstance(path, InMemoryRows):
+        for i, row in enumerate(path.rows):
+            yield Index(i), lambda i=i, row=row: path.record(i, row)
+        return
     if not is_table(path):
         for lineno, line in _lines(path):
             yield lineno, lambda line=line, lineno=lineno: _json_object(line, str(path), lineno)

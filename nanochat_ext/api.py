@@ -1,0 +1,138 @@
+"""The four trainers in Python, for a notebook or a script of your own: each runs what its command line runs (the
+same recipe, loop, checks and checkpoints; `python -m scripts.kat_train_grpo` is a thin caller of the same code), with
+the options given as the typed configs the flags are made from and/or as keywords named as the flags are, rows as a
+list of dicts or a `datasets.Dataset`, and GRPO's rewards as Python functions.
+
+    from datasets import Dataset
+    from nanochat_ext import api
+    from nanochat_ext.algorithms.rollouts import RolloutConfig
+
+    def says_four(prompt: str, completion: str, row: dict) -> float:
+        return float(completion.strip() == row["answer"])
+
+    checkpoint = api.train_grpo(RolloutConfig(group_size=8), policy="models/Qwen2.5-0.5B-Instruct",
+                                prompts=Dataset.from_list([{"prompt": "2 + 2?", "answer": "4"}] * 64),
+                                reward_fn=[says_four], max_steps=20, out="runs/grpo")
+
+Each returns the checkpoint written (a Path). An option that is not the trainer's, or a value its flag refuses, raises
+InputError before anything runs; a run that ends as a script would with an exit code raises RunFailed with that code
+(2: bad input, as a row without its field), after the script's one line on stderr.
+Under `torchrun --nproc_per_node=N your_script.py` every rank runs the same call, as the scripts' ranks do.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+from types import ModuleType
+from typing import Any, NoReturn
+
+from nanochat_ext.cli import parse, run_body
+from nanochat_ext.data.rows import InMemoryRows
+from nanochat_ext.errors import InputError, RunFailed
+from nanochat_ext.recipes import dpo, grpo, rm, sft
+
+# The options whose value may be rows given in Python rather than a file's path.
+ROWS = ("conversations", "pairs", "prompts", "eval_prompts")
+# The options whose values may be Python functions rather than 'module:function' names.
+FUNCTIONS = ("reward_fn",)
+
+
+def train_sft(*configs: Any, **options: Any) -> Path:
+    """Supervised fine-tuning (kat_sft): backbone=..., conversations=[{"messages": [...]}, ...] or a path."""
+    return run_recipe(sft, configs, options)
+
+
+def train_rm(*configs: Any, **options: Any) -> Path:
+    """A reward model (kat_train_rm): backbone=..., pairs=[{"prompt", "chosen", "rejected"}, ...] or a path."""
+    return run_recipe(rm, configs, options)
+
+
+def train_dpo(*configs: Any, **options: Any) -> Path:
+    """DPO (kat_train_dpo): policy=..., pairs=[{"prompt", "chosen", "rejected"}, ...] or a path."""
+    return run_recipe(dpo, configs, options)
+
+
+def train_grpo(*configs: Any, **options: Any) -> Path:
+    """GRPO, RLOO, REINFORCE++ (kat_train_grpo): policy=..., prompts=[{"prompt", "answer"?}, ...] or a path, and a
+    reward: reward_fn=[f(prompt, completion, row) -> float, or 'module:function'], rm=..., reward_url=... or env=..."""
+    return run_recipe(grpo, configs, options)
+
+
+def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, Any]) -> Path:
+    """The recipe's run with these options, as its script runs them from the flags they become."""
+    parser = recipe.flags()
+    trainer = parser.prog
+    given = {**given_in(configs, parser, trainer), **options}
+    argv, objects = command_line(given, parser, trainer)
+    parser.error = lambda message: refuse(f"{trainer}: {message}")  # the script's check of every flag, as a raise
+    parse(parser, argv)
+    args = recipe.parse_args(argv)  # as the script parses them: --preset's values, the trainer's defaults
+    for name, value in objects.items():
+        setattr(args, name, value)
+    code, checkpoint = run_body(args, recipe.train, "checkpoint")
+    if code:
+        raise RunFailed(trainer, code)
+    return checkpoint
+
+
+def given_in(configs: tuple[Any, ...], parser: argparse.ArgumentParser, trainer: str) -> dict[str, Any]:
+    """The options the configs set: each field that differs from its class's default (a field left at it keeps the
+    trainer's own default, which may differ: docs/cli.md)."""
+    options, classes = {a.dest for a in parser._actions}, parser.configs
+    given = {}
+    for cfg in configs:
+        if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+            refuse(f"{trainer} takes configs (dataclass instances such as GRPOConfig(beta=0.0)) and keywords, "
+                   f"got {cfg!r}")
+        if type(cfg) not in classes:
+            refuse(f"{type(cfg).__name__} is not a config of {trainer} (its configs: "
+                   f"{', '.join(c.__name__ for c in classes)})")
+        for f in dataclasses.fields(cfg):
+            if "flag" not in f.metadata or getattr(cfg, f.name) == f.default:
+                continue
+            if f.name not in options:
+                refuse(f"{type(cfg).__name__}.{f.name} is not an option of {trainer} (its options: docs/cli.md)")
+            given[f.name] = getattr(cfg, f.name)
+    return given
+
+
+def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
+                 trainer: str) -> tuple[list[str], dict[str, Any]]:
+    """The flags the options are (None: the default), and the values only Python holds (rows, functions), which
+    stand in the command line as their names and replace them once it is parsed."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings}
+    argv, objects = [], {}
+    for name, value in given.items():
+        action = actions.get(name)
+        if action is None or name == "help":
+            refuse(f"{trainer} has no option {name!r} (its options are its flags: docs/cli.md)")
+        flag = f"--{name}"
+        if value is None:
+            continue
+        if name in ROWS and not isinstance(value, (str, Path)):
+            value = objects[name] = InMemoryRows(value, f"{name}: {described(value)}")
+        if name in FUNCTIONS:
+            value = objects[name] = [value] if callable(value) or isinstance(value, str) else list(value)
+        if isinstance(action, argparse._StoreTrueAction):
+            argv += [flag] if value else []
+        elif isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
+            items = [str(v) for v in value]
+            argv += [s for v in items for s in (flag, v)] if isinstance(action, argparse._AppendAction) \
+                else [flag, *items]
+        else:
+            argv += [flag, str(value)]
+    return argv, objects
+
+
+def described(rows: Any) -> str:
+    """What rows given in Python are, for messages: 'a Dataset of 64 rows'."""
+    try:
+        n = f" of {len(rows)} row{'' if len(rows) == 1 else 's'}"
+    except TypeError:
+        n = ""
+    return f"a {type(rows).__name__}{n}"
+
+
+def refuse(message: str) -> NoReturn:
+    raise InputError(message)

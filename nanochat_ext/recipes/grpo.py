@@ -1,0 +1,161 @@
+"""GRPO: for each prompt the policy samples a group of G completions, a reward model and/or rule-based
+reward functions score them, each completion's advantage is its reward relative to its group, and
+the policy takes clipped-surrogate steps with a KL penalty to a frozen reference.
+
+    python -m scripts.kat_train_grpo --policy SFT_CKPT --rm RM_DIR --prompts prompts.jsonl
+    torchrun --standalone --nproc_per_node=8 -m scripts.kat_train_grpo -- --policy ... --prompts ...
+    --reward_fn mypkg.rewards:exact_match   # f(prompt, completion, row) -> float, repeatable
+
+The policy is saved as a nanochat checkpoint (or an HF dir) that loads again as --policy/--backbone.
+The last line printed on success names the checkpoint written.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
+from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, TRL_LOSS_TYPES, GRPOConfig, Prompts
+from nanochat_ext.algorithms.rewards import RewardConfig, check_references, make_rewards
+from nanochat_ext.algorithms.rollouts import RolloutConfig
+from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
+                              script_argv, trainer_parser)
+from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
+from nanochat_ext.data.rows import read_prompts
+from nanochat_ext.ddp_common import print0, seed_everything
+from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
+from nanochat_ext.generation.decode_cost import decode_compiled
+from nanochat_ext.models.backbone import Backbone
+from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
+from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset
+from nanochat_ext.runtime.outdir import claim_out_dir
+from nanochat_ext.runtime.resume import resolve_resume
+from nanochat_ext.runtime.session import Session
+from nanochat_ext.training.loop import Loop
+from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory, micro_batch_for
+from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy
+
+
+def flags() -> argparse.ArgumentParser:
+    p, g = trainer_parser("grpo", __doc__)
+    p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
+    add_flag(g, "kat_train_grpo", "prompts")
+    add_config(p, RewardConfig, "grpo", "rewards")
+    add_config(p, RolloutConfig, "grpo", "rollouts")
+    add_config(p, AgentConfig, "grpo", "tools and environments")
+    add_config(p, GRPOConfig, "grpo", "loss")
+    add_config(p, EvalConfig, "grpo", "evaluation")
+    add_training(p, "grpo", lora=True)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags, --preset's values where not given, --loss_type as --loss_agg."""
+    p, argv = flags(), script_argv(argv)
+    args = parse(p, argv)
+    apply_preset(p, argv, args)
+    if args.loss_type:
+        args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
+    return args
+
+
+def train(args: argparse.Namespace, session: Session) -> Path:
+    env, c = session.env, configs(args, "grpo")
+    seed_everything(args.seed)
+    print_preset(args)
+    grpo, rollout, evaluation, reward, agent_cfg = config(GRPOConfig, args), config(RolloutConfig, args), \
+        config(EvalConfig, args), config(RewardConfig, args), config(AgentConfig, args)
+
+    # ---- inputs, checked before anything is trained or written --------------------------------------------
+    train_rows, eval_rows = read_prompts(args.prompts, c.data.density, c.data.val_ratio, evaluation.eval_prompts,
+                                         evaluation.eval_examples)
+    loop_cfg = c.loop.with_steps(len(train_rows), c.batch.batch_size, "prompts")
+    check_references(reward.reward_fn or [], train_rows, args.prompts)  # every row a built-in scores has its answer
+    check_references(reward.reward_fn or [], eval_rows, evaluation.eval_prompts or args.prompts)
+    plan = BatchPlan.make(c.batch.batch_size, env.world_size, None)
+    share = plan.per_rank * rollout.group_size  # this rank's sequences a step
+    given_micro = c.batch.device_batch_size if c.batch.device_batch_size != "auto" else None
+    if share % (given_micro or share):
+        raise InputError(f"each rank has {plan.per_rank} prompts x {rollout.group_size} = {share} sequences per step, "
+                         f"which --device_batch_size {given_micro} does not divide")
+    loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
+    loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer)
+    tok = loaded.tok
+    out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
+                                or ("density" if c.data.density else "uniform"))
+    resume = resolve_resume(c.out.resume, out_dir, "grpo_policy")
+    agent = Agent(agent_cfg, tok, train_rows[0].row)
+    agent_cfg = dataclasses.replace(agent_cfg, tools=agent.spec)  # a resume compares what it did
+    rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward)
+    context = loaded.backbone.max_seq_len
+    train_ids = encode_prompts(train_rows, agent.render_prompt, context, rollout.max_new_tokens, args.prompts)
+    eval_ids = encode_prompts(eval_rows, agent.render_prompt, context, rollout.max_new_tokens,
+                              evaluation.eval_prompts or args.prompts)
+    claim_out_dir(out_dir, log_dir)
+    print0(f"data: {len(train_rows)} train / {len(eval_rows)} eval prompts; {loader.steps_per_epoch} steps per epoch")
+    print0(tok.describe_stops())
+
+    # ---- the model, its engine, resume ----------------------------------------------------------------------
+    flags = recorded(args, c.optim, loop_cfg, c.lora, rollout, agent_cfg)
+    compile_decode, why = decode_compiled(c.model.compile, env.device, loop_cfg.max_steps, rollout.max_new_tokens)
+    rm_backbone = getattr(getattr(rewards.rm, "model", None), "backbone", None)
+    training = PolicyTraining(
+        loaded, c.model, c.optim, env, kind="grpo_policy", reference=grpo.beta > 0, resume=resume,
+        checks=Checks(flags, RESUME_FLAGS + RESUME_KEYS + (("max_draws",) if rollout.filter_zero_std else ()),
+                      {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
+        merge_lora=c.lora.merge_lora, temperature=rollout.temperature,
+        also_compile=(rm_backbone,) if rm_backbone else (),
+        decode=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens))
+    print0(training.describe())
+    print0(decode_line(training, why))
+    print0(agent.describe())
+    loop = Loop(training, loop_cfg, c.out, c.optim, out_dir, log_dir, flags, session)
+    if c.out.consolidate:
+        return loop.consolidate(resume)
+
+    # ---- micro-batches by memory, the method, the loop -------------------------------------------------------
+    estimate_for = memory_model(training, c, share, rollout.max_new_tokens, train_ids, eval_ids,
+                                evaluation.eval_pass_k, rm_backbone)
+    micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume,
+                                      prefer=rollout.group_size)
+    print0(f"batch: {c.batch.batch_size} prompts x {rollout.group_size} completions global = {env.world_size} ranks x "
+           f"{share} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
+    method = GRPO(training, grpo, rollout, evaluation, rewards, Prompts(train_rows, train_ids),
+                  Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress)
+    return loop.run(method)
+
+
+def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
+                 eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None) -> Callable[..., StepMemory]:
+    """What a GRPO step of this run holds on each rank, by micro-batch size (memory.grpo_memory): at the longest
+    prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes."""
+    engine, env = training.engine, training.env
+    kept_rows = tuple(sorted({share, *eval_decode_rows(len(eval_ids), env.world_size, share, pass_k)})) \
+        if engine.compiled else ()
+    return functools.partial(
+        grpo_memory, backbone_shape(training.policy), parallel=c.model.parallel, ranks=env.world_size,
+        checkpointing=c.model.activation_checkpointing, prompt_len=max(map(len, train_ids)), new_tokens=new_tokens,
+        rows=share, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
+        reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
+        lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
+        kept_rows=kept_rows, slots=engine.reserved_slots)
+
+
+def decode_line(training: PolicyTraining, why: str) -> str:
+    """The log line of how the engine decodes, and from what copy of the weights."""
+    copy = ("a whole copy gathered from the shards per rollout" if training.parallel.sharded else
+            "a bf16 copy of the matmul weights, refreshed per rollout" if training.dtype == torch.bfloat16 else "")
+    return (f"decode: {'compiled' if training.engine.compiled else 'eager'} "
+            f"({why if training.policy.native else 'a transformers model decodes eagerly'})"
+            + (f"; from {copy}" if copy else ""))
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_script(parse_args(argv), train, "checkpoint")
+

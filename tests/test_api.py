@@ -1,0 +1,139 @@
+"""The Python API (nanochat_ext.api, #66 item 4): a GRPO run from a notebook's objects (typed configs, a
+datasets.Dataset, a reward function) is the script's run from files and flags, checkpoint and logs; options the
+trainer does not have and rows without their field end as the script's do."""
+from __future__ import annotations
+
+import inspect
+import json
+import textwrap
+
+import pytest
+from datasets import Dataset
+
+from conftest import assert_bitwise, assert_same_update, launcher, run_command
+from nanochat_ext import api
+from nanochat_ext.algorithms.dpo import DPOConfig
+from nanochat_ext.algorithms.grpo import GRPOConfig
+from nanochat_ext.algorithms.rollouts import RolloutConfig
+from nanochat_ext.errors import EXIT_BAD_INPUT, InputError, RunFailed
+from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json
+from nanochat_ext.tasks import synthetic
+from rewards_for_tests import vowel_share
+from scripts import kat_train_grpo
+
+
+def prompt_rows() -> list[dict]:
+    return [{"prompt": r["prompt"], "answer": "Sure", "topic": r["topic"]} for r in synthetic.make_pairs(40, seed=5)]
+
+
+def run_logs(out) -> list[dict]:
+    """metrics.jsonl without what the clock decides (perf/*, timings)."""
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(("perf/", "time/"))}
+            for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_grpo_in_python_is_the_scripts_run(assets, tmp_path):
+    rows = prompt_rows()
+    path = synthetic.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    common = {"policy": str(assets["gpt"]), "tokenizer": str(assets["tokenizer"]), "batch_size": 4, "lr": 1e-2,
+              "max_steps": 3, "log_every": 1, "eval_every": 3, "device": "cpu", "log_rollouts": True}
+    script = tmp_path / "script"
+    assert kat_train_grpo.main(["--prompts", str(path), "--reward_fn", "rewards_for_tests:vowel_share",
+                                "--group_size", "4", "--max_new_tokens", "8", "--beta", "0.05", "--out", str(script),
+                                *[s for k, v in common.items() for s in (f"--{k}", *([] if v is True else [str(v)]))]]
+                               ) == 0
+    python = tmp_path / "python"
+    checkpoint = api.train_grpo(RolloutConfig(group_size=4, max_new_tokens=8), GRPOConfig(beta=0.05),
+                                prompts=Dataset.from_list(rows), reward_fn=[vowel_share], out=str(python), **common)
+    model, meta = find_checkpoint(python)
+    assert checkpoint == model
+    assert_bitwise(load_backbone(python).model.state_dict(), load_backbone(script).model.state_dict())
+    logs = run_logs(python)
+    assert logs == run_logs(script) and any("train/reward_vowel_share" in m for m in logs)
+    assert (python / "logs" / "rollouts.jsonl").read_text() == (script / "logs" / "rollouts.jsonl").read_text()
+    # the run records the function as the script names it, and the rows by what they are
+    flags, script_flags = read_json(meta)["args"], read_json(find_checkpoint(script)[1])["args"]
+    assert flags["reward_fn"] == script_flags["reward_fn"] == ["rewards_for_tests:vowel_share"]
+    assert flags["prompts"] == "prompts: a Dataset of 40 rows"
+
+
+def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):
+    """The docs' "More than one GPU": a user's file calling the API, started on 2 ranks, every rank making the same call
+    with a reward function defined in that file (__main__); the update is the 1-rank script's."""
+    rows = prompt_rows()
+    path = synthetic.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    common = ["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--batch_size", "4",
+              "--group_size", "4", "--max_new_tokens", "8", "--lr", "1e-2", "--max_steps", "2", "--device", "cpu"]
+    one = tmp_path / "one"
+    assert kat_train_grpo.main([*common, "--prompts", str(path), "--reward_fn", "rewards_for_tests:vowel_share",
+                                "--out", str(one)]) == 0
+    mine = tmp_path / "my_training.py"
+    mine.write_text(textwrap.dedent(f"""
+        import json
+        from nanochat_ext import api
+
+        {textwrap.indent(inspect.getsource(vowel_share), "        ").strip()}
+
+        rows = [json.loads(line) for line in open({str(path)!r})]
+        print("returned", api.train_grpo(policy={str(assets["gpt"])!r}, tokenizer={str(assets["tokenizer"])!r},
+                                         prompts=rows, reward_fn=[vowel_share], batch_size=4, group_size=4,
+                                         max_new_tokens=8, lr=1e-2, max_steps=2, device="cpu",
+                                         out={str(tmp_path / "two")!r}))
+        """))
+    proc = run_command([str(mine)], 2, None, tmp_path, 300, launcher(2))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model, meta = find_checkpoint(tmp_path / "two")
+    assert proc.stdout.count(f"returned {model}") == 2  # every rank's call returns the checkpoint
+    assert read_json(meta)["args"]["reward_fn"] == ["__main__:vowel_share"]
+    assert_same_update(load_backbone(tmp_path / "two").model.state_dict(), load_backbone(one).model.state_dict(),
+                       load_backbone(assets["gpt"]).model.state_dict())
+
+
+def test_what_the_trainer_does_not_take_is_refused_before_anything_runs(assets, tmp_path, capfd):
+    needs = {"policy": str(assets["gpt"]), "prompts": prompt_rows(), "reward_fn": [vowel_share], "device": "cpu",
+             "out": str(tmp_path / "never")}
+    for call, said in [(lambda: api.train_grpo(**needs, grup_size=4), "kat_train_grpo has no option 'grup_size'"),
+                       (lambda: api.train_grpo(DPOConfig(beta=0.5), **needs),
+                        "DPOConfig is not a config of kat_train_grpo (its configs: RewardConfig, RolloutConfig"),
+                       (lambda: api.train_grpo("--beta", **needs), "kat_train_grpo takes configs"),
+                       (lambda: api.train_grpo(**needs, loss_agg="mean"), "invalid choice: 'mean'"),
+                       (lambda: api.train_dpo(policy=str(assets["gpt"])),
+                        "kat_train_dpo: the following arguments are required: --pairs")]:
+        with pytest.raises(InputError) as e:
+            call()
+        assert said in str(e.value), (said, str(e.value))
+    # a value in its flag's type but out of its range: the run's own check, its line, the script's exit code
+    with pytest.raises(RunFailed) as e:
+        api.train_grpo(**needs, group_size=1)
+    assert e.value.code == EXIT_BAD_INPUT and "error: --group_size must be >= 2" in capfd.readouterr().err
+    assert not (tmp_path / "never").exists()
+
+
+def test_a_row_without_its_field_ends_as_the_script_does(assets, tmp_path, capfd):
+    rows = prompt_rows()[:3] + [{"question_text": "where is the prompt?"}]
+    with pytest.raises(RunFailed) as e:
+        api.train_grpo(policy=str(assets["gpt"]), prompts=rows, reward_fn=vowel_share, out=str(tmp_path / "never"),
+                       device="cpu")
+    assert e.value.code == EXIT_BAD_INPUT
+    assert "error: prompts: a list of 4 rows[3]: field 'prompt': missing" in capfd.readouterr().err
+    assert not (tmp_path / "never").exists()
+    with pytest.raises(RunFailed):
+        api.train_grpo(policy=str(assets["gpt"]), prompts=[*rows[:3], "a string"], reward_fn=vowel_share,
+                       out=str(tmp_path / "never"), device="cpu")
+    assert "prompts: a list of 4 rows[3]: expected a dict, got str" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("train,model,data", [(api.train_sft, "backbone", "conversations"),
+                                              (api.train_rm, "backbone", "pairs"),
+                                              (api.train_dpo, "policy", "pairs")])
+def test_every_trainer_reads_rows_given_in_python(assets, tmp_path, capfd, train, model, data):
+    """Each trainer's data option takes rows: a bad one is named by its index, as a file's by its line."""
+    pair = {"prompt": "hi", "chosen": "hello", "rejected": "go away"}
+    good = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]} \
+        if data == "conversations" else pair
+    with pytest.raises(RunFailed) as e:
+        train(**{model: str(assets["gpt"]), data: [good, {"nothing": 1}]}, out=str(tmp_path / "never"), device="cpu")
+    assert e.value.code == EXIT_BAD_INPUT
+    assert f"error: {data}: a list of 2 rows[1]: " in capfd.readouterr().err
+    assert not (tmp_path / "never").exists()

@@ -10,6 +10,7 @@ from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from nanochat_ext.generation import engine as engine_module
+from nanochat_ext.generation import static_decode
 from nanochat_ext.generation.decode_cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
@@ -164,6 +165,41 @@ def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     assert_sampled_from_reforward(bb, [p[1:] for p in PROMPTS], 3, cfg, stop, seeds(), second)
     if not temperature:
         assert len(eager.completions[0]) == 4 and True in eager.truncated and first == eager
+
+
+@pytest.mark.parametrize("name", ["current-d4", "llama"])
+def test_compiled_steps_read_the_cache_in_use_by_length_buckets(assets, name, monkeypatch):
+    """#67 item 1: a compiled step reads the cache slots in use rounded up to a length bucket (READ_BUCKET, here 32
+    for a model this small, doubling), not the whole allocation: a graph per bucket, each reading its bucket's
+    slots, the last the whole cache; the tokens are eager's and a re-forward's (or a tie), across the bucket
+    boundary and a sliding window's edge (nanochat's current-d4: three layers of a 128-token window; the native
+    Llama); a second call of other prompt lengths in the same buckets adds no graph."""
+    monkeypatch.setattr(static_decode, "READ_BUCKET", 32)
+    read = []  # per graph compiled: the keys' lengths its attention reads (SDPA's key argument in the captured graph)
+
+    def recording(gm: torch.fx.GraphModule, example_inputs):
+        read.append({node.args[1].meta["example_value"].size(2) for node in gm.graph.nodes
+                     if node.target is torch.nn.functional.scaled_dot_product_attention})
+        return gm.forward  # the captured graph, run as it is
+
+    allow_recompiles()  # as compile_for does
+    monkeypatch.setattr(engine_module, "compile_for", lambda fn, device: torch.compile(fn, backend=recording,
+                                                                                       dynamic=False))
+    bb = load_backbone(assets["hf"] if name == "llama" else fixture_dir(name),
+                       vintage=None if name == "llama" else vintage_of(name))
+    prompts = [list(range(3, 3 + 115)), list(range(5, 5 + 90)), list(range(7, 7 + 100))]  # ragged: left padding
+    cfg = SamplingConfig(40, 1.0)  # slots 116..155 in use, of a 192-slot cache: 128 read, then all 192
+    torch._dynamo.reset()
+    engine, before = Engine(bb, compile=True, drop_finished=False), compile_stats()[0]
+    got = engine.generate(prompts, 2, cfg, (), 0, seeds())
+    slots, graphs = engine._states[6].slots, compile_stats()[0]
+    assert slots == 192 and read == [{128}, {192}] and graphs == before + 2, (slots, read, graphs - before)
+    assert_same_but_a_tie(got, Engine(bb).generate(prompts, 2, cfg, (), 0, seeds()))
+    assert_sampled_from_reforward(bb, prompts, 2, cfg, (), seeds(), got)
+    shorter = [p[4:] for p in prompts]
+    again = engine.generate(shorter, 2, cfg, (), 0, seeds())
+    assert compile_stats()[0] == graphs and len(read) == 2 and not counters["graph_break"], dict(counters["graph_break"])
+    assert_sampled_from_reforward(bb, shorter, 2, cfg, (), seeds(), again)
 
 
 def test_a_reserved_state_serves_every_prompt_length_of_the_run(assets, aot_eager):

@@ -117,6 +117,7 @@ def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     assert last["perf/ref_s_per_step"] < 1e-3  # beta 0: no reference model, no time spent on it
     # decoding as nanochat's infer_bench reports it; MBU only where the device's peak bandwidth is known (a GPU)
     assert last["perf/decode_tok_s"] > 0 and "perf/decode_mbu" not in last
+    assert 0 < last["perf/decode_row_steps"] <= 8 * 8 * 8  # 64 rows, at most 8 steps (rows that stop are dropped)
     # throughput and the rollout share are over the wall clock, which holds the timed phases and more
     wall_per_step = 8 * 8 / last["perf/completions_per_s"]  # --batch_size 8 x --group_size 8
     phases = sum(last[f"perf/{p}_s_per_step"] for p in ("gen", "score", "ref", "train"))

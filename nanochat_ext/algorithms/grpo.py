@@ -248,7 +248,7 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
 WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
           "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
-          "train_s", "steps", "decoded", "decode_s", "decode_bytes")  # a log window's sums, and each reward's
+          "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes")  # a log window's sums, each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
                      "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
@@ -391,7 +391,10 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
               # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
               # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
-              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9)})
+              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9),
+              # the rows the engine decoded, summed over its steps and the ranks, per GRPO step: rows x decode steps
+              # but for the rows eager decoding dropped once they stopped
+              "perf/decode_row_steps": s["row_steps"] / steps})
     if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding
         m.update({"train/engine_ratio": s["engine_ratio"] / s["engine_tokens"],
                   "train/engine_logp_diff": s["engine_logp_diff"] / s["engine_tokens"],

@@ -194,7 +194,8 @@ class Rollouts:
                         truncated=sum(samples.truncated), rm_cut=rm_cut,
                         zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),
                         draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
-                        score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, decode_s=decoded.decode_s,
+                        score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, row_steps=decoded.row_steps,
+                        decode_s=decoded.decode_s,
                         decode_bytes=decoded.bytes_read,
                         **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward.sum(0).tolist())})
         return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled, samples.logprobs)

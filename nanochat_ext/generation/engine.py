@@ -37,7 +37,7 @@ from nanochat_ext.ddp_common import is_sharded, whole
 from nanochat_ext.generation.agent import Agent, Episodes
 from nanochat_ext.generation.decode_cost import DecodeStats, kv_bytes, weight_bytes
 from nanochat_ext.generation.sampling import SamplingConfig, take_tokens
-from nanochat_ext.generation.static_decode import DecodeState, compile_for, decode_step
+from nanochat_ext.generation.static_decode import DecodeState, compile_for, decode_step, read_length
 from nanochat_ext.generation.tools import ToolState
 from nanochat_ext.models.attention import KVCache
 from nanochat_ext.models.backbone import Backbone, matmul_params
@@ -186,7 +186,7 @@ class Engine:
             state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
             sync(device)
             t1 = time.perf_counter()
-            steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes)
+            steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes, P)
             out, lengths, done, tools, row_steps = state.out, state.lengths, state.done, state.tools, n * G * steps
             logps = state.logps if self.logprobs else None
         else:
@@ -350,11 +350,14 @@ class Engine:
         return s
 
     def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int,
-                         episodes: Episodes | None) -> int:
+                         episodes: Episodes | None, start: int) -> int:
+        """The compiled step until every row has stopped (token t at cache slot start + t), each step reading the
+        cache's slots in use rounded up to a length bucket (static_decode.read_length); the number of steps."""
         if self._step is None:
             self._step = compile_for(decode_step, s.t.device)
         last = cfg.max_new_tokens - 1
         for t in range(last):
+            s.cache.limit = read_length(start + t + 1, s.slots)
             self._step(decoder.model, s, cfg, pad_id, self._python, self.logprobs)
             if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes)[0]:
                 return t + 1

@@ -24,6 +24,20 @@ def compile_for(fn, device: torch.device):
     return torch.compile(fn, dynamic=False, options={"cpp_wrapper": True})
 
 
+# The fewest cache slots a compiled step reads: a step reads the next power of two of this from the slots in use, so
+# a call's steps run a graph per doubling of its length (4 for a 2048-slot cache) and read at most twice what they use.
+READ_BUCKET = 256
+
+
+def read_length(used: int, slots: int) -> int | None:
+    """The cache slots a step reads when `used` are in use (the new token's included), as KVCache.limit: a power of
+    two times READ_BUCKET, None where that is all of them (the graph of a cache read whole, as before buckets)."""
+    n = READ_BUCKET
+    while n < used:
+        n *= 2
+    return n if n < slots else None
+
+
 @dataclass
 class DecodeState:
     """Everything a compiled decode step reads and writes, for `rows` rows and `slots` cache positions; token t
@@ -56,7 +70,8 @@ class DecodeState:
 def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,
                 python: tuple[int, int] | None, logprobs: bool = False) -> None:
     """Take token t of every row from the state's logits (or a forced token), decode it at its slot (static
-    shapes), and leave the logits after it; everything in place, so torch.compile captures the whole step, sampling
+    shapes) attending over the cache's first s.cache.limit slots (a length bucket: a graph each), and leave the
+    logits after it; everything in place, so torch.compile captures the whole step, sampling
     and the tools' state included. python: nanochat's (python_start, python_end) ids, where calls are its blocks.
     logprobs: each token's log-prob into s.logps too."""
     u = s.uniforms.index_select(1, s.t.view(1)).squeeze(1)
@@ -66,6 +81,6 @@ def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id:
     if python is not None:
         s.tools.track(token, s.t, live, *python)
     s.key_valid.index_fill_(1, s.slot, True)
-    s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid, s.cache))
+    s.logits.copy_(decoder.decode_step(token, s.positions + s.t, s.key_valid[:, :s.cache.limit], s.cache))
     s.t.add_(1)
     s.slot.add_(1)

@@ -293,16 +293,18 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(n_layer)]
         self.pos = 0  # tokens already cached
         self.slot: torch.Tensor | None = None  # (1,) where decode_step writes (static decoding only)
+        self.limit: int | None = None  # static decoding: the slots a step reads (a length bucket); None: all of them
         self.prev_embedding: torch.Tensor | None = None  # (B, 1, n_embd), smear vintages only
 
     def insert(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append k, v after the cached positions and return the keys and values so far; with `slot`
-        set (static decoding), write the one new position at that slot and return the whole cache."""
+        set (static decoding), write the one new position at that slot and return the cache's first `limit` slots
+        (all where None)."""
         if self.slot is not None:  # in the cache's dtype on purpose: a value embedding (fp32) promotes v under
             # autocast, and CUDA's autocast keeps rms_norm, so k, in fp32 (the slice writes below cast as they copy)
             self.k[layer].index_copy_(2, self.slot, k.to(self.k[layer].dtype))
             self.v[layer].index_copy_(2, self.slot, v.to(self.v[layer].dtype))
-            return self.k[layer], self.v[layer]
+            return self.k[layer][:, :, :self.limit], self.v[layer][:, :, :self.limit]
         end = self.pos + k.size(2)
         if end > self.k[layer].size(2):
             raise ValueError(f"KV cache of {self.k[layer].size(2)} positions is full")

@@ -17,6 +17,7 @@ from nanochat_ext.algorithms.sft import sft_examples
 from nanochat_ext.data.conversations import Conversation, conversation
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.agent import Agent, AgentConfig
+from nanochat_ext.generation import static_decode
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.formats import Call, block_call, hermes_calls, llama3_calls
 from nanochat_ext.generation.sampling import SamplingConfig
@@ -274,11 +275,16 @@ def test_an_environment_answers_each_turn_and_gives_the_reward(compiled, aot_eag
         assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_eager_decoding_drops_rows_that_ended_their_episodes_and_samples_the_same():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_decoding_drops_rows_that_ended_their_episodes_and_samples_the_same(compiled, aot_eager,  # noqa: F811
+                                                                             monkeypatch):
     """#67 item 2 with an agent: the rows whose episode ended (no next turn) are dropped, with their tool state, once
-    they are a quarter of the batch; a row whose turn ended and that the environment asked for another stays. The
-    completions, their sampled/forced marks, turns, tool calls and rewards are those of decoding every row to the
-    end (up to a tie), with fewer row-steps. nanochat's tool-use model, the calculator's blocks and CountingGame."""
+    they are a quarter of the batch (eager), or move into a state of half the rows once they fit in it (compiled;
+    6 rows into 3, COMPACT_MIN_ROWS lowered for a batch this small); a row whose turn ended and that the environment
+    asked for another stays. The completions, their sampled/forced marks, turns, tool calls and rewards are those of
+    decoding every row to the end (up to a tie), with fewer row-steps. nanochat's tool-use model, the calculator's
+    blocks and CountingGame."""
+    monkeypatch.setattr(static_decode, "COMPACT_MIN_ROWS", 2)
     bb = load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2")
     tok = load_tokenizer_for(bb, str(TOOL_USE / "tokenizer"))
     rows = [{"prompt": q} for q in ("what is 3 times 4?", "Share 1,200 pies among 4 kids.",
@@ -286,8 +292,9 @@ def test_eager_decoding_drops_rows_that_ended_their_episodes_and_samples_the_sam
     runs = {}
     for drop in (False, True):
         agent = Agent(AgentConfig(env="tools_for_tests:CountingGame"), tok, rows[0])
-        engine = Engine(bb, agent=agent, drop_finished=drop)
+        engine = Engine(bb, agent=agent, drop_finished=drop, compile=compiled)
         runs[drop] = decode(engine, agent, rows, max_new=90, temperature=1.0, n=2)[1], engine.last
+        assert sorted(engine._states) == ([] if not compiled else [3, 6] if drop else [6]), sorted(engine._states)
     (kept, kept_stats), (dropped, dropped_stats) = runs[False], runs[True]
     assert kept_stats.row_steps == 6 * kept_stats.steps and dropped_stats.row_steps < kept_stats.row_steps
     parted = [i for i, (a, b) in enumerate(zip(kept.completions, dropped.completions)) if a != b]

@@ -115,6 +115,36 @@ def test_eager_decoding_drops_the_rows_that_stopped_and_samples_the_same(assets,
     assert_sampled_from_reforward(bb, PROMPTS, 4, cfg, stops, seeds(), dropped)
 
 
+@pytest.mark.parametrize("name", ["gpt_modern", "hf"])
+def test_compiled_decoding_moves_the_live_rows_into_smaller_states(assets, name, aot_eager, monkeypatch):
+    """#67 item 2, compiled: at a read of how many rows stopped, the live rows move into a kept state of half the
+    rows while they fit in it (here down to 2 rows, COMPACT_MIN_ROWS lowered for a batch this small), cache, logits,
+    uniforms and mask with them; fewer row-steps, and every completion and log-prob is what the compiled engine
+    keeping every row samples (or a tie), and a re-forward's. nanochat's GPT and the native Llama, 16 rows stopping at
+    many steps, a read every 4 steps."""
+    monkeypatch.setattr(static_decode, "COMPACT_MIN_ROWS", 2)
+    bb = load_backbone(assets[name])
+    prompts = [*PROMPTS, list(range(60, 70))]
+    cfg = SamplingConfig(24, 1.0)
+    free = Engine(bb).generate(prompts, 4, cfg, (), 0, seeds(4)).completions
+    stops = [free[i][1 + i] for i in range(12)]  # rows 0-11 stop by steps 1..12; the others as they meet one
+    torch._dynamo.reset()
+    runs = {}
+    for drop in (False, True):
+        engine = Engine(bb, compile=True, drop_finished=drop, end_check_every=4, logprobs=True)
+        runs[drop] = engine.generate(prompts, 4, cfg, stops, 0, seeds(4)), engine.last, sorted(engine._states)
+    (kept, kept_stats, kept_states), (dropped, dropped_stats, dropped_states) = runs[False], runs[True]
+    halvings = [16 >> k for k in range(len(dropped_states))][::-1]  # each compaction into half the rows
+    assert kept_states == [16] and dropped_states == halvings and len(halvings) >= 3, dropped_states
+    assert set(dropped_states) <= set(engine.kept_rows([16])) == {2, 4, 8, 16}  # what the memory model counts
+    assert kept_stats.row_steps == 16 * kept_stats.steps and dropped_stats.row_steps < 0.7 * kept_stats.row_steps
+    assert_same_but_a_tie(dropped, kept)
+    same = [i for i, (a, b) in enumerate(zip(kept.completions, dropped.completions)) if a == b]
+    for i in same:
+        torch.testing.assert_close(torch.tensor(dropped.logprobs[i]), torch.tensor(kept.logprobs[i]))
+    assert_sampled_from_reforward(bb, prompts, 4, cfg, stops, seeds(4), dropped)
+
+
 @pytest.mark.parametrize("name,native,compile", [("gpt_modern", True, False), ("gpt_modern", True, True),
                                                  ("hf", True, True), ("hf", False, False)])
 def test_the_engine_keeps_each_tokens_log_prob_as_a_re_forward_gives_it(assets, name, native, compile, aot_eager):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 import torch.nn as nn
@@ -37,7 +37,9 @@ from nanochat_ext.ddp_common import is_sharded, whole
 from nanochat_ext.generation.agent import Agent, Episodes
 from nanochat_ext.generation.decode_cost import DecodeStats, kv_bytes, weight_bytes
 from nanochat_ext.generation.sampling import SamplingConfig, take_tokens
-from nanochat_ext.generation.static_decode import DecodeState, compile_for, decode_step, read_length
+from nanochat_ext.generation.static_decode import (DecodeState, LiveRows, compact_into, compacted_rows,
+                                                    compaction_sizes, compile_for, decode_step,
+                                                    read_length)
 from nanochat_ext.generation.tools import ToolState
 from nanochat_ext.models.attention import KVCache
 from nanochat_ext.models.backbone import Backbone, matmul_params
@@ -87,42 +89,6 @@ class Samples:
         the model's); a python block's output is inside the turn, as nanochat's own reward reads it."""
         starts = self.turn_starts or [0] * len(self.completions)
         return [tok.reply_text(c[start:]) for c, start in zip(self.completions, starts)]
-
-
-class LiveRows:
-    """Eager decoding's batch as rows stop and are dropped: which of the call's rows the step's tensors hold (None:
-    all), and the call's own per-row outputs (out, lengths, done, log-probs, the tools' sampled marks), into which a
-    dropped row's final values are written back."""
-
-    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
-                 tools: ToolState | None):
-        self.full = (out, lengths, done, logps, tools.sampled if tools is not None else None)
-        self.tools = tools
-        self.index: torch.Tensor | None = None
-        self.row_steps = 0  # rows decoded, summed over the steps
-
-    def of(self, rows: list[int]) -> list[int]:
-        """The call's rows (as the agent's episodes know them) of rows of the current batch."""
-        return rows if self.index is None else self.index[rows].tolist()
-
-    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
-             tools: ToolState | None) -> torch.Tensor:
-        """Write the rows' values back, keep the live ones; returns their index in the current batch."""
-        self.whole(out, lengths, done, logps, tools)
-        keep = (~done).nonzero().squeeze(1)
-        self.index = keep if self.index is None else self.index[keep]
-        return keep
-
-    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
-              tools: ToolState | None) -> tuple:
-        """The call's out, lengths, done, log-probs and tool state, with the current rows' values in place."""
-        if self.index is None:
-            return out, lengths, done, logps, tools
-        now = (out, lengths, done, logps, tools.sampled if tools is not None else None)
-        for dst, src in zip(self.full, now):
-            if dst is not None:
-                dst.index_copy_(0, self.index, src)
-        return (*self.full[:4], self.tools)
 
 
 class Engine:
@@ -186,8 +152,8 @@ class Engine:
             state = self._prefill_state(decoder, ids, key_mask, G, uniforms, cfg, stops, pad_id)
             sync(device)
             t1 = time.perf_counter()
-            steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes, P)
-            out, lengths, done, tools, row_steps = state.out, state.lengths, state.done, state.tools, n * G * steps
+            steps, row_steps = self._decode_compiled(decoder, state, cfg, pad_id, episodes, P)
+            out, lengths, done, tools = state.out, state.lengths, state.done, state.tools
             logps = state.logps if self.logprobs else None
         else:
             logits, cache, key_mask = self._prefill_eager(decoder, ids, key_mask, G, cfg.max_new_tokens)
@@ -317,11 +283,12 @@ class Engine:
         return s
 
     def _state(self, decoder: Backbone, rows: int, needed: int, max_new: int, stops: int, like: KVCache,
-               logits: torch.Tensor) -> DecodeState:
-        """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots;
-        one per row count, so a run holds one for its rollouts and one for its evaluation."""
+               logits: torch.Tensor, exact: bool = False) -> DecodeState:
+        """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots
+        (exact: has other than `needed` slots); one per row count, so a run holds one for its rollouts, one for its
+        evaluation, and one for each row count they are compacted into."""
         s = self._states.get(rows)
-        if s is not None and s.slots >= needed and s.uniforms.size(1) == max_new and s.logits.shape == (
+        if s is not None and (s.slots == needed if exact else s.slots >= needed) and s.uniforms.size(1) == max_new and s.logits.shape == (
                 rows, logits.size(1)) and s.cache.k[0].dtype == like.k[0].dtype and len(s.stop_ids) == stops:
             return s
         self._states.pop(rows, None)  # freed before the larger one is made
@@ -350,23 +317,50 @@ class Engine:
         return s
 
     def _decode_compiled(self, decoder: Backbone, s: DecodeState, cfg: SamplingConfig, pad_id: int,
-                         episodes: Episodes | None, start: int) -> int:
+                         episodes: Episodes | None, start: int) -> tuple[int, int]:
         """The compiled step until every row has stopped (token t at cache slot start + t), each step reading the
-        cache's slots in use rounded up to a length bucket (static_decode.read_length); the number of steps."""
+        cache's slots in use rounded up to a length bucket (static_decode.read_length); with drop_finished, the live
+        rows move into a kept state of half the rows while they fit in it (compacted_rows). Every row's outputs end
+        in s, the call's state. Returns (steps, rows decoded summed over them)."""
         if self._step is None:
             self._step = compile_for(decode_step, s.t.device)
-        last = cfg.max_new_tokens - 1
+        last, row_steps = cfg.max_new_tokens - 1, 0
+        batch = LiveRows(*s.head(s.rows)[:3], s.logps if self.logprobs else None, s.tools)  # which rows `now` holds
+        now = s
         for t in range(last):
-            s.cache.limit = read_length(start + t + 1, s.slots)
-            self._step(decoder.model, s, cfg, pad_id, self._python, self.logprobs)
-            if self._finished(s.done, s.lengths, s.tools, s.out, t, episodes)[0]:
-                return t + 1
-        if last >= 0:  # the last token needs no decoding after it; a turn it ends is still the environment's
-            take_tokens(s.logits, s.uniforms[:, last], s.t, s.out, s.lengths, s.done, cfg, s.stop_ids, pad_id,
-                        s.tools.force if s.tools is not None else None, s.logps if self.logprobs else None)
-            if self.agent:
-                self._finished(s.done, s.lengths, s.tools, s.out, last, episodes)
-        return max(last, 0)
+            now.cache.limit = read_length(start + t + 1, now.slots)
+            self._step(decoder.model, now, cfg, pad_id, self._python, self.logprobs)
+            row_steps += now.rows
+            finished, stopped = self._finished(now.done, now.lengths, now.tools, now.out, t, episodes, batch)
+            if finished:
+                break
+            if self.drop_finished and stopped is not None and \
+                    (rows := compacted_rows(now.rows, now.rows - stopped)) < now.rows:
+                now = self._compacted(decoder, now, batch, rows)
+        else:
+            if last >= 0:  # the last token needs no decoding after it; a turn it ends is still the environment's
+                take_tokens(now.logits, now.uniforms[:, last], now.t, now.out, now.lengths, now.done, cfg,
+                            now.stop_ids, pad_id, now.tools.force if now.tools is not None else None,
+                            now.logps if self.logprobs else None)
+                if self.agent:
+                    self._finished(now.done, now.lengths, now.tools, now.out, last, episodes, batch)
+            t = max(last, 0) - 1
+        held = now.rows if batch.index is None else batch.index.numel()
+        batch.whole(*self._head(now, held))  # the rows `now` holds written back into s
+        return t + 1, row_steps
+
+    def _head(self, s: DecodeState, n: int) -> tuple:
+        out, lengths, done, logps, tools = s.head(n)
+        return out, lengths, done, logps if self.logprobs else None, tools
+
+    def _compacted(self, decoder: Backbone, now: DecodeState, batch: LiveRows, rows: int) -> DecodeState:
+        """The state of `rows` rows, the same slots, holding `now`'s live rows (their outputs so far written back)."""
+        held = now.rows if batch.index is None else batch.index.numel()
+        keep = batch.drop(*self._head(now, held))
+        small = self._state(decoder, rows, now.slots, now.uniforms.size(1), now.stop_ids.numel(), now.cache,
+                            now.logits, exact=True)
+        compact_into(now, small, keep)
+        return small
 
     # ---- what decodes -----------------------------------------------------------------------------
     def _decoder(self, device: torch.device) -> Backbone:
@@ -402,6 +396,13 @@ class Engine:
     def reserved_slots(self) -> int:
         """The cache positions of a compiled state made for the reserve (and any call that fits it)."""
         return -(-self.reserve // SLOT_BUCKET) * SLOT_BUCKET
+
+    def kept_rows(self, calls: Iterable[int]) -> tuple[int, ...]:
+        """The row counts a compiled engine keeps a decode state for, given its calls' row counts: each, and with
+        drop_finished each count a call's live rows may move into (none: eager)."""
+        if not self.compiled:
+            return ()
+        return tuple(sorted({r for n in calls for r in (n, *(compaction_sizes(n) if self.drop_finished else ()))}))
 
     def kept_bytes(self) -> int:
         """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""

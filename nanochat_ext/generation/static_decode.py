@@ -1,9 +1,11 @@
 """Compiled decoding's static state: everything one decode step reads and writes, allocated once per batch shape at fixed
 addresses, and the step itself (take token t, feed it back), written in place so that torch.compile captures it whole
-and, on CUDA, replays it as one CUDA graph (engine.py keeps the states and runs the step)."""
+and, on CUDA, replays it as one CUDA graph (engine.py keeps the states and runs the step); what a step reads as the
+rows lengthen (length buckets) and as they stop (a smaller state); and the rows a call still decodes, which eager
+and compiled decoding both drop as they stop (LiveRows)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -38,6 +40,64 @@ def read_length(used: int, slots: int) -> int | None:
     return n if n < slots else None
 
 
+# The fewest rows a compiled state is compacted into: a call's live rows move into a state of half its rows (a graph
+# of its own per length bucket) while they fit in it, down to this many.
+COMPACT_MIN_ROWS = 8
+
+
+def compacted_rows(rows: int, live: int) -> int:
+    """The rows of the state a call of `rows` rows goes on in when `live` of them are still decoding: halved while
+    the live rows fit in the half, not below COMPACT_MIN_ROWS (rows itself: no compaction)."""
+    while rows % 2 == 0 and live <= rows // 2 and rows // 2 >= COMPACT_MIN_ROWS:
+        rows //= 2
+    return rows
+
+
+def compaction_sizes(rows: int) -> list[int]:
+    """Every row count a call of `rows` rows may be compacted into (a state is kept for each it reaches)."""
+    sizes = []
+    while compacted_rows(rows, 0) != rows:
+        rows //= 2
+        sizes.append(rows)
+    return sizes
+
+
+class LiveRows:
+    """Eager decoding's batch as rows stop and are dropped: which of the call's rows the step's tensors hold (None:
+    all), and the call's own per-row outputs (out, lengths, done, log-probs, the tools' sampled marks), into which a
+    dropped row's final values are written back."""
+
+    def __init__(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+                 tools: ToolState | None):
+        self.full = (out, lengths, done, logps, tools.sampled if tools is not None else None)
+        self.tools = tools
+        self.index: torch.Tensor | None = None
+        self.row_steps = 0  # rows decoded, summed over the steps
+
+    def of(self, rows: list[int]) -> list[int]:
+        """The call's rows (as the agent's episodes know them) of rows of the current batch."""
+        return rows if self.index is None else self.index[rows].tolist()
+
+    def drop(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+             tools: ToolState | None) -> torch.Tensor:
+        """Write the rows' values back, keep the live ones; returns their index in the current batch."""
+        self.whole(out, lengths, done, logps, tools)
+        keep = (~done).nonzero().squeeze(1)
+        self.index = keep if self.index is None else self.index[keep]
+        return keep
+
+    def whole(self, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, logps: torch.Tensor | None,
+              tools: ToolState | None) -> tuple:
+        """The call's out, lengths, done, log-probs and tool state, with the current rows' values in place."""
+        if self.index is None:
+            return out, lengths, done, logps, tools
+        now = (out, lengths, done, logps, tools.sampled if tools is not None else None)
+        for dst, src in zip(self.full, now):
+            if dst is not None:
+                dst.index_copy_(0, self.index, src)
+        return (*self.full[:4], self.tools)
+
+
 @dataclass
 class DecodeState:
     """Everything a compiled decode step reads and writes, for `rows` rows and `slots` cache positions; token t
@@ -57,14 +117,42 @@ class DecodeState:
     tools: ToolState | None  # the rows' tool calls (an engine with tools)
 
     def tensors(self) -> list[torch.Tensor]:
-        cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
-                                               else [])
-        tools = self.tools.tensors() if self.tools is not None else []
-        return cache + tools + [getattr(self, f.name) for f in fields(self) if f.name not in ("cache", "tools")]
+        return self.row_tensors() + [self.stop_ids, self.t, self.slot]
 
     @property
     def slots(self) -> int:
         return self.key_valid.size(1)
+
+    @property
+    def rows(self) -> int:
+        return self.logits.size(0)
+
+    def row_tensors(self) -> list[torch.Tensor]:
+        """Every tensor with a row per row (the cache's, the tools' state), in a fixed order."""
+        cache = self.cache.k + self.cache.v + ([self.cache.prev_embedding] if self.cache.prev_embedding is not None
+                                               else [])
+        return cache + (self.tools.tensors() if self.tools is not None else []) + [
+            self.logits, self.uniforms, self.out, self.logps, self.lengths, self.done, self.positions, self.key_valid]
+
+    def head(self, n: int) -> tuple:
+        """(out, lengths, done, logps, tools) of its first n rows, as views."""
+        tools = ToolState(*(x[:n] for x in self.tools.tensors())) if self.tools is not None else None
+        return self.out[:n], self.lengths[:n], self.done[:n], self.logps[:n], tools
+
+
+def compact_into(src: DecodeState, dst: DecodeState, rows: torch.Tensor) -> None:
+    """dst (fewer rows, the same slots) takes src's rows `rows` (a 1-d index) as its first rows, everything a step
+    reads included; its rows after them are copies of the first, stopped and ended (lengths 0, no block closed),
+    decoded with the others and never read."""
+    fill = torch.cat([rows, rows[:1].expand(dst.rows - rows.numel())])
+    for d, s in zip(dst.row_tensors(), src.row_tensors()):
+        torch.index_select(s, 0, fill, out=d)
+    for d, s in ((dst.stop_ids, src.stop_ids), (dst.t, src.t), (dst.slot, src.slot)):
+        d.copy_(s)
+    padding = slice(rows.numel(), None)
+    dst.done[padding], dst.lengths[padding] = True, 0
+    if dst.tools is not None:
+        dst.tools.closed[padding] = False
 
 
 def decode_step(decoder: nn.Module, s: DecodeState, cfg: SamplingConfig, pad_id: int,

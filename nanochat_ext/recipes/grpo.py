@@ -134,10 +134,10 @@ def train(args: argparse.Namespace, session: Session) -> Path:
 def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
                  eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None) -> Callable[..., StepMemory]:
     """What a GRPO step of this run holds on each rank, by micro-batch size (memory.grpo_memory): at the longest
-    prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes."""
+    prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes or
+    compacts into."""
     engine, env = training.engine, training.env
-    kept_rows = tuple(sorted({share, *eval_decode_rows(len(eval_ids), env.world_size, share, pass_k)})) \
-        if engine.compiled else ()
+    kept_rows = engine.kept_rows({share, *eval_decode_rows(len(eval_ids), env.world_size, share, pass_k)})
     return functools.partial(
         grpo_memory, backbone_shape(training.policy), parallel=c.model.parallel, ranks=env.world_size,
         checkpointing=c.model.activation_checkpointing, prompt_len=max(map(len, train_ids)), new_tokens=new_tokens,

@@ -187,6 +187,23 @@ def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp
     assert printed == sorted((tmp_path / "runs" / "grpo_python").glob("model_*[0-9]"))[-1]
 
 
+def test_every_figure_in_the_readme_is_in_the_report_it_comes_from():
+    """#66 item 5, one source for figures: each decimal figure of the README (outside its code blocks and the Install
+    section's versions) appears in bench/RESULTS.md or in a page its own paragraph, bullet or table row links, so a
+    figure rounded, mixed up or left behind when a report changes fails here (the README once quoted an H100 ratio as
+    1.3-3.9x on CPU, where the two ends were of different units)."""
+    readme = re.sub(r"```.*?```", "", (REPO / "README.md").read_text(), flags=re.S)
+    readme = re.sub(r"\n## Install\n.*?(?=\n## )", "\n", readme, flags=re.S)
+    results = (REPO / "bench" / "RESULTS.md").read_text()
+    unsourced = []
+    for part in re.split(r"\n\s*\n|\n(?=\| )|\n(?=- )", readme):
+        linked = [REPO / link for link in re.findall(r"\]\(([^)#]+\.md)", part)]
+        sources = results + "".join(page.read_text() for page in linked)
+        unsourced += [(figure, part[:80]) for figure in re.findall(r"(?<![\w.])\d+\.\d+(?!\d)", part)
+                      if figure not in sources]
+    assert not unsourced, unsourced
+
+
 def test_the_memory_figures_in_the_docs_are_the_memory_models():
     """docs/scaling.md's table is what `bench/memory_estimate.py --table` prints from the memory model today, and
     RESULTS.md's newest LoRA figures quote that table (they once kept an older arithmetic's 32/46 against its 40/57)."""

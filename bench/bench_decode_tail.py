@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> None:
                           "row_steps": stats.row_steps, "tokens": sum(lengths), "median_len": lengths[len(lengths) // 2],
                           "truncated": sum(samples.truncated), "s": round(s, 3), "threads": b.threads,
                           "tokens_per_s": round(sum(lengths) / s, 1)}), flush=True)
-    same = best[False][1].completions == best[True][1].completions
-    print(json.dumps({"bench": "decode_tail", "same_completions": same,
+    kept, dropped = best[False][1].completions, best[True][1].completions
+    parted = sum(a != b for a, b in zip(kept, dropped))  # a batch of another size rounds apart: a tie, a row parts
+    print(json.dumps({"bench": "decode_tail", "same_completions": parted == 0, "completions_parted": parted,
                       "speedup": round(best[False][0] / best[True][0], 3)}), flush=True)
 
 

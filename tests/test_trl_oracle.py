@@ -3,7 +3,8 @@ make_golden.py with TRL 1.16): the loss and its gradient for every TRL loss_type
 sequence (GSPO) importance, on ragged completions with a masked one; group- and batch-scaled
 advantages (TRL's sample std); log-probs at a sampling temperature; the correction of the sampling engine's
 log-probs (TRL's vllm_importance_sampling_mode) and RLOO's advantages (lines_golden.pt, make_lines_golden.py); and
-REINFORCE++'s advantages against OpenRLHF's own functions (tests/fixtures/openrlhf-golden)."""
+REINFORCE++'s advantages against OpenRLHF's own functions (tests/fixtures/openrlhf-golden); on-policy distillation's
+against the Tinker cookbook's (tests/fixtures/tinker-golden)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.algorithms.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages
+from nanochat_ext.algorithms.advantages import (distill_advantages, group_advantages, reinforce_pp_advantages,
+                                                rloo_advantages)
 from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
                                           loss_normaliser)
 from nanochat_ext.training.logprobs import token_logprobs_chunked
@@ -99,3 +101,24 @@ def test_reinforce_pp_advantages_equal_openrlhfs(key):
     got = reinforce_pp_advantages(g["rewards"], g["group_size"], g["old_logp"], g["ref_logp"], g["mask"].float(),
                                   g["kl_coef"], kl_estimator, baseline=estimator == "reinforce_baseline")
     torch.testing.assert_close(got, OPENRLHF["advantages"][key].float(), atol=1e-6, rtol=0)
+
+
+TINKER = torch.load(Path(__file__).parent / "fixtures" / "tinker-golden" / "golden.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("key", list(TINKER["advantages"]))
+def test_distillation_advantages_equal_the_tinker_cookbooks(key):
+    """--advantage distill against the Tinker cookbook's incorporate_kl_penalty and compute_advantages run as written
+    (make_golden.py there): the group-centred reward plus minus coef x the reverse KL of each sampled token (student
+    minus teacher log-prob), discounted over the later tokens or not; compared on the scored tokens (ragged, one
+    completion fully masked, one with a forced token inside), with the cookbook's teacher_kl as train/teacher_kl
+    computes it."""
+    coef, discount = map(float, key.split("/"))
+    g = TINKER
+    mask = g["mask"]
+    assert mask.sum(1).unique().numel() > 3 and (mask.sum(1) == 0).any() and g["rewards"][3:6].unique().numel() == 1
+    got = distill_advantages(g["rewards"], g["group_size"], g["student_logp"], g["teacher_logp"], mask.float(), coef,
+                             discount)
+    torch.testing.assert_close(got[mask], g["advantages"][key][mask].float(), atol=1e-6, rtol=0)
+    reverse_kl = ((g["student_logp"].double() - g["teacher_logp"]) * mask).sum() / mask.sum()
+    assert float(reverse_kl) == pytest.approx(g["teacher_kl"], rel=1e-6)

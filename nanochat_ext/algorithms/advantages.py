@@ -1,15 +1,15 @@
 """Advantage estimators over a rollout's rewards, G completions per prompt (prompt-major): GRPO's group-relative
 advantages and RLOO's leave-one-out ones (one per completion), scaled by the group's or the whole global batch's spread
 (one all-reduce), or not at all; REINFORCE++'s per-token returns (OpenRLHF's), the KL to the reference a penalty in
-the reward, whitened over the global batch's tokens. The same rewards give the same advantages on any number of
-ranks."""
+the reward, whitened over the global batch's tokens; on-policy distillation's per-token reverse KL to a teacher (the
+Tinker cookbook's). The same rewards give the same advantages on any number of ranks."""
 from __future__ import annotations
 
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum
 
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline")
+ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
 STD_MODES = ("sample", "population")
@@ -103,11 +103,30 @@ def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, old_logp: to
     return ((returns - mean) * var.clamp(min=1e-8).rsqrt()).float()
 
 
+def distill_advantages(rewards: torch.Tensor, group_size: int, student_logp: torch.Tensor, teacher_logp: torch.Tensor,
+                       mask: torch.Tensor, coef: float, discount: float) -> torch.Tensor:
+    """On-policy distillation (Thinking Machines 2025, the Tinker cookbook's recipe): each token's advantage is its
+    completion's reward minus the group's mean (0 where the run has no reward), minus coef x the token's reverse KL to
+    the teacher, the student's log-prob of the token it sampled minus the teacher's, summed over the tokens from it on
+    with `discount` (0: the token's own alone). Only the teacher's log-prob of the sampled token: no full-vocabulary
+    KL. Returns (completions, tokens)."""
+    r = rewards.double().view(-1, group_size)
+    centred = (r - r.mean(dim=1, keepdim=True)).reshape(-1, 1)
+    penalty = -coef * (student_logp.double() - teacher_logp.double()) * (mask > 0).double()
+    if discount > 0:
+        running = torch.zeros_like(penalty[:, 0])
+        for t in range(penalty.size(1) - 1, -1, -1):
+            running = penalty[:, t] + discount * running
+            penalty[:, t] = running
+    return (centred + penalty).float()
+
+
 def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
-               batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1"
-               ) -> torch.Tensor:
-    """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s per token, which read the
-    batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's ("ref_logp")."""
+               batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
+               discount: float = 0.0) -> torch.Tensor:
+    """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s and distillation's per
+    token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's
+    ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: REINFORCE++'s KL coefficient or distillation's."""
     if estimator == "grpo":
         return group_advantages(rewards, group_size, scale, std_mode)
     if estimator == "rloo":
@@ -115,4 +134,7 @@ def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: st
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         return reinforce_pp_advantages(rewards, group_size, batch["engine_logp"], batch.get("ref_logp"), batch["mask"],
                                        kl_coef, kl_estimator, estimator == "reinforce_pp_baseline")
+    if estimator == "distill":
+        return distill_advantages(rewards, group_size, batch["engine_logp"], batch["teacher_logp"], batch["mask"],
+                                  kl_coef, discount)
     raise ValueError(f"unknown advantage {estimator!r}")

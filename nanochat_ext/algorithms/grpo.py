@@ -19,7 +19,7 @@ from nanochat_ext.algorithms.advantages import ADVANTAGES, KL_ESTIMATORS, SCALE_
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
-from nanochat_ext.config import FINITE_NON_NEGATIVE, POSITIVE, option
+from nanochat_ext.config import FINITE_NON_NEGATIVE, FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import all_reduce_sum
@@ -27,7 +27,7 @@ from nanochat_ext.generation.decode_cost import peak_bandwidth
 from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.runtime.oom import smaller_micro
 from nanochat_ext.runtime.progress import Phase, Progress
-from nanochat_ext.training.logprobs import accumulate_backward, make_sequences, token_logprobs
+from nanochat_ext.training.logprobs import CompletionLogprobs, accumulate_backward, make_sequences, token_logprobs
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory
 from nanochat_ext.training.setup import PolicyTraining
@@ -50,8 +50,15 @@ class GRPOConfig:
                                     "scales as --scale_rewards none, or batch with normalize_advantages); "
                                     "reinforce_pp(_baseline): REINFORCE++'s per-token returns, --beta the KL "
                                     "penalty in the reward, whitened over the batch (OpenRLHF's reinforce and "
-                                    "reinforce_baseline; --scale_rewards unused)",
+                                    "reinforce_baseline; --scale_rewards unused); distill: on-policy distillation, "
+                                    "each token's advantage minus --teacher_coef x its reverse KL to --teacher (the "
+                                    "Tinker cookbook's recipe; any reward, centred in its group, adds to it)",
                             choices=ADVANTAGES)
+    teacher_coef: float = option(1.0, "--advantage distill: the coefficient of the reverse KL to the teacher (the "
+                                      "cookbook's kl_penalty_coef)", check=FINITE_POSITIVE)
+    teacher_discount: float = option(0.0, "--advantage distill: a token's advantage sums the reverse KL of the tokens "
+                                          "after it, discounted by this (0: its own alone; the cookbook's "
+                                          "kl_discount_factor)", check=(lambda v: 0 <= v <= 1, "in [0, 1]"))
     kl_estimator: str = option("k1", "--advantage reinforce_pp*: the per-token KL in the reward, from pi_old's and the "
                                      "reference's log-probs: k1 = their difference, k2 = its square / 2, k3 "
                                      "(OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
@@ -89,9 +96,14 @@ class GRPOConfig:
     engine_clip_min: float | None = option(None, "lower bound of --engine_correction's ratio (default: none)",
                                            type=float, check=FINITE_NON_NEGATIVE)
 
+    @property
+    def uses_reference(self) -> bool:
+        """Whether a frozen reference is read: the loss's KL or REINFORCE++'s (distillation reads the teacher)."""
+        return self.beta > 0 and self.advantage != "distill"
+
     def loss(self, max_new_tokens: int) -> "LossConfig":
-        """The loss's settings; REINFORCE++'s KL is in its reward, not the loss."""
-        beta = 0.0 if self.advantage.startswith("reinforce_pp") else self.beta
+        """The loss's settings; REINFORCE++'s KL is in its reward, not the loss, and distillation has none."""
+        beta = 0.0 if self.advantage.startswith("reinforce_pp") or self.advantage == "distill" else self.beta
         return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, beta, max_new_tokens,
                           self.importance_level, self.engine_correction, self.engine_clip_max, self.engine_clip_min)
 
@@ -248,14 +260,16 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
 WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
           "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
-          "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes")  # a log window's sums, each reward's
+          "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes", "teacher_kl",
+          "teacher_tokens")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
                      "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
-                     "max_turns": 8}
+                     "max_turns": 8, "teacher": None}
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "advantage",
-                "importance_level", "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns")
+                "importance_level", "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns",
+                "teacher")
 
 
 @dataclass
@@ -274,8 +288,9 @@ class GRPO:
 
     def __init__(self, training: PolicyTraining, cfg: GRPOConfig, rollout: RolloutConfig, evaluation: EvalConfig,
                  rewards: Rewards, train: Prompts, held_out: Prompts, loader: GlobalBatchLoader, seed: int,
-                 micro: int, estimate: StepMemory, progress: Progress):
+                 micro: int, estimate: StepMemory, progress: Progress, teacher: CompletionLogprobs | None = None):
         self.training, self.cfg, self.rollout, self.eval_cfg, self.rewards = training, cfg, rollout, evaluation, rewards
+        self.teacher = teacher  # --advantage distill: the frozen teacher whose log-probs the policy learns
         self.train, self.held_out, self.seed, self.micro, self.estimate = train, held_out, seed, micro, estimate
         self.G, self.loss = rollout.group_size, cfg.loss(rollout.max_new_tokens)
         self.share = loader.plan.per_rank * self.G  # this rank's sequences a step
@@ -310,8 +325,15 @@ class GRPO:
                                  smaller_micro(micro, self.share)):
             if t.reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
                 batch["ref_logp"] = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
+            if self.teacher is not None:
+                batch["teacher_logp"] = token_logprobs(self.teacher, batch, micro, env.device, t.autocast)
+                scored = batch["mask"] > 0  # the reverse KL of each sampled token: train/teacher_kl
+                reverse_kl = (batch["engine_logp"].double() - batch["teacher_logp"]) * scored
+                self.window.add(teacher_kl=float(reverse_kl.sum()), teacher_tokens=float(scored.sum()))
+        distill = self.cfg.advantage == "distill"
         batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scale_rewards, self.cfg.std_mode,
-                                         batch, self.cfg.beta, self.cfg.kl_estimator)
+                                         batch, self.cfg.teacher_coef if distill else self.cfg.beta,
+                                         self.cfg.kl_estimator, self.cfg.teacher_discount)
         t1 = time.time()
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
         for iteration in range(self.cfg.num_iterations):
@@ -361,8 +383,8 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
     n, steps = s["samples"], s["steps"] / world
     mean = s["reward"] / n
     tokens = max(s["loss_tokens"], 1)
-    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5}
-    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})
+    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5} if names else {}
+    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})  # none: distillation without one
     # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
     m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
               "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
@@ -395,6 +417,8 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               # the rows the engine decoded, summed over its steps and the ranks, per GRPO step: rows x decode steps
               # but for the rows eager decoding dropped once they stopped
               "perf/decode_row_steps": s["row_steps"] / steps})
+    if s["teacher_tokens"]:  # --advantage distill: the mean reverse KL to the teacher of the tokens sampled
+        m["train/teacher_kl"] = s["teacher_kl"] / s["teacher_tokens"]
     if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding
         m.update({"train/engine_ratio": s["engine_ratio"] / s["engine_tokens"],
                   "train/engine_logp_diff": s["engine_logp_diff"] / s["engine_tokens"],

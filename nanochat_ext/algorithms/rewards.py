@@ -185,7 +185,7 @@ class Rewards:
 
     def __init__(self, rm: RewardScorer | None, fns: list[str], weights: list[float] | None,
                  overlong: tuple[int, int, float] | None = None, clip: float | None = None, workers: int = 1,
-                 url: str | None = None, url_timeout: float = 60.0, env: bool = False):
+                 url: str | None = None, url_timeout: float = 60.0, env: bool = False, optional: bool = False):
         parts = urllib.parse.urlsplit(url or "")
         if url is not None and (parts.scheme not in ("http", "https") or not parts.netloc):
             raise InputError(f"--reward_url must be an http:// or https:// URL, got {url!r}")
@@ -194,8 +194,9 @@ class Rewards:
         self.env = env  # the --env environments' own rewards (get_reward), one more column
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else []) + \
             (["env"] if env else [])
-        if not self.names:
-            raise InputError("no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward()")
+        if not self.names and not optional:
+            raise InputError("no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward() (or "
+                             "--advantage distill with a --teacher)")
         self.weights = list(weights) if weights is not None else [1.0] * len(self.names)
         if len(self.weights) != len(self.names):
             raise InputError(f"--reward_weights has {len(self.weights)} values for {len(self.names)} rewards "
@@ -295,15 +296,16 @@ def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) ->
 
 
 def make_rewards(cfg: RewardConfig, tok: TokenizerWrapper, device, overlong: tuple[int, int, float] | None,
-                 pass_k: bool, env: bool = False) -> Rewards:
+                 pass_k: bool, env: bool = False, optional: bool = False) -> Rewards:
     """The run's rewards: --rm loaded (one line where it does not speak the policy's tokenizer), the reward functions,
-    the service, the environments' own (env); pass_k: checked to have the task reward pass@k reads."""
+    the service, the environments' own (env); pass_k: checked to have the task reward pass@k reads. optional: none
+    at all is fine (distillation, whose teacher is its signal)."""
     rm = None
     if cfg.rm:
         rm = load_reward_model(cfg.rm, device, backbone=cfg.rm_backbone)
         check_rm_tokenizer(rm, tok, cfg.rm)
     rewards = Rewards(rm, cfg.reward_fn or [], cfg.reward_weights, overlong, cfg.reward_clip, cfg.reward_workers,
-                      cfg.reward_url, cfg.reward_timeout, env)
+                      cfg.reward_url, cfg.reward_timeout, env, optional)
     if pass_k:
         rewards.task_column()
     return rewards

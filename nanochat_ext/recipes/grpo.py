@@ -39,13 +39,17 @@ from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory, micro_batch_for
-from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy
+from nanochat_ext.training.logprobs import reference_model
+from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy, load_teacher
 
 
 def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser("grpo", __doc__)
     p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
     add_flag(g, "kat_train_grpo", "prompts")
+    g.add_argument("--teacher", default=None,
+                   help="--advantage distill: the frozen model the policy learns from, scoring each token the policy "
+                        "samples; any size, the policy's tokenizer (a nanochat checkpoint or a local HF dir)")
     add_config(p, RewardConfig, "grpo", "rewards")
     add_config(p, RolloutConfig, "grpo", "rollouts")
     add_config(p, AgentConfig, "grpo", "tools and environments")
@@ -87,12 +91,17 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
     loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer)
     tok = loaded.tok
+    if (grpo.advantage == "distill") != bool(args.teacher):
+        raise InputError("--advantage distill needs a --teacher" if args.teacher is None else
+                         "--teacher is read by --advantage distill alone")
+    teacher = load_teacher(args.teacher, loaded.backbone, env) if args.teacher else None
     out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
                                 or ("density" if c.data.density else "uniform"))
     resume = resolve_resume(c.out.resume, out_dir, "grpo_policy")
     agent = Agent(agent_cfg, tok, train_rows[0].row)
     agent_cfg = dataclasses.replace(agent_cfg, tools=agent.spec)  # a resume compares what it did
-    rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward)
+    rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward,
+                           optional=teacher is not None)
     context = loaded.backbone.max_seq_len
     train_ids = encode_prompts(train_rows, agent.render_prompt, context, rollout.max_new_tokens, args.prompts)
     eval_ids = encode_prompts(eval_rows, agent.render_prompt, context, rollout.max_new_tokens,
@@ -106,7 +115,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     compile_decode, why = decode_compiled(c.model.compile, env.device, loop_cfg.max_steps, rollout.max_new_tokens)
     rm_backbone = getattr(getattr(rewards.rm, "model", None), "backbone", None)
     training = PolicyTraining(
-        loaded, c.model, c.optim, env, kind="grpo_policy", reference=grpo.beta > 0, resume=resume,
+        loaded, c.model, c.optim, env, kind="grpo_policy", reference=grpo.uses_reference, resume=resume,
         checks=Checks(flags, RESUME_FLAGS + RESUME_KEYS + (("max_draws",) if rollout.filter_zero_std else ()),
                       {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
         merge_lora=c.lora.merge_lora, temperature=rollout.temperature,
@@ -121,18 +130,20 @@ def train(args: argparse.Namespace, session: Session) -> Path:
 
     # ---- micro-batches by memory, the method, the loop -------------------------------------------------------
     estimate_for = memory_model(training, c, share, rollout.max_new_tokens, train_ids, eval_ids,
-                                evaluation.eval_pass_k, rm_backbone)
+                                evaluation.eval_pass_k, rm_backbone, teacher)
     micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume,
                                       prefer=rollout.group_size)
     print0(f"batch: {c.batch.batch_size} prompts x {rollout.group_size} completions global = {env.world_size} ranks x "
            f"{share} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
     method = GRPO(training, grpo, rollout, evaluation, rewards, Prompts(train_rows, train_ids),
-                  Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress)
+                  Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress,
+                  reference_model(teacher, training.dtype, temperature=rollout.temperature) if teacher else None)
     return loop.run(method)
 
 
 def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
-                 eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None) -> Callable[..., StepMemory]:
+                 eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None,
+                 teacher: Backbone | None = None) -> Callable[..., StepMemory]:
     """What a GRPO step of this run holds on each rank, by micro-batch size (memory.grpo_memory): at the longest
     prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes or
     compacts into."""
@@ -144,7 +155,7 @@ def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: i
         rows=share, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
         reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
         lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
-        kept_rows=kept_rows, slots=engine.reserved_slots)
+        kept_rows=kept_rows, slots=engine.reserved_slots, teacher=backbone_shape(teacher) if teacher else None)
 
 
 def decode_line(training: PolicyTraining, why: str) -> str:

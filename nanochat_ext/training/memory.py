@@ -163,16 +163,18 @@ def fine_tune_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing:
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
                 new_tokens: int, rows: int, accum: int | None = 1, reference: bool = True,
                 rm: ModelShape | None = None, device: str, lora: int = 0, kept_rows: tuple[int, ...] = (),
-                slots: int = 0) -> StepMemory:
+                slots: int = 0, teacher: ModelShape | None = None) -> StepMemory:
     """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
     sequences, `accum` of them per step (None: all of them, rows // micro). lora: the adapters' parameter count under --lora_r (lora.adapter_params):
     they alone train; the base is held as the reference would be, and the reference is the base itself.
     kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
     rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
-    step's logits buffers (on CUDA the graph pool's): held, not only while decoding."""
+    step's logits buffers (on CUDA the graph pool's): held, not only while decoding. teacher: distillation's."""
     m = policy_memory(s, parallel, ranks, rows // micro if accum is None else accum, reference, lora)
     if rm is not None:
         m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
+    if teacher is not None:  # --advantage distill's, whole on every rank, its matmul weights in bf16 on a GPU
+        m.parts["teacher"] = 2 * teacher.params
     # the engine decodes from bf16 copies of the fp32 weights: under LoRA the adapters' only
     m.parts["engine_weights"] = 2 * (lora if lora else s.params if parallel == "fsdp"
                                      else s.layers * s.block_params + s.lm_head)

@@ -169,6 +169,16 @@ def load_policy(path: str, cfg: ModelConfig, env: DistEnv, lora: LoraSpec | None
     return LoadedPolicy(policy, tok, lora, other, reference, other_print)
 
 
+def load_teacher(path: str, policy: Backbone, env: DistEnv) -> Backbone:
+    """--teacher: a frozen model of any size and architecture that speaks the policy's tokenizer (its vocabulary: it
+    scores the policy's token ids), loaded whole on every rank."""
+    teacher = load_backbone(path, env.device)
+    if teacher.vocab_size != policy.vocab_size:
+        raise InputError(f"the teacher's vocabulary has {teacher.vocab_size} ids, the policy's {policy.vocab_size}: "
+                         f"the teacher scores the policy's tokens, so both need the policy's tokenizer", path=path)
+    return teacher
+
+
 @dataclass(frozen=True)
 class DecodeSpec:
     """GRPO's rollout engine, built from the policy before it is sharded (under fsdp it decodes from a whole copy)."""

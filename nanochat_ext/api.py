@@ -115,8 +115,12 @@ def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
         if name in FUNCTIONS:
             value = objects[name] = [value] if callable(value) or isinstance(value, str) else list(value)
         if isinstance(action, argparse._StoreTrueAction):
+            if not isinstance(value, bool):
+                refuse(f"{trainer}'s option {name} is True or False, got {value!r}")
             argv += [flag] if value else []
         elif isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
+            if not isinstance(value, (list, tuple)):
+                refuse(f"{trainer}'s option {name} takes a list, got {value!r}")
             items = [str(v) for v in value]
             argv += [s for v in items for s in (flag, v)] if isinstance(action, argparse._AppendAction) \
                 else [flag, *items]

@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from nanochat_ext.algorithms.rewards import function_name
 from nanochat_ext.algorithms.rm import RM_LRS
 from nanochat_ext.config import check_config
 from nanochat_ext.data.batching import BatchConfig
@@ -268,7 +269,7 @@ def recordable(value: Any) -> Any:
         return [recordable(v) for v in value]
     if isinstance(value, InMemoryRows):
         return str(value)
-    return f"{value.__module__}:{value.__qualname__}" if callable(value) else value
+    return function_name(value) if callable(value) else value
 
 
 def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object], label: str) -> int:

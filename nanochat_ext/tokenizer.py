@@ -363,3 +363,11 @@ def keep_beside(file: Path | None, directory: Path) -> None:
     tmp = directory / (file.name + ".tmp")
     shutil.copyfile(file, tmp)
     os.replace(tmp, directory / file.name)
+
+
+PROBE = "Hello there! 12 + 30 = 42, isn't it?"
+
+
+def same_ids(a: "TokenizerWrapper", b: "TokenizerWrapper") -> bool:
+    """Whether two tokenizers give the same ids (a reward model or a teacher scores the policy's ids directly)."""
+    return (a.vocab_size, a.encode(PROBE), a.eos_id) == (b.vocab_size, b.encode(PROBE), b.eos_id)

@@ -3,6 +3,7 @@ datasets.Dataset, a reward function) is the script's run from files and flags, c
 trainer does not have and rows without their field end as the script's do."""
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import textwrap
@@ -99,7 +100,11 @@ def test_what_the_trainer_does_not_take_is_refused_before_anything_runs(assets, 
                        (lambda: api.train_grpo("--beta", **needs), "kat_train_grpo takes configs"),
                        (lambda: api.train_grpo(**needs, loss_agg="mean"), "invalid choice: 'mean'"),
                        (lambda: api.train_dpo(policy=str(assets["gpt"])),
-                        "kat_train_dpo: the following arguments are required: --pairs")]:
+                        "kat_train_dpo: the following arguments are required: --pairs"),
+                       (lambda: api.train_grpo(**needs, log_rollouts="false"),
+                        "kat_train_grpo's option log_rollouts is True or False, got 'false'"),
+                       (lambda: api.train_grpo(**needs, reward_weights=1.0),
+                        "kat_train_grpo's option reward_weights takes a list, got 1.0")]:
         with pytest.raises(InputError) as e:
             call()
         assert said in str(e.value), (said, str(e.value))
@@ -107,6 +112,10 @@ def test_what_the_trainer_does_not_take_is_refused_before_anything_runs(assets, 
     with pytest.raises(RunFailed) as e:
         api.train_grpo(**needs, group_size=1)
     assert e.value.code == EXIT_BAD_INPUT and "error: --group_size must be >= 2" in capfd.readouterr().err
+    # two functions of one name (a partial is named by its function) would log as one reward
+    with pytest.raises(RunFailed):
+        api.train_grpo(**{**needs, "reward_fn": [vowel_share, functools.partial(vowel_share)]})
+    assert "two rewards are named vowel_share" in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
 
 

@@ -54,7 +54,7 @@ def test_two_ranks_distill_as_one(assets, prompts, tmp_path):
 
 
 @pytest.mark.parametrize("flags,line", [
-    (("--teacher", "{small}"), "the teacher's vocabulary has 300 ids, the policy's 512"),
+    (("--teacher", "{small}"), "the teacher's vocabulary has 300 ids, the policy's tokenizer 512"),
     ((), "--advantage distill needs a --teacher"),
 ])
 def test_distillation_without_a_teacher_that_fits_ends_in_one_line(assets, prompts, tmp_path, flags, line):

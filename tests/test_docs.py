@@ -200,7 +200,7 @@ def test_every_figure_in_the_readme_is_in_the_report_it_comes_from():
         linked = [REPO / link for link in re.findall(r"\]\(([^)#]+\.md)", part)]
         sources = results + "".join(page.read_text() for page in linked)
         unsourced += [(figure, part[:80]) for figure in re.findall(r"(?<![\w.])\d+\.\d+(?!\d)", part)
-                      if figure not in sources]
+                      if not re.search(rf"(?<![\d.]){re.escape(figure)}(?!\d)", sources)]  # 1.4 is not in 1.43
     assert not unsourced, unsourced
 
 

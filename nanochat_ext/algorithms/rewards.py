@@ -37,7 +37,7 @@ from nanochat_ext.generation.toolbox import load_attribute
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
-from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.tokenizer import TokenizerWrapper, same_ids
 
 RewardFn = Callable[[str, str, dict], float]
 URL_RETRIES = 3  # tries of a reward service call, 1 s then 2 s apart
@@ -80,9 +80,17 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
     return getattr(reward_fns, spec) if spec in BUILT_IN else load_attribute(spec, "--reward_fn")
 
 
+def function_name(fn: Callable) -> str:
+    """module:qualname of a function given in Python (a callable object or a partial: its type's), as --reward_fn
+    would name it: what a run records."""
+    inner = getattr(fn, "func", fn)  # a partial's function
+    named = inner if hasattr(inner, "__qualname__") else type(inner)
+    return f"{getattr(named, '__module__', '?')}:{named.__qualname__}"
+
+
 def reward_name(spec: str | RewardFn) -> str:
-    """A reward's name in the logs (reward/<name>): the function's."""
-    return getattr(spec, "__name__", "reward") if callable(spec) else spec.rsplit(":", 1)[-1]
+    """A reward's name in the logs (train/reward_<name>): the function's."""
+    return function_name(spec).rsplit(".", 1)[-1].rsplit(":", 1)[-1] if callable(spec) else spec.rsplit(":", 1)[-1]
 
 
 def built_in_name(spec: str | RewardFn) -> str | None:
@@ -194,6 +202,10 @@ class Rewards:
         self.env = env  # the --env environments' own rewards (get_reward), one more column
         self.names = (["rm"] if rm else []) + [name for name, _ in self.fns] + (["url"] if url else []) + \
             (["env"] if env else [])
+        if len(set(self.names)) < len(self.names):  # each is a column and a logged train/reward_<name>
+            twice = sorted({n for n in self.names if self.names.count(n) > 1})
+            raise InputError(f"two rewards are named {', '.join(twice)} (the logs name each reward once: give the "
+                             f"functions different names)")
         if not self.names and not optional:
             raise InputError("no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward() (or "
                              "--advantage distill with a --teacher)")
@@ -287,9 +299,7 @@ class Rewards:
 
 def check_rm_tokenizer(rm: RewardScorer, tok: TokenizerWrapper, rm_path: str) -> None:
     """The RM scores the policy's token ids directly, so both must speak the same tokenizer."""
-    probe = "Hello there! 12 + 30 = 42, isn't it?"
-    if (rm.tokenizer.vocab_size, rm.tokenizer.encode(probe), rm.tokenizer.eos_id) != \
-            (tok.vocab_size, tok.encode(probe), tok.eos_id):
+    if not same_ids(rm.tokenizer, tok):
         raise InputError(f"reward model was trained with another tokenizer ({rm.tokenizer.source}, "
                          f"{rm.tokenizer.vocab_size} ids) than the policy's ({tok.source}, {tok.vocab_size} ids)",
                          path=rm_path)

@@ -24,9 +24,11 @@ from nanochat_ext.models.backbone import Backbone
 
 # Graphs per code object before torch gives up compiling it: every block of a model shares Block.forward,
 # and a GRPO run needs 8 or more of them (with/without value embeddings, the scored last block, grad and no-grad,
-# more for other dtypes and size-1 batches), and the engine's decode step one per batch shape and sampling setting.
-# At torch's default of 8 the rest would fall back to eager; CompileLog says so where it happens.
-RECOMPILE_LIMIT = 64
+# more for other dtypes and size-1 batches), and the engine's decode step one per batch shape (each row count a call
+# is compacted into too), sampling setting and length bucket: 64 rows compacted to 8 in a 2048-slot cache, sampled
+# and greedy, is 4 x 4 x 2 = 32 graphs, the evaluation's row counts more. At torch's default of 8 the rest would fall
+# back to eager; CompileLog says so where it happens.
+RECOMPILE_LIMIT = 256
 
 
 def blocks_compiled(flag: str, device: torch.device) -> tuple[bool, str]:

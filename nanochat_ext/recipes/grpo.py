@@ -89,12 +89,12 @@ def train(args: argparse.Namespace, session: Session) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {rollout.group_size} = {share} sequences per step, "
                          f"which --device_batch_size {given_micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
-    loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer)
-    tok = loaded.tok
     if (grpo.advantage == "distill") != bool(args.teacher):
         raise InputError("--advantage distill needs a --teacher" if args.teacher is None else
                          "--teacher is read by --advantage distill alone")
-    teacher = load_teacher(args.teacher, loaded.backbone, env) if args.teacher else None
+    loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer)
+    tok = loaded.tok
+    teacher = load_teacher(args.teacher, tok, env) if args.teacher else None
     out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
                                 or ("density" if c.data.density else "uniform"))
     resume = resolve_resume(c.out.resume, out_dir, "grpo_policy")
@@ -102,6 +102,9 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     agent_cfg = dataclasses.replace(agent_cfg, tools=agent.spec)  # a resume compares what it did
     rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward,
                            optional=teacher is not None)
+    if not rewards.names and rollout.filter_zero_std:
+        raise InputError("--filter_zero_std keeps the groups whose rewards differ, and a distillation without a reward "
+                         "has none: leave it off, or give a reward")
     context = loaded.backbone.max_seq_len
     train_ids = encode_prompts(train_rows, agent.render_prompt, context, rollout.max_new_tokens, args.prompts)
     eval_ids = encode_prompts(eval_rows, agent.render_prompt, context, rollout.max_new_tokens,

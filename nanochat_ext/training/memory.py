@@ -173,8 +173,8 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
     m = policy_memory(s, parallel, ranks, rows // micro if accum is None else accum, reference, lora)
     if rm is not None:
         m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
-    if teacher is not None:  # --advantage distill's, whole on every rank, its matmul weights in bf16 on a GPU
-        m.parts["teacher"] = 2 * teacher.params
+    if teacher is not None:  # --advantage distill's, whole on every rank, held as the reference is
+        m.parts["teacher"] = matmuls_in_bf16(teacher)
     # the engine decodes from bf16 copies of the fp32 weights: under LoRA the adapters' only
     m.parts["engine_weights"] = 2 * (lora if lora else s.params if parallel == "fsdp"
                                      else s.layers * s.block_params + s.lm_head)

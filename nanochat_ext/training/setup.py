@@ -29,7 +29,7 @@ from nanochat_ext.runtime.oom import FEWER_RANKS_STATE, LORA_STATE, smaller_micr
 from nanochat_ext.runtime.parallel import PARALLEL_MODES, Parallel, checkpoint_activations
 from nanochat_ext.runtime.precision import DTYPES, compute_dtype, precision
 from nanochat_ext.runtime.resume import check_resume_args
-from nanochat_ext.tokenizer import TokenizerWrapper
+from nanochat_ext.tokenizer import TokenizerWrapper, same_ids
 from nanochat_ext.training.logprobs import CompletionLogprobs, reference_model
 from nanochat_ext.training.optim import OptimConfig, check_muon_model, make_optimizer
 
@@ -169,13 +169,23 @@ def load_policy(path: str, cfg: ModelConfig, env: DistEnv, lora: LoraSpec | None
     return LoadedPolicy(policy, tok, lora, other, reference, other_print)
 
 
-def load_teacher(path: str, policy: Backbone, env: DistEnv) -> Backbone:
-    """--teacher: a frozen model of any size and architecture that speaks the policy's tokenizer (its vocabulary: it
-    scores the policy's token ids), loaded whole on every rank."""
+def load_teacher(path: str, tok: TokenizerWrapper, env: DistEnv) -> Backbone:
+    """--teacher: a frozen model of any size and architecture that speaks the policy's tokenizer (it scores the
+    policy's token ids), loaded whole on every rank. Refused: fewer ids than the policy's tokenizer has, or a tokenizer
+    of its own (where one is beside it) that gives other ids."""
     teacher = load_backbone(path, env.device)
-    if teacher.vocab_size != policy.vocab_size:
-        raise InputError(f"the teacher's vocabulary has {teacher.vocab_size} ids, the policy's {policy.vocab_size}: "
-                         f"the teacher scores the policy's tokens, so both need the policy's tokenizer", path=path)
+    why = None
+    if teacher.vocab_size < tok.vocab_size:
+        why = f"the teacher's vocabulary has {teacher.vocab_size} ids, the policy's tokenizer {tok.vocab_size}"
+    else:
+        try:
+            own = load_tokenizer_for(teacher, None)
+        except InputError:  # a nanochat checkpoint without its tokenizer beside it: its ids' count is what it says
+            own = None
+        if own is not None and not same_ids(own, tok):
+            why = f"the teacher's tokenizer ({own.source}) gives other ids than the policy's ({tok.source})"
+    if why:
+        raise InputError(f"{why}: the teacher scores the policy's tokens, so both need one tokenizer", path=path)
     return teacher
 
 

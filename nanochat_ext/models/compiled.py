@@ -28,7 +28,7 @@ from nanochat_ext.models.backbone import Backbone
 # is compacted into too), sampling setting and length bucket: 64 rows compacted to 8 in a 2048-slot cache, sampled
 # and greedy, is 4 x 4 x 2 = 32 graphs, the evaluation's row counts more. At torch's default of 8 the rest would fall
 # back to eager; CompileLog says so where it happens.
-RECOMPILE_LIMIT = 256
+RECOMPILE_LIMIT = 64
 
 
 def blocks_compiled(flag: str, device: torch.device) -> tuple[bool, str]:

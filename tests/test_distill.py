@@ -39,7 +39,7 @@ def test_the_reverse_kl_to_the_teacher_falls_without_a_reward(assets, prompts, t
     kl = [m["train/teacher_kl"] for m in logged]
     assert len(kl) == 16 and not any("train/reward" in m for m in logged)
     first, last = sum(kl[:4]) / 4, sum(kl[-4:]) / 4
-    assert last < 0.7 * first, kl  # the policy moves towards the teacher on the tokens it samples
+    assert last < 0.85 * first, kl  # the policy moves towards the teacher (0.52x here; 0.79x as AVX2 computes)
 
 
 def test_two_ranks_distill_as_one(assets, prompts, tmp_path):

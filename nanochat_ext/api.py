@@ -1,18 +1,8 @@
 """The four trainers in Python, for a notebook or a script of your own: each runs what its command line runs (the
 same recipe, loop, checks and checkpoints; `python -m scripts.kat_train_grpo` is a thin caller of the same code), with
 the options given as the typed configs the flags are made from and/or as keywords named as the flags are, rows as a
-list of dicts or a `datasets.Dataset`, and GRPO's rewards as Python functions.
-
-    from datasets import Dataset
-    from nanochat_ext import api
-    from nanochat_ext.algorithms.rollouts import RolloutConfig
-
-    def says_four(prompt: str, completion: str, row: dict) -> float:
-        return float(completion.strip() == row["answer"])
-
-    checkpoint = api.train_grpo(RolloutConfig(group_size=8), policy="models/Qwen2.5-0.5B-Instruct",
-                                prompts=Dataset.from_list([{"prompt": "2 + 2?", "answer": "4"}] * 64),
-                                reward_fn=[says_four], max_steps=20, out="runs/grpo")
+list of dicts or a `datasets.Dataset`, and GRPO's rewards as Python functions (docs/python.md has a complete example):
+`api.train_grpo(RolloutConfig(group_size=8), policy=..., prompts=a_dataset, reward_fn=[my_reward], max_steps=20)`.
 
 Each returns the checkpoint written (a Path). An option that is not the trainer's, or a value its flag refuses, raises
 InputError before anything runs; a run that ends as a script would with an exit code raises RunFailed with that code
@@ -27,7 +17,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
-from nanochat_ext.cli import parse, run_body
+from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import InputError, RunFailed
 from nanochat_ext.recipes import dpo, grpo, rm, sft
@@ -66,8 +56,7 @@ def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, 
     given = {**given_in(configs, parser, trainer), **options}
     argv, objects = command_line(given, parser, trainer)
     parser.error = lambda message: refuse(f"{trainer}: {message}")  # the script's check of every flag, as a raise
-    parse(parser, argv)
-    args = recipe.parse_args(argv)  # as the script parses them: --preset's values, the trainer's defaults
+    args = recipe.parse_args(argv, parser)  # as the script parses them: --preset's values, the trainer's defaults
     for name, value in objects.items():
         setattr(args, name, value)
     code, checkpoint = run_body(args, recipe.train, "checkpoint")

@@ -59,9 +59,10 @@ def flags() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The flags, --preset's values where not given, --loss_type as --loss_agg."""
-    p, argv = flags(), script_argv(argv)
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The flags (parser: flags()'s, as api.py makes it raise rather than exit), --preset's values where not given,
+    --loss_type as --loss_agg."""
+    p, argv = parser or flags(), script_argv(argv)
     args = parse(p, argv)
     apply_preset(p, argv, args)
     if args.loss_type:

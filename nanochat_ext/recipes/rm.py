@@ -35,8 +35,9 @@ def flags() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return parse(flags(), argv)
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """The flags (parser: flags()'s, as api.py makes it raise rather than exit)."""
+    return parse(parser or flags(), argv)
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:

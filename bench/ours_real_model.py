@@ -2,12 +2,14 @@
 --mode time_to_accuracy prints (bench/bench_real_model.sh runs both):
 
     python bench/ours_real_model.py --model MODEL_DIR --task TASK_DIR [--steps 40 --eval_every 10 --threads 2]
+        [--grpo_args "--advantage rloo --scale_rewards none"]
 
 Step 0: the starting model's held-out accuracy from nanochat_ext.algorithms.evaluation.evaluate_rewards, the function
 kat_train_grpo's own --eval_every evaluations call, with the same engine, rows per call, sampling settings and seed.
 Then scripts/kat_train_grpo with the real-model recipe of speedrun.sh (MODEL=smollm2), in this process:
 --preset word_arithmetic (--reward_fn last_number --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0)
---eval_every N, every other flag at its default. Its metrics.jsonl gives each evaluation's eval/last_number_greedy (and _sampled) and
+--eval_every N, then --grpo_args (another estimator, a teacher: bench/methods_real_model.sh), every other flag at its
+default. Its metrics.jsonl gives each evaluation's eval/last_number_greedy (and _sampled) and
 perf/train_time_s at that step (training seconds so far, evaluations left out). Stdout: one JSON line per evaluation
 ({"bench": "ours_time_to_accuracy", "step", "train_s", "greedy_accuracy", ...}), then a summary line.
 """
@@ -17,6 +19,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -37,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_every", type=int, default=10)
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grpo_args", default="", help="more kat_train_grpo flags after the recipe's, one string")
+    p.add_argument("--label", default="grpo", help="the run's name in every JSON line (with its seed)")
     p.add_argument("--keep", default=None, help="train into this --out and keep it (default: a temporary dir, removed)")
     args = p.parse_args(argv)
     for name in ("train.jsonl", "eval.jsonl"):
@@ -52,7 +57,7 @@ def train_args(args: argparse.Namespace, out: str) -> list[str]:
     task = Path(args.task)
     return ["--policy", args.model, "--prompts", str(task / "train.jsonl"), "--eval_prompts", str(task / "eval.jsonl"),
             *RECIPE, "--max_steps", str(args.steps), "--eval_every", str(args.eval_every), "--seed", str(args.seed),
-            "--device", "cpu", "--out", out]
+            "--device", "cpu", "--out", out, *shlex.split(args.grpo_args)]
 
 
 def step0(gargs: argparse.Namespace, env) -> dict:
@@ -123,18 +128,19 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if not args.keep:
             shutil.rmtree(out, ignore_errors=True)
+    run = {"label": args.label, "seed": args.seed}
     print(json.dumps({"bench": "ours_time_to_accuracy", "step": 0, "train_s": 0.0,
                       "greedy_accuracy": start[f"eval/{TASK_REWARD}_greedy"],
-                      "sampled_accuracy": start[f"eval/{TASK_REWARD}_sampled"], "lr": None}), flush=True)
+                      "sampled_accuracy": start[f"eval/{TASK_REWARD}_sampled"], "lr": None, **run}), flush=True)
     points = curve(logs)
     for rec in points:
-        print(json.dumps(rec), flush=True)
-    print(json.dumps({
+        print(json.dumps({**rec, **run}), flush=True)
+    print(json.dumps({**run,
         "bench": "ours_time_to_accuracy_summary", "model": args.model, "threads": torch.get_num_threads(),
         "steps": args.steps, "train_s": points[-1]["train_s"], "step0_eval_s": round(eval0_s, 3),
         "train_call_s": round(wall_s, 3), "final_greedy_accuracy": points[-1]["greedy_accuracy"],
         "best_greedy_accuracy": max([start[f"eval/{TASK_REWARD}_greedy"]] + [r["greedy_accuracy"] for r in points]),
-        "recipe": " ".join(RECIPE), "torch": torch.__version__,
+        "recipe": " ".join(RECIPE), "grpo_args": args.grpo_args, "torch": torch.__version__,
     }), flush=True)
 
 

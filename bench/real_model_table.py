@@ -20,6 +20,19 @@ SIDES = {"ours": ("nanochat_ext_grpo", "ours_time_to_accuracy"),
 RM = {"ours": "nanochat_ext_rm", "TRL": "trl_real_rm"}  # side -> the RM's bench
 
 
+def read_results(path: Path) -> list[dict]:
+    """A bench's JSON lines; ValueError naming the file (and line) where it is missing or a line is not JSON."""
+    if not path.is_file():
+        raise ValueError(f"{path}: not found")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            rows += [json.loads(line)] if line.strip() else []
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON line ({e.msg})") from None
+    return rows
+
+
 def last_sitting(rows: list[dict], benches: set[str]) -> list[dict]:
     """The rows of the last sitting that ran any of these benches (bench_real_model.sh tags every row with its
     start time; PARTS runs some parts alone)."""
@@ -74,18 +87,18 @@ def table(all_rows: list[dict], thresholds: list[float]) -> str:
     return "\n".join(lines)
 
 
-def plot(all_rows: list[dict], path: Path) -> None:
+def plot_curves(curves: dict[str, list[dict]], path: Path) -> None:
+    """Held-out greedy accuracy against training seconds, a line per named curve (rows with train_s and
+    greedy_accuracy)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = last_sitting(all_rows, {b for pair in SIDES.values() for b in pair})
     fig, ax = plt.subplots(figsize=(5, 3))
-    for side, (_, bench) in SIDES.items():
-        curve = sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
+    for name, curve in curves.items():
         if curve:
-            ax.plot([r["train_s"] for r in curve], [r["greedy_accuracy"] for r in curve], marker=".", label=side)
+            ax.plot([r["train_s"] for r in curve], [r["greedy_accuracy"] for r in curve], marker=".", label=name)
     ax.set_xlabel("training seconds (evaluations left out)")
     ax.set_ylabel("held-out greedy accuracy")
     ax.legend()
@@ -94,23 +107,23 @@ def plot(all_rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def plot(all_rows: list[dict], path: Path) -> None:
+    rows = last_sitting(all_rows, {b for pair in SIDES.values() for b in pair})
+    plot_curves({side: sorted((r for r in rows if r.get("bench") == bench), key=lambda r: r["step"])
+                 for side, (_, bench) in SIDES.items()}, path)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("results", help="bench_real_model.sh's JSON lines")
     p.add_argument("--thresholds", type=float, nargs="+", default=[0.3, 0.4, 0.5])
     p.add_argument("--plot", default=None, metavar="PNG", help="write both learning curves there")
     args = p.parse_args(argv)
-    path = Path(args.results)
-    if not path.is_file():
-        sys.stderr.write(f"error: {path}: not found\n")
+    try:
+        rows = read_results(Path(args.results))
+    except ValueError as e:
+        sys.stderr.write(f"error: {e}\n")
         return 2
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        try:
-            rows += [json.loads(line)] if line.strip() else []
-        except json.JSONDecodeError as e:
-            sys.stderr.write(f"error: {path}:{n}: not a JSON line ({e.msg})\n")
-            return 2
     print(table(rows, args.thresholds))
     if args.plot:
         plot(rows, Path(args.plot))

@@ -55,6 +55,7 @@ def test_the_reverse_kl_to_the_teacher_falls_without_a_reward(assets, prompts, t
                                          "--max_steps", "16")) == 0
     logged = [m for m in read_metrics(out) if "train/teacher_kl" in m]
     assert len(logged) == 16 and not any("train/reward" in m for m in logged)
+    assert not any(k.startswith("eval/") for m in read_metrics(out) for k in m)  # no reward scores held-out prompts
     # the policy moves towards the teacher: the exact reverse KL at the prompts' first token, before and after
     before, after = (next_token_reverse_kl(student, prompts["teacher"], assets["tokenizer"], prompts["prompts"])
                      for student in (assets["gpt"], out))

@@ -172,6 +172,8 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common), nproc=2,
                       env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 0, proc.stderr[-2000:]
+    kl = [[m["train/kl"] for m in read_metrics(d) if "train/kl" in m] for d in (one, two)]
+    assert abs(kl[0][0]) < 1e-9 and kl[0][1] > 1e-7 and kl[1] == pytest.approx(kl[0], rel=1e-3, abs=1e-9), kl
     clipped = [m["train/clip_frac"] for m in read_metrics(one) if "train/clip_frac" in m]
     assert len(clipped) == 2 and all(c > 0 for c in clipped), clipped
     assert_engine_log_probs_are_the_trainers(one, two)
@@ -292,12 +294,15 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
                                                                                           tmp_path, capsys):
     """--filter_zero_std (DAPO): about half the prompts get a constant reward; every trained group has a
     spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws; its logs follow
-    the checkpoint. RLOO's advantages normalised over the global batch (--advantage rloo --scale_rewards batch)."""
+    the checkpoint. RLOO as TRL's RLOOTrainer computes it (test_trl_oracle): its advantages normalised over the global
+    batch (--scale_rewards batch), the KL in the reward (logged as train/kl: 0 while the policy is the reference), one
+    ratio per completion (--importance_level sequence_product --loss_agg sequence)."""
     # One group per micro-batch on 1 and 2 ranks alike: the split over ranks is what is compared here (the
     # split into micro-batches is test_loss_and_grads_invariant_to_ranks_and_micro_batches').
     common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
               "--max_steps", "3", "--batch_size", "4", "--group_size", "4", "--lr", "1e-3", "--log_rollouts",
-              "--log_every", "1", "--device_batch_size", "4", "--advantage", "rloo", "--scale_rewards", "batch"]
+              "--log_every", "1", "--device_batch_size", "4", "--advantage", "rloo", "--scale_rewards", "batch",
+              "--importance_level", "sequence_product", "--loss_agg", "sequence"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
@@ -317,6 +322,8 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     assert_engine_log_probs_are_the_trainers(one, two)
     draws = [m["train/draws"] for m in read_metrics(one) if "train/draws" in m]
     assert sum(draws) > 3 and all(m["train/filled_frac"] == 0 for m in read_metrics(one) if "train/draws" in m)
+    kl = [m["train/kl"] for m in read_metrics(one) if "train/kl" in m]
+    assert abs(kl[0]) < 1e-6 and kl[2] > 1e-4, kl
 
     # Resume the two-rank run from step 2 on one rank: the draw counter carries on where it was.
     stamps = sorted(int(p.stem.split("_")[1]) for p in two.glob("model_*.pt"))

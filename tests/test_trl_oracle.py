@@ -12,16 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.algorithms.advantages import (distill_advantages, group_advantages, reinforce_pp_advantages,
-                                                rloo_advantages)
-from nanochat_ext.algorithms.grpo import (IMPORTANCE_LEVELS, TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
+from nanochat_ext.algorithms.advantages import (advantages, distill_advantages, group_advantages,
+                                                reinforce_pp_advantages, rloo_advantages, sequence_kl)
+from nanochat_ext.algorithms.grpo import (TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
                                           loss_normaliser)
 from nanochat_ext.training.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("level", IMPORTANCE_LEVELS)
+@pytest.mark.parametrize("level", ["token", "sequence"])  # sequence_product: RLOOTrainer's (below)
 @pytest.mark.parametrize("loss_type", list(TRL_LOSS_TYPES))
 def test_loss_and_gradient_equal_trls(loss_type, level):
     g = GOLDEN
@@ -85,6 +85,30 @@ def test_rloo_advantages_equal_trls(normalize):
     g = LINES["rloo"]
     got = rloo_advantages(g["rewards"], g["group_size"], "batch" if normalize else "none")
     torch.testing.assert_close(got, g[f"normalize={normalize}"].float(), atol=1e-6, rtol=0)
+
+
+def test_rloo_kl_in_the_reward_and_loss_equal_trls():
+    """--advantage rloo --beta 0.05 against TRL's RLOOTrainer's own lines (make_lines_golden.py): each completion's
+    reward less beta x its summed k1 KL (pi_old against the reference) before the leave-one-out baseline, and the KL
+    it logs (train/kl); then --importance_level sequence_product --loss_agg sequence against its _compute_loss: one
+    ratio per completion, the product of its tokens', clipped at 0.2 / 0.28, the mean over completions. Ragged
+    completions, one fully masked: TRL's loss counts that one's -A (a constant: no gradient), ours 0."""
+    g, want = GOLDEN, LINES["rloo_kl"]
+    mask = g["mask"]
+    batch = {"engine_logp": g["old_logp"], "ref_logp": g["ref_logp"], "mask": mask}
+    got = advantages("rloo", want["rewards"], want["group_size"], "none", batch=batch, kl_coef=want["beta"])
+    torch.testing.assert_close(got, want["advantages"].float(), atol=1e-6, rtol=0)
+    assert float(sequence_kl(g["old_logp"], g["ref_logp"], mask, "k1").sum() / mask.sum()) == \
+        pytest.approx(float(want["kl"]), rel=1e-6)
+    cfg = LossConfig("sequence", clip_eps=0.2, clip_eps_high=0.28, importance_level="sequence_product")
+    weights = torch.ones(mask.size(0))
+    logp = g["logp"].clone().requires_grad_(True)
+    loss, _ = grpo_loss(logp, g["old_logp"], None, got, mask, weights, cfg, loss_normaliser(mask, weights, cfg).item())
+    loss.backward()
+    want = LINES["rloo_loss"]
+    masked = mask.sum(1) == 0
+    torch.testing.assert_close(loss.detach() - got[masked].sum() / mask.size(0), want["loss"], atol=1e-6, rtol=0)
+    torch.testing.assert_close(logp.grad, want["grad"], atol=1e-7, rtol=0)
 
 
 OPENRLHF = torch.load(Path(__file__).parent / "fixtures" / "openrlhf-golden" / "golden.pt", weights_only=True)

@@ -79,6 +79,12 @@ def approx_kl(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> tor
     return d.clamp(min=-10, max=10)
 
 
+def sequence_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Each completion's KL to the reference, its scored tokens' estimates summed: RLOO's penalty in the reward (TRL's
+    RLOOTrainer, k1 as the RLOO paper: it can be negative)."""
+    return (approx_kl(logp, ref_logp, estimator) * (mask > 0)).sum(1)
+
+
 def reinforce_pp_advantages(rewards: torch.Tensor, group_size: int, old_logp: torch.Tensor,
                             ref_logp: torch.Tensor | None, mask: torch.Tensor, kl_coef: float, kl_estimator: str,
                             baseline: bool) -> torch.Tensor:
@@ -126,10 +132,14 @@ def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: st
                discount: float = 0.0) -> torch.Tensor:
     """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s and distillation's per
     token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's
-    ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: REINFORCE++'s KL coefficient or distillation's."""
+    ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: the coefficient of the KL in the reward (RLOO's,
+    REINFORCE++'s; none without "ref_logp") or distillation's."""
     if estimator == "grpo":
         return group_advantages(rewards, group_size, scale, std_mode)
     if estimator == "rloo":
+        if batch is not None and batch.get("ref_logp") is not None and kl_coef > 0:
+            rewards = rewards.double() - kl_coef * sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"],
+                                                               kl_estimator)
         return rloo_advantages(rewards, group_size, scale, std_mode)
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         return reinforce_pp_advantages(rewards, group_size, batch["engine_logp"], batch.get("ref_logp"), batch["mask"],

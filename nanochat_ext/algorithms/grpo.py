@@ -15,7 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from nanochat_ext.algorithms.advantages import ADVANTAGES, KL_ESTIMATORS, SCALE_REWARDS, STD_MODES, advantages
+from nanochat_ext.algorithms.advantages import (ADVANTAGES, KL_ESTIMATORS, SCALE_REWARDS, STD_MODES, advantages,
+                                               sequence_kl)
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
@@ -37,7 +38,7 @@ LOSS_AGGS = ("token", "sequence", "dr_grpo")
 # TRL's --loss_type names for the same aggregations. bnpo divides each micro-batch by its own token count
 # in TRL; here by the global batch's (as TRL's dapo): the same when a step is one micro-batch on one rank.
 TRL_LOSS_TYPES = {"dapo": "token", "bnpo": "token", "grpo": "sequence", "dr_grpo": "dr_grpo"}
-IMPORTANCE_LEVELS = ("token", "sequence")
+IMPORTANCE_LEVELS = ("token", "sequence", "sequence_product")
 # --engine_correction: TRL's vllm_importance_sampling_mode, for the gap between the rollout engine's log-probs and the
 # trainer's (Yao et al. 2025: TIS truncates the ratio, MIS masks past it; per token or per completion)
 ENGINE_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
@@ -47,7 +48,8 @@ class GRPOConfig:
     """GRPO's advantages and loss (TRL's GRPOConfig names where TRL has the option)."""
     advantage: str = option("grpo", "grpo: r minus its group's mean; rloo: r minus the mean of its group's other "
                                     "samples (leave-one-out, Ahmadian et al. 2024, TRL's RLOOTrainer; TRL's RLOO "
-                                    "scales as --scale_rewards none, or batch with normalize_advantages); "
+                                    "scales as --scale_rewards none, or batch with normalize_advantages; --beta "
+                                    "the KL penalty in the reward, each completion's summed); "
                                     "reinforce_pp(_baseline): REINFORCE++'s per-token returns, --beta the KL "
                                     "penalty in the reward, whitened over the batch (OpenRLHF's reinforce and "
                                     "reinforce_baseline; --scale_rewards unused); distill: on-policy distillation, "
@@ -59,9 +61,9 @@ class GRPOConfig:
     teacher_discount: float = option(0.0, "--advantage distill: a token's advantage sums the reverse KL of the tokens "
                                           "after it, discounted by this (0: its own alone; the cookbook's "
                                           "kl_discount_factor)", check=(lambda v: 0 <= v <= 1, "in [0, 1]"))
-    kl_estimator: str = option("k1", "--advantage reinforce_pp*: the per-token KL in the reward, from pi_old's and the "
-                                     "reference's log-probs: k1 = their difference, k2 = its square / 2, k3 "
-                                     "(OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
+    kl_estimator: str = option("k1", "--advantage rloo and reinforce_pp*: the per-token KL in the reward, from pi_old's "
+                                     "and the reference's log-probs: k1 = their difference (TRL's RLOO), k2 = its "
+                                     "square / 2, k3 (OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
     scale_rewards: str = option("group", "advantage = (r - group mean) / std of the group, of the batch, or unscaled",
                                 choices=SCALE_REWARDS)
     std_mode: str = option("sample", "std for --scale_rewards: sample (divide by n - 1, as TRL and torch.std do, so a "
@@ -77,13 +79,16 @@ class GRPOConfig:
     importance_level: str = option("token", "token: ratio r_it = pi(y_it) / pi_old(y_it) per token (GRPO); "
                                             "sequence: GSPO's s_i = exp(mean_t log r_it) for every token of completion "
                                             "i, clipped per completion. The GSPO paper pairs it with --loss_agg "
-                                            "sequence; token sums weight a completion by its length",
+                                            "sequence; token sums weight a completion by its length. "
+                                            "sequence_product: exp(sum_t log r_it), the completion's own probability "
+                                            "ratio (TRL's RLOOTrainer, with --loss_agg sequence)",
                                    choices=IMPORTANCE_LEVELS)
     clip_eps: float = option(0.2, "PPO clip range", type=float, check=FINITE_NON_NEGATIVE)
     clip_eps_high: float | None = option(None, "upper clip range (DAPO's clip-higher); default: clip_eps", type=float,
                                          check=FINITE_NON_NEGATIVE)
-    beta: float = option(0.04, "weight of the k3 KL to the frozen reference; 0 skips the reference model", type=float,
-                         check=FINITE_NON_NEGATIVE)
+    beta: float = option(0.04, "weight of the k3 KL to the frozen reference in the loss (with --advantage rloo and "
+                               "reinforce_pp*: of --kl_estimator's KL in the reward); 0 skips the reference model",
+                         type=float, check=FINITE_NON_NEGATIVE)
     num_iterations: int = option(1, "optimizer updates per rollout batch, mu", type=int, check=POSITIVE)
     engine_correction: str = option("none", "weight each token's loss by w = pi_old / pi_engine, the trainer's "
                                             "log-prob against the one the engine sampled with (train/engine_ratio): "
@@ -101,9 +106,14 @@ class GRPOConfig:
         """Whether a frozen reference is read: the loss's KL or REINFORCE++'s (distillation reads the teacher)."""
         return self.beta > 0 and self.advantage != "distill"
 
+    @property
+    def kl_in_reward(self) -> bool:
+        """Whether --beta weighs a KL in the reward (RLOO's, REINFORCE++'s) rather than in the loss."""
+        return self.advantage == "rloo" or self.advantage.startswith("reinforce_pp")
+
     def loss(self, max_new_tokens: int) -> "LossConfig":
-        """The loss's settings; REINFORCE++'s KL is in its reward, not the loss, and distillation has none."""
-        beta = 0.0 if self.advantage.startswith("reinforce_pp") or self.advantage == "distill" else self.beta
+        """The loss's settings; RLOO's and REINFORCE++'s KL is in the reward, not the loss, and distillation has none."""
+        beta = 0.0 if self.kl_in_reward or self.advantage == "distill" else self.beta
         return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, beta, max_new_tokens,
                           self.importance_level, self.engine_correction, self.engine_clip_max, self.engine_clip_min)
 
@@ -160,11 +170,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
     importance_level 'token': a ratio per token, pi(y_t) / pi_old(y_t) (GRPO). 'sequence' (GSPO): one
     ratio per completion, the geometric mean of its token ratios exp(mean_t log(pi / pi_old)), clipped
-    as a whole, so a completion's tokens are all kept or all clipped. engine_logp (with cfg.engine_correction): the
+    as a whole, so a completion's tokens are all kept or all clipped; 'sequence_product': their product (TRL's RLOO). engine_logp (with cfg.engine_correction): the
     surrogate weighted by engine_weights."""
     log_ratio = logp - old_logp
     if cfg.importance_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+    elif cfg.importance_level == "sequence_product":
+        log_ratio = (log_ratio * mask).sum(1, keepdim=True).expand_as(logp)
     elif cfg.importance_level != "token":
         raise ValueError(f"unknown importance_level {cfg.importance_level!r}")
     ratio = torch.exp(log_ratio)
@@ -301,8 +313,9 @@ class GRPO:
                                  loader.plan.batch_size, seed, env, training.autocast, self.window, progress,
                                  drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))))
         self.peak_bw = peak_bandwidth(env.device)
+        # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
-                                f"a time)", (FEWER_COMPLETIONS, "a smaller --max_new_tokens"))
+                                f"a time)", (FEWER_COMPLETIONS, "a smaller --max_new_tokens")) if rewards.names else None
 
     def step(self, step: int, loop: Loop) -> None:
         t, G, micro, env = self.training, self.G, self.micro, self.training.env
@@ -330,6 +343,9 @@ class GRPO:
                 scored = batch["mask"] > 0  # the reverse KL of each sampled token: train/teacher_kl
                 reverse_kl = (batch["engine_logp"].double() - batch["teacher_logp"]) * scored
                 self.window.add(teacher_kl=float(reverse_kl.sum()), teacher_tokens=float(scored.sum()))
+        if "ref_logp" in batch and self.cfg.kl_in_reward:  # train/kl: the reward's KL, as TRL and OpenRLHF log it
+            kl = sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"], self.cfg.kl_estimator)
+            self.window.add(kl=float(kl.sum()))  # over the loss's tokens
         distill = self.cfg.advantage == "distill"
         batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scale_rewards, self.cfg.std_mode,
                                          batch, self.cfg.teacher_coef if distill else self.cfg.beta,

@@ -3,14 +3,15 @@ split into training and held-out rows, scored by a built-in --reward_fn (code_fu
 code against the row's tests, --env nanochat_ext.tasks.code_tests:CodeTests).
 
     <out>/train.jsonl, <out>/eval.jsonl   {prompt, answer, kind}; held-out (kind, operands) never occur in training
-                                          (word_arithmetic_skewed: also the kind's share of training, "share";
+                                          (word_arithmetic_skewed and _gap: also the kind's share of training, "share";
                                           code_functions: {prompt, tests, kind})
     <out>/pairs.jsonl                     the training questions as preference pairs (the right answer chosen, a
                                           near miss rejected), for a reward model or bench/bench_real_model.sh
     <out>/sft.jsonl                       for a task a tool solves (multiplication): worked tool-call conversations
                                           that teach the call format first
 
-    python -m scripts.kat_task_data [--task word_arithmetic|word_arithmetic_skewed|multiplication|code_functions]
+    python -m scripts.kat_task_data [--task word_arithmetic|word_arithmetic_skewed|word_arithmetic_gap|multiplication|
+                                            code_functions]
                                     [--n_train 2000] [--n_eval 64] [--seed 0]
 """
 from __future__ import annotations
@@ -32,6 +33,9 @@ TASKS = {"word_arithmetic": (word_arithmetic.make_questions, word_arithmetic.mak
          # the density experiment's (EXPERIMENT=density MODEL=smollm2): training kinds skewed, held-out ones balanced
          "word_arithmetic_skewed": (word_arithmetic.make_skewed_questions, word_arithmetic.make_skewed_pairs,
                                     "--reward_fn last_number"),
+         # its GRPO form: rare the kinds the model is behind on (docs/density.md, "Result 5")
+         "word_arithmetic_gap": (word_arithmetic.make_gap_questions, word_arithmetic.make_skewed_pairs,
+                                 "--reward_fn last_number"),
          "multiplication": (multiplication.make_questions, multiplication.make_pairs, "--reward_fn last_number"),
          "code_functions": (code_functions.make_questions, code_functions.make_pairs,
                             "--env nanochat_ext.tasks.code_tests:CodeTests (in one turn: --reward_fn "

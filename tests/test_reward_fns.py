@@ -11,8 +11,8 @@ from nanochat_ext.algorithms.rewards import check_references
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
-from nanochat_ext.tasks.word_arithmetic import (KINDS, SKEW, in_words, kinds_in_shares, make_pairs, make_questions,
-                                                make_skewed_pairs, make_skewed_questions)
+from nanochat_ext.tasks.word_arithmetic import (GAP_SKEW, KINDS, SKEW, in_words, kinds_in_shares, make_gap_questions,
+                                                make_pairs, make_questions, make_skewed_pairs, make_skewed_questions)
 from scripts import kat_task_data
 from scripts.kat_compute_density import knn_distances
 
@@ -87,6 +87,10 @@ def test_the_density_experiments_set_skews_training_kinds_and_balances_held_out_
     assert Counter(r["kind"] for r in train) == {"sum": 360, "difference": 360, "product": 40, "story": 40}
     assert Counter(r["kind"] for r in held_out) == {kind: 24 for kind in KINDS}
     assert all(r["share"] == SKEW[r["kind"]] for r in train + held_out)
+    gap, gap_held_out = make_gap_questions(800, 96, seed=5)  # the GRPO form: the other two kinds rare
+    assert Counter(r["kind"] for r in gap) == {"sum": 40, "difference": 40, "product": 360, "story": 360}
+    assert Counter(r["kind"] for r in gap_held_out) == {kind: 24 for kind in KINDS}
+    assert all(r["share"] == GAP_SKEW[r["kind"]] for r in gap + gap_held_out)
     number = re.compile(r"\d+")
     seen = {(r["kind"], tuple(number.findall(r["prompt"]))) for r in train}
     assert not seen & {(r["kind"], tuple(number.findall(r["prompt"]))) for r in held_out}

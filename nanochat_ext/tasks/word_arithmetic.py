@@ -7,7 +7,8 @@ it. Held-out questions share no (kind, operands) with the training ones. Nothing
 
 The density experiment's set (`make_skewed_questions`, `make_skewed_pairs`) skews the training kinds as the demo skews
 its topics (SKEW: two dense kinds, two rare), keeps the held-out questions balanced across kinds, and records each
-kind's training share on every row ("share"), which is what tells dense kinds from rare ones in the report.
+kind's training share on every row ("share"), which is what tells dense kinds from rare ones in the report. Its GRPO
+form (`make_gap_questions`, GAP_SKEW) makes rare the kinds the model is behind on.
 """
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ KINDS = {
 # kind -> share of the density experiment's training questions: two dense kinds, two rare ones (the demo's rare topics
 # hold 3-5% of its prompts each)
 SKEW = {"sum": 0.45, "difference": 0.45, "product": 0.05, "story": 0.05}
+# The GRPO form's skew (docs/density.md, "Result 5"), fixed from a pilot before any weighted arm ran: rare are the two
+# kinds SmolLM2-135M-Instruct answers worst before training (greedy: sums 1 in 16, differences 0) and that uniform GRPO
+# on a balanced set raises (to 11 and 4 in 16); dense the two it knows best (products 4, word problems 2 in 16).
+GAP_SKEW = {"sum": 0.05, "difference": 0.05, "product": 0.45, "story": 0.45}
 UNITS = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve",
          "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
 TENS = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
@@ -119,6 +124,12 @@ def make_pairs(rows: list[dict], seed: int, wrong_format: float = 0.0) -> list[d
 def make_skewed_questions(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
     """The density experiment's questions: training kinds in SKEW's shares, held-out ones balanced."""
     return make_questions(n_train, n_eval, seed, shares=SKEW)
+
+
+def make_gap_questions(n_train: int, n_eval: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """The GRPO form's questions: training kinds in GAP_SKEW's shares (the kinds the model is behind on rare),
+    held-out ones balanced."""
+    return make_questions(n_train, n_eval, seed, shares=GAP_SKEW)
 
 
 def make_skewed_pairs(rows: list[dict], seed: int) -> list[dict]:

@@ -21,6 +21,7 @@
 #                                                          # against tests (CodeTests: two tries, the error read back)
 #   EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh  # the density question on the real model: skewed
 #                                                          # pairs, DPO uniform and density-weighted, accuracy per kind
+#   EXPERIMENT=density MODEL=smollm2 ARMS="uniform density" bash speedrun.sh  # its GRPO form, rare the kinds it is behind on
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
 # this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
 # SFT_STEPS, RM_STEPS, GRPO_STEPS, DPO_STEPS, EVAL_SAMPLES,
@@ -47,7 +48,9 @@
 # scripts.kat_experiment_report writes experiment.md/json there, comparing each arm of ARMS with uniform
 # (dpo_density with dpo: ARMS="uniform dpo dpo_density" asks the question in its DPO form). With MODEL: each seed in
 # $NANOCHAT_BASE_DIR/experiment_<MODEL>/seed_<s> runs TASK=word_arithmetic_skewed with ARMS="dpo dpo_density" (the model
-# converted once, MODEL_DIR, for every seed), and the report compares dpo_density with dpo per kind of question.
+# converted once, MODEL_DIR, for every seed), and the report compares dpo_density with dpo per kind of question; with
+# ARMS="uniform density" (the GRPO form, in experiment_<MODEL>_grpo/) TASK=word_arithmetic_gap, GRPO with the task's
+# reward uniform and density-weighted, density compared with uniform.
 set -euo pipefail
 cd "$(dirname "$0")"
 case ${EXPERIMENT:-} in  # before anything is made
@@ -81,9 +84,10 @@ esac
 EXPERIMENT_SFT_STEPS="${SFT_STEPS:-400}"  # the density experiment's (it has no arithmetic topic)
 SEED="${SEED:-0}"
 SAVE_EVERY="${SAVE_EVERY:-50}"  # every stage checkpoints this often, so an interrupted one resumes near where it was
-model_arms() {  # with MODEL: GRPO with the task's reward (the default arm), or DPO arms on the task's pairs
-    case " $1 " in " uniform "|" dpo "|" dpo_density "|" dpo dpo_density "|" dpo_density dpo ") ;;
-        *) echo "speedrun: with MODEL, ARMS is uniform (GRPO with the task's reward, the default) or dpo and dpo_density" >&2
+model_arms() {  # with MODEL: GRPO with the task's reward (uniform, the default; density: each prompt its density
+    # weight), or DPO arms on the task's pairs
+    case " $1 " in " uniform "|" density "|" uniform density "|" density uniform "|" dpo "|" dpo_density "|" dpo dpo_density "|" dpo_density dpo ") ;;
+        *) echo "speedrun: with MODEL, ARMS is uniform and/or density (GRPO with the task's reward; uniform the default) or dpo and/or dpo_density" >&2
            exit 2 ;; esac
 }
 fetch_model() {  # the converted model's dir (MODEL_DIR, else $NANOCHAT_BASE_DIR/models/<name>), made on the first run
@@ -107,13 +111,15 @@ mkdir -p "$B"
 t_start=$SECONDS
 
 if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
-    if [ -n "${MODEL:-}" ]; then ROOT="$B/experiment_$MODEL"; ARMS="${ARMS:-dpo dpo_density}"
+    if [ -n "${MODEL:-}" ]; then  # the DPO form (the default) or the GRPO form (ARMS="uniform density"), each its root
+        ARMS="${ARMS:-dpo dpo_density}"
+        ROOT="$B/experiment_$MODEL$([[ " $ARMS " == *" dpo"* ]] || echo _grpo)"
     elif [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
     else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
     check_arms "$ARMS"
-    if [ -n "${MODEL:-}" ]; then  # the real model's form: its task reward judges, so no RM and no GRPO arm here
-        [[ " $ARMS " == *" dpo_density "* ]] ||
-            { echo "speedrun: with MODEL the experiment's arms are dpo dpo_density" >&2; exit 2; }
+    if [ -n "${MODEL:-}" ]; then  # the real model's form: its task reward judges, so no RM
+        [[ " $ARMS " == *" dpo_density "* || " $ARMS " == *" density "* ]] ||
+            { echo "speedrun: with MODEL the experiment's arms are dpo dpo_density, or uniform density (GRPO)" >&2; exit 2; }
         model_arms "$ARMS"
     fi
     [[ -n "${MODEL:-}" || " $ARMS " == *" uniform "* ]] ||
@@ -128,8 +134,10 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
     SEEDS="${SEEDS:-0 1 2 3 4}"
     for seed in $SEEDS; do  # finished stages are skipped and interrupted ones resume, per seed and arm
         echo "== experiment: seed $seed"
-        if [ -n "${MODEL:-}" ]; then  # skewed pairs of the real model's task; both DPO arms; per-kind held-out accuracy
-            EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" TASK=word_arithmetic_skewed \
+        if [ -n "${MODEL:-}" ]; then  # the real model's task skewed; both arms; per-kind held-out accuracy. DPO: rare
+            # the kinds of Result 4 (docs/density.md); GRPO: rare the kinds the model is behind on (Result 5)
+            task=word_arithmetic_gap; [[ " $ARMS " == *" dpo"* ]] && task=word_arithmetic_skewed
+            EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" TASK=$task \
                 bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
             continue
         fi
@@ -268,9 +276,9 @@ print("--max_new_tokens", json.loads(m.read_text())["args"]["max_new_tokens"])' 
 if [ -n "${MODEL:-}" ]; then
     [ "$MODEL" = smollm2 ] || { echo "speedrun: unknown MODEL '$MODEL' (smollm2)" >&2; exit 2; }
     TASK="${TASK:-word_arithmetic}"
-    case "$TASK" in word_arithmetic|word_arithmetic_skewed|multiplication) TASK_REWARD=last_number ;;
+    case "$TASK" in word_arithmetic|word_arithmetic_skewed|word_arithmetic_gap|multiplication) TASK_REWARD=last_number ;;
         code_functions) TASK_REWARD=nanochat_ext.tasks.code_tests:passes ;;  # its tests, run sealed: one attempt
-        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, multiplication, code_functions)" >&2
+        *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, word_arithmetic_gap, multiplication, code_functions)" >&2
            exit 2 ;; esac
     model_arms "$ARMS"
     echo "== fetch_model"; s=$SECONDS
@@ -278,7 +286,7 @@ if [ -n "${MODEL:-}" ]; then
     record_time fetch_model $((SECONDS - s))
     TASK_DIR="$B/tasks/$TASK"
     SIZES=()  # the skewed set: 800 pairs (the density stage embeds each prompt), 24 held-out questions a kind
-    [ "$TASK" = word_arithmetic_skewed ] && SIZES=(--n_train 800 --n_eval 96)
+    [[ "$TASK" == word_arithmetic_skewed || "$TASK" == word_arithmetic_gap ]] && SIZES=(--n_train 800 --n_eval 96)
     if skip "$TASK_DIR/.complete"; then echo "== task_data: skipped (done: $TASK_DIR)"; else
         echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED" "${SIZES[@]}"; fi
     EVAL_POLICIES=() TOOL_EVAL=() TRAINED=()
@@ -308,11 +316,21 @@ if [ -n "${MODEL:-}" ]; then
             POLICY+=_tools
         fi
         [ "$TASK" = code_functions ] && POLICY+=_code  # its own dir: the task changes what the policy learns
-        train "grpo_$MODEL" "the model ($START) and the task's prompts ($TASK_DIR)" "$POLICY" \
-            scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" --eval_prompts "$TASK_DIR/eval.jsonl" \
-            --preset "${TASK%_skewed}" "${STEPS_GRPO[@]}" --seed "$SEED" --save_every "$SAVE_EVERY" "${EXTRA_GRPO[@]}"
-        EVAL_POLICIES+=(--policy "GRPO $MODEL=$POLICY") TRAINED+=("$POLICY")
-        read -r -a TOKENS <<< "$(trained_tokens "$POLICY")"
+        # density: each training prompt weighted by its inverse density in the model's own embeddings (the density
+        # experiment's GRPO form), its pairs' prompts being the training prompts
+        [[ " $ARMS " == *" density "* ]] && density density "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" "$WEIGHTS"
+        PRESET=${TASK%_skewed} PRESET=${PRESET%_gap}  # a skewed set's recipe is its task's
+        for arm in $ARMS; do
+            dir=$POLICY stage="grpo_$MODEL" name="GRPO $MODEL" weights=()
+            [ "$ARMS" = uniform ] || name="GRPO $arm"  # the experiment report's names for its arms
+            [ "$arm" = density ] && dir+=_density stage+=_density weights=(--density "$WEIGHTS")
+            train "$stage" "the model ($START) and the task's prompts ($TASK_DIR)${weights:+ and density weights}" "$dir" \
+                scripts.kat_train_grpo --policy "$START" --prompts "$TASK_DIR/train.jsonl" \
+                --eval_prompts "$TASK_DIR/eval.jsonl" --preset "$PRESET" "${STEPS_GRPO[@]}" --seed "$SEED" \
+                --save_every "$SAVE_EVERY" "${weights[@]}" "${EXTRA_GRPO[@]}"
+            EVAL_POLICIES+=(--policy "$name=$dir") TRAINED+=("$dir")
+        done
+        read -r -a TOKENS <<< "$(trained_tokens "$dir")"
     fi
     if eval_fresh "${TRAINED[@]}"; then echo "== eval: skipped (done: $B/report.md)"; else
         echo "== eval ($NPROC_PER_NODE ranks)"; s=$SECONDS

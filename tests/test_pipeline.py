@@ -201,3 +201,26 @@ def test_the_density_experiment_on_a_model_runs_both_dpo_arms_and_reports_by_kin
     assert set(experiment["arms"]) == {"dpo_density"} and experiment["model"] == "smollm2"
     assert {kind: w["share"] for kind, w in experiment["weights_by_topic"].items()} == {
         "sum": [0.45], "difference": [0.45], "product": [0.05], "story": [0.05]}
+
+
+def test_the_density_experiment_on_a_model_in_its_grpo_form(tmp_path):
+    """EXPERIMENT=density MODEL=smollm2 ARMS="uniform density", one seed, a stand-in model: the set whose rare kinds the
+    model is behind on (word_arithmetic_gap), density weights from the model's embeddings, GRPO with the task's reward
+    uniform and with each prompt's weight, the evaluation by kind, density compared with uniform in its own root."""
+    proc = speedrun(tmp_path / "base", EXPERIMENT="density", MODEL="smollm2", ARMS="uniform density", SEEDS="0",
+                    NPROC_PER_NODE="1", MODEL_DIR=converted_stand_in(tmp_path / "model"), GRPO_STEPS="1",
+                    EVAL_SAMPLES="1", GRPO_ARGS="--eval_every 0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    started = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("== ")}
+    assert {"task_data", "density", "grpo_smollm2", "grpo_smollm2_density", "eval"} <= started, started
+    root = tmp_path / "base" / "experiment_smollm2_grpo"
+    policies = json.loads((root / "seed_0" / "report.json").read_text())["policies"]
+    assert set(policies) == {"before (smollm2)", "GRPO uniform", "GRPO density"}
+    assert policies["GRPO density"]["dense_topics"] == ["product", "story"]
+    meta = max((root / "seed_0" / "chatrl_checkpoints" / "smollm2_density").glob("meta_*.json"),
+               key=lambda p: int(p.stem.split("_")[1]))
+    assert json.loads(meta.read_text())["args"]["density"] == str(root / "seed_0" / "density" / "weights.jsonl")
+    experiment = json.loads((root / "experiment.json").read_text())
+    assert set(experiment["arms"]) == {"density"} and experiment["model"] == "smollm2"
+    assert {kind: w["share"] for kind, w in experiment["weights_by_topic"].items()} == {
+        "sum": [0.05], "difference": [0.05], "product": [0.45], "story": [0.45]}

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
-          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | decode tok/s ours eager / +tools / "
+          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | DPO pairs/s ours (MFU) / TRL | decode tok/s ours eager / +tools / "
           "compiled / +tools / nanochat (MBU) | optimizer step ms adamw / muon |")
 
 
@@ -43,7 +43,7 @@ def table(rows: list[dict]) -> str:
     """Markdown: the CUDA tests' summary, then a row per shape and setting in the order they were measured."""
     tests = [r["summary"] for r in rows if r.get("bench") == "cuda_tests"]
     shapes = list(dict.fromkeys(label(r) for r in rows if "shape" in r))
-    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 9 + "|"]
+    lines = [f"CUDA tests: {tests[-1] if tests else 'not run'}", "", HEADER, "|---" * 10 + "|"]
     for shape in shapes:
         rm = {r["unfreeze_last"]: r for r in rows if r.get("bench") == "gpu_rm" and label(r) == shape}
         ours = next((r for r in rows if r.get("bench") == "gpu_grpo" and label(r) == shape), None)
@@ -55,13 +55,17 @@ def table(rows: list[dict]) -> str:
             phases = " / ".join(str(ours[f"s_{k}"]) for k in ("generation", "scoring", "reference", "training"))
             peak = (ours.get("peak_mem_gb") or {}).get("training")
             train = f"{pct(ours['train_mfu'])}; {'-' if peak is None else peak}"
+        dpo = next((r for r in rows if r.get("bench") == "gpu_dpo" and label(r) == shape), None)
+        trl_dpo = next((r for r in rows if r.get("bench") == "trl_gpu_dpo" and label(r) == shape), None)
+        dpo_ratio = f" ({dpo['pairs_per_s'] / trl_dpo['pairs_per_s']:.2f}x)" if dpo and trl_dpo else ""
+        dpos = f"{rm_cell(dpo)} / {trl_dpo['pairs_per_s'] if trl_dpo else '-'}{dpo_ratio}"
         rms = " | ".join((rm_cell(rm.get("0")), rm_cell(rm.get("2")), rm_cell(rm.get("all"), peak=True)))
         decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and label(r) == shape}
         decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours eager +tools", "ours compiled",
                                                                   "ours compiled +tools", "nanochat"))
         steps = {r["optimizer"]: r["ms_per_step"] for r in rows if r.get("bench") == "gpu_optimizer" and label(r) == shape}
         optim = " / ".join(str(steps.get(k, "-")) for k in ("adamw", "muon"))
-        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {decodes} | {optim} |")
+        lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {dpos} | {decodes} | {optim} |")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU command: from a clean clone on a machine with a CUDA torch already installed and no network
-# (no venv, nothing downloaded), in one sitting: the CUDA-marked tests, then ours (bench_gpu.py) and Hugging
-# Face TRL (trl_gpu.py) shape by shape. Every figure is a JSON line in one file; a table ends the output.
+# (no venv, nothing downloaded), in one sitting: the CUDA-marked tests, then ours (bench_gpu.py: the RM, GRPO, DPO,
+# decoding, the optimizer) and Hugging Face TRL (trl_gpu.py: GRPO, DPO) shape by shape. Every figure is a JSON line in one file; a table ends the output.
 #   bash bench/run_gpu.sh                  # SHAPES="d12 d20 d24:32768" (d24:32768: nanochat's speedrun model)
 #                                          # and SmolLM2's shape where its config is carried (REAL_SHAPE, below)
 # What the machine lacks (our pins of transformers, tokenizers and rustbpe; TRL and its dependencies) comes as
@@ -88,8 +88,11 @@ for shape in ${SHAPES-d12 d20 d24:32768}; do
     :
   elif python3 -c "import trl" 2>/dev/null; then
     # shellcheck disable=SC2086
-    python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" ${TRL_ARGS:-} | grep '^{"bench"' | tee -a "$RESULTS" ||
-      status=1
+    for trainer in grpo dpo; do
+      # shellcheck disable=SC2086
+      python3 bench/trl_gpu.py --device "$DEVICE" --shape "$shape" --trainer $trainer ${TRL_ARGS:-} |
+        grep '^{"bench"' | tee -a "$RESULTS" || status=1
+    done
   else
     echo "run_gpu: trl does not import here: no TRL figures (bring its wheels in $WHEELS)" >&2
   fi

@@ -1,5 +1,5 @@
-"""Hugging Face TRL's GRPOTrainer at bench_gpu.py's settings, on a Llama of the same size: the peer
-figure for GRPO completions/s on a GPU. One JSON line.
+"""Hugging Face TRL's GRPOTrainer (or, with --trainer dpo, its DPOTrainer) at bench_gpu.py's settings, on a Llama of
+the same size: the peer figure for GRPO completions/s (DPO pairs/s) on a GPU. One JSON line.
 
 Same as bench_gpu.py's GRPO: 16 prompts of 128 random tokens x 16 completions of exactly 256 new tokens
 (min_new_tokens), a reward model of the policy's size (random), beta 0.04 (reference model), micro-
@@ -7,7 +7,12 @@ batches of 64 sequences (TRL: per_device_train_batch_size 64, 4 accumulation ste
 batch of 256), bf16 on CUDA, transformers' generate (no vLLM). The Llama has nanochat dN's width, depth,
 heads, 4x MLP and vocabulary (bench_gpu.nanochat_dims). It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
 
+DPO as bench_gpu.py's: 32 pairs a step of a 128-token prompt and two 256-token responses (random words; TRL appends
+an EOS to each), sigmoid loss, beta 0.1, the reference's log-probs in the step, 8 pairs a forward (4 accumulation
+steps), lr 1e-6.
+
     python bench/trl_gpu.py --shape d20
+    python bench/trl_gpu.py --shape d20 --trainer dpo
     python bench/trl_gpu.py --shape tiny --device cpu --steps 1 --warmup 0    # smoke test
 """
 from __future__ import annotations
@@ -26,9 +31,9 @@ from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,  # noqa: E402
                           PreTrainedTokenizerFast, TrainerCallback, set_seed)
-from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
 
-from bench_gpu import nanochat_dims  # noqa: E402  (bench/ is on the path: run as a script)
+from gpu_measure import nanochat_dims  # noqa: E402  (bench/ is on the path: run as a script)
 
 
 def llama_config(shape: str) -> LlamaConfig:
@@ -94,11 +99,17 @@ def main() -> None:
     p.add_argument("--prompt_len", type=int, default=128)
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--micro", type=int, default=64)
+    p.add_argument("--trainer", choices=("grpo", "dpo"), default="grpo")
+    p.add_argument("--dpo_pairs", type=int, default=32)
+    p.add_argument("--dpo_len", type=int, default=256)
+    p.add_argument("--dpo_micro", type=int, default=8)
     b = p.parse_args()
     set_seed(0)
     cfg = llama_config(b.shape)
     cuda = b.device == "cuda"
     tok = word_tokenizer(cfg.vocab_size)
+    if b.trainer == "dpo":
+        return dpo(b, cfg, tok, cuda)
     # TRL builds its reference model from the policy's path: save the random models, load them back.
     models_dir = tempfile.mkdtemp(prefix="trl_gpu_models_")
     LlamaForCausalLM(cfg).save_pretrained(f"{models_dir}/policy")
@@ -136,8 +147,43 @@ def main() -> None:
         "s_training": round((secs - roll_s) / b.steps, 3), "completions_per_s": round(n / secs, 2),
         "gen_tokens_per_s": round(n * b.new_tokens / gen_s, 1),
         "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-        "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-        "trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__}), flush=True)
+        **versions(cuda)}), flush=True)
+
+
+def versions(cuda: bool) -> dict:
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+            "trl": __import__("trl").__version__, "transformers": __import__("transformers").__version__}
+
+
+def dpo(b: argparse.Namespace, cfg: LlamaConfig, tok: PreTrainedTokenizerFast, cuda: bool) -> None:
+    """TRL's DPOTrainer at bench_gpu.py's DPO settings: its pairs/s over the timed steps."""
+    path = f"{tempfile.mkdtemp(prefix='trl_gpu_models_')}/policy"  # its reference is built from the policy's path
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    policy = LlamaForCausalLM.from_pretrained(path)
+    g = torch.Generator().manual_seed(0)
+    words = lambda k: " ".join(f"t{int(i)}" for i in torch.randint(4, cfg.vocab_size, (k,), generator=g))  # noqa: E731
+    rows = [{"prompt": words(b.prompt_len), "chosen": words(b.dpo_len), "rejected": words(b.dpo_len)}
+            for _ in range(b.dpo_pairs * (b.warmup + b.steps))]
+    args = DPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl_gpu_dpo_"), per_device_train_batch_size=b.dpo_micro,
+        gradient_accumulation_steps=b.dpo_pairs // b.dpo_micro, beta=0.1, loss_type="sigmoid", learning_rate=1e-6,
+        max_length=b.prompt_len + b.dpo_len + 2, max_steps=b.warmup + b.steps, bf16=cuda, use_cpu=not cuda,
+        precompute_ref_log_probs=False, logging_strategy="no", save_strategy="no", eval_strategy="no",
+        report_to="none", disable_tqdm=True, seed=0)
+    clock = StepClock()
+    trainer = DPOTrainer(model=policy, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok,
+                         callbacks=[clock])
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer.train()
+    secs = sum(e - s for s, e in list(zip(clock.starts, clock.ends))[b.warmup:])
+    print(json.dumps({
+        "bench": "trl_gpu_dpo", "shape": b.shape, "params": sum(q.numel() for q in policy.parameters()),
+        "pairs_per_step": b.dpo_pairs, "prompt_len": b.prompt_len, "response_len": b.dpo_len,
+        "micro_pairs": b.dpo_micro, "ms_per_step": round(1000 * secs / b.steps, 2),
+        "pairs_per_s": round(b.steps * b.dpo_pairs / secs, 2),
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None, **versions(cuda)}),
+        flush=True)
 
 
 if __name__ == "__main__":

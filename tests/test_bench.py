@@ -30,7 +30,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     strip(assets["hf"], shape)
     assert (shape / "config.json").is_file() and not list(shape.glob("*.safetensors"))
     small = ("--steps 1 --warmup 0 --grpo_prompts 2 --group_size 4 --new_tokens 8 --prompt_len 8 --rm_pairs 4 "
-             "--rm_len 32 --micro 4")
+             "--rm_len 32 --micro 4 --dpo_pairs 2 --dpo_len 8 --dpo_micro 1")
     env = {"OMP_NUM_THREADS": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin", "DEVICE": "cpu",
            "SHAPES": "tiny", "FSDP_SHAPES": "tiny", "LORA_SHAPES": "", "BENCH_ARGS": small, "RESULTS": str(results),
            "WHEELS": str(tmp_path / "none"),
@@ -42,13 +42,13 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["bench"] for r in rows] == ["cuda_tests"] + ["lm_head_chain"] * 2 + ["gpu_rm"] * 3 + \
-        ["gpu_grpo", "gpu_decode", "gpu_decode", "gpu_optimizer", "gpu_optimizer"] + \
+        ["gpu_grpo", "gpu_dpo", "gpu_decode", "gpu_decode", "gpu_optimizer", "gpu_optimizer"] + \
         ["gpu_rm", "gpu_grpo"] * 2 + ["nanochat_ext_grpo"]  # then FSDP on one rank, without and
     # with AC (LoRA's rows: the next test)
     head, rows = rows[1:3], rows[:1] + rows[3:]
     assert [(r["compiled"], r["mode"]) for r in head] == [("eager", "forward"), ("eager", "forward_backward")]
     assert all(r["ms"] > 0 for r in head)
-    optim, fsdp = rows[7:9], rows[9:13]
+    optim, fsdp = rows[8:10], rows[10:14]
     assert [r["optimizer"] for r in optim] == ["adamw", "muon"] and all(r["ms_per_step"] > 0 for r in optim)
     assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
@@ -56,7 +56,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
     tests_log = (tmp_path / "gpu_cuda_tests.log").read_text()  # streamed a line per test: a cut call keeps it
     assert "test_cuda.py::test_pipeline_on_one_gpu_with_nccl SKIPPED" in tests_log
-    rm, grpo, decode, tools = rows[1:4], rows[4], rows[5], rows[6]
+    rm, grpo, dpo, decode, tools = rows[1:4], rows[4], rows[5], rows[6], rows[7]
     assert [r["unfreeze_last"] for r in rm] == ["0", "2", "all"]
     assert rm[0]["trainable"] < rm[1]["trainable"] < rm[2]["trainable"]
     assert all(r["tflops"] > 0 for r in rm)
@@ -64,6 +64,8 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert abs(grpo["engine_ratio"] - 1) < 0.05 and grpo["engine_far"] == 0  # the mismatch a GPU's row will show
     assert decode["engine"] == "ours eager" and decode["rows"] == 8 and decode["decode_tok_per_s"] > 0  # CPU: eager
     assert tools["engine"] == "ours eager +tools" and tools["decode_tok_per_s"] > 0
+    assert dpo["pairs_per_step"] == 2 and dpo["pairs_per_s"] > 0 and dpo["tflops"] > 0
+    assert f"| {dpo['pairs_per_s']} (-) / - |" in proc.stdout
     assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
@@ -125,10 +127,13 @@ def test_gpu_table_puts_ours_beside_trl():
                                     "decode_tok_per_s": 10300.0, "decode_mbu": None}]
     optim = [{"bench": "gpu_optimizer", "shape": "d20", "optimizer": k, "ms_per_step": ms}
              for k, ms in (("adamw", 12.5), ("muon", 40.0))]
-    out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl, *decode, *optim])
+    dpo = [{"bench": "gpu_dpo", "shape": "d20", "pairs_per_s": 12.0, "mfu": 0.3},
+           {"bench": "trl_gpu_dpo", "shape": "d20", "pairs_per_s": 8.0}]
+    out = table([{"bench": "cuda_tests", "summary": "5 passed in 9s"}, *rm, ours, trl, *dpo, *decode, *optim])
     assert out.splitlines()[0] == "CUDA tests: 5 passed in 9s"
     assert out.splitlines()[-1] == ("| d20 | 10.0 (25.0%) | 10.0 (25.0%) | 10.0 (25.0%, 50.0) | 30.0 / 20.0 (1.50x) | "
-                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 9800.0 (10.0%) / - / - / - / 10300.0 | "
+                                    "1.0 / 0.1 / 0.2 / 0.5 | 40.0%; 45.5 | 12.0 (30.0%) / 8.0 (1.50x) | "
+                                    "9800.0 (10.0%) / - / - / - / 10300.0 | "
                                     "12.5 / 40.0 |")
 
 

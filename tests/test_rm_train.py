@@ -65,6 +65,18 @@ def test_the_default_lr_follows_what_trains_and_a_far_higher_one_is_warned_about
                                            "--lr", str(lr))) == 0
         said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --lr")]
         assert len(said) == warned and (not warned or "trains the last 1 block at 10x the default" in said[0]), said
+    # A run started before the default followed what trains (its checkpoint records 3e-3 for a block) goes on at 3e-3
+    # when resumed without --lr: a default changed since does not change a run halfway.
+    def newest_meta(out):
+        return newest(out).with_name(newest(out).name.replace("model_", "meta_")[:-3] + ".json")
+
+    old = newest_meta(tmp_path / "blocks")
+    old.write_text(json.dumps({**json.loads(old.read_text()), "args": {**json.loads(old.read_text())["args"],
+                                                                       "lr": 3e-3}}))
+    assert kat_train_rm.main(base_args(assets, tmp_path / "blocks", "--max_steps", "2", "--unfreeze_last", "1",
+                                       "--resume", "latest", "--resume_extend")) == 0
+    assert json.loads(newest_meta(tmp_path / "blocks").read_text())["args"]["lr"] == 3e-3
+    assert "resume: --lr not given: the run goes on at the 0.003 it started with" in capsys.readouterr().out
 
 
 def test_resume_continues_exactly(assets, tmp_path):

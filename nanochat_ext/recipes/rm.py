@@ -10,6 +10,7 @@ names the checkpoint written.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.runtime.outdir import claim_out_dir
-from nanochat_ext.runtime.resume import resolve_resume
+from nanochat_ext.runtime.resume import resolve_resume, started_lr
 from nanochat_ext.runtime.session import Session
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import backbone_shape, micro_batch_for, rm_memory
@@ -53,6 +54,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)
     share = c.batch.plan(env.world_size).per_rank  # one line where the batch does not split over the ranks
     resume = resolve_resume(c.out.resume, out_dir, "reward_model")
+    c = dataclasses.replace(c, optim=started_lr(c.optim, args.lr is not None, resume))
     backbone, tok = load_rm_backbone(args.backbone, c.model, env, rm.unfreeze_last, c.lora.spec)
     max_len = fit_max_len(c.data.max_len, backbone.max_seq_len, "backbone")
     claim_out_dir(out_dir, log_dir)

@@ -3,6 +3,7 @@ every rank), and whether this run's flags fit the one it resumes.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -137,3 +138,17 @@ def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Pat
         return model_path, meta_path, state_path, state, meta
 
     return first_loadable(target, load, found)
+
+
+def started_lr(optim, lr_given: bool, resume: tuple[Path, Path, dict] | None):
+    """The optimizer config (OptimConfig) a resumed run goes on with: where --lr was not given, the lr its checkpoint
+    records (the run's own), so a default changed since (the RM's by what trains, 9a5485a) does not change a run
+    halfway; rank 0 says so where they differ."""
+    if resume is None or lr_given:
+        return optim
+    started = read_json(resume[1]).get("args", {}).get("lr")
+    if started is None or started == optim.lr:
+        return optim
+    print0(f"resume: --lr not given: the run goes on at the {started:g} it started with (the default for it is now "
+           f"{optim.lr:g}; give --lr to change it)")
+    return dataclasses.replace(optim, lr=started)

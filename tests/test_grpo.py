@@ -162,15 +162,15 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     a ratio taken against the weights of the moment never does; 2 ranks take the steps 1 rank takes. With
     --engine_correction (its weights against TRL's: test_trl_oracle), here 1 but for rounding: the engine's log-probs
     are the trainer's; and REINFORCE++-baseline's per-token advantages, the KL in the reward (against OpenRLHF's:
-    test_trl_oracle)."""
+    test_trl_oracle; logged as train/kl). The two-rank run, cut after step 1, resumes on one rank to the same update."""
     common = ["--reward_fn", "rewards_for_tests:vowel_share", "--max_steps", "2", "--batch_size", "4",
               "--group_size", "4", "--num_iterations", "2", "--clip_eps", "0.02", "--beta", "0.04", "--log_rollouts",
               "--log_every", "1", "--device_batch_size", "4", "--engine_correction", "sequence_truncate",
               "--advantage", "reinforce_pp_baseline", "--kl_estimator", "k2"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
-    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common), nproc=2,
-                      env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *common, "--save_every", "1"),
+                      nproc=2, env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     kl = [[m["train/kl"] for m in read_metrics(d) if "train/kl" in m] for d in (one, two)]
     assert abs(kl[0][0]) < 1e-9 and kl[0][1] > 1e-7 and kl[1] == pytest.approx(kl[0], rel=1e-3, abs=1e-9), kl
@@ -180,8 +180,13 @@ def test_ppo_iterations_step_from_the_rollouts_log_probs_on_one_or_two_ranks(ass
     rollouts = [[(r["prompt_index"], r["completion_ids"]) for r in map(json.loads, (
         d / "logs" / "rollouts.jsonl").read_text().splitlines())] for d in (one, two)]
     assert len(rollouts[0]) == 2 * 4 * 4 and rollouts[0] == rollouts[1]
-    assert_same_update(load_backbone(two).model.state_dict(), load_backbone(one).model.state_dict(),
-                       load_backbone(assets["gpt"]).model.state_dict())
+    init = load_backbone(assets["gpt"]).model.state_dict()
+    assert_same_update(load_backbone(two).model.state_dict(), load_backbone(one).model.state_dict(), init)
+    stamps = sorted(int(p.stem.split("_")[1]) for p in two.glob("model_*.pt"))
+    for name in (f"model_{stamps[-1]}.pt", f"meta_{stamps[-1]}.json", f"state_{stamps[-1]}.pt"):
+        (two / name).unlink()
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 0
+    assert_same_update(load_backbone(two).model.state_dict(), load_backbone(one).model.state_dict(), init)
 
 
 @pytest.mark.parametrize("phase", ["rollout", "training"])

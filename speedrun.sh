@@ -126,6 +126,8 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
         { echo "speedrun: the experiment compares each arm with uniform: add it to ARMS" >&2; exit 2; }
     [[ " $ARMS " != *" dpo_density "* || " $ARMS " == *" dpo "* ]] ||
         { echo "speedrun: the experiment compares dpo_density with dpo: add it to ARMS" >&2; exit 2; }
+    [[ " $ARMS " != *" density "* || " $ARMS " == *" uniform "* ]] ||
+        { echo "speedrun: the experiment compares density with uniform: add it to ARMS" >&2; exit 2; }
     if [ -n "${MODEL:-}" ]; then
         echo "== fetch_model"
         MODEL_DIR=$(fetch_model)

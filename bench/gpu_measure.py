@@ -31,6 +31,7 @@ from nanochat_ext.generation.decode_cost import peak_bandwidth
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.gpt import GPT, GPTConfig, padded
 
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0, "L40S": 362.1, "A10G": 70.0}
 
 
 def nanochat_dims(name: str) -> tuple[int, int, int, int]:

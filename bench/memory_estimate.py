@@ -38,7 +38,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gpu import shape_config  # noqa: E402
+from gpu_measure import shape_config  # noqa: E402
 from nanochat_ext.algorithms.grpo import LossConfig, grpo_loss
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.gpt import GPT
@@ -215,7 +215,7 @@ def _fp32_cache(model: GPT):
 
 
 def shape_of(name: str):
-    """nanochat_ext.training.memory's ModelShape of nanochat shape `name` (bench_gpu.shape_config), built on the meta device."""
+    """nanochat_ext.training.memory's ModelShape of nanochat shape `name` (gpu_measure.shape_config), built on the meta device."""
     with torch.device("meta"):
         return model_shape(GPT(shape_config(name)))
 
@@ -247,7 +247,7 @@ def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 
 
 
 # docs/scaling.md's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
-# (bench_gpu.nanochat_dims), and the settings that reach them.
+# (gpu_measure.nanochat_dims), and the settings that reach them.
 TABLE_SHAPES = ("d20:32768", "d24:32768", "d26:32768", "d32:32768")
 TABLE_SETTINGS = (("ddp", 1, False, 0), ("ddp", 1, False, 16), ("ddp", 1, True, 16), ("fsdp", 1, True, 0),
                   ("fsdp", 2, False, 0), ("fsdp", 2, True, 0), ("fsdp", 8, False, 0), ("fsdp", 8, True, 0))

@@ -44,7 +44,9 @@ touch "$OUT"
 method_args() {  # each estimator with its reference implementation's defaults
     case $1 in
         grpo) echo "" ;;  # TRL's GRPOTrainer: r minus the group's mean over the group's std
-        rloo) echo "--advantage rloo --scale_rewards none" ;;  # TRL's RLOOTrainer: normalize_advantages=False
+        # TRL's RLOOTrainer's advantages (normalize_advantages=False), GRPO's token-mean loss (TRL's own loss form:
+        # --importance_level sequence_product --loss_agg sequence, each completion weighted alike)
+        rloo) echo "--advantage rloo --scale_rewards none" ;;
         reinforce_pp_baseline) echo "--advantage reinforce_pp_baseline" ;;  # OpenRLHF: whitened over the batch
         reinforce_pp) echo "--advantage reinforce_pp" ;;
         *) echo "error: unknown method '$1' in METHODS (grpo, rloo, reinforce_pp, reinforce_pp_baseline)" >&2
@@ -68,12 +70,17 @@ run() {  # run LABEL SEED GRPO_ARGS [--keep DIR]
     echo "== $label seed $seed: $grpo_args"
     local s=$SECONDS
     python bench/ours_real_model.py --model "$MODEL_DIR" --task "$TASK_DIR" --steps "$STEPS" \
-        --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$seed" --label "$label" --grpo_args "$grpo_args" "$@" \
-        2>>"$LOG" | tee -a "$OUT" | tail -n 1
+        --eval_every "$EVAL_EVERY" --threads "$THREADS" --seed "$seed" --label "$label" --grpo_args="$grpo_args" "$@" \
+        2>>"$LOG" | tee -a "$OUT" | tail -n 1 ||
+        { echo "error: $label seed $seed failed: its last lines are in $LOG" >&2; exit 1; }
     echo "   $((SECONDS - s)) s"
 }
 
 for m in $METHODS; do method_args "$m" >/dev/null; done  # every name checked before the first run
+if [ -n "$DISTILL_SEEDS" ] && [[ " $METHODS " != *" grpo "* ]] && ! ls "$TEACHER"/meta_*.json >/dev/null 2>&1; then
+    echo "error: distillation needs a teacher: METHODS must include grpo (or TEACHER a trained policy; DISTILL_SEEDS= for none)" >&2
+    exit 2
+fi
 for seed in $SEEDS; do
     for m in $METHODS; do
         keep=()
@@ -88,7 +95,7 @@ if [ -n "$DISTILL_SEEDS" ]; then
     ls "$TEACHER"/meta_*.json >/dev/null 2>&1 ||
         { echo "error: no teacher in $TEACHER (METHODS must include grpo, run at the first of SEEDS)" >&2; exit 2; }
     for seed in $DISTILL_SEEDS; do
-        run distill "$seed" "--advantage distill --teacher $TEACHER --reward_weights 0"
+        run distill "$seed" "--advantage distill --teacher $(printf %q "$TEACHER") --reward_weights 0"
     done
 fi
 python bench/methods_table.py "$OUT"

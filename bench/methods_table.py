@@ -34,6 +34,11 @@ def runs(rows: list[dict]) -> dict[str, dict[int, list[dict]]]:
     return out
 
 
+def by_step(seeds: dict[int, list[dict]]) -> list[dict[int, dict]]:
+    """Each seed's curve as {step: its point}."""
+    return [{r["step"]: r for r in curve} for curve in seeds.values()]
+
+
 def spread(values: list[float]) -> str:
     """'mean (lowest-highest)', or the value alone for one seed."""
     mean = statistics.fmean(values)
@@ -47,7 +52,7 @@ def table(rows: list[dict]) -> str:
              "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " | sampled, last step | training s |",
              "|---|---|" + "---|" * (len(steps) + 2)]
     for label, seeds in by_label.items():
-        at = [{r["step"]: r for r in curve} for curve in seeds.values()]
+        at = by_step(seeds)
         cells = [spread([a[s]["greedy_accuracy"] for a in at]) if all(s in a for a in at) else "-" for s in steps]
         last = [curve[-1] for curve in seeds.values()]
         lines.append(f"| {label} | {' '.join(map(str, seeds))} | " + " | ".join(cells) +
@@ -69,7 +74,7 @@ def mean_curves(rows: list[dict]) -> dict[str, list[dict]]:
     """Each method's curve averaged over its seeds at the steps all of them evaluated."""
     out = {}
     for label, seeds in runs(rows).items():
-        at = [{r["step"]: r for r in curve} for curve in seeds.values()]
+        at = by_step(seeds)
         steps = sorted(set.intersection(*(set(a) for a in at)))
         out[label] = [{"train_s": statistics.fmean(a[s]["train_s"] for a in at),
                        "greedy_accuracy": statistics.fmean(a[s]["greedy_accuracy"] for a in at)} for s in steps]

@@ -5,7 +5,7 @@ Same as bench_gpu.py's GRPO: 16 prompts of 128 random tokens x 16 completions of
 (min_new_tokens), a reward model of the policy's size (random), beta 0.04 (reference model), micro-
 batches of 64 sequences (TRL: per_device_train_batch_size 64, 4 accumulation steps = one generation
 batch of 256), bf16 on CUDA, transformers' generate (no vLLM). The Llama has nanochat dN's width, depth,
-heads, 4x MLP and vocabulary (bench_gpu.nanochat_dims). It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
+heads, 4x MLP and vocabulary (gpu_measure.nanochat_dims). It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
 
 DPO as bench_gpu.py's: 32 pairs a step of a 128-token prompt and two 256-token responses (random words; TRL appends
 an EOS to each), sigmoid loss, beta 0.1, the reference's log-probs in the step, 8 pairs a forward (4 accumulation

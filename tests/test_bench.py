@@ -210,6 +210,17 @@ def test_our_curve_pairs_each_evaluation_with_its_steps_seconds():
         [(2, 9.5, 0.25, 0.125, 2e-5), (3, 14.0, 0.5, 0.25, 1e-5)]
 
 
+def test_the_peak_rate_is_known_for_the_gpus_we_are_lent(monkeypatch):
+    """MFU's denominator on an H100 or H200 (the split of bench_gpu.py once lost the table: every CUDA row failed while
+    the CPU smoke test, which has no peak, passed)."""
+    from gpu_measure import peak_tflops
+
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
+        assert peak_tflops(torch.device("cuda"), None) == 989.4
+    assert peak_tflops(torch.device("cpu"), None) is None and peak_tflops(torch.device("cpu"), 100.0) == 100.0
+
+
 def test_shapes_follow_nanochats_rule():
     """nanochat's base_train.py: model_dim = depth x 64 rounded up to a multiple of head_dim 128."""
     from bench_gpu import nanochat_dims, shape_config

@@ -36,7 +36,7 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
     runs = {(n, m): r for n, micros in splits.items()
             for m, r in run_worker("grpo_grad_worker", assets, n, micros, tmp_path / f"grpo_{n}.pt").items()}
     base = runs[(1, 1)]
-    assert len(base) == 12  # 3 aggregations x token / sequence (GSPO) importance ratios x 2 layouts
+    assert len(base) == 18  # 3 aggregations x token / sequence (GSPO) / sequence_product importance ratios x 2 layouts
     for cfg in base:
         assert base[cfg]["clipped"] > 0 and base[cfg]["tokens"] > 0  # the clip really bites in this batch
         rows = cfg.replace("/shared", "/rows")  # the shared-prompt layout against one row per completion
@@ -45,9 +45,9 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
             assert run[cfg]["grads"].keys() == base[rows]["grads"].keys()
             for name, want in base[rows]["grads"].items():
                 torch.testing.assert_close(run[cfg]["grads"][name], want, atol=1e-6, rtol=1e-4, msg=f"{cfg} {key} {name}")
-    # The configurations really differ, so the invariance above is not one number checked six times.
+    # The configurations really differ, so the invariance above is not one number checked nine times.
     losses = [base[cfg]["loss"] for cfg in base if cfg.endswith("/rows")]
-    assert len({round(x, 6) for x in losses}) == 6
+    assert len({round(x, 6) for x in losses}) == 9
 
 
 @pytest.mark.parametrize("std_mode,unbiased", [("sample", True), ("population", False)])
@@ -353,6 +353,16 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     common.remove("--filter_zero_std")
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
     assert "--filter_zero_std is False but the checkpoint was trained with True" in capsys.readouterr().err
+    # A checkpoint from before RLOO's KL moved into the reward (it records no kl_in_reward): refused, not resumed
+    # under another objective.
+    common.append("--filter_zero_std")
+    meta = max(two.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    saved = json.loads(meta.read_text())
+    assert saved["args"].pop("kl_in_reward") is True
+    meta.write_text(json.dumps(saved))
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
+    assert "--advantage rloo --beta 0.04 weighs a KL in the reward (as TRL's RLOOTrainer since 2026-11-28), and the " \
+        "checkpoint was trained with it in the loss" in capsys.readouterr().err
 
 
 def test_a_resume_with_another_lr_trains_at_it(assets, grpo_assets, tmp_path):

@@ -114,7 +114,8 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     ({"EXPERIMENT": "density", "ARMS": "uniform dpo_density"}, "compares dpo_density with dpo: add it to ARMS"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform"}, "the experiment's arms are dpo dpo_density"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "dpo_density"}, "compares dpo_density with dpo"),
-    ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform (GRPO with the task's reward"),
+    ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "density"}, "compares density with uniform: add it to ARMS"),
+    ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform and/or density (GRPO with the task's"),
     ({"EXPERIMENT": "dense"}, "speedrun: unknown EXPERIMENT 'dense' (density, or unset for the pipeline)")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
     proc = speedrun(tmp_path / "base", **env)

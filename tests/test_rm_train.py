@@ -65,17 +65,24 @@ def test_the_default_lr_follows_what_trains_and_a_far_higher_one_is_warned_about
                                            "--lr", str(lr))) == 0
         said = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: --lr")]
         assert len(said) == warned and (not warned or "trains the last 1 block at 10x the default" in said[0]), said
-    # A run started before the default followed what trains (its checkpoint records 3e-3 for a block) goes on at 3e-3
-    # when resumed without --lr: a default changed since does not change a run halfway.
-    def newest_meta(out):
-        return newest(out).with_name(newest(out).name.replace("model_", "meta_")[:-3] + ".json")
+    # A run started before the default followed what trains (its checkpoints record 3e-3 for a block), cut after step
+    # 1, goes on at 3e-3 when resumed as it was started, without --lr: a default changed since does not change it.
+    def meta_of(model):
+        return model.with_name(model.name.replace("model_", "meta_").removesuffix(".pt") + ".json")
 
-    old = newest_meta(tmp_path / "blocks")
-    old.write_text(json.dumps({**json.loads(old.read_text()), "args": {**json.loads(old.read_text())["args"],
-                                                                       "lr": 3e-3}}))
-    assert kat_train_rm.main(base_args(assets, tmp_path / "blocks", "--max_steps", "2", "--unfreeze_last", "1",
-                                       "--resume", "latest", "--resume_extend")) == 0
-    assert json.loads(newest_meta(tmp_path / "blocks").read_text())["args"]["lr"] == 3e-3
+    old = tmp_path / "old"
+    flags = ("--max_steps", "2", "--unfreeze_last", "1")
+    assert kat_train_rm.main(base_args(assets, old, *flags, "--save_every", "1")) == 0
+    final = newest(old)
+    for path in (final, meta_of(final), final.with_name(final.name.replace("model_", "state_"))):
+        path.unlink()
+    state_path = newest(old).with_name(newest(old).name.replace("model_", "state_"))
+    state = torch.load(state_path, weights_only=False)
+    state["args"]["lr"] = 3e-3
+    torch.save(state, state_path)
+    capsys.readouterr()
+    assert kat_train_rm.main(base_args(assets, old, *flags, "--resume", "latest")) == 0
+    assert json.loads(meta_of(newest(old)).read_text())["args"]["lr"] == 3e-3
     assert "resume: --lr not given: the run goes on at the 0.003 it started with" in capsys.readouterr().out
 
 

@@ -103,7 +103,8 @@ class GRPOConfig:
 
     @property
     def uses_reference(self) -> bool:
-        """Whether a frozen reference is read: the loss's KL or REINFORCE++'s (distillation reads the teacher)."""
+        """Whether a frozen reference is read: the loss's KL or RLOO's and REINFORCE++'s in the reward (distillation
+        reads the teacher)."""
         return self.beta > 0 and self.advantage != "distill"
 
     @property
@@ -170,8 +171,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
 
     importance_level 'token': a ratio per token, pi(y_t) / pi_old(y_t) (GRPO). 'sequence' (GSPO): one
     ratio per completion, the geometric mean of its token ratios exp(mean_t log(pi / pi_old)), clipped
-    as a whole, so a completion's tokens are all kept or all clipped; 'sequence_product': their product (TRL's RLOO). engine_logp (with cfg.engine_correction): the
-    surrogate weighted by engine_weights."""
+    as a whole, so a completion's tokens are all kept or all clipped; 'sequence_product': their product (TRL's
+    RLOO). engine_logp (with cfg.engine_correction): the surrogate weighted by engine_weights."""
     log_ratio = logp - old_logp
     if cfg.importance_level == "sequence":
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
@@ -277,11 +278,11 @@ WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_ca
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
                      "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
-                     "max_turns": 8, "teacher": None}
+                     "max_turns": 8, "teacher": None, "kl_estimator": "k1"}
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "advantage",
                 "importance_level", "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns",
-                "teacher")
+                "teacher", "kl_estimator")
 
 
 @dataclass

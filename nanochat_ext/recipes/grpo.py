@@ -34,6 +34,7 @@ from nanochat_ext.generation.decode_cost import decode_compiled
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset
+from nanochat_ext.runtime.checkpoint import read_json
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session
@@ -115,7 +116,9 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     print0(tok.describe_stops())
 
     # ---- the model, its engine, resume ----------------------------------------------------------------------
-    flags = recorded(args, c.optim, loop_cfg, c.lora, rollout, agent_cfg)
+    flags = {**recorded(args, c.optim, loop_cfg, c.lora, rollout, agent_cfg),
+             "kl_in_reward": grpo.kl_in_reward and grpo.beta > 0}
+    check_kl_place(resume, flags["kl_in_reward"], grpo)
     compile_decode, why = decode_compiled(c.model.compile, env.device, loop_cfg.max_steps, rollout.max_new_tokens)
     rm_backbone = getattr(getattr(rewards.rm, "model", None), "backbone", None)
     training = PolicyTraining(
@@ -174,3 +177,17 @@ def decode_line(training: PolicyTraining, why: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     return run_script(parse_args(argv), train, "checkpoint")
 
+
+def check_kl_place(resume: tuple | None, kl_in_reward: bool, grpo: GRPOConfig) -> None:
+    """A run resumes with its KL where it started: --advantage rloo's moved from the loss to the reward (as TRL's
+    RLOOTrainer) on 2026-11-28, and a checkpoint written before records no kl_in_reward (REINFORCE++'s was always in
+    the reward)."""
+    if resume is None:
+        return
+    was = read_json(resume[1]).get("args", {}).get("kl_in_reward",
+                                                   grpo.advantage.startswith("reinforce_pp") and grpo.beta > 0)
+    if was != kl_in_reward:
+        raise InputError(f"--advantage {grpo.advantage} --beta {grpo.beta:g} weighs a KL in the "
+                         f"{'reward' if kl_in_reward else 'loss'} (as TRL's RLOOTrainer since 2026-11-28), and the "
+                         f"checkpoint was trained with it in the {'reward' if was else 'loss'}: start a new run, or "
+                         f"resume it with the code that started it", path=str(resume[1]))

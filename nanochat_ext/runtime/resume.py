@@ -141,12 +141,12 @@ def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Pat
 
 
 def started_lr(optim, lr_given: bool, resume: tuple[Path, Path, dict] | None):
-    """The optimizer config (OptimConfig) a resumed run goes on with: where --lr was not given, the lr its checkpoint
-    records (the run's own), so a default changed since (the RM's by what trains, 9a5485a) does not change a run
+    """The optimizer config (OptimConfig) a resumed run goes on with: where --lr was not given, the lr its checkpoint's
+    train state records (the run's own), so a default changed since (the RM's by what trains, 9a5485a) does not change a run
     halfway; rank 0 says so where they differ."""
     if resume is None or lr_given:
         return optim
-    started = read_json(resume[1]).get("args", {}).get("lr")
+    started = resume[2].get("args", {}).get("lr")  # the train state's flags, which the resume checks read
     if started is None or started == optim.lr:
         return optim
     print0(f"resume: --lr not given: the run goes on at the {started:g} it started with (the default for it is now "

@@ -46,9 +46,11 @@ def main(backend: str | None, diverge: bool) -> None:
             in_sync = False
         ddp_grad = ddp_step(env)
         half = REWARDS.view(env.world_size, -1)[env.rank]
-        batch_advantages = {f"{estimator}/{mode}": advantages(estimator, half, 4, "batch", mode).tolist()
-                            for estimator in ("grpo", "rloo") for mode in ("sample", "population")}
         tokens = {k: v.view(env.world_size, -1, v.size(1))[env.rank] for k, v in TOKENS.items()}
+        # RLOO's with its KL in the reward (GRPO's reads no tokens)
+        batch_advantages = {f"{estimator}/{mode}": advantages(estimator, half, 4, "batch", mode, batch=tokens,
+                                                              kl_coef=0.05, kl_estimator="k2").tolist()
+                            for estimator in ("grpo", "rloo") for mode in ("sample", "population")}
         batch_advantages["reinforce_pp_baseline/-"] = advantages("reinforce_pp_baseline", half, 4, "-", batch=tokens,
                                                                   kl_coef=0.05, kl_estimator="k2").tolist()
         raw_error = None

@@ -49,21 +49,12 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     # Separate full-length rows (no shared prompt): the FLOPs are those of 2n rows of T tokens.
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (2 * n, T), generator=g),
              "lengths": torch.full((2 * n,), T), "weights": torch.ones(n), "tokens": 2 * n * T, "computed": 2 * n * T}
-    times, peaks = [], []
     # The first warm-up step is 64 tokens shorter: compiled, a new length makes torch recompile with symbolic
     # sizes, so the timed steps run the graph that ragged training runs, not one specialised to T.
     cut = T - min(64, T // 2)
     short = {**batch, "input_ids": batch["input_ids"][:, :cut], "lengths": torch.full((2 * n,), cut)}
-    for step in range(b.warmup + b.steps):
-        with Clock(device) as c:
-            rm_backward(model, [short if step == 0 and b.warmup else batch], "mean", None, device, autocast_for(device))
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if step >= b.warmup:
-            times.append(c.s)
-            peaks.append(c.peak_gb)
-    s = sum(times) / len(times)
+    s, peak_gb = timed_steps(lambda warm: rm_backward(model, [short if warm else batch], "mean", None, device,
+                                                      autocast_for(device)), trainable, optimizer, b, device)
     trainable_blocks = [blk for blk in backbone.blocks if any(p.requires_grad for p in blk.parameters())]
     flops = 2 * n * T * (block_fwd_flops(cfg, list(backbone.blocks), T) + 2 * block_fwd_flops(cfg, trainable_blocks, T))
     peak = peak_tflops(device, b.peak_tflops)
@@ -71,7 +62,7 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
             "params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in trainable),
             "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2), "tokens_per_s": round(2 * n * T / s, 1),
             "tflops": round(flops / s / 1e12, 3), "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
-            "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None, "compile": compiled,
+            "peak_mem_gb": peak_gb, "compile": compiled,
             "compiled_graphs": compile_stats()[0], **memory_setting(b)}
 
 
@@ -184,19 +175,12 @@ def bench_dpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     short = pair_sequences([TokenizedPair(p.chosen[:-cut], p.rejected[:-cut], 1.0, prompt_len=P) for p in pairs], 0)
     cfg_dpo = DPOConfig()
     micro = 2 * b.dpo_micro  # sequences: a pair's two responses
-    times, peaks = [], []
-    for step in range(b.warmup + b.steps):
-        step_batch = dict(short if step == 0 and b.warmup else batch)
-        with Clock(device) as c:
-            step_batch["ref"] = reference_logps(reference, step_batch, micro, device, autocast_for(device))
-            dpo_backward(model, step_batch, micro, cfg_dpo, device, autocast_for(device))
-            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if step >= b.warmup:
-            times.append(c.s)
-            peaks.append(c.peak_gb)
-    s = sum(times) / len(times)
+    def step(warm: bool) -> None:
+        step_batch = dict(short if warm else batch)
+        step_batch["ref"] = reference_logps(reference, step_batch, micro, device, autocast_for(device))
+        dpo_backward(model, step_batch, micro, cfg_dpo, device, autocast_for(device))
+
+    s, peak_gb = timed_steps(step, trainable, optimizer, b, device)
     computed = float(batch["computed"].sum())
     flops = computed * 4 * block_fwd_flops(cfg, list(policy.blocks), P + R) + 2 * n * R * 8 * cfg.n_embd * cfg.vocab_size
     peak = peak_tflops(device, b.peak_tflops)
@@ -205,8 +189,25 @@ def bench_dpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2),
             "tokens_per_s": round(computed / s, 1), "tflops": round(flops / s / 1e12, 3),
             "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
-            "peak_mem_gb": round(max(peaks), 2) if peaks[0] is not None else None, "compile": compiled,
+            "peak_mem_gb": peak_gb, "compile": compiled,
             "compiled_graphs": compile_stats()[0], **memory_setting(b)}
+
+
+def timed_steps(backward, trainable: list, optimizer, b: argparse.Namespace, device: torch.device
+                ) -> tuple[float, float | None]:
+    """warmup + steps optimizer steps, each backward(warm) (warm: the first warm-up step, which runs a shorter batch),
+    gradient clipping at 1 and AdamW: (mean seconds of the timed steps, their peak GB on CUDA, else None)."""
+    times, peaks = [], []
+    for step in range(b.warmup + b.steps):
+        with Clock(device) as c:
+            backward(step == 0 and b.warmup > 0)
+            torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if step >= b.warmup:
+            times.append(c.s)
+            peaks.append(c.peak_gb)
+    return sum(times) / len(times), round(max(peaks), 2) if peaks[0] is not None else None
 
 
 def shard(model: torch.nn.Module, backbone: Backbone, b: argparse.Namespace) -> None:

@@ -22,6 +22,8 @@
 #   EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh  # the density question on the real model: skewed
 #                                                          # pairs, DPO uniform and density-weighted, accuracy per kind
 #   EXPERIMENT=density MODEL=smollm2 ARMS="uniform density" bash speedrun.sh  # its GRPO form, rare the kinds it is behind on
+#   EXPERIMENT=density MODEL=smollm2 OWN_PAIRS=1 bash speedrun.sh  # its DPO form on the GRPO form's skew, the pairs in
+#                                                          # the model's own words (its samples judged by the reward)
 # Knobs: NPROC_PER_NODE (default: GPUs, else 2 gloo ranks), MAX_RESTARTS (torchrun restarts a stage that lost a rank
 # this many times, each resuming from the stage's newest checkpoint; default 1; one rank runs without torchrun),
 # SFT_STEPS, RM_STEPS, GRPO_STEPS, DPO_STEPS, EVAL_SAMPLES,
@@ -30,7 +32,7 @@
 # BACKEND (process-group backend for every stage, e.g. nccl; default nccl on GPUs, gloo on CPU; the tests run
 # cuda:gloo on CPU, a gloo group that serves only CUDA tensors, to hold the CPU pipeline to NCCL's device rule),
 # NANOCHAT_VINTAGE (feb2026 or mar2026a, only for a March-2026 checkpoint whose vintage cannot be told).
-# SFT_ARGS, RM_ARGS, GRPO_ARGS, DPO_ARGS, EVAL_ARGS: more flags for that stage's script (split on spaces), after the stage's
+# SFT_ARGS, RM_ARGS, GRPO_ARGS, DPO_ARGS, EVAL_ARGS, OWN_PAIRS_ARGS: more flags for that stage's script (split on spaces), after the stage's
 # own, so the last copy of a flag wins (e.g. GRPO_ARGS="--lr 1e-3 --beta 0"; a kl_<beta> arm's --beta comes after
 # them); each stage's meta records its args, the report these strings, REGIME and the step counts. --out and
 # --resume stay the pipeline's. A finished stage is skipped whatever these say: change them in a new
@@ -50,7 +52,9 @@
 # $NANOCHAT_BASE_DIR/experiment_<MODEL>/seed_<s> runs TASK=word_arithmetic_skewed with ARMS="dpo dpo_density" (the model
 # converted once, MODEL_DIR, for every seed), and the report compares dpo_density with dpo per kind of question; with
 # ARMS="uniform density" (the GRPO form, in experiment_<MODEL>_grpo/) TASK=word_arithmetic_gap, GRPO with the task's
-# reward uniform and density-weighted, density compared with uniform.
+# reward uniform and density-weighted, density compared with uniform. OWN_PAIRS=1 (with MODEL, DPO arms): the pairs in the
+# model's own words (stage own_pairs, scripts.kat_own_pairs: 8 samples of each training question, the best chosen over
+# the worst where the task's reward tells them apart), on word_arithmetic_gap, in experiment_<MODEL>_own/.
 set -euo pipefail
 cd "$(dirname "$0")"
 case ${EXPERIMENT:-} in  # before anything is made
@@ -89,6 +93,8 @@ model_arms() {  # with MODEL: GRPO with the task's reward (uniform, the default;
     case " $1 " in " uniform "|" density "|" uniform density "|" density uniform "|" dpo "|" dpo_density "|" dpo dpo_density "|" dpo_density dpo ") ;;
         *) echo "speedrun: with MODEL, ARMS is uniform and/or density (GRPO with the task's reward; uniform the default) or dpo and/or dpo_density" >&2
            exit 2 ;; esac
+    [[ "${OWN_PAIRS:-0}" != 1 || " $1 " == *" dpo"* ]] ||
+        { echo "speedrun: OWN_PAIRS=1 makes pairs for DPO arms: ARMS=\"dpo dpo_density\"" >&2; exit 2; }
 }
 fetch_model() {  # the converted model's dir (MODEL_DIR, else $NANOCHAT_BASE_DIR/models/<name>), made on the first run
     python -m scripts.kat_fetch_model --model "$MODEL" ${MODEL_DIR:+--out "$MODEL_DIR"} | tee /dev/stderr | tail -n 1
@@ -104,6 +110,7 @@ read -r -a EXTRA_RM <<< "${RM_ARGS:-}"
 read -r -a EXTRA_GRPO <<< "$REGIME_GRPO ${GRPO_ARGS:-}"  # the regime's first: yours win
 read -r -a EXTRA_DPO <<< "${DPO_ARGS:-}"
 read -r -a EXTRA_EVAL <<< "${EVAL_ARGS:-}"
+read -r -a EXTRA_OWN_PAIRS <<< "${OWN_PAIRS_ARGS:-}"
 RUNTIME=()  # flags every stage that runs models takes
 [ -n "${BACKEND:-}" ] && RUNTIME+=(--backend "$BACKEND")
 [ -n "${NANOCHAT_VINTAGE:-}" ] && RUNTIME+=(--nanochat_vintage "$NANOCHAT_VINTAGE")
@@ -113,7 +120,7 @@ t_start=$SECONDS
 if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itself
     if [ -n "${MODEL:-}" ]; then  # the DPO form (the default) or the GRPO form (ARMS="uniform density"), each its root
         ARMS="${ARMS:-dpo dpo_density}"
-        ROOT="$B/experiment_$MODEL$([[ " $ARMS " == *" dpo"* ]] || echo _grpo)"
+        ROOT="$B/experiment_$MODEL$([[ " $ARMS " == *" dpo"* ]] || echo _grpo)$([ "${OWN_PAIRS:-0}" != 1 ] || echo _own)"
     elif [ "$REGIME" = default ]; then ROOT="$B/experiment"; ARMS="${ARMS:-uniform density}"
     else ROOT="$B/experiment_$REGIME"; ARMS="${ARMS:-uniform density kl_0.2}"; fi
     check_arms "$ARMS"
@@ -138,7 +145,8 @@ if [ "${EXPERIMENT:-}" = density ]; then  # each seed's run applies REGIME itsel
         echo "== experiment: seed $seed"
         if [ -n "${MODEL:-}" ]; then  # the real model's task skewed; both arms; per-kind held-out accuracy. DPO: rare
             # the kinds of Result 4 (docs/density.md); GRPO: rare the kinds the model is behind on (Result 5)
-            task=word_arithmetic_gap; [[ " $ARMS " == *" dpo"* ]] && task=word_arithmetic_skewed
+            # (OWN_PAIRS=1: DPO on the GRPO form's skew)
+            task=word_arithmetic_gap; [[ " $ARMS " == *" dpo"* && "${OWN_PAIRS:-0}" != 1 ]] && task=word_arithmetic_skewed
             EXPERIMENT= NANOCHAT_BASE_DIR="$ROOT/seed_$seed" SEED="$seed" ARMS="$ARMS" TASK=$task \
                 bash "$PWD/speedrun.sh" || { echo "speedrun: experiment seed $seed failed" >&2; exit 1; }
             continue
@@ -185,6 +193,7 @@ ran=(REGIME EVAL_SAMPLES EVAL_ARGS)
 [[ " $ARMS " == *" dpo"* && -n "${MODEL:-}" ]] || ran+=(GRPO_STEPS GRPO_ARGS)  # with MODEL the DPO arms replace GRPO
 [ "$DEMO" = 1 ] && ran+=(SFT_STEPS SFT_ARGS)
 [ -n "${MODEL:-}" ] && ran+=(MODEL TASK)
+[ "${OWN_PAIRS:-0}" = 1 ] && ran+=(OWN_PAIRS OWN_PAIRS_ARGS)
 [ -n "${MODEL:-}" ] && [ "${TASK:-}" = multiplication ] && ran+=(SFT_STEPS SFT_ARGS)
 [ -z "${MODEL:-}" ] && ran+=(RM_STEPS RM_ARGS)
 [[ " $ARMS " == *" dpo"* ]] && ran+=(DPO_STEPS DPO_ARGS)
@@ -293,18 +302,31 @@ if [ -n "${MODEL:-}" ]; then
         echo "== task_data"; python -m scripts.kat_task_data --task "$TASK" --out "$TASK_DIR" --seed "$SEED" "${SIZES[@]}"; fi
     EVAL_POLICIES=() TOOL_EVAL=() TRAINED=()
     if [[ " $ARMS " == *" dpo"* ]]; then  # DPO on the task's pairs (the density experiment's arms), no GRPO
-        [[ " $ARMS " == *" dpo_density "* ]] && density density "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" "$WEIGHTS"
+        PAIRS_FILE="$TASK_DIR/pairs.jsonl" TOKENS=(--max_new_tokens 32)
+        if [ "${OWN_PAIRS:-0}" = 1 ]; then  # the pairs in the model's own words, at GRPO's completion length
+            PAIRS_FILE="$B/own_pairs/pairs.jsonl" TOKENS=(--max_new_tokens 16)
+            if skip "$PAIRS_FILE"; then echo "== own_pairs: skipped (done: $PAIRS_FILE)"; else
+                echo "== own_pairs ($NPROC_PER_NODE ranks)"; s=$SECONDS
+                rm -f "$PAIRS_FILE"  # FORCE=1: drawn again (the script refuses to overwrite)
+                launch own_pairs "the model ($MODEL_DIR) and the task's prompts ($TASK_DIR/train.jsonl)" \
+                    scripts.kat_own_pairs --policy "$MODEL_DIR" --prompts "$TASK_DIR/train.jsonl" \
+                    --reward_fn "$TASK_REWARD" "${TOKENS[@]}" --samples 8 --seed "$SEED" --out "$PAIRS_FILE" \
+                    "${EXTRA_OWN_PAIRS[@]}"
+                record_time own_pairs $((SECONDS - s))
+            fi
+        fi
+        [[ " $ARMS " == *" dpo_density "* ]] && density density "$MODEL_DIR" "$PAIRS_FILE" "$WEIGHTS"
         for arm in $ARMS; do
             # 16 steps of 16 pairs (about 6 s a step on 2 cores) at lr 1e-5, set once on a pilot seed (100, the uniform
             # arm only; docs/density.md) before any density arm ran. No validation split: every pair trains; the
             # held-out questions judge.
-            dpo_arm "$arm" "$MODEL_DIR" "$TASK_DIR/pairs.jsonl" --seed "$SEED" --save_every "$SAVE_EVERY" \
+            dpo_arm "$arm" "$MODEL_DIR" "$PAIRS_FILE" --seed "$SEED" --save_every "$SAVE_EVERY" \
                 --batch_size 16 --lr 1e-5 --val_ratio 0 --eval_every 0 --max_steps "${DPO_STEPS:-16}"
             TRAINED+=("$(arm_dir "$arm")")
         done
-        # room for a reply that works the sum out before its answer (DPO never generates in training); one sample a
-        # question beside the greedy reply
-        TOKENS=(--max_new_tokens 32) SAMPLES=(--samples "${EVAL_SAMPLES:-1}")
+        # the task's pairs: room for a reply that works the sum out before its answer (DPO never generates in
+        # training); one sample a question beside the greedy reply (own pairs: four, as the GRPO form's)
+        SAMPLES=(--samples "${EVAL_SAMPLES:-$([ "${OWN_PAIRS:-0}" = 1 ] && echo 4 || echo 1)}")
     else
         START="$MODEL_DIR" POLICY="$B/chatrl_checkpoints/$MODEL"
         if [ "$TASK" = multiplication ]; then  # a tool the model has never called: its call format taught first

@@ -98,9 +98,11 @@ SCRIPT_FLAGS: dict[str, tuple[dict, dict[str, tuple[Any, str]]]] = {
         "kat_compute_density": (None, "weights JSONL (default: $NANOCHAT_BASE_DIR/density/weights.jsonl)"),
         "kat_eval": (None, "report path (default: <base>/report.md)"),
         "kat_export_rm": (REQUIRED_FLAG, "new, empty directory to write"),
+        "kat_own_pairs": (REQUIRED_FLAG, "the pairs' JSONL, a new file"),
         "kat_task_data": (None, "default: $NANOCHAT_BASE_DIR/tasks/<task>")}),
     "prompts": ({}, {
         "kat_compute_density": (None, "prompts (as for GRPO; docs/data.md)"),
+        "kat_own_pairs": (REQUIRED_FLAG, "prompts with what the reward reads (answer, ...), as for GRPO"),
         "kat_train_grpo": (REQUIRED_FLAG, "{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, "
                                           "Arrow or a datasets save_to_disk dir; a pairs file works too (its "
                                           "prompts); formats: docs/data.md")}),
@@ -114,6 +116,7 @@ SCRIPT_FLAGS: dict[str, tuple[dict, dict[str, tuple[Any, str]]]] = {
     "seed": ({"type": int}, {
         "kat_demo_data": (0, "what is drawn: data, tokenizer, model"),
         "kat_eval": (0, "sampling"),
+        "kat_own_pairs": (0, "sampling"),
         "kat_task_data": (0, "which questions are drawn")}),
     "n_eval": ({"type": int}, {
         "kat_demo_data": (200, "held-out prompts, and twice as many pairs"),

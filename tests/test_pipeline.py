@@ -115,6 +115,8 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform"}, "the experiment's arms are dpo dpo_density"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "dpo_density"}, "compares dpo_density with dpo"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "density"}, "compares density with uniform: add it to ARMS"),
+    ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform density", "OWN_PAIRS": "1"},
+     "OWN_PAIRS=1 makes pairs for DPO arms"),
     ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform and/or density (GRPO with the task's"),
     ({"EXPERIMENT": "dense"}, "speedrun: unknown EXPERIMENT 'dense' (density, or unset for the pipeline)")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):
@@ -182,26 +184,37 @@ def test_the_real_model_command_runs_grpo_with_the_tasks_reward(tmp_path):
     assert again.returncode == 0 and "== eval: skipped" in again.stdout and again.stdout.count(": skipped") == 3
 
 
-def test_the_density_experiment_on_a_model_runs_both_dpo_arms_and_reports_by_kind(tmp_path):
-    """EXPERIMENT=density MODEL=smollm2, one seed, a stand-in model: the skewed set, density weights from the model's
-    embeddings, DPO uniform and density-weighted on the same pairs, the evaluation by kind, the experiment's report
-    with the weights by kind."""
-    proc = speedrun(tmp_path / "base", EXPERIMENT="density", MODEL="smollm2", SEEDS="0", NPROC_PER_NODE="1",
-                    MODEL_DIR=converted_stand_in(tmp_path / "model"), DPO_STEPS="1")
+def test_the_density_experiment_on_a_model_runs_both_dpo_arms_on_its_own_words(tmp_path):
+    """EXPERIMENT=density MODEL=smollm2 OWN_PAIRS=1, one seed, a stand-in model: the GRPO form's skew, pairs in the
+    model's own words (its samples judged by the task's reward; the stand-in never answers right, so a reward that
+    tells its samples apart is added through OWN_PAIRS_ARGS), density weights of those pairs' prompts, DPO uniform
+    and density-weighted on them, the evaluation by kind at the pairs' length, the experiment's report with the
+    weights by kind. (Without OWN_PAIRS the DPO form reads the task's own pairs on the other skew: the same stages.)"""
+    proc = speedrun(tmp_path / "base", EXPERIMENT="density", MODEL="smollm2", OWN_PAIRS="1", SEEDS="0",
+                    NPROC_PER_NODE="1", MODEL_DIR=converted_stand_in(tmp_path / "model"), DPO_STEPS="1",
+                    EVAL_SAMPLES="1", OWN_PAIRS_ARGS="--reward_fn rewards_for_tests:vowel_share --max_prompts 48",
+                    PYTHONPATH=f"{REPO}:{REPO / 'tests'}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for stage in ("task_data", "density", "dpo", "dpo_density", "eval"):
+    for stage in ("task_data", "own_pairs", "density", "dpo", "dpo_density", "eval"):
         assert f"== {stage}" in proc.stdout
-    root = tmp_path / "base" / "experiment_smollm2"
-    policies = json.loads((root / "seed_0" / "report.json").read_text())["policies"]
+    root = tmp_path / "base" / "experiment_smollm2_own"
+    seed = root / "seed_0"
+    pairs = [json.loads(line) for line in (seed / "own_pairs" / "pairs.jsonl").read_text().splitlines()]
+    assert pairs and all(p["chosen_reward"] > p["rejected_reward"] for p in pairs)
+    policies = json.loads((seed / "report.json").read_text())["policies"]
     assert set(policies) == {"before (smollm2)", "DPO uniform", "DPO density"}
-    assert policies["DPO density"]["dense_topics"] == ["difference", "sum"]
-    meta = max((root / "seed_0" / "dpo_checkpoints" / "dpo_density").glob("meta_*.json"),
-               key=lambda p: int(p.stem.split("_")[1]))
-    assert json.loads(meta.read_text())["args"]["density"] == str(root / "seed_0" / "density" / "weights.jsonl")
+    assert policies["DPO density"]["dense_topics"] == ["product", "story"]
+    meta = max((seed / "dpo_checkpoints" / "dpo_density").glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    args = json.loads(meta.read_text())["args"]
+    assert (args["density"], args["pairs"]) == (str(seed / "density" / "weights.jsonl"),
+                                                str(seed / "own_pairs" / "pairs.jsonl"))
+    assert "--max_new_tokens 16" in dict(line.split("\t", 1) for line in (seed / "stages.tsv").read_text().splitlines())["eval"]
     experiment = json.loads((root / "experiment.json").read_text())
     assert set(experiment["arms"]) == {"dpo_density"} and experiment["model"] == "smollm2"
-    assert {kind: w["share"] for kind, w in experiment["weights_by_topic"].items()} == {
-        "sum": [0.45], "difference": [0.45], "product": [0.05], "story": [0.05]}
+    assert {kind for kind, w in experiment["weights_by_topic"].items()} <= {"sum", "difference", "product", "story"}
+    # each kind's share of the pairs (prompts whose samples the reward told apart), not of the prompts
+    shares = {kind: w["share"][0] for kind, w in experiment["weights_by_topic"].items()}
+    assert abs(sum(shares.values()) - 1) < 1e-9 and shares["product"] + shares["story"] > 0.5, shares
 
 
 def test_the_density_experiment_on_a_model_in_its_grpo_form(tmp_path):

@@ -1,0 +1,100 @@
+"""Preference pairs in a policy's own words, for kat_train_dpo: --samples completions of each prompt sampled from
+--policy, judged by the task's reward (--reward_fn); each prompt's best completion is chosen and its worst rejected,
+where they differ (a prompt whose samples all score alike gives no pair). A pair keeps its prompt's kind fields
+(kind, share, answer, topic) and both rewards. On N ranks each samples every N-th prompt; rank 0 writes the file,
+whole or not at all.
+
+    python -m scripts.kat_own_pairs --policy <model> --prompts <task>/train.jsonl --reward_fn last_number \
+        --max_new_tokens 16 --out <task>/own_pairs.jsonl
+    torchrun --standalone --nproc_per_node=8 -m scripts.kat_own_pairs -- <the same flags>
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from nanochat_ext.algorithms.own_pairs import own_words_pairs
+from nanochat_ext.algorithms.rewards import Rewards, check_references
+from nanochat_ext.cli import add_config, add_flag, config, parse, parser, run_script
+from nanochat_ext.data.batching import encode_prompts
+from nanochat_ext.data.rows import load_prompts
+from nanochat_ext.errors import InputError
+from nanochat_ext.generation.agent import Agent, AgentConfig
+from nanochat_ext.generation.engine import Engine
+from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.runtime.precision import compute_dtype, precision
+from nanochat_ext.runtime.session import Session, SessionConfig
+from nanochat_ext.training.setup import ModelConfig
+
+
+def flags() -> argparse.ArgumentParser:
+    p = parser("kat_own_pairs", __doc__)
+    p.add_argument("--policy", required=True, help="the model to sample (a nanochat checkpoint dir or a Hugging "
+                                                   "Face causal-LM dir)")
+    add_flag(p, "kat_own_pairs", "prompts")
+    p.add_argument("--reward_fn", action="append", required=True,
+                   help="the task's reward, as for kat_train_grpo (repeatable: their sum judges)")
+    add_flag(p, "kat_own_pairs", "out")
+    p.add_argument("--samples", type=int, default=8, help="completions sampled per prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=1.0, help="their temperature (default: %(default)s)")
+    p.add_argument("--max_new_tokens", type=int, default=512, help="completion length limit (default: %(default)s)")
+    p.add_argument("--max_prompts", type=int, default=0, help="use the first N prompts (0: all)")
+    p.add_argument("--prompts_per_call", type=int, default=16,
+                   help="prompts a generate call decodes (each --samples rows; default: %(default)s)")
+    add_flag(p, "kat_own_pairs", "seed")
+    add_config(p, ModelConfig, None, "model", only=("nanochat_vintage", "dtype"))
+    add_config(p, SessionConfig, None, "runtime")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = flags()
+    args = parse(p, argv)
+    for flag, least in (("samples", 2), ("max_new_tokens", 1), ("max_prompts", 0), ("prompts_per_call", 1)):
+        if getattr(args, flag) < least:
+            p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
+    if args.temperature <= 0:
+        p.error(f"--temperature must be > 0 (greedy samples are all alike), got {args.temperature}")
+    return args
+
+
+def make_pairs(args: argparse.Namespace, session: Session) -> str:
+    env = session.env
+    out = Path(args.out)
+    if out.exists():  # a finished file is not overwritten: pairs are drawn once, before any DPO stage reads them
+        raise InputError("--out exists (remove it to draw the pairs again)", path=str(out))
+    rows = load_prompts(args.prompts)[:args.max_prompts or None]
+    rewards = Rewards(None, args.reward_fn, None)
+    check_references(args.reward_fn, rows, args.prompts)  # before the model loads
+    dtype = compute_dtype(args.dtype, env.device)
+    policy = load_backbone(args.policy, env.device, vintage=args.nanochat_vintage, frozen=dtype)
+    tok = load_tokenizer_for(policy, None)
+    agent = Agent(AgentConfig(tools="none"), tok, rows[0].row if rows else None)
+    prompt_ids = encode_prompts(rows, agent.render_prompt, policy.max_seq_len, args.max_new_tokens, args.prompts)
+    engine = Engine(policy, agent=agent)
+    cfg = SamplingConfig(args.max_new_tokens, args.temperature)
+    pairs, counts = own_words_pairs(engine, rows, prompt_ids, rewards, tok, cfg, args.samples, args.seed, env,
+                                    precision(dtype, env.device), args.prompts_per_call)
+    if not pairs:  # every rank knows: the pairs were gathered to all
+        raise InputError(f"no pair: each prompt's {args.samples} samples scored alike under --reward_fn (mean reward "
+                         f"{counts['mean_reward']:.3f}); sample more (--samples), hotter (--temperature) or other prompts",
+                         path=args.prompts)
+    if env.is_main:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
+        os.replace(tmp, out)  # whole or not at all
+    return (f"{counts['pairs']} pairs from {counts['prompts']} prompts ({args.samples} samples each, mean reward "
+            f"{counts['mean_reward']:.3f}) in {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_script(parse_args(argv), make_pairs, "own_pairs")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

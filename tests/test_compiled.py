@@ -175,6 +175,7 @@ def test_compiled_training_agrees_with_eager():
         torch.testing.assert_close(a, b, **close)
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compiled_llama_trains_at_new_lengths_as_eager(tmp_path):
     """Inductor on the native Llama (--compile 1 on a Hugging Face model, SmolLM2's family): forward and backward at
     one length and then at others, as GRPO's steps come, give eager's hidden states and gradients. The second length
@@ -228,6 +229,7 @@ def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch
     return gap, kl / tokens, clipped / tokens
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_compiled_step_one_starts_at_its_reference_and_old_policy():
     """#42 item 7 on CPU: inductor's training and inference graphs of one model under bf16 autocast. pi_old is the
     first update's own log-probs, which the training graph gives again at the same micro-batches (a separate no-grad

@@ -328,6 +328,7 @@ def starts_at_its_reference_and_merges_onto_the_source(source: Path, prompts: Pa
     assert not torch.equal(merged["transformer.h.0.attn.c_q.weight"], source_weights["transformer.h.0.attn.c_q.weight"])
 
 
+@pytest.mark.usefixtures("scalar_kernels")
 def test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges(assets, tmp_path):
     """The CUDA LoRA test's CPU twin: bf16 autocast (the frozen base's matmul weights in bf16, the engine's bf16
     copy of the adapters), compiled blocks and the compiled engine (inductor), LoRA. The reference is the base with

@@ -240,15 +240,23 @@ def intro(seeds: list[int], analysis: dict, settings: dict[str, str]) -> list[st
                 "'detectable' is the smallest true difference a 5%-level test would find with 80% power at this "
                 "spread and number of seeds.")
     if model:
-        return [f"# The density experiment on a real model ({model})", "",
-                f"{model} trained by DPO on skewed preference pairs of its task (two dense kinds of question, two "
-                "rare), once with every pair weighted alike (dpo) and once with each pair weighted by its prompt's "
-                "inverse density in the model's own embeddings (dpo_density), on the same pairs with the same budget "
-                f"and seed.{shown}", "",
-                f"Seeds {', '.join(map(str, seeds))}; every seed makes its own pairs and held-out questions (balanced "
-                "across kinds), its density weights, and both arms; every policy and the model before training are "
-                "evaluated on the same held-out questions, judged by the task's answer (`--reward_fn last_number`). "
-                + compared, ""]
+        if "density" in analysis:  # the GRPO form: the task's reward, no pairs
+            trained = (f"{model} trained by GRPO with its task's reward on skewed questions (two dense kinds, two "
+                       "rare), once with every question weighted alike (uniform) and once with each weighted by its "
+                       "inverse density in the model's own embeddings (density), on the same questions with the same "
+                       "budget and seed.")
+        else:
+            words = (" in the model's own words (its samples, judged by the task's reward: the best chosen over the "
+                     "worst)" if settings.get("OWN_PAIRS") == "1" else "")
+            trained = (f"{model} trained by DPO on preference pairs{words} of skewed questions of its task (two dense "
+                       "kinds, two rare), once with every pair weighted alike (dpo) and once with each pair weighted by "
+                       "its prompt's inverse density in the model's own embeddings (dpo_density), on the same pairs "
+                       "with the same budget and seed.")
+        return [f"# The density experiment on a real model ({model})", "", trained + shown, "",
+                f"Seeds {', '.join(map(str, seeds))}; every seed makes its own training and held-out questions "
+                "(balanced across kinds), its pairs where the arms are DPO's, its density weights, and both arms; "
+                "every policy and the model before training are evaluated on the same held-out questions, judged by "
+                "the task's answer (`--reward_fn last_number`). " + compared, ""]
     return [f"# The density experiment, regime {regime}", "",
             f"Regime `{regime}`: {REGIMES.get(regime, 'not a regime speedrun.sh knows')}." + shown
             + (" A kl_<beta> arm is GRPO against the uniform RM with the KL term on (`--beta <beta>`): a control that "

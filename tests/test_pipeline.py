@@ -215,6 +215,7 @@ def test_the_density_experiment_on_a_model_runs_both_dpo_arms_on_its_own_words(t
     # each kind's share of the pairs (prompts whose samples the reward told apart), not of the prompts
     shares = {kind: w["share"][0] for kind, w in experiment["weights_by_topic"].items()}
     assert abs(sum(shares.values()) - 1) < 1e-9 and shares["product"] + shares["story"] > 0.5, shares
+    assert "trained by DPO on preference pairs in the model's own words" in (root / "experiment.md").read_text()
 
 
 def test_the_density_experiment_on_a_model_in_its_grpo_form(tmp_path):
@@ -238,3 +239,4 @@ def test_the_density_experiment_on_a_model_in_its_grpo_form(tmp_path):
     assert set(experiment["arms"]) == {"density"} and experiment["model"] == "smollm2"
     assert {kind: w["share"] for kind, w in experiment["weights_by_topic"].items()} == {
         "sum": [0.05], "difference": [0.05], "product": [0.45], "story": [0.45]}
+    assert "trained by GRPO with its task's reward" in (root / "experiment.md").read_text()

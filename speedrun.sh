@@ -61,6 +61,11 @@ case ${EXPERIMENT:-} in  # before anything is made
     ""|density) ;;
     *) echo "speedrun: unknown EXPERIMENT '$EXPERIMENT' (density, or unset for the pipeline)" >&2; exit 2 ;;
 esac
+case ${OWN_PAIRS:-0} in
+    0) ;;
+    1) [ -n "${MODEL:-}" ] || { echo "speedrun: OWN_PAIRS=1 needs MODEL (pairs in a real model's own words)" >&2; exit 2; } ;;
+    *) echo "speedrun: OWN_PAIRS is 0 or 1, got '$OWN_PAIRS'" >&2; exit 2 ;;
+esac
 source scripts/setup_env.sh
 
 export NANOCHAT_BASE_DIR="${NANOCHAT_BASE_DIR:-$HOME/.cache/nanochat}"
@@ -310,8 +315,8 @@ if [ -n "${MODEL:-}" ]; then
                 rm -f "$PAIRS_FILE"  # FORCE=1: drawn again (the script refuses to overwrite)
                 launch own_pairs "the model ($MODEL_DIR) and the task's prompts ($TASK_DIR/train.jsonl)" \
                     scripts.kat_own_pairs --policy "$MODEL_DIR" --prompts "$TASK_DIR/train.jsonl" \
-                    --reward_fn "$TASK_REWARD" "${TOKENS[@]}" --samples 8 --seed "$SEED" --out "$PAIRS_FILE" \
-                    "${EXTRA_OWN_PAIRS[@]}"
+                    --reward_fn "$TASK_REWARD" "${TOKENS[@]}" --samples 8 --seed "$SEED" "${EXTRA_OWN_PAIRS[@]}" \
+                    --out "$PAIRS_FILE"  # last: the pipeline's (a --reward_fn in OWN_PAIRS_ARGS adds one: they sum)
                 record_time own_pairs $((SECONDS - s))
             fi
         fi

@@ -16,7 +16,7 @@ for lr in ${LRS:-1e-5 3e-5 1e-4 3e-4 1e-3}; do
     python -m scripts.kat_train_grpo --policy "$MODEL_DIR" --prompts "$WORK/task/train.jsonl" \
         --eval_prompts "$WORK/task/eval.jsonl" --preset word_arithmetic --lr "$lr" --seed 0 --save_every 0 \
         --out "$run" > "$run.log" 2>&1 || { echo "failed: $lr (log $run.log)"; continue; }
-    python - "$run" "$lr" >> "$OUT" <<'PY'
+    python - "$run" "$lr" >> "$OUT" <<'PY' || echo "no metrics: $lr (log $run.log)"
 import json, sys
 from pathlib import Path
 run, lr = sys.argv[1:]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from nanochat_ext.algorithms.rewards import Rewards, check_references
 from nanochat_ext.cli import add_config, add_flag, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts
 from nanochat_ext.data.rows import load_prompts
+from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import Engine
@@ -57,16 +59,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for flag, least in (("samples", 2), ("max_new_tokens", 1), ("max_prompts", 0), ("prompts_per_call", 1)):
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
-    if args.temperature <= 0:
+    if not (args.temperature > 0 and math.isfinite(args.temperature)):
         p.error(f"--temperature must be > 0 (greedy samples are all alike), got {args.temperature}")
     return args
+
+
+def writable(out: Path, tmp: Path) -> str | None:
+    """Rank 0's check of --out before any sampling: not there yet (pairs are drawn once, before a DPO stage reads
+    them), and its directory writable (its temporary file made and removed)."""
+    if out.exists():
+        return f"--out {out}: exists (remove it to draw the pairs again)"
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text("")
+        tmp.unlink()
+    except OSError as e:
+        return f"--out {out}: cannot write there ({e.strerror})"
+    return None
 
 
 def make_pairs(args: argparse.Namespace, session: Session) -> str:
     env = session.env
     out = Path(args.out)
-    if out.exists():  # a finished file is not overwritten: pairs are drawn once, before any DPO stage reads them
-        raise InputError("--out exists (remove it to draw the pairs again)", path=str(out))
+    tmp = out.with_name(out.name + ".tmp")
+    raise_if_any(writable(out, tmp) if env.is_main else None)  # before the sampling, on every rank
     rows = load_prompts(args.prompts)[:args.max_prompts or None]
     rewards = Rewards(None, args.reward_fn, None)
     check_references(args.reward_fn, rows, args.prompts)  # before the model loads
@@ -80,14 +96,17 @@ def make_pairs(args: argparse.Namespace, session: Session) -> str:
     pairs, counts = own_words_pairs(engine, rows, prompt_ids, rewards, tok, cfg, args.samples, args.seed, env,
                                     precision(dtype, env.device), args.prompts_per_call)
     if not pairs:  # every rank knows: the pairs were gathered to all
-        raise InputError(f"no pair: each prompt's {args.samples} samples scored alike under --reward_fn (mean reward "
-                         f"{counts['mean_reward']:.3f}); sample more (--samples), hotter (--temperature) or other prompts",
-                         path=args.prompts)
+        raise_if_any(f"--prompts {args.prompts}: no pair: each prompt's {args.samples} samples scored alike under "
+                     f"--reward_fn (mean reward {counts['mean_reward']:.3f}); sample more (--samples), hotter "
+                     f"(--temperature) or other prompts")
     if env.is_main:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(p) + "\n" for p in pairs))
-        os.replace(tmp, out)  # whole or not at all
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(json.dumps(p) + "\n" for p in pairs)
+            os.replace(tmp, out)  # whole or not at all
+        except OSError as e:
+            tmp.unlink(missing_ok=True)
+            raise InputError(f"--out {out}: the pairs could not be written ({e.strerror})") from e
     return (f"{counts['pairs']} pairs from {counts['prompts']} prompts ({args.samples} samples each, mean reward "
             f"{counts['mean_reward']:.3f}) in {out}")
 

@@ -48,7 +48,7 @@ LONGEST_FIRST = (
     "tests/test_compiled.py::test_compiled_llama_trains_at_new_lengths_as_eager",  # 36 (inductor)
     "tests/test_pipeline.py::test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts",  # 28
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 27
-    "tests/test_pipeline.py::test_the_density_experiment_on_a_model_runs_both_dpo_arms_and_reports_by_kind",  # 26
+    "tests/test_pipeline.py::test_the_density_experiment_on_a_model_runs_both_dpo_arms_on_its_own_words",  # ~30
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 25
     "tests/test_reliability.py::test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result",  # 22
 )

@@ -117,6 +117,8 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "density"}, "compares density with uniform: add it to ARMS"),
     ({"EXPERIMENT": "density", "MODEL": "smollm2", "ARMS": "uniform density", "OWN_PAIRS": "1"},
      "OWN_PAIRS=1 makes pairs for DPO arms"),
+    ({"OWN_PAIRS": "yes"}, "speedrun: OWN_PAIRS is 0 or 1, got 'yes'"),
+    ({"OWN_PAIRS": "1"}, "speedrun: OWN_PAIRS=1 needs MODEL"),
     ({"MODEL": "smollm2", "ARMS": "uniform dpo"}, "with MODEL, ARMS is uniform and/or density (GRPO with the task's"),
     ({"EXPERIMENT": "dense"}, "speedrun: unknown EXPERIMENT 'dense' (density, or unset for the pipeline)")])
 def test_bad_arms_and_regimes_stop_before_any_stage(tmp_path, env, line):

@@ -1,6 +1,7 @@
 """Preference pairs in a model's own words, for DPO: n samples of each prompt from the policy, judged by the task's
 reward (the rewards' weighted total); the prompt's best sample is chosen and its worst rejected, where they differ.
-A prompt whose samples all score alike (all right, or all wrong) gives no pair. Each prompt is sampled from its own
+A prompt whose samples all score alike (all right, or all wrong) gives no pair, and an empty reply (a stop at
+once) is never picked: DPO's reader refuses an empty response. Each prompt is sampled from its own
 generator (sampling.sample_seed), so which pairs come out does not depend on the ranks the prompts were shared over.
 """
 from __future__ import annotations
@@ -21,10 +22,14 @@ KEPT = ("kind", "share", "answer", "topic")  # a prompt row's fields its pair ke
 DRAW = -3  # the prompts' sampling draw: not a training step's (>= 0), nor an evaluation's (-1, -2)
 
 
-def best_and_worst(totals: list[float]) -> tuple[int, int] | None:
-    """(the index of the highest total, of the lowest), the first of equals; None when all are equal."""
-    best = max(range(len(totals)), key=lambda j: (totals[j], -j))
-    worst = min(range(len(totals)), key=lambda j: (totals[j], j))
+def best_and_worst(totals: list[float | None]) -> tuple[int, int] | None:
+    """(the index of the highest total, of the lowest) among those not None, the first of equals; None when fewer
+    than two are left or all of them are equal."""
+    usable = [j for j, t in enumerate(totals) if t is not None]
+    if len(usable) < 2:
+        return None
+    best = max(usable, key=lambda j: (totals[j], -j))
+    worst = min(usable, key=lambda j: (totals[j], j))
     return (best, worst) if totals[best] > totals[worst] else None
 
 
@@ -33,7 +38,7 @@ def pair_row(row: PromptRow, chosen: str, rejected: str, totals: tuple[float, fl
     fields and both replies' rewards."""
     return {"prompt": row.messages, "chosen": [{"role": "assistant", "content": chosen}],
             "rejected": [{"role": "assistant", "content": rejected}],
-            **{k: row.row[k] for k in KEPT if k in row.row},
+            "prefix_id": row.prefix_id, **{k: row.row[k] for k in KEPT if k in row.row},
             "chosen_reward": totals[0], "rejected_reward": totals[1]}
 
 
@@ -51,7 +56,7 @@ def own_words_pairs(engine: Engine, rows: list[PromptRow], prompt_ids: list[list
         replies = samples.replies(tok)
         reward_sum += sum(map(sum, totals))
         for k, i in enumerate(call):
-            picked = best_and_worst(totals[k])
+            picked = best_and_worst([t if replies[k * n + j].strip() else None for j, t in enumerate(totals[k])])
             if picked:
                 best, worst = picked
                 mine.append((i, pair_row(rows[i], replies[k * n + best], replies[k * n + worst],

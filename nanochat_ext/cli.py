@@ -118,6 +118,24 @@ SCRIPT_FLAGS: dict[str, tuple[dict, dict[str, tuple[Any, str]]]] = {
         "kat_eval": (0, "sampling"),
         "kat_own_pairs": (0, "sampling"),
         "kat_task_data": (0, "which questions are drawn")}),
+    "policy": ({}, {
+        "kat_eval": ([], "a trained policy to evaluate under NAME (repeatable), e.g. 'GRPO density=<dir>'; default: "
+                          "--policy_after"),
+        "kat_own_pairs": (REQUIRED_FLAG, "the model to sample (a nanochat checkpoint dir or a Hugging Face causal-LM "
+                                         "dir)")}),
+    "reward_fn": ({"action": "append"}, {
+        "kat_eval": ([], "the task reward pass@k and tool use read, as for kat_train_grpo (default: gsm8k)"),
+        "kat_own_pairs": (REQUIRED_FLAG, "the task's reward, as for kat_train_grpo (repeatable: their sum judges)")}),
+    "samples": ({"type": int}, {
+        "kat_eval": (4, "sampled completions per prompt"),
+        "kat_own_pairs": (8, "completions sampled per prompt")}),
+    "temperature": ({"type": float}, {
+        "kat_eval": (1.0, "the sampled completions' temperature"),
+        "kat_own_pairs": (1.0, "their temperature")}),
+    "max_new_tokens": ({"type": int}, {
+        "kat_eval": (512, "completion length limit (default: %(default)s, GRPO's; speedrun.sh passes the length its "
+                          "GRPO policies trained with)"),
+        "kat_own_pairs": (512, "completion length limit")}),
     "n_eval": ({"type": int}, {
         "kat_demo_data": (200, "held-out prompts, and twice as many pairs"),
         "kat_task_data": (64, "held-out prompts")}),

@@ -59,25 +59,20 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--before_name", default=BEFORE, help="its name in the report (default: %(default)s)")
     p.add_argument("--policy_after", default=None,
                    help="default: <base>/chatrl_checkpoints/uniform; not used when --policy is given")
-    p.add_argument("--policy", action="append", default=[], metavar="NAME=PATH",
-                   help="a trained policy to evaluate under NAME (repeatable), e.g. 'GRPO density=<dir>'")
+    add_flag(p, "kat_eval", "policy", action="append", metavar="NAME=PATH")
     p.add_argument("--eval_pairs", default=None, help="held-out pairs (default: <base>/demo/eval_pairs.jsonl)")
     p.add_argument("--eval_holdout", type=float, default=None, metavar="RATIO",
                    help="evaluate only the prompts (by prefix_id) a trainer with --val_ratio RATIO holds out, so that "
                         "--eval_pairs and --eval_prompts may be the training files; the report says so")
     p.add_argument("--eval_prompts", default=None, help="held-out prompts (default: <base>/demo/eval_prompts.jsonl)")
-    p.add_argument("--samples", type=int, default=4, help="sampled completions per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0,
-                   help="the sampled completions' temperature (default: %(default)s)")
-    p.add_argument("--max_new_tokens", type=int, default=512,
-                   help="completion length limit (default: %(default)s, GRPO's; speedrun.sh passes the length its GRPO "
-                        "policies trained with)")
+    add_flag(p, "kat_eval", "samples")
+    add_flag(p, "kat_eval", "temperature")
+    add_flag(p, "kat_eval", "max_new_tokens")
     add_flag(p, "kat_eval", "seed")
     p.add_argument("--pass_k", type=int, default=0,
                    help="pass@1..K of each policy: K samples per prompt at temperature 1, correct where the first "
                         "--reward_fn gives 1 (nanochat's chat_rl measure), and the unbiased estimator (0: off)")
-    p.add_argument("--reward_fn", action="append", default=[],
-                   help="the task reward pass@k and tool use read, as for kat_train_grpo (default: gsm8k)")
+    add_flag(p, "kat_eval", "reward_fn")
     p.add_argument("--tool_prompts", default=None,
                    help="prompts with answers to measure tool use on: the task reward's greedy accuracy with the "
                         "tools and with them switched off (the same prompts, calls unanswered), calls and refusals, "

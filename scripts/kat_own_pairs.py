@@ -35,15 +35,13 @@ from nanochat_ext.training.setup import ModelConfig
 
 def flags() -> argparse.ArgumentParser:
     p = parser("kat_own_pairs", __doc__)
-    p.add_argument("--policy", required=True, help="the model to sample (a nanochat checkpoint dir or a Hugging "
-                                                   "Face causal-LM dir)")
+    add_flag(p, "kat_own_pairs", "policy")
     add_flag(p, "kat_own_pairs", "prompts")
-    p.add_argument("--reward_fn", action="append", required=True,
-                   help="the task's reward, as for kat_train_grpo (repeatable: their sum judges)")
+    add_flag(p, "kat_own_pairs", "reward_fn")
     add_flag(p, "kat_own_pairs", "out")
-    p.add_argument("--samples", type=int, default=8, help="completions sampled per prompt (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=1.0, help="their temperature (default: %(default)s)")
-    p.add_argument("--max_new_tokens", type=int, default=512, help="completion length limit (default: %(default)s)")
+    add_flag(p, "kat_own_pairs", "samples")
+    add_flag(p, "kat_own_pairs", "temperature")
+    add_flag(p, "kat_own_pairs", "max_new_tokens")
     p.add_argument("--max_prompts", type=int, default=0, help="use the first N prompts (0: all)")
     p.add_argument("--prompts_per_call", type=int, default=16,
                    help="prompts a generate call decodes (each --samples rows; default: %(default)s)")

@@ -195,6 +195,38 @@ def test_methods_table_averages_seeds_and_pairs_them_with_grpo(tmp_path):
     assert main([str(results)]) == 2
 
 
+def test_the_lr_sweep_reads_each_runs_metrics_and_its_evaluation(tmp_path):
+    """bench/lr_sweep_row.py, one JSON line per rate of bench/lr_sweep.sh: GRPO's evaluations (best, last), the RM's
+    held-out accuracy, DPO's last margin beside kat_eval's accuracy of that rate's policy and of the model before; an
+    unknown method is the sweep's usage line."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    rows = [{"step": 0, "eval/reward_greedy": 0.1}, {"step": 1, "train/reward": 0.2, "train/loss": 0.7,
+            "train/grad_norm": 3.0, "rewards/margins": 0.1, "rewards/accuracies": 0.5},
+            {"step": 2, "train/reward": 0.6, "train/loss": 0.4, "train/grad_norm": 9.0, "rewards/margins": 0.8,
+             "rewards/accuracies": 1.0, "eval/reward_greedy": 0.5, "val/accuracy": 0.7, "val/loss": 0.6},
+            {"step": 2, "eval/reward_greedy": 0.3}]
+    (run / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"policies": {"before": {"task_accuracy_greedy": 0.1, "tool_use": {}},
+                                               "lr 1e-05": {"task_accuracy_greedy": 0.4, "tool_use": {}}}}))
+
+    def row(*args):
+        return json.loads(subprocess.run([sys.executable, str(REPO / "bench" / "lr_sweep_row.py"), *args],
+                                         capture_output=True, text=True, check=True).stdout)
+
+    grpo = row("grpo", str(run), "3e-5")
+    assert (grpo["lr"], grpo["steps"], grpo["best"], grpo["last"]) == (3e-5, 2, 0.5, 0.3)
+    assert grpo["eval_greedy"] == [[0, 0.1], [2, 0.5], [2, 0.3]] and grpo["grad_norm_max"] == 9.0
+    rm = row("rm", str(run), "1e-4", "2", "30", "8")
+    assert (rm["unfreeze_last"], rm["val_accuracy"], rm["train_loss_first"], rm["train_loss_last"]) == ("2", 0.7, 0.7, 0.4)
+    dpo = row("dpo", str(run), "1e-05", str(report))
+    assert (dpo["task_accuracy_greedy"], dpo["before_task_accuracy_greedy"]) == (0.4, 0.1)
+    assert (dpo["margin_last"], dpo["pair_accuracy_last"], dpo["train_loss_last"]) == (0.8, 1.0, 0.4)
+    usage = subprocess.run(["bash", str(REPO / "bench" / "lr_sweep.sh"), "ppo"], capture_output=True, text=True)
+    assert usage.returncode == 2 and "lr_sweep.sh rm|grpo|dpo|sft" in usage.stderr
+
+
 def test_our_curve_pairs_each_evaluation_with_its_steps_seconds():
     """bench/ours_real_model.py reads kat_train_grpo's metrics.jsonl: each evaluation's greedy accuracy beside the
     training seconds and lr logged at the same step, the final evaluation once."""

@@ -43,3 +43,13 @@ def test_pairs_on_two_ranks_are_one_ranks_and_train_dpo(assets, tmp_path):
     again = run_script("scripts.kat_own_pairs", flags + ["--out", str(files[1])], env=env)
     assert_stopped(again, 2, ": exists (remove it to draw the pairs again)")
     assert files[1].read_text() == before
+
+
+def test_prompts_whose_samples_all_score_alike_give_no_pairs_and_no_file(assets, tmp_path):
+    out = tmp_path / "pairs.jsonl"
+    proc = run_script("scripts.kat_own_pairs", [
+        "--policy", str(assets["gpt"]), "--prompts", str(assets["pairs"]), "--reward_fn", "rewards_for_tests:zero",
+        "--max_prompts", "3", "--samples", "2", "--max_new_tokens", "2", "--out", str(out)],
+        env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert_stopped(proc, 2, "no pair: each prompt's 2 samples scored alike under --reward_fn (mean reward 0.000)")
+    assert not out.exists() and not list(tmp_path.iterdir())  # nothing half-written

@@ -50,7 +50,7 @@ def test_learns_a_preference_and_scores_it(assets, tmp_path):
 
 def test_the_default_lr_follows_what_trains_and_a_far_higher_one_is_warned_about(assets, tmp_path, capsys):
     """--lr where not given: the head's rate for the head alone and LoRA, lower ones for blocks and for all (RM_LRS, from
-    bench/rm_lr_sweep.sh); the checkpoint records the rate the run used. A given --lr 10x or more above the rate for
+    bench/lr_sweep.sh rm); the checkpoint records the rate the run used. A given --lr 10x or more above the rate for
     what trains is one warning line; one below it, none."""
     runs = {"head": (), "lora": ("--lora_r", "4"), "blocks": ("--unfreeze_last", "1"), "all": ("--unfreeze_last", "all")}
     for mode, flags in runs.items():

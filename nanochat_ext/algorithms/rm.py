@@ -26,7 +26,7 @@ from nanochat_ext.training.setup import RewardModelTraining
 from nanochat_ext.training.tracking import Tracker, WindowSums
 
 
-# The RM's AdamW --lr where not given, by what trains (bench/rm_lr_sweep.sh on SmolLM2-135M-Instruct, the sweep in
+# The RM's AdamW --lr where not given, by what trains (`bench/lr_sweep.sh rm` on SmolLM2-135M-Instruct, the sweep in
 # docs/reward_models.md#learning-rate): the head alone learned best at 3e-3, which makes trained blocks diverge.
 # LoRA's adapters train at the head's rate, as before the sweep (not swept).
 RM_LRS = {"head": 3e-3, "blocks": 1e-4, "all": 1e-5}

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -28,6 +27,8 @@ from nanochat_ext.generation.agent import Agent, AgentConfig
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from nanochat_ext.runtime.checkpoint import write_text_atomic
+from nanochat_ext.runtime.outdir import check_writable
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.training.setup import ModelConfig
@@ -62,25 +63,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def writable(out: Path, tmp: Path) -> str | None:
+def writable(out: Path) -> str | None:
     """Rank 0's check of --out before any sampling: not there yet (pairs are drawn once, before a DPO stage reads
-    them), and its directory writable (its temporary file made and removed)."""
+    them), and its directory writable."""
     if out.exists():
         return f"--out {out}: exists (remove it to draw the pairs again)"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text("")
-        tmp.unlink()
-    except OSError as e:
-        return f"--out {out}: cannot write there ({e.strerror})"
-    return None
+    return f"--out {out}: {error}" if (error := check_writable(out.parent)) else None
 
 
 def make_pairs(args: argparse.Namespace, session: Session) -> str:
     env = session.env
     out = Path(args.out)
-    tmp = out.with_name(out.name + ".tmp")
-    raise_if_any(writable(out, tmp) if env.is_main else None)  # before the sampling, on every rank
+    raise_if_any(writable(out) if env.is_main else None)  # before the sampling, on every rank
     rows = load_prompts(args.prompts)[:args.max_prompts or None]
     rewards = Rewards(None, args.reward_fn, None)
     check_references(args.reward_fn, rows, args.prompts)  # before the model loads
@@ -99,11 +93,8 @@ def make_pairs(args: argparse.Namespace, session: Session) -> str:
                      f"(--temperature) or other prompts")
     if env.is_main:
         try:
-            with open(tmp, "w") as f:
-                f.writelines(json.dumps(p) + "\n" for p in pairs)
-            os.replace(tmp, out)  # whole or not at all
+            write_text_atomic(out, "".join(json.dumps(p) + "\n" for p in pairs))
         except OSError as e:
-            tmp.unlink(missing_ok=True)
             raise InputError(f"--out {out}: the pairs could not be written ({e.strerror})") from e
     return (f"{counts['pairs']} pairs from {counts['prompts']} prompts ({args.samples} samples each, mean reward "
             f"{counts['mean_reward']:.3f}) in {out}")

@@ -254,11 +254,20 @@ def update_meta(model_path: Path, fields: dict) -> None:
     write_json_atomic(meta_path, {**read_json(meta_path), **fields})
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    """path holds data as JSON, whole or not at all (written beside it, then published)."""
+def write_text_atomic(path: Path, text: str) -> None:
+    """path holds text, whole or not at all (written beside it, then published; an OSError leaves neither)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    _publish(tmp, path)
+    try:
+        tmp.write_text(text)
+        _publish(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    """path holds data as JSON, whole or not at all."""
+    write_text_atomic(path, json.dumps(data, indent=1, default=str))
 
 
 def save_synced(out_dir: str | os.PathLike, params: list[torch.Tensor], write: Callable[[int], Path],

@@ -1,5 +1,6 @@
 """The optimizers the trainers build: AdamW against torch's reference implementation, and --optimizer muon against
 nanochat's own optimizer (its groups and its steps, golden), on 1 and 2 ranks and resumed."""
+import dataclasses
 import math
 
 import pytest
@@ -7,7 +8,10 @@ import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
-from nanochat_ext.training.optim import lr_multiplier, make_adamw
+from nanochat_ext import api
+from nanochat_ext.cli import DEFAULTS, TRAINERS
+from nanochat_ext.training import optim
+from nanochat_ext.training.optim import LR_CLIFF_PARAMS, LR_CLIFFS, OptimConfig, lr_multiplier, lr_warning, make_adamw
 from scripts import kat_train_grpo
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
@@ -185,3 +189,29 @@ def test_linear_decay_is_chat_rls_schedule():
     """--lr_decay linear: nanochat chat_rl's lrm = 1 - it / num_steps (after any warmup)."""
     assert [lr_multiplier(step, 4, 0, decay="linear") for step in range(4)] == [1.0, 0.75, 0.5, 0.25]
     assert [lr_multiplier(step, 4, 2, decay="linear") for step in range(4)] == [0.5, 1.0, 1.0, 0.5]
+
+
+def test_a_full_fine_tune_at_its_trainers_measured_cliff_is_warned_about(assets, tmp_path, capfd, monkeypatch):
+    """An AdamW --lr at or above the trainer's cliff on SmolLM2 (optim.LR_CLIFFS, from bench/lr_sweep.sh) is one
+    warning line for a model of SmolLM2's size or more; below it, on a far smaller model, with LoRA or Muon: none. No
+    default --lr reaches its trainer's cliff. A DPO run prints the line (the tiny model counted as large enough)."""
+    size = LR_CLIFF_PARAMS
+    for trainer, (cliff, _) in LR_CLIFFS.items():
+        assert DEFAULTS["lr"][TRAINERS.index(trainer)] < cliff, trainer
+        adamw = dataclasses.replace(OptimConfig(), lr=cliff)
+        said = lr_warning(trainer, adamw, size, lora=False)
+        assert said.startswith(f"warning: --lr {cliff:g} is at or above") and "#learning-rate" in said
+        assert lr_warning(trainer, dataclasses.replace(adamw, lr=cliff * 3), size, lora=False)
+        assert lr_warning(trainer, dataclasses.replace(adamw, lr=cliff * 0.9), size, lora=False) is None
+        assert lr_warning(trainer, adamw, size - 1, lora=False) is None
+        assert lr_warning(trainer, adamw, size, lora=True) is None
+        assert lr_warning(trainer, dataclasses.replace(adamw, optimizer="muon"), size, lora=False) is None
+    cliff = LR_CLIFFS["dpo"][0]
+    dpo = {"policy": str(assets["gpt"]), "pairs": str(assets["pairs"]), "lr": cliff, "max_steps": 1, "batch_size": 4,
+           "val_ratio": 0, "eval_every": 0, "save_every": 0, "device": "cpu"}
+    api.train_dpo(**dpo, out=str(tmp_path / "small"))
+    assert "warning: --lr" not in capfd.readouterr().out  # the tiny model: the cliff says nothing of it
+    monkeypatch.setattr(optim, "LR_CLIFF_PARAMS", 0)
+    api.train_dpo(**dpo, out=str(tmp_path / "large"))
+    assert [line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: --lr")] == [
+        lr_warning("dpo", dataclasses.replace(OptimConfig(), lr=cliff), LR_CLIFF_PARAMS, lora=False)]

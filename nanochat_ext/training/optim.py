@@ -19,6 +19,18 @@ OPTIMIZERS = ("adamw", "muon")
 LR_DECAYS = ("cosine", "linear")
 MUON_LR = 0.05  # --lr under --optimizer muon where not given: nanochat chat_rl.py's --init-lr-frac
 
+# Where a policy trainer's AdamW --lr falls off a cliff: the lowest rate at which a sweep on SmolLM2-135M-Instruct
+# (bench/lr_sweep.sh, docs/hyperparameters.md#learning-rate) left the model worse than it started, and what it did
+# there. A full fine-tune at or above it is one warning line, for a model of LR_CLIFF_PARAMS parameters or more: a safe
+# rate falls as models grow, so the cliff holds at the swept size and above and says nothing of a far smaller model
+# (the demo's). Every default --lr lies below its cliff. LoRA's adapters and Muon's fraction were not swept; the RM's
+# rates follow what it trains (algorithms.rm.RMConfig.lr_warning).
+LR_CLIFFS = {
+    "dpo": (3e-4, "held-out greedy accuracy fell to 0.010 from the model's 0.062 in 16 steps, where 1e-5 reached 0.323"),
+    "grpo": (1e-4, "held-out greedy accuracy fell to 0.016 from the model's 0.109 in 40 steps, where 3e-5 reached 0.578"),
+}
+LR_CLIFF_PARAMS = 100_000_000
+
 
 @dataclass(frozen=True)
 class OptimConfig:
@@ -104,6 +116,18 @@ def check_muon_model(kind: str, model: nn.Module) -> None:
     if kind == "muon" and not isinstance(model, GPT):
         raise InputError(f"--optimizer muon is nanochat's recipe for nanochat GPT policies; a "
                          f"{type(model).__name__} trains with --optimizer adamw")
+
+
+def lr_warning(trainer: str, optim: OptimConfig, parameters: int, lora: bool) -> str | None:
+    """One line where a full fine-tune of a model of LR_CLIFF_PARAMS or more runs AdamW at or above the trainer's
+    measured cliff, else None."""
+    if trainer not in LR_CLIFFS or lora or optim.optimizer != "adamw" or parameters < LR_CLIFF_PARAMS:
+        return None
+    cliff, seen = LR_CLIFFS[trainer]
+    if optim.lr < cliff:
+        return None
+    return (f"warning: --lr {optim.lr:g} is at or above {cliff:g}, where {trainer.upper()} on SmolLM2-135M-Instruct "
+            f"fell off a cliff: {seen} (docs/hyperparameters.md#learning-rate)")
 
 
 def make_optimizer(kind: str, model: nn.Module, params: list[nn.Parameter], lr: float, weight_decay: float,

@@ -31,7 +31,7 @@ from nanochat_ext.runtime.precision import DTYPES, compute_dtype, precision
 from nanochat_ext.runtime.resume import check_resume_args
 from nanochat_ext.tokenizer import TokenizerWrapper, same_ids
 from nanochat_ext.training.logprobs import CompletionLogprobs, reference_model
-from nanochat_ext.training.optim import OptimConfig, check_muon_model, make_optimizer
+from nanochat_ext.training.optim import OptimConfig, check_muon_model, lr_warning, make_optimizer
 
 
 @dataclass(frozen=True)
@@ -217,6 +217,9 @@ class PolicyTraining(ModelTraining):
             print0(describe_lora(policy))
         else:
             policy.set_trainable("all")
+        if warning := lr_warning(kind.removesuffix("_policy"), optim, sum(p.numel() for p in policy.parameters()),
+                                 bool(lora)):
+            print0(warning)
         self.reference = None
         if reference and (loaded.reference or not lora):  # computes as the policy does (under fsdp on CUDA in bf16)
             backbone = loaded.reference or load_backbone(policy.source, env.device, vintage=cfg.nanochat_vintage)

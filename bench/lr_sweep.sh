@@ -27,16 +27,18 @@ OUT="${OUT:-bench/results/${METHOD}_lr_sweep_$(date +%F).jsonl}"
 task() {  # dir task [kat_task_data flags]: the task's data in $WORK/<dir>, made once
     [ -f "$WORK/$1/.complete" ] || python -m scripts.kat_task_data --task "$2" --out "$WORK/$1" "${@:3}"
 }
-train() {  # run lr command...: one training run, its log beside it; a failure is reported and the sweep goes on
+train() {  # run lr command...: one training run, its log beside it (and run.done once it ends well); a failure is
+    # reported and the sweep goes on without it
     local run="$1" lr="$2"; shift 2
     "$@" --lr "$lr" --seed 0 --save_every 0 --out "$run" > "$run.log" 2>&1 || { echo "failed: $lr (log $run.log)"; return 1; }
+    touch "$run.done"
 }
 row() {  # the run's JSON line into OUT, shown
     python bench/lr_sweep_row.py "$@" >> "$OUT" && tail -1 "$OUT"
 }
 evaluate() {  # flags...: one kat_eval over the model and every trained rate, into $WORK/$METHOD.report.json
     local policies=()
-    for lr in $LRS; do [ -d "$WORK/${METHOD}_$lr" ] && policies+=(--policy "lr $lr=$WORK/${METHOD}_$lr"); done
+    for lr in $LRS; do [ -f "$WORK/${METHOD}_$lr.done" ] && policies+=(--policy "lr $lr=$WORK/${METHOD}_$lr"); done
     python -m scripts.kat_eval --base_dir "$WORK" --policy_before "$MODEL_DIR" --before_name "before" "${policies[@]}" \
         --seed 0 --out "$WORK/$METHOD.report.md" "$@" > "$WORK/$METHOD.eval.log" 2>&1
 }
@@ -74,7 +76,7 @@ dpo)
             --batch_size 16 --val_ratio 0 --eval_every 0 --max_steps 16 || true
     done
     evaluate --eval_prompts "$WORK/dpo_task/eval.jsonl" --reward_fn last_number --max_new_tokens 16 --samples 4
-    for lr in $LRS; do [ -d "$WORK/dpo_$lr" ] && row dpo "$WORK/dpo_$lr" "$lr" "$WORK/dpo.report.json"; done ;;
+    for lr in $LRS; do [ -f "$WORK/dpo_$lr.done" ] && row dpo "$WORK/dpo_$lr" "$lr" "$WORK/dpo.report.json"; done ;;
 sft)
     LRS="${LRS:-2e-6 2e-5 2e-4 2e-3}"
     task sft_task multiplication --n_eval 32
@@ -85,5 +87,5 @@ sft)
     done
     evaluate --eval_prompts "$WORK/sft_task/eval.jsonl" --reward_fn last_number --samples 1 --tools "$TOOL" \
         --tool_prompts "$WORK/sft_task/eval.jsonl" --max_new_tokens 96 --tool_max_new_tokens 96
-    for lr in $LRS; do [ -d "$WORK/sft_$lr" ] && row sft "$WORK/sft_$lr" "$lr" "$WORK/sft.report.json"; done ;;
+    for lr in $LRS; do [ -f "$WORK/sft_$lr.done" ] && row sft "$WORK/sft_$lr" "$lr" "$WORK/sft.report.json"; done ;;
 esac

@@ -12,8 +12,9 @@
 #         greedy accuracy with the tool and calls per reply (kat_eval --tool_prompts)
 #
 #   MODEL_DIR=~/.cache/nanochat/models/smollm2-135m-instruct bash bench/lr_sweep.sh rm|grpo|dpo|sft
-# Knobs: LRS (the rates; rm: LRS_HEAD, LRS_BLOCKS, LRS_ALL), WORK (the data and the runs; a new temp dir by default),
-# OUT (bench/results/<method>_lr_sweep_<date>.jsonl).
+# Knobs: LRS (the rates; rm: LRS_HEAD, LRS_BLOCKS, LRS_ALL), WORK (the data and the runs; a new temp dir by default;
+# a rate's run starts again from scratch), OUT (bench/results/<method>_lr_sweep_<date>.jsonl, appended to), KEEP=1
+# (keep each run's checkpoint: 0.5 GB a run). Exit 1 where a run or its row failed.
 set -euo pipefail
 METHOD="${1:-}"
 case "$METHOD" in rm|grpo|dpo|sft) ;;
@@ -24,23 +25,31 @@ MODEL_DIR="${MODEL_DIR:?the converted SmolLM2 dir (MODEL=smollm2 bash speedrun.s
 WORK="${WORK:-$(mktemp -d)}"
 OUT="${OUT:-bench/results/${METHOD}_lr_sweep_$(date +%F).jsonl}"
 
+echo "lr_sweep $METHOD: runs in $WORK (a run's checkpoint is removed once its row is written; KEEP=1 keeps it)"
+FAILED=0
+
 task() {  # dir task [kat_task_data flags]: the task's data in $WORK/<dir>, made once
     [ -f "$WORK/$1/.complete" ] || python -m scripts.kat_task_data --task "$2" --out "$WORK/$1" "${@:3}"
 }
-train() {  # run lr command...: one training run, its log beside it (and run.done once it ends well); a failure is
-    # reported and the sweep goes on without it
+train() {  # run lr command...: one run from scratch, its log beside it and run.done once it ends well; a failure is
+    # counted and the sweep goes on without it
     local run="$1" lr="$2"; shift 2
-    "$@" --lr "$lr" --seed 0 --save_every 0 --out "$run" > "$run.log" 2>&1 || { echo "failed: $lr (log $run.log)"; return 1; }
-    touch "$run.done"
+    rm -rf "$run" "$run.done"
+    if "$@" --lr "$lr" --seed 0 --save_every 0 --out "$run" > "$run.log" 2>&1; then touch "$run.done"; return; fi
+    echo "failed: $lr (log $run.log)"; FAILED=$((FAILED + 1)); return 1
 }
-row() {  # the run's JSON line into OUT, shown
-    python bench/lr_sweep_row.py "$@" >> "$OUT" && tail -1 "$OUT"
+row() {  # method run lr [more]: the run's JSON line into OUT, shown; then its checkpoint removed
+    if python bench/lr_sweep_row.py "$@" >> "$OUT"; then tail -1 "$OUT"
+    else echo "no row: $1 $3 (log $2.log)"; FAILED=$((FAILED + 1)); fi
+    [ "${KEEP:-0}" = 1 ] || rm -rf "$2"/model_* "$2"/state_* "$2"/shards_*
 }
-evaluate() {  # flags...: one kat_eval over the model and every trained rate, into $WORK/$METHOD.report.json
+evaluate() {  # flags...: one kat_eval over the model and every rate that trained, into $WORK/$METHOD.report.json
     local policies=()
     for lr in $LRS; do [ -f "$WORK/${METHOD}_$lr.done" ] && policies+=(--policy "lr $lr=$WORK/${METHOD}_$lr"); done
+    [ ${#policies[@]} -gt 0 ] || { echo "no $METHOD run ended well: nothing to evaluate" >&2; exit 1; }
     python -m scripts.kat_eval --base_dir "$WORK" --policy_before "$MODEL_DIR" --before_name "before" "${policies[@]}" \
-        --seed 0 --out "$WORK/$METHOD.report.md" "$@" > "$WORK/$METHOD.eval.log" 2>&1
+        --seed 0 --out "$WORK/$METHOD.report.md" "$@" > "$WORK/$METHOD.eval.log" 2>&1 ||
+        { echo "the evaluation failed (log $WORK/$METHOD.eval.log)" >&2; exit 1; }
 }
 
 case "$METHOD" in
@@ -89,3 +98,4 @@ sft)
         --tool_prompts "$WORK/sft_task/eval.jsonl" --max_new_tokens 96 --tool_max_new_tokens 96
     for lr in $LRS; do [ -f "$WORK/sft_$lr.done" ] && row sft "$WORK/sft_$lr" "$lr" "$WORK/sft.report.json"; done ;;
 esac
+[ "$FAILED" = 0 ] || { echo "lr_sweep $METHOD: $FAILED run(s) failed" >&2; exit 1; }

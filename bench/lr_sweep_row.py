@@ -1,5 +1,6 @@
 """One run of bench/lr_sweep.sh as a JSON line on stdout: what the run's metrics.jsonl (and, for DPO and SFT, the
-sweep's kat_eval report) say about it.
+sweep's kat_eval report) say about it. A "_last" training figure is the last one logged: the mean over its logging
+window (--log_every steps; SFT logs every 20, so an 8-step run's is the mean of all 8).
 
     python bench/lr_sweep_row.py rm RUN LR MODE STEPS BATCH
     python bench/lr_sweep_row.py grpo RUN LR
@@ -27,9 +28,10 @@ def rm(rows: list[dict], mode: str, steps: str, batch: str) -> dict:
 
 def grpo(rows: list[dict]) -> dict:
     evals = [(r["step"], r["eval/reward_greedy"]) for r in rows if "eval/reward_greedy" in r]
-    reward = column(rows, "train/reward")
+    reward, entropy = column(rows, "train/reward"), column(rows, "train/entropy")
     return {"steps": len(reward), "eval_greedy": evals, "best": max(a for _, a in evals), "last": evals[-1][1],
             "train_reward_last10": sum(reward[-10:]) / len(reward[-10:]),
+            "entropy_first": entropy[0], "entropy_last5": sum(entropy[-5:]) / len(entropy[-5:]),
             "grad_norm_max": max(column(rows, "train/grad_norm"))}
 
 
@@ -42,7 +44,8 @@ def evaluated(rows: list[dict], lr: str, report: str) -> dict:
            "grad_norm_max": max(column(rows, "train/grad_norm")),
            **{k: mine[k] for k in keys if k in mine}, **{f"before_{k}": before[k] for k in keys if k in before}}
     if margins := column(rows, "rewards/margins"):  # DPO's own view of its pairs
-        out |= {"margin_last": margins[-1], "pair_accuracy_last": column(rows, "rewards/accuracies")[-1]}
+        out |= {"margin_last": margins[-1], "pair_accuracy_last": column(rows, "rewards/accuracies")[-1],
+                "logps_chosen_last": column(rows, "logps/chosen")[-1]}
     if mine.get("tool_use"):
         out |= {"tool_use": mine["tool_use"], "before_tool_use": before["tool_use"]}
     return out

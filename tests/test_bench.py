@@ -202,9 +202,11 @@ def test_the_lr_sweep_reads_each_runs_metrics_and_its_evaluation(tmp_path):
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
     rows = [{"step": 0, "eval/reward_greedy": 0.1}, {"step": 1, "train/reward": 0.2, "train/loss": 0.7,
-            "train/grad_norm": 3.0, "rewards/margins": 0.1, "rewards/accuracies": 0.5},
-            {"step": 2, "train/reward": 0.6, "train/loss": 0.4, "train/grad_norm": 9.0, "rewards/margins": 0.8,
-             "rewards/accuracies": 1.0, "eval/reward_greedy": 0.5, "val/accuracy": 0.7, "val/loss": 0.6},
+            "train/grad_norm": 3.0, "train/entropy": 2.0, "rewards/margins": 0.1, "rewards/accuracies": 0.5,
+            "logps/chosen": -20.0},
+            {"step": 2, "train/reward": 0.6, "train/loss": 0.4, "train/grad_norm": 9.0, "train/entropy": 1.0,
+             "rewards/margins": 0.8, "rewards/accuracies": 1.0, "logps/chosen": -30.0, "eval/reward_greedy": 0.5,
+             "val/accuracy": 0.7, "val/loss": 0.6},
             {"step": 2, "eval/reward_greedy": 0.3}]
     (run / "logs" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = tmp_path / "report.json"
@@ -218,11 +220,13 @@ def test_the_lr_sweep_reads_each_runs_metrics_and_its_evaluation(tmp_path):
     grpo = row("grpo", str(run), "3e-5")
     assert (grpo["lr"], grpo["steps"], grpo["best"], grpo["last"]) == (3e-5, 2, 0.5, 0.3)
     assert grpo["eval_greedy"] == [[0, 0.1], [2, 0.5], [2, 0.3]] and grpo["grad_norm_max"] == 9.0
+    assert (grpo["entropy_first"], grpo["entropy_last5"]) == (2.0, 1.5)
     rm = row("rm", str(run), "1e-4", "2", "30", "8")
     assert (rm["unfreeze_last"], rm["val_accuracy"], rm["train_loss_first"], rm["train_loss_last"]) == ("2", 0.7, 0.7, 0.4)
     dpo = row("dpo", str(run), "1e-05", str(report))
     assert (dpo["task_accuracy_greedy"], dpo["before_task_accuracy_greedy"]) == (0.4, 0.1)
     assert (dpo["margin_last"], dpo["pair_accuracy_last"], dpo["train_loss_last"]) == (0.8, 1.0, 0.4)
+    assert dpo["logps_chosen_last"] == -30.0
     usage = subprocess.run(["bash", str(REPO / "bench" / "lr_sweep.sh"), "ppo"], capture_output=True, text=True)
     assert usage.returncode == 2 and "lr_sweep.sh rm|grpo|dpo|sft" in usage.stderr
 

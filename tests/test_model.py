@@ -16,7 +16,7 @@ from nanochat_ext.models.gpt import GPT, GPTConfig
 from nanochat_ext.models.loader import default_tokenizer_path, load_backbone, load_tokenizer_for
 from nanochat_ext.models.reward_model import RewardModel, RewardScorer
 from nanochat_ext.models.vintages import VINTAGES
-from nanochat_ext.runtime.checkpoint import find_checkpoint, new_stamp, save_checkpoint
+from nanochat_ext.runtime.checkpoint import find_checkpoint, new_stamp, save_checkpoint, write_text_atomic
 from nanochat_ext.runtime.outdir import check_writable
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import SPECIAL_TOKENS, TokenizerWrapper
@@ -146,6 +146,15 @@ def test_check_writable(tmp_path):
     assert list((tmp_path / "new" / "dir").iterdir()) == []
     (tmp_path / "f").write_text("x")
     assert "cannot be written" in check_writable(tmp_path / "f" / "sub")
+
+
+def test_an_atomic_write_that_fails_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "taken").mkdir()  # the rename onto a directory fails after the temporary file is written
+    with pytest.raises(OSError):
+        write_text_atomic(tmp_path / "taken", "text")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    write_text_atomic(tmp_path / "fresh.jsonl", "a\nb\n")
+    assert (tmp_path / "fresh.jsonl").read_text() == "a\nb\n" and len(list(tmp_path.iterdir())) == 2
 
 
 def test_native_llama_matches_transformers(assets, tmp_path):

@@ -2,6 +2,7 @@
 nanochat's own optimizer (its groups and its steps, golden), on 1 and 2 ranks and resumed."""
 import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -196,6 +197,9 @@ def test_a_full_fine_tune_at_its_trainers_measured_cliff_is_warned_about(assets,
     warning line for a model of SmolLM2's size or more; below it, on a far smaller model, with LoRA or Muon: none. No
     default --lr reaches its trainer's cliff. A DPO run prints the line (the tiny model counted as large enough)."""
     size = LR_CLIFF_PARAMS
+    kinds = {k.removesuffix("_policy") for f in (REPO / "nanochat_ext" / "recipes").glob("*.py")
+             for k in re.findall(r'PolicyTraining\([^()]*?kind="(\w+)"', f.read_text())}
+    assert kinds == set(LR_CLIFFS)  # each policy trainer's kind names its cliff (PolicyTraining checks it by kind)
     for trainer, (cliff, _) in LR_CLIFFS.items():
         assert DEFAULTS["lr"][TRAINERS.index(trainer)] < cliff, trainer
         adamw = dataclasses.replace(OptimConfig(), lr=cliff)

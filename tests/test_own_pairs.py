@@ -45,11 +45,18 @@ def test_pairs_on_two_ranks_are_one_ranks_and_train_dpo(assets, tmp_path):
     assert files[1].read_text() == before
 
 
-def test_prompts_whose_samples_all_score_alike_give_no_pairs_and_no_file(assets, tmp_path):
+def test_no_pair_at_all_or_an_out_that_cannot_be_written_is_one_line_and_no_file(assets, tmp_path):
+    """Prompts whose samples all score alike give no pair: one line, no file. An --out whose directory cannot be made
+    is refused before the model loads."""
+    def own_pairs(out):
+        return run_script("scripts.kat_own_pairs", [
+            "--policy", str(assets["gpt"]), "--prompts", str(assets["pairs"]), "--reward_fn", "rewards_for_tests:zero",
+            "--max_prompts", "3", "--samples", "2", "--max_new_tokens", "2", "--out", str(out)],
+            env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+
     out = tmp_path / "pairs.jsonl"
-    proc = run_script("scripts.kat_own_pairs", [
-        "--policy", str(assets["gpt"]), "--prompts", str(assets["pairs"]), "--reward_fn", "rewards_for_tests:zero",
-        "--max_prompts", "3", "--samples", "2", "--max_new_tokens", "2", "--out", str(out)],
-        env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
-    assert_stopped(proc, 2, "no pair: each prompt's 2 samples scored alike under --reward_fn (mean reward 0.000)")
-    assert not out.exists() and not list(tmp_path.iterdir())  # nothing half-written
+    assert_stopped(own_pairs(out), 2,
+                   "no pair: each prompt's 2 samples scored alike under --reward_fn (mean reward 0.000)")
+    assert not list(tmp_path.iterdir())  # nothing half-written
+    (tmp_path / "a_file").write_text("")
+    assert_stopped(own_pairs(tmp_path / "a_file" / "pairs.jsonl"), 2, "a_file: dir cannot be written (File exists)")

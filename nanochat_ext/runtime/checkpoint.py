@@ -255,7 +255,8 @@ def update_meta(model_path: Path, fields: dict) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """path holds text, whole or not at all (written beside it, then published; an OSError leaves neither)."""
+    """path holds text, whole or not at all: written beside it, then renamed into place. An OSError leaves no
+    temporary file behind (one from the directory's fsync, after the rename, leaves the new file in place)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
         tmp.write_text(text)

@@ -23,13 +23,15 @@ MUON_LR = 0.05  # --lr under --optimizer muon where not given: nanochat chat_rl.
 # SmolLM2-135M-Instruct (bench/lr_sweep.sh, docs/hyperparameters.md#learning-rate) left the model no better than it
 # started, and what it did there. A full fine-tune at or above it is one warning line, for a model of LR_CLIFF_PARAMS
 # parameters or more: a safe rate falls as models grow, so the cliff holds at the swept size and above and says
-# nothing of a far smaller model (the demo's). Every default --lr lies below its cliff. LoRA's adapters and Muon's fraction were not swept; the RM's
-# rates follow what it trains (algorithms.rm.RMConfig.lr_warning).
+# nothing of a far smaller model (the demo's). Every default --lr lies below its cliff. LoRA's adapters and Muon's
+# fraction were not swept; the RM's rates follow what it trains (algorithms.rm.RMConfig.lr_warning).
 LR_CLIFFS = {
-    "dpo": (3e-4, "held-out greedy accuracy fell to 0.010 from the model's 0.062 in 16 steps, where 1e-5 reached 0.323"),
+    "dpo": (3e-4, "held-out greedy accuracy fell to 0.010 from the model's 0.062 in 16 steps, where 1e-5 reached "
+                  "0.323"),
     "sft": (2e-3, "held-out tool calls fell to none and accuracy with the tool to 0.000 in 8 steps (the replies echo a "
                   "factor), where 2e-4 reached 0.969"),
-    "grpo": (1e-4, "held-out greedy accuracy fell to 0.016 from the model's 0.109 in 40 steps, where 3e-5 reached 0.578"),
+    "grpo": (1e-4, "held-out greedy accuracy fell to 0.016 from the model's 0.109 in 40 steps, where 3e-5 reached "
+                   "0.578"),
 }
 LR_CLIFF_PARAMS = 100_000_000
 

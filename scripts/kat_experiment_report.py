@@ -285,13 +285,13 @@ def arm_table(arm: str, rows: dict, headline: list[str]) -> list[str]:
     return lines + ["", verdict(arm, rows, headline), ""]
 
 
-def weights_by_topic(reports: dict[int, dict]) -> dict[str, dict[str, list[float]]]:
+def weights_by_topic(reports: dict[int, dict]) -> dict[str, dict[str, list[float | None]]]:
     """{topic (or kind): {"share": [per seed], "weight": [per seed]}}: each topic's share of the pairs and its pairs'
     mean density weight, from the pairs and weights each seed's density stage read and wrote (its command in the
-    report, its paths as it ran). {} where a seed ran none, or its files are gone (the report rebuilt elsewhere from
-    the seeds' report.json alone)."""
-    out: dict[str, dict[str, list[float]]] = {}
-    for s, r in reports.items():
+    report, its paths as it ran); a topic with no pair in a seed has share 0 and weight None there. {} where a seed
+    ran none, or its files are gone (the report rebuilt elsewhere from the seeds' report.json alone)."""
+    seen: list[dict[str, tuple[float, float]]] = []  # per seed: topic -> (share, mean weight)
+    for r in reports.values():
         command = r.get("stages", {}).get("density")
         if not command:
             return {}
@@ -302,24 +302,24 @@ def weights_by_topic(reports: dict[int, dict]) -> dict[str, dict[str, list[float
         weight = {w["prefix_id"]: w["weight"] for w in map(json.loads, weights.read_text().splitlines())}
         topic = {n: topic_of(row) for n, row in read_rows(str(pairs))}
         rows = [(topic.get(r.line), weight[r.prefix_id]) for r in load_pairs(pairs)[0]]
-        for t in sorted({t for t, _ in rows if t is not None}):
-            mine = [w for topic, w in rows if topic == t]
-            out.setdefault(t, {"share": [], "weight": []})
-            out[t]["share"].append(len(mine) / len(rows))
-            out[t]["weight"].append(mean(mine))
-    return out
+        by_topic = {t: [w for topic, w in rows if topic == t] for t in {t for t, _ in rows if t is not None}}
+        seen.append({t: (len(mine) / len(rows), mean(mine)) for t, mine in by_topic.items()})
+    return {t: {"share": [seed.get(t, (0.0, None))[0] for seed in seen],
+                "weight": [seed.get(t, (0.0, None))[1] for seed in seen]}
+            for t in sorted({t for seed in seen for t in seed})}
 
 
-def weights_section(by_topic: dict[str, dict[str, list[float]]]) -> list[str]:
+def weights_section(by_topic: dict[str, dict[str, list[float | None]]]) -> list[str]:
     if not by_topic:
         return []
     ranked = sorted(by_topic, key=lambda t: -mean(by_topic[t]["share"]))
     return ["## Do the density weights find the rare kinds?", "",
             "Each kind's (topic's) share of the training pairs and its pairs' mean density weight (the weights have "
-            "mean 1 over prompts), mean over seeds and per seed. Weighting can only help the rare kinds if it "
-            "weighs them up.", "", "| kind | share of pairs | mean weight | per seed |", "|---|---|---|---|"] + [
-        f"| {t} | {mean(by_topic[t]['share']):.3f} | {mean(by_topic[t]['weight']):.3f} | "
-        f"{', '.join(f'{w:.3f}' for w in by_topic[t]['weight'])} |" for t in ranked] + [""]
+            "mean 1 over prompts), mean over seeds and per seed ('-': no pair of the kind in that seed; its mean "
+            "weight is over the seeds that have one). Weighting can only help the rare kinds if it weighs them up.",
+            "", "| kind | share of pairs | mean weight | per seed |", "|---|---|---|---|"] + [
+        f"| {t} | {mean(by_topic[t]['share']):.3f} | {mean([w for w in by_topic[t]['weight'] if w is not None]):.3f} "
+        f"| {', '.join('-' if w is None else f'{w:.3f}' for w in by_topic[t]['weight'])} |" for t in ranked] + [""]
 
 
 def uniform_rm_gaps(reports: dict[int, dict]) -> list[float]:

@@ -157,6 +157,15 @@ def test_weights_by_topic_read_the_demos_pairs_as_the_trainers_do(tmp_path):
     by_topic = kat_experiment_report.weights_by_topic({0: report})
     assert by_topic["weather"]["weight"] == [0.5] and by_topic["chess"]["weight"] == [2.0]
     assert abs(sum(t["share"][0] for t in by_topic.values()) - 1) < 1e-9 and by_topic["weather"]["share"][0] > 0.2
+    # a seed whose pairs hold no weather: share 0 there, no weight, shown '-'; the mean weight over the seeds with one
+    no_weather = write_jsonl(tmp_path / "no_weather.jsonl", [r for r in synthetic.make_pairs(60, seed=1)
+                                                             if r["topic"] != "weather"])
+    two = kat_experiment_report.weights_by_topic({0: report, 1: {"stages": {"density": density.replace(
+        str(pairs), str(no_weather))}}})
+    assert two["weather"]["share"][1] == 0.0 and two["weather"]["weight"] == [0.5, None]
+    assert two["chess"]["weight"] == [2.0, 2.0]
+    weather = [line for line in kat_experiment_report.weights_section(two) if line.startswith("| weather |")]
+    assert weather == [f"| weather | {two['weather']['share'][0] / 2:.3f} | 0.500 | 0.500, - |"]
     (tmp_path / "w.jsonl").unlink()  # the report rebuilt where the density stage's files are not: no weights section
     assert kat_experiment_report.weights_by_topic({0: report}) == {}
 

@@ -20,7 +20,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nanochat_ext.runtime import sandbox, sandbox_child  # noqa: E402
-from nanochat_ext.tasks.code_tests import parse_tests, verdict  # noqa: E402
+from nanochat_ext.tasks.code_checks import parse_tests  # noqa: E402
+from nanochat_ext.tasks.code_tests import verdict  # noqa: E402
 
 CODE = "def add(a, b):\n    return a + b"
 TESTS = "assert add(2, 3) == 5\nassert add(-4, 1) == -3\nassert add(0, 0) == 0"
@@ -31,14 +32,14 @@ def step(mode: str) -> float:
     if mode == "plain python -I (the previous harness)":
         subprocess.run([sys.executable, "-I", "-c", CODE + "\n" + TESTS], capture_output=True, timeout=10)
     else:
-        steps, checks = parse_tests(TESTS)
+        plan = parse_tests(TESTS)
         limits = sandbox.Limits(seconds=5)
         if mode == "sealed":
-            run = sandbox.run(CODE, steps, limits)
+            run = sandbox.run(CODE, plan.steps, limits)
         else:
             with sandbox.RUNS:  # as run() holds it
-                run = sandbox.launch(CODE, steps, limits, isolate=False)
-        assert verdict(run, steps, checks, limits)[0], run
+                run = sandbox.launch(CODE, plan.steps, limits, isolate=False)
+        assert verdict(run, plan, limits)[0], run
     return time.perf_counter() - t0
 
 
@@ -47,9 +48,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--burst", type=int, default=32)
     args = p.parse_args()
-    out = {"isolation": sandbox.seal_trial()}
+    out = {"isolation": sandbox.isolation()}
     modes = ["plain python -I (the previous harness)"]
-    modes += ["sealed"] * (out["isolation"] == "sealed")
+    modes += ["sealed"] * (sandbox.seal_trial() == "sealed")
     # unsealed runs as nobody where we are root, and not at all where nobody cannot read this Python
     modes += ["unsealed"] * (os.getuid() != 0 or sandbox_child.readable_by_others(sandbox_child.python_paths()))
     for mode in modes:

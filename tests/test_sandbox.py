@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,9 +18,11 @@ import pytest
 
 from conftest import REPO
 from nanochat_ext.errors import InputError
+from nanochat_ext.generation import toolbox
 from nanochat_ext.runtime import sandbox, sandbox_child
 from nanochat_ext.tasks import code_functions, synthetic
-from nanochat_ext.tasks.code_tests import CodeTests, parse_tests, passes, run_tests
+from nanochat_ext.tasks.code_checks import parse_tests
+from nanochat_ext.tasks.code_tests import CodeTests, passes, run_tests, verdict
 from scripts import kat_train_grpo
 
 TESTS = "assert add(2, 3) == 5\nassert add(-4, 1) == -3\nassert not add(0, 0)"
@@ -45,7 +48,7 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
                                       "def add(a, b):\n    return Yes()", "returned Yes, not a plain value"),
     "an int subclass": ("class Int(int):\n    def __eq__(self, other):\n        return True\n"
                         "def add(a, b):\n    return Int(0)", "add(2, 3) gave 0"),  # compared as the int it is
-    "the harness patched": ("import sys\nrunner = sys.modules['__main__']\n"
+    "the harness patched": ("import sys\nrunner = sys.modules['nanochat_ext.runtime.sandbox_code']\n"
                             "runner.encode = lambda value, depth=0: ['int', '0x5']\n"
                             "def add(a, b):\n    return 0", "test 2 of 3: add(-4, 1) gave 5"),
     "the tests looked for": ("import gc, re, sys\n"
@@ -70,6 +73,9 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
     "many children": ("import os, time\nkids = 0\ntry:\n    for _ in range(64):\n        if os.fork() == 0:\n"
                       "            time.sleep(60)\n            os._exit(0)\n        kids += 1\nexcept OSError:\n"
                       "    pass\ndef add(a, b):\n    return kids", "add(2, 3) gave 7"),  # 8 processes at most
+    "a real-time signal to itself": ("import os\nos.kill(os.getpid(), 40)", "(killed by signal 40) before test 1"),
+    "an exit status past 128": ("import os\nos._exit(170)", "before test 1 of 3 gave its value"),
+    "a huge int inside a list": ("def add(a, b):\n    return [10 ** 5000]", "add(2, 3) gave a list too large to print"),
     "a child that outlives the step": (
         "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(1.5)\n"
         f"    open('{MARK}-late', 'w').write('x')\n    os._exit(0)\ndef add(a, b):\n    return 0", "add(2, 3) gave 0"),
@@ -87,7 +93,9 @@ SEALED_ONLY = {  # need the namespaces: the filesystem and the network
     "SysV shared memory": ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
                            "def add(a, b):\n    return libc.shmget(0, 200 << 20, 0o1600)", "add(2, 3) gave -1"),
     "a socket to 127.0.0.1": ("import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)",
-                              "Network is unreachable"),
+                              "the code raised OSError"),  # seccomp refuses AF_INET; without it, no route
+    "a vsock socket to the host": ("import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
+                                   "the code raised OSError: [Errno 97]"),  # not behind the network namespace
     "rewriting the harness": (f"open({str(REPO / 'nanochat_ext/runtime/sandbox_child.py')!r}, 'a').write('#')",
                               "the code raised"),
 }
@@ -150,23 +158,75 @@ def test_the_solution_passes_and_each_failure_says_what_the_code_gave():
     assert run_tests(hog, TESTS, time_limit=LIMIT)[0] and time.monotonic() - t0 < 1.0
 
 
-def test_tests_are_judged_here_where_they_compare_with_a_literal():
-    """`<expression> <op> <literal>` (either way round, `not` in front) sends only the expression; anything else is
-    judged by its truth value, and other statements run in order."""
-    steps, checks = parse_tests("import math\nassert f(1) == [1, 2]\nassert 3 in f(3)\nassert not f(0) is None\n"
-                                "x = f(2)\nassert math.isclose(x[0], 2.0)")
-    assert [(kind, source) for kind, source, _ in steps] == [
-        ("exec", "import math"), ("value", "f(1)"), ("value", "f(3)"), ("value", "f(0)"), ("exec", "x = f(2)"),
-        ("truth", "math.isclose(x[0], 2.0)")]
-    assert [(c.literal, c.literal_first, c.negated) for c in checks.values()] == [
-        ([1, 2], False, False), (3, True, False), (None, False, True), (None, False, False)]
-    assert run_tests("def f(x):\n    return [x, 2] if x else None",
-                     "import math\nassert f(1) == [1, 2]\nassert 3 in f(3)\nassert not f(1) is None\nx = f(2)\n"
-                     "assert math.isclose(x[0], 2.0)") == (True, "all tests passed")
-    with pytest.raises(InputError, match="no assert"):
-        parse_tests("x = 1")
+def test_only_the_codes_values_come_back_and_the_rest_is_judged_here():
+    """Each assert: the code's values (maximal expressions from a name the tests do not define) are probes; the
+    rest, literals, operators, builtins and math, is evaluated by the trainer. Forms judged in the code's reach
+    (a name the tests bind, a comprehension) and asserts that ask nothing of the code are refused when read."""
+    plan = parse_tests("import math\nassert f(1) == [1, 2]\nassert 3 in f(3)\nassert not f(0) is None\n"
+                       "assert abs(area(2) - 12.566) < 0.001\nassert math.isclose(g(1)[0], 2.0, rel_tol=1e-3)\n"
+                       "assert is_ok(5)\nassert sorted(f(2)) == sorted(h(2))")
+    assert [(kind, source) for kind, source, _ in plan.steps] == [
+        ("exec", "import math"), ("value", "f(1)"), ("value", "f(3)"), ("value", "f(0)"), ("value", "area(2)"),
+        ("value", "g(1)[0]"), ("truth", "is_ok(5)"), ("value", "f(2)"), ("value", "h(2)")]
+    assert [steps for _, steps in plan.asserts] == [[2], [3], [4], [5], [6], [7], [8, 9]]
+    assert run_tests("def f(x):\n    return [x, 2] if x else None\ndef area(r):\n    return 3.1415 * r * r\n"
+                     "g = f\nh = lambda x: [2, x]\nis_ok = bool", "import math\nassert f(1) == [1, 2]\n"
+                     "assert 3 in f(3)\nassert not f(1) is None\nassert abs(area(2) - 12.566) < 0.001\n"
+                     "assert math.isclose(g(2)[0], 2.0)\nassert is_ok(5)\nassert sorted(f(2)) == sorted(h(2))"
+                     ) == (True, "all tests passed")
+    for tests, why in (("x = f(2)\nassert x == 2", "`x` is defined by the tests' own statements"),
+                       ("def check(v):\n    return v\nassert check(f(1))", "`check` is defined by the tests"),
+                       ("assert all(f(i) for i in range(3))", "GeneratorExp"),
+                       ("assert (lambda: f(1))() == 1", "Lambda"),
+                       ("assert sum([1, 2]) == 3", "asks nothing of the code"),
+                       ("x = 1", "no assert"), ("assert (", "line 1")):
+        with pytest.raises(InputError, match=re.escape(why)):
+            parse_tests(tests)
     with pytest.raises(InputError, match="line 1"):
         CodeTests({"tests": "assert ("})
+
+
+FORGERIES = {  # name -> (the model's code, the row's tests): a test form MBPP uses, forged through the code's objects
+    "__sub__ and __abs__ that give 0": ("class Z(float):\n    __sub__ = __rsub__ = lambda s, o: 0.0\n"
+                                        "    __abs__ = lambda s: 0.0\n"
+                                        "def area(r):\n    return Z(1.0)", "assert abs(area(2) - 12.566) < 0.001"),
+    "an object equal to everything, minus": ("class Z:\n    __sub__ = __rsub__ = lambda s, o: 0\n"
+                                             "def f(x):\n    return Z()", "assert f(2) - 7 == 0"),
+    "math.isclose patched": ("import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0.0",
+                             "import math\nassert math.isclose(f(1), 3.0, rel_tol=1e-3)"),
+    "builtins patched": ("import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.sorted = lambda x: [1, 2]\n"
+                         "def f(x):\n    return 9.0\ndef g(x):\n    return [5]",
+                         "assert abs(f(1) - 3.0) < 0.1\nassert sorted(g(1)) == [1, 2]"),
+}
+
+
+@pytest.mark.parametrize("name", FORGERIES)
+def test_a_forged_value_scores_0(name):
+    """The second catalog's forgeries of test forms MBPP writes: each scores 0, the rest of the assert being
+    evaluated by the trainer over plain values."""
+    code, tests = FORGERIES[name]
+    assert not run_tests(code, tests, time_limit=LIMIT)[0]
+
+
+def test_the_verdict_never_raises_whatever_the_code_gives():
+    """Every exit status and signal the code can end with, and values whose description is hard, become a failed
+    test with a reason: never an exception in the trainer (a reward that raises stops the run on every rank)."""
+    plan = parse_tests("assert f(1) == 2\nassert abs(f(2) - 1) < 1")
+    limits = sandbox.Limits(seconds=1)
+    odd = [[10 ** 5000], {"k": [1 << 70000]}, [[[[]]]], float("nan"), 1 + 2j, b"\xff" * 100, {1, 2}]
+    for status in [*range(0, 256), None]:
+        for values in ({}, {1: odd[status % len(odd)] if status else 2}):
+            run = sandbox.Run(values=values, status=status, sealed="sealed")
+            passed, said = verdict(run, plan, limits)
+            assert isinstance(said, str) and said and not passed
+    for value in odd:
+        assert verdict(sandbox.Run(values={1: value, 2: value}, sealed="sealed"), plan, limits)[0] is False
+    run = sandbox.Run(errors={1: "raised ValueError: x"}, sealed="sealed")
+    assert verdict(run, plan, limits) == (False, "test 1 of 2: f(1) raised ValueError: x")
+    assert verdict(sandbox.Run(values={1: 2, 2: 10 ** 300}, sealed="sealed"), plan, limits)[0] is False
+    huge = parse_tests("assert 2 ** f(1) == 4\nassert 'x' * f(2) == 'xx'")
+    said = verdict(sandbox.Run(values={1: 10 ** 9, 2: 2}, sealed="sealed"), huge, limits)[1]
+    assert "too large to judge" in said
 
 
 def test_the_values_that_come_back_are_plain_data():
@@ -212,7 +272,8 @@ def test_the_sealed_code_sees_its_own_directory_and_no_process_outside():
     host.write_text("the host's /tmp")
     asked = ["os.getcwd()", "sorted(p for p in os.listdir('/proc') if p.isdigit())", "os.listdir('/tmp')",
              "os.getppid()", "os.path.expanduser('~')", "sorted(os.listdir('/dev'))",
-             f"os.path.isdir({str(REPO)!r}) and 'README.md' in os.listdir({str(REPO)!r})"]
+             f"os.path.isdir({str(REPO)!r}) and 'README.md' in os.listdir({str(REPO)!r})",
+             "sorted(os.listdir('/etc'))", "open('/etc/passwd').read().count(':x:')"]
     try:
         run = sandbox.run("import os\nopen('mine', 'w').write('x')", [("value", a, a) for a in asked],
                           sandbox.Limits(seconds=LIMIT))
@@ -220,9 +281,60 @@ def test_the_sealed_code_sees_its_own_directory_and_no_process_outside():
         host.unlink()
     # /tmp holds what it wrote (and where this checkout lies under /tmp, its Python's directories, read-only)
     tmp = run.values.pop(3)
+    etc = sorted([n for n in sandbox_child.ETC if os.path.exists(f"/etc/{n}")] + list(sandbox_child.USERS))
     assert "mine" in tmp and host.name not in tmp and run.values == {1: "/tmp", 2: ["1", "2"], 4: 1, 5: "/tmp",
-                                                           6: sorted(sandbox_child.DEVICES), 7: False}, run
+                                                           6: sorted(sandbox_child.DEVICES), 7: False, 8: etc,
+                                                           9: 2}, run
     assert not run.errors
+
+
+WALLS = """import ctypes, errno, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+import pyseccomp
+def refused(name, *args):
+    number = pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+    ctypes.set_errno(0)
+    got = libc.syscall(number, *[ctypes.c_long(a) for a in args])
+    return got == -1 and ctypes.get_errno() in (errno.EPERM, errno.ENOSYS)
+"""
+REFUSED = {"keyctl": (0, -3, 0), "add_key": (0, 0, 0, 0, -3), "ptrace": (16, 1, 0, 0), "bpf": (0, 0, 0),
+           "perf_event_open": (0, 0, -1, -1, 0), "userfaultfd": (0,), "io_uring_setup": (1, 0),
+           "unshare": (0x10000000,), "mount": (0, 0, 0, 0, 0), "process_vm_readv": (1, 0, 0, 0, 0, 0)}
+
+
+@pytest.mark.skipif("seccomp" not in sandbox.isolation(), reason=f"no seccomp filter here: {sandbox.isolation()}")
+def test_the_code_meets_a_seccomp_filter_and_a_keyring_of_its_own():
+    """The kernel's riskiest calls are refused (EPERM) and sockets other than AF_UNIX too, AF_VSOCK included; the
+    code's session keyring is its own, and the keyring's calls are refused; /proc says the filter is on."""
+    asked = [f"refused({name!r}, *{args})" for name, args in REFUSED.items()]
+    asked += ["open('/proc/self/status').read().split('Seccomp:')[1].split()[0]",
+              "len(socket.socketpair(socket.AF_UNIX))"]
+    for isolate in (SEALED,):
+        run = sandbox.launch(WALLS, [("value", a, a) for a in asked], sandbox.Limits(seconds=LIMIT), isolate=isolate)
+        assert run.values == {**{k + 1: True for k in range(len(REFUSED))}, len(REFUSED) + 1: "2",
+                              len(REFUSED) + 2: 2}, (isolate, run)
+
+
+def test_the_sandbox_mounts_the_interpreters_directories_never_sys_path(monkeypatch, tmp_path):
+    """A project root on sys.path (a .pth of `pip install -e`, a script's own directory), its .env and held-out
+    tests beside its code, is not among what the sealed root shows: only the standard library, site-packages and
+    the interpreter's program."""
+    (tmp_path / ".env").write_text("TOKEN=secret")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path), str(REPO)])
+    shown = sandbox_child.python_paths()
+    assert not [p for p in shown if str(tmp_path).startswith(p) or str(REPO).startswith(p) and p != "/"], shown
+    assert os.path.dirname(os.__file__) in shown
+
+
+@needs_namespaces
+def test_the_kernel_memory_the_code_makes_is_bounded():
+    """Empty files with user xattrs in the code's /tmp: the kernel's memory for them is bounded by the tmpfs's
+    inodes (and, where a cgroup is made, by its memory.max with everything else)."""
+    flood = ("import os\nmade = 0\ntry:\n    while made < 100_000:\n        p = f'/tmp/{made}'\n"
+             "        open(p, 'w').close()\n        made += 1\n        os.setxattr(p, 'user.x', b'x' * 4000)\n"
+             "except OSError as e:\n    stopped = e.errno\n")
+    run = sandbox.run(flood, [("value", "made", "made"), ("value", "stopped", "why")], sandbox.Limits(seconds=LIMIT))
+    assert run.values[1] <= sandbox_child.WORK_INODES and run.values[2] in (28, 12), run  # ENOSPC (or ENOMEM)
 
 
 def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):
@@ -236,11 +348,13 @@ def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):
             pytest.skip("no Python that nobody can read, to run unsealed as nobody")
         monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/python3")
     before = descendants()
-    code = "import os, time\nfor _ in range(3):\n    if os.fork() == 0:\n        os.setsid()\n        time.sleep(30)\n"
-    asked = [("value", "add(2, 3)", "t"), ("value", "os.getuid()", "uid")]
+    code = ("import os, time\nkids = []\nfor _ in range(3):\n    kid = os.fork()\n    if kid == 0:\n"
+            "        os.setsid()\n        time.sleep(30)\n    kids.append(kid)\n")
+    asked = [("value", "add(2, 3)", "t"), ("value", "os.getuid()", "uid"), ("value", "kids", "kids")]
     run = sandbox.launch(code + SOLVED, asked, sandbox.Limits(seconds=LIMIT), isolate=False)
+    kids = run.values.pop(3)
     assert run.sealed == "off" and run.values == {1: 5, 2: 65534 if os.getuid() == 0 else os.getuid()}, run
-    assert descendants() <= before
+    assert descendants() <= before and len(kids) == 3 and not [k for k in kids if alive(k)]  # setsid ones too
 
 
 def test_a_sandbox_dies_with_its_caller(tmp_path):
@@ -298,3 +412,33 @@ def test_grpo_runs_the_code_task_sealed(tmp_path, capsys):
            f"{sandbox.isolation()}" in said
     metrics = json.loads((tmp_path / "out" / "logs" / "metrics.jsonl").read_text().splitlines()[0])
     assert metrics["train/reward_env"] == 0.0 and metrics["train/env_timeouts"] == 0.0 and metrics["train/turns"] > 1
+
+
+def test_a_rows_verdict_does_not_depend_on_its_neighbours():
+    """8 rows whose code loops forever and 2 correct rows in one decode step, more than the sandbox's slots: the
+    correct rows' wait for a slot and the sandboxes' start are not their time, so they pass within --tool_timeout
+    (2 s here: the code's own limit 1 s); the looping rows fail on their own clock."""
+    loop, solved = "```python\nwhile True:\n    pass\n```", f"```python\n{SOLVED}\n```"
+    replies = [loop] * 8 + [solved] * 2
+    games = [CodeTests({"tests": TESTS}, time_limit=1.0) for _ in replies]
+    out = toolbox.call_all([(f"row {k}", lambda g=g, r=r: g.step(r)) for k, (g, r) in enumerate(zip(games, replies))],
+                           timeout=2.0, text=False)
+    assert [o.timed_out for o in out] == [False] * 10, [o.text for o in out]
+    assert [g.get_reward() for g in games] == [0.0] * 8 + [1.0] * 2, [o.value for o in out]
+
+
+def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
+    """A start that fails for the machine's reasons (the code had not run) is tried once more; twice, the run says
+    so (failed_to_start) rather than a verdict on the code."""
+    real, calls = sandbox.launch, []
+
+    def flaky(code, steps, limits, isolate, started=None):
+        calls.append(isolate)
+        if len(calls) == 1 or code == "never":
+            return sandbox.Run(sealed="failed: the sandbox ended (killed by SIGKILL)")
+        return real(code, steps, limits, isolate, started)
+
+    monkeypatch.setattr(sandbox, "launch", flaky)
+    assert sandbox.run(SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT)).values == {1: 5}
+    assert len(calls) == 2
+    assert sandbox.run("never", [], sandbox.Limits(seconds=LIMIT)).failed_to_start and len(calls) == 4

@@ -6,7 +6,8 @@ transformers and TRL take them: its JSON schema is transformers' own `get_json_s
 renders into the prompt. An environment is made per rollout by a factory called with a copy of the prompt's row (the
 whole JSON object); docs/tools.md defines what it answers.
 
-Every call runs in a thread of its own, all of one decode step's calls at once, each given --tool_timeout seconds.
+Every call runs in a thread of its own, all of one decode step's calls at once, each given --tool_timeout seconds of
+its own time: what it waits for other calls (a sandbox's slot, runtime/waits.py) is not counted.
 Whatever a call does (raises, returns something that is not text or JSON, takes too long, cannot be started) becomes
 an error observation for its row: the text the model is shown, counted as an error in the logs. A call that overruns
 is abandoned, not stopped (Python cannot stop a thread): it stays counted among the process's late calls until it
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanochat_ext.errors import InputError, first_line
+from nanochat_ext.runtime.waits import Waits
 
 MAX_OUTPUT_CHARS = 4000  # an answer longer than this is cut, and says so
 MAX_LATE_CALLS = 64  # --max_late_calls' default
@@ -186,9 +188,10 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
     if calls and late >= max_late:
         return [Outcome(f"Error: {what} was not run: {late} earlier calls are still running past their timeout",
                         True, refused=True) for what, _ in calls]
-    results: list[dict] = [{} for _ in calls]
+    results: list[dict] = [{"waits": Waits()} for _ in calls]
 
     def run(thunk: Callable[[], Any], box: dict) -> None:
+        box["waits"].attach()
         try:
             box["value"] = thunk()
         except BaseException as e:  # the user's code: whatever it raises is its row's observation
@@ -208,7 +211,8 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
         if th is None:
             out.append(Outcome(f"Error: {what} could not be started ({box['unstarted']})", True))
             continue
-        th.join(max(deadline - time.monotonic(), 0.0))
+        while th.is_alive() and time.monotonic() < deadline + 0.0:  # waits for others: not its time
+            th.join(max(deadline + 0.0 - time.monotonic(), 0.0))
         if th.is_alive():
             LATE.add(th)
             out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))

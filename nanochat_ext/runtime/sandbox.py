@@ -1,8 +1,10 @@
 """Untrusted Python code run sealed: in its own user, mount, pid, network, IPC and UTS namespaces where the OS allows
 them (a root of its own: the system's programs, the Python installation and a few devices read-only, a private
 /tmp, no network, no process outside it visible), under limits on wall clock, CPU, memory, file size, processes
-and open files, every process it starts ended with it, stdin closed, what it writes read up to a cap.
-runtime/sandbox_child.py is the other side of the wall.
+and open files, behind a seccomp filter and, where the machine lets us make one, in a cgroup of its own (memory,
+the kernel's for it included, and processes bounded together), every process it starts ended with it, stdin
+closed, what it writes read up to a cap. runtime/sandbox_child.py and runtime/sandbox_code.py are the other side of
+the wall; docs/tools.md says what it holds against and what it does not.
 
 The caller asks for steps after the code: statements to run ("exec") and expressions whose value comes back
 ("value", or "truth": its truth value), as plain data (int, float, str, bytes, bool, None, and lists, tuples, dicts
@@ -31,15 +33,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanochat_ext.runtime.sandbox_child import MAX_DEPTH, MAX_VALUE, TIMED_OUT, cpu_seconds
+from nanochat_ext.runtime import cgroups
+from nanochat_ext.runtime.sandbox_child import TIMED_OUT
+from nanochat_ext.runtime.sandbox_code import MAX_DEPTH, MAX_VALUE, cpu_seconds
+from nanochat_ext.runtime.waits import not_counted
 
-CHILD = Path(__file__).with_name("sandbox_child.py")
+ROOT = str(Path(__file__).resolve().parents[2])  # the directory nanochat_ext lies in: the child imports from it
+BOOT = f"import sys; sys.path.insert(0, {ROOT!r}); from nanochat_ext.runtime.sandbox_child import main; main()"
 PYTHON = sys.executable  # the interpreter the code runs in (the trainer's)
 KEPT_OUTPUT = 8 << 10  # bytes of the code's stdout and of its stderr kept; the rest is read and dropped
 MAX_RECORDS = 1 << 20  # bytes of results read at most
 MAX_ITEMS = 20_000  # plain values in one record, at most: decoding stays cheap whatever the code sends
-SETUP_SECONDS = 2.0  # beyond the limit: the interpreter's start and the sealing, before the code's clock starts
+START_SECONDS = 60.0  # the interpreter's start and the sealing, before the code's clock starts, at most (a loaded
+# machine's): not the code's time; a sandbox not started by then failed to start
+SWEEP_SECONDS = 1.0  # after the caller asks the supervisor to end (SIGUSR1), how long it may take to sweep
 RUNS = threading.BoundedSemaphore(max(4, os.cpu_count() or 1))  # sandboxes of this process at once
+EXTRA_PROCESSES = 3  # the supervisor, the namespaces' process and init, in the cgroup beside the code's
 
 
 @dataclass(frozen=True)
@@ -49,12 +58,13 @@ class Limits:
     file_mb: int = 1  # largest file; the code's directory holds 4x that
     processes: int = 8  # the code's process and its children (threads count)
     open_files: int = 64
+    total_memory_mb: int = 1024  # every process of the sandbox and the kernel's memory for them, where a cgroup is
 
 
 @dataclass
 class Run:
     """What came back: each step's value or error (by step; step 0 is the code), the code's output (cut), how its
-    process ended, and whether it ran sealed."""
+    process ended, whether it ran sealed, and behind which further walls."""
     values: dict[int, Any] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     stdout: str = ""
@@ -62,62 +72,90 @@ class Run:
     status: int | None = None  # the code's exit code, 128 + the signal that ended it, or TIMED_OUT
     sealed: str = ""  # "sealed"; "off" or "unsealed (why)": it ran unsealed; "refused: why", "failed: why": not run
     garbled: str = ""  # why the results could not be read, where they could not
+    seccomp: str = ""  # "seccomp", or why there was no filter
+    cgroup: str = ""  # "cgroup v2", "cgroup v1", or why there was none
 
     @property
     def ran(self) -> bool:
         return self.sealed in ("sealed", "off") or self.sealed.startswith("unsealed")
+
+    @property
+    def failed_to_start(self) -> bool:
+        """The sandbox did not start, for reasons outside the code (which had not run): the machine's, not the row's."""
+        return self.sealed.startswith("failed")
 
     def ended(self, limits: Limits) -> str:
         """How the code's process ended, in the words the model reads."""
         if self.status == TIMED_OUT:
             return f"timed out after {limits.seconds:g} s"
         if self.status is not None and 128 < self.status < 128 + signal.NSIG:
-            name = signal.Signals(self.status - 128).name if self.status - 128 in signal.valid_signals() else \
-                f"signal {self.status - 128}"
+            name = signal_name(self.status - 128)
             return f"killed by {name}" + (f" (CPU time limit {cpu_seconds(limits.seconds)} s)" if name == "SIGXCPU"
                                           else "")
         return f"exit code {self.status}"
 
 
-_trial: list[str] = []  # the first trial's answer, where it was "sealed" or "refused: ..."
+def signal_name(number: int) -> str:
+    """SIGTERM for 15; "signal 40" for a number Python names no member of (the real-time signals)."""
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
+
+
+_trial: list[Run] = []  # the first trial's run, where it said "sealed" or "refused: ..."
 _trial_lock = threading.Lock()
 
 
-def seal_trial() -> str:
-    """Whether this machine seals a run: "sealed", "refused: ..." (it never will: runs are unsealed) or "failed: ..."
-    (asked again next time)."""
+def trial_run() -> Run:
+    """How this machine runs a sandbox: its first trial's Run, sealed ("sealed"), never sealed ("refused: ..."), or
+    failed ("failed: ...": asked again next time)."""
     with _trial_lock:
         if not _trial:
-            said = launch("pass", [], Limits(seconds=5), isolate=True).sealed
-            if said == "sealed" or said.startswith("refused"):
-                _trial.append(said)
-            return said
+            out = launch("pass", [], Limits(seconds=5), isolate=True)
+            if out.sealed == "sealed" or out.sealed.startswith("refused"):
+                _trial.append(out)
+            return out
         return _trial[0]
+
+
+def seal_trial() -> str:
+    return trial_run().sealed
 
 
 def run(code: str, steps: list[tuple[str, str, str]], limits: Limits = Limits()) -> Run:
     """Run the code, then each (kind, source, name) step: sealed where this machine seals (a run that fails to seal
-    runs nothing), unsealed where it refuses the namespaces. Returns within limits.seconds + SETUP_SECONDS + 1, after
-    waiting for a free slot (RUNS) and, on the first call, the trial."""
-    trial = seal_trial()
-    with RUNS:
-        if trial.startswith("refused"):
-            out = launch(code, steps, limits, isolate=False)
-            out.sealed = f"unsealed ({trial})" if out.sealed == "off" else out.sealed
-            return out
-        return launch(code, steps, limits, isolate=True)
+    runs nothing), unsealed where it refuses the namespaces. A sandbox that fails to start (the machine's failure: the
+    code had not run) is tried once more. The wait for a free slot (RUNS) and the sandbox's start are not counted
+    against the caller's timeout (runtime/waits.py); from the code's start, it returns within limits.seconds + 3."""
+    with not_counted():
+        trial = seal_trial()
+    for _ in range(2):
+        with not_counted() as waiting, RUNS:
+            try:
+                out = launch(code, steps, limits, isolate=not trial.startswith("refused"), started=waiting.end)
+            except OSError as e:  # the machine's: no process or pipe to be had
+                out = Run(sealed=f"failed: {e}")
+            if trial.startswith("refused") and out.sealed == "off":
+                out.sealed = f"unsealed ({trial})"
+        if not out.failed_to_start:
+            break
+    return out
 
 
-def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate: bool) -> Run:
+def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate: bool, started=None) -> Run:
+    """One sandbox run; started() is called once the code's clock starts."""
     workdir = None if isolate else tempfile.mkdtemp(prefix="sandbox-")
+    cgroup, bounded = cgroups.make(limits.total_memory_mb << 20, limits.processes + EXTRA_PROCESSES)
     results_r, results_w = os.pipe()
     report_r, report_w = os.pipe()
     job = {"code": code, "steps": steps, "seconds": limits.seconds, "memory_bytes": limits.memory_mb << 20,
            "file_bytes": limits.file_mb << 20, "processes": limits.processes, "open_files": limits.open_files,
-           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir}
+           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir,
+           "cgroups": cgroup.dirs if cgroup else []}
     try:
         try:
-            proc = subprocess.Popen([PYTHON, "-I", str(CHILD)], stdin=subprocess.PIPE,
+            proc = subprocess.Popen([PYTHON, "-I", "-c", BOOT], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(results_w, report_w),
                                     start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
         finally:
@@ -132,40 +170,54 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
             streams = {proc.stdout.fileno(): ("stdout", KEPT_OUTPUT), proc.stderr.fileno(): ("stderr", KEPT_OUTPUT),
                        results_r: ("results", MAX_RECORDS), report_r: ("report", 4096)}
             records = sum(kind != "exec" for kind, _, _ in steps)
-            read = read_capped(streams, time.monotonic() + limits.seconds + SETUP_SECONDS, proc.pid, records)
+            read = read_capped(streams, limits.seconds, proc.pid, records, started)
             status = proc.wait()
     finally:
         os.close(results_r)
         os.close(report_r)
+        if cgroup:
+            cgroup.remove()  # every process of the sandbox, wherever it went
         if workdir:
             shutil.rmtree(workdir, ignore_errors=True)
+    report = read["report"].decode(errors="replace").splitlines() + ["", ""]
     out = Run(stdout=read["stdout"].decode(errors="replace"), stderr=read["stderr"].decode(errors="replace"),
-              status=status if status >= 0 else 128 - status, sealed=read["report"].decode().strip())
+              status=status if status >= 0 else 128 - status, sealed=report[0].strip(), seccomp=report[1].strip(),
+              cgroup=bounded)
     if not out.sealed:  # the supervisor itself failed or was killed before it said
         out.sealed = f"failed: the sandbox ended ({out.ended(limits)}) {out.stderr.strip()[-200:]}".strip()
     read_records(read["results"], out)
     return out
 
 
-def read_capped(streams: dict[int, tuple[str, int]], deadline: float, group: int, records: int) -> dict[str, bytes]:
-    """Every stream read until it closes, each kept up to its cap, the rest dropped. The process group (a sandbox's
-    supervisor and, with it, everything it started) is killed at the deadline, or as soon as the results hold as
-    many lines as `records` (code that passed has nothing more to say: it would only burn the CPU others wait for);
+def read_capped(streams: dict[int, tuple[str, int]], seconds: float, supervisor: int, records: int,
+                started=None) -> dict[str, bytes]:
+    """Every stream read until it closes, each kept up to its cap, the rest dropped. The code's clock starts when
+    the report's first line comes (started() is called then): the supervisor is asked to end (SIGUSR1: it kills
+    everything below it) when the results hold as many lines as `records` (code that passed has nothing more to
+    say: it would only burn the CPU others wait for), or past the code's seconds (its own clock ends it before);
+    its process group is killed SWEEP_SECONDS later, or START_SECONDS after the start where it never reported;
     then what is left is drained."""
     kept = {name: bytearray() for name, _ in streams.values()}
     sel = selectors.DefaultSelector()
     for fd in streams:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    killed_at = None
+    deadline, asked_at, killed_at = time.monotonic() + START_SECONDS, None, None
     while sel.get_map():
         now = time.monotonic()
-        if killed_at is None and (now >= deadline or records and kept["results"].count(b"\n") >= records):
-            kill_group(group)
+        if started is not None and b"\n" in kept["report"]:
+            started()
+            started, deadline = None, now + seconds + 1.0
+        if asked_at is None and (now >= deadline or records and kept["results"].count(b"\n") >= records
+                                 and b"\n" in kept["report"]):  # not before it said how it ran
+            stop(supervisor)
+            asked_at = now
+        if killed_at is None and asked_at is not None and now >= asked_at + SWEEP_SECONDS:
+            kill_group(supervisor)
             killed_at = now
         if killed_at is not None and now > killed_at + 1.0:
             break  # writers that outlive the kill (an unsealed run's escaped children): stop listening
-        for key, _ in sel.select(timeout=max(min(deadline - now, 0.25), 0.01)):
+        for key, _ in sel.select(timeout=0.05 if asked_at is not None else max(min(deadline - now, 0.25), 0.01)):
             try:
                 chunk = os.read(key.fd, 1 << 16)
             except BlockingIOError:
@@ -176,7 +228,17 @@ def read_capped(streams: dict[int, tuple[str, int]], deadline: float, group: int
             name, cap = streams[key.fd]
             kept[name] += chunk[:max(cap - len(kept[name]), 0)]
     sel.close()
+    if started is not None:
+        started()
     return {name: bytes(data) for name, data in kept.items()}
+
+
+def stop(supervisor: int) -> None:
+    """Ask the supervisor to end: it kills every process below it (an escaped setsid child too), then exits."""
+    try:
+        os.kill(supervisor, signal.SIGUSR1)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def kill_group(group: int) -> None:
@@ -234,13 +296,16 @@ def decode(tagged: Any, budget: list[int], depth: int = 0) -> Any:
 
 
 def isolation() -> str:
-    """What a sandboxed run gets on this machine, for a run's start lines."""
-    trial = seal_trial()
-    if trial == "sealed":
+    """What a sandboxed run gets on this machine, for a run's start lines: the namespaces, the seccomp filter and the
+    cgroup, each said where it is missing."""
+    trial = trial_run()
+    walls = (f"{'a seccomp filter' if trial.seccomp == 'seccomp' else trial.seccomp or 'no seccomp filter'}, "
+             f"{'memory and processes bounded together by a ' + trial.cgroup if trial.cgroup.startswith('cgroup v') else 'memory bounded per process only: ' + trial.cgroup}")
+    if trial.sealed == "sealed":
         return ("sealed: own user, mount, pid and network namespaces (a read-only root of the system's programs and "
                 "Python, its own /tmp, no network, no process outside visible), every process ended with it, limits "
-                "on time, CPU, memory, files and processes")
-    if trial.startswith("refused"):
-        return (f"NOT sealed from the filesystem and network ({trial}): limits on time, CPU, memory, files and "
-                f"processes only, every process ended with it; run untrusted code in a container")
-    return f"broken ({trial}): the code cannot run"
+                f"on time, CPU, memory, files and processes, {walls}")
+    if trial.sealed.startswith("refused"):
+        return (f"NOT sealed from the filesystem and network ({trial.sealed}): limits on time, CPU, memory, files and "
+                f"processes, {walls}, every process ended with it; run untrusted code in a container")
+    return f"broken ({trial.sealed}): the code cannot run"

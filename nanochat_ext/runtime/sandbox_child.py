@@ -1,29 +1,38 @@
-"""The sandbox's side of the wall: runtime/sandbox.py starts this file as `python -I sandbox_child.py`. It seals
+"""The sandbox's side of the wall: runtime/sandbox.py starts it (`python -I -c`, this module's main). It seals
 itself off, runs the untrusted code, then the steps the caller asked for, and writes what each probe gave on a pipe.
-The standard library only; the job is read from stdin before any untrusted line runs. The processes, outermost first:
+The standard library (and pyseccomp) only; the job is read from stdin before any untrusted line runs. The processes,
+outermost first:
 
-    supervisor  the caller's child: the wall clock; at the end it kills every process below it (their subreaper);
-                it maps the namespaces' uid from outside (nobody where the caller is root: RLIMIT_NPROC binds)
+    supervisor  the caller's child, first of all in the sandbox's cgroup where the caller made one (memory and
+                processes counted together, kernel memory too); the wall clock; at the end, or when the caller
+                signals SIGUSR1, it kills every process below it (their subreaper); it maps the namespaces' uid from
+                outside (nobody where the caller is root: RLIMIT_NPROC binds)
     namespaces  unshares user, mount, pid, network, IPC and UTS namespaces, and chroots into a new root: a read-only
-                tmpfs holding only SYSTEM (/usr, /bin, /lib*, /etc) and the Python installation bound read-only,
-                DEVICES, and a tmpfs of the code's own at /tmp; no SysV IPC, no nested user namespaces
+                tmpfs holding only SYSTEM (/usr, /bin, /lib*) and the interpreter's own directories (its standard
+                library, site-packages and program: never a project's) bound read-only, of /etc only what programs
+                need (the users written anew), DEVICES, and a tmpfs of the code's own at /tmp (its size and inodes
+                bounded); no SysV IPC, no nested user namespaces
     init        pid 1 of the new pid namespace: it ends when the code's process does, and the kernel kills the rest
-    code        every capability dropped, no new privileges, the limits set, stdin /dev/null: the untrusted code
+    code        every capability dropped, no new privileges, then runtime/sandbox_code.py's walls (limits, a keyring
+                of its own, the seccomp filter), stdin /dev/null: the untrusted code
 
 Unsealed (the caller asks for it where the OS refuses namespaces), the code runs in the caller's temporary directory
-under the limits, as nobody where the caller is root (not at all where nobody cannot read the Python installation).
-The results pipe carries a JSON line a record, {"step": k, "value": ...} or {"step": k, "error": "..."}: what the
-code's process says, which the caller does not trust. The report pipe, which the code never holds, says how it ran:
-"sealed" or "off" (unsealed), else why the code did not run ("refused: ..." where unshare was, "failed: ...").
+behind the same walls, as nobody where the caller is root (not at all where nobody cannot read the Python
+installation). The results pipe carries a JSON line a record, {"step": k, "value": ...} or {"step": k, "error":
+"..."}: what the code's process says, which the caller does not trust. The report pipe, which the code never holds,
+says how it ran: "sealed" or "off" (unsealed), else why the code did not run ("refused: ..." where unshare was,
+"failed: ..."); then a line: "seccomp", or why there is no filter.
 """
-import builtins
 import ctypes
 import json
 import os
-import resource
 import signal
+import stat
 import sys
+import sysconfig
 import time
+
+from nanochat_ext.runtime.sandbox_code import filter_state, run_code
 
 libc = ctypes.CDLL(None, use_errno=True)
 NAMESPACES = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS UTS IPC USER PID NET
@@ -33,17 +42,19 @@ KEPT_FLAGS = {os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATI
               os.ST_RELATIME: MS_RELATIME}
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
 NOBODY = 65534
-SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")  # what the new root shows
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # what the new root shows
+ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf")  # of /etc, what programs need
+USERS = {"passwd": "root:x:0:0:root:/tmp:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n",
+         "group": "root:x:0:\nnogroup:x:65534:\n"}  # written anew: the machine's users are not the code's to read
 DEVICES = ("null", "zero", "full", "random", "urandom")
+WORK_INODES = 1024  # files and directories the code's /tmp holds: bounds the kernel memory its inodes and xattrs take
 # No SysV shared memory or message queues (outside RLIMIT_AS, outliving processes), no nested user namespaces.
 NO_MORE = {"/proc/sys/kernel/shmmni": "0", "/proc/sys/kernel/shmall": "0", "/proc/sys/kernel/msgmni": "0",
            "/proc/sys/user/max_user_namespaces": "0"}
 WORK = "/tmp"  # the code's directory, its $HOME and $TMPDIR, inside the new root
 TIMED_OUT = 124  # the supervisor's exit code when the wall clock ended the run
-MAX_VALUE = 64 << 10  # bytes of one record
-MAX_DEPTH = 40  # of a value's nesting
-THREADS_ONE = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}  # under RLIMIT_NPROC
-_exit, _write, _dumps = os._exit, os.write, json.dumps  # the harness's own, whatever the code rebinds later
+STOPPED = 125  # the supervisor's exit code when the caller stopped it (the code had answered every probe)
+_exit, _write = os._exit, os.write
 
 
 def check(result: int, what: str) -> None:
@@ -66,24 +77,24 @@ def die_with_parent() -> None:
         _exit(1)
 
 
-def cpu_seconds(seconds: float) -> int:
-    return max(int(seconds + 0.999), 1)
-
-
 # ---- the supervisor ----
 
 def main() -> None:
     job = json.loads(sys.stdin.buffer.read())
+    for cgroup in job.get("cgroups", []):  # first: everything this process starts is counted and ended there
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
     job["show"] = python_paths()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
     die_with_parent()  # the caller gone: so are we, and all below
     libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans of the code stay ours to end
+    signal.signal(signal.SIGUSR1, lambda *_: end(STOPPED))  # the caller has every value: sweep, then go
     report = job["report_fd"]
     os.set_inheritable(report, False)
     said, child = sealed_child(job) if job["isolate"] else unsealed_child(job)  # sealed asked: sealed or nothing
-    _write(report, f"{said}\n".encode())
+    _write(report, f"{said}\n{filter_state()}\n".encode())
     os.close(report)
     os.close(job["results_fd"])
     if child is None:  # the code does not run
@@ -96,8 +107,11 @@ def main() -> None:
 
 
 def python_paths() -> list[str]:
-    """Where this interpreter's standard library and packages lie (this file's own directory left out)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path[1:]}
+    """Where this interpreter's standard library and packages lie, and its program: sysconfig's directories, never
+    sys.path's (a project's root, put there by a .pth of `pip install -e`, holds its secrets and its tests)."""
+    scheme = sysconfig.get_paths()
+    paths = {scheme[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    paths |= {os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
     return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
 
 
@@ -153,7 +167,7 @@ def unsealed_child(job: dict) -> tuple[str, int | None]:
             os.setresgid(NOBODY, NOBODY, NOBODY)
             os.setresuid(NOBODY, NOBODY, NOBODY)
         die_with_parent()  # after the change of credentials, which clears it
-        run_code(job, others=processes_of(os.getuid()) - 1)  # the user's other tasks (other sandboxes' too)
+        run_code(job, others=processes_of(os.getuid()) - 1, libc=libc)  # the user's other tasks (other sandboxes')
     return "off", child
 
 
@@ -286,16 +300,24 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
     writable tmpfs at WORK; the rest of the root a read-only tmpfs."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     root = "/tmp"  # any directory: this mount namespace is ours
-    mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,mode=0755")
+    mount("tmpfs", root, "tmpfs", MS_NOSUID, "size=1m,nr_inodes=256,mode=0755")
     os.makedirs(root + WORK)  # first: a shown path under /tmp (a clone's .venv) is bound inside it, not hidden by it
-    mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},mode=0700")
+    mount("tmpfs", root + WORK, "tmpfs", MS_NOSUID | MS_NODEV, f"size={work_bytes},nr_inodes={WORK_INODES},mode=0700")
+    os.makedirs(root + "/etc")
+    for name, text in USERS.items():
+        with open(f"{root}/etc/{name}", "w") as f:
+            f.write(text)
+    etc = [(f"/etc/{name}", None) for name in ETC if os.path.exists(f"/etc/{name}")]
     binds = [(p, None) for p in SYSTEM if os.path.isdir(p) and not os.path.islink(p)]
     binds += [(p, fd) for p, fd in shown if not any(p.startswith(s + "/") for s, _ in binds)]
     for path in SYSTEM:
         if os.path.islink(path):  # merged /usr: /bin -> usr/bin
             os.symlink(os.readlink(path), root + path)
-    for path, fd in binds:
-        os.makedirs(root + path, exist_ok=True)
+    for path, fd in binds + etc:
+        if stat.S_ISDIR(os.stat(path).st_mode if fd is None else os.fstat(fd).st_mode):  # fd: opened as the caller
+            os.makedirs(root + path, exist_ok=True)
+        else:
+            open(root + path, "w").close()
         mount(path if fd is None else f"/proc/self/fd/{fd}", root + path, None, MS_BIND | MS_REC)
         kept = os.statvfs(root + path).f_flag  # a remount must keep what is locked (noexec, the atime rule)
         mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
@@ -320,7 +342,7 @@ def be_init(job: dict) -> None:
     if code == 0:
         os.chdir(WORK)
         drop_capabilities()
-        run_code(job, others=2)  # init and its parent count among the namespace's processes
+        run_code(job, others=2, libc=libc)  # init and its parent count among the namespace's processes
     os.close(job["results_fd"])
     while True:
         pid, status = os.wait()
@@ -342,108 +364,6 @@ def drop_capabilities() -> None:
 
     check(libc.capset(ctypes.byref(Header(0x20080522, 0)), ctypes.byref((Data * 2)())), "capset")
     check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no new privileges")
-
-
-# ---- the code ----
-
-def run_code(job: dict, others: int) -> None:
-    """Under the limits (others: processes of this user that RLIMIT_NPROC counts besides the code's), the code then
-    every step in order; each probe's value (or error) a record. Never returns."""
-    out = job["results_fd"]
-    os.set_inheritable(out, False)  # an exec'd program starts without it
-    seconds = cpu_seconds(job["seconds"])
-    for limit, value in ((resource.RLIMIT_CPU, (seconds, seconds + 1)), (resource.RLIMIT_AS, job["memory_bytes"]),
-                         (resource.RLIMIT_FSIZE, job["file_bytes"]), (resource.RLIMIT_NOFILE, job["open_files"]),
-                         (resource.RLIMIT_NPROC, job["processes"] + others), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
-    os.environ.clear()
-    os.environ.update(PATH="/usr/local/bin:/usr/bin:/bin", HOME=os.getcwd(), TMPDIR=os.getcwd(), LANG="C.UTF-8",
-                      **THREADS_ONE)
-    os.umask(0o077)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
-    steps = [("exec", job["code"], "the code")] + [tuple(s) for s in job["steps"]]
-    for k, (kind, source, what) in enumerate(steps):
-        record = step(kind, source, what, namespace)
-        if record is not None:
-            line = (_dumps({"step": k, **record}) + "\n").encode()
-            if len(line) > MAX_VALUE:
-                line = (_dumps({"step": k, "error": f"returned a value over {MAX_VALUE >> 10} KB"}) + "\n").encode()
-            while line:
-                line = line[_write(out, line):]
-        if kind == "exec" and record is not None:  # the code, or the tests' own statements, failed: no more
-            break
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    _exit(0)  # no exit hook of the code's runs
-
-
-def step(kind: str, source: str, what: str, namespace: dict) -> dict | None:
-    """One step: its record ({"value": ...} or {"error": ...}), or None for a statement that ran."""
-    try:
-        if kind == "exec":
-            exec(compile(source, what, "exec"), namespace)
-            return None
-        value = eval(compile(source, what, "eval"), namespace)
-        return {"value": encode(bool(value) if kind == "truth" else value)}
-    except SystemExit as e:
-        return {"error": f"exited (SystemExit: {shown(e.code)})"}
-    except PlainError as e:
-        return {"error": str(e)}
-    except BaseException as e:  # the untrusted code's failure: what the caller shows the model
-        return {"error": f"raised {described(e)}"}
-
-
-class PlainError(ValueError):
-    """A value with no plain form."""
-
-
-def encode(value, depth: int = 0):
-    """A value as tagged JSON of plain data (["int", "0x5"], ["list", [...]], ...): int, float, complex, str, bytes,
-    bool, None, and lists, tuples, dicts and sets of them; a subclass (IntEnum, Counter, a namedtuple, a numpy
-    scalar's .item()) as its plain base. PlainError for anything else. The caller decodes plain values and compares
-    them itself, so nothing of the code's (an __eq__) takes part in a verdict."""
-    if depth > MAX_DEPTH:
-        raise PlainError("returned a value nested too deep")
-    if type(value).__module__ == "numpy" and hasattr(value, "item"):
-        value = value.item()
-    for base in (bool, int, float, complex, str, bytes, type(None), list, tuple, dict, set, frozenset):
-        if isinstance(value, base):
-            break
-    else:
-        raise PlainError(f"returned {type(value).__name__}, not a plain value (int, float, str, bytes, bool, None, "
-                         f"or a list, tuple, dict or set of them)")
-    name = base.__name__
-    if base in (list, tuple, set, frozenset):
-        return [name, [encode(v, depth + 1) for v in value]]
-    if base is dict:
-        return [name, [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]]
-    if base is float:
-        return [name, float.hex(value)]
-    if base is complex:
-        return [name, [float.hex(value.real), float.hex(value.imag)]]
-    if base is bytes:
-        return [name, bytes.hex(value)]
-    if base is int:
-        if int.bit_length(value) > 8 * MAX_VALUE:
-            raise PlainError("returned an int too large to check")
-        return [name, hex(int(value))]
-    return [name, base(value) if base is not type(None) else None]  # str, bool, None
-
-
-def shown(value) -> str:
-    return repr(value)[:100] if type(value) in (str, bool, type(None)) or type(value) is int and -1e9 < value < 1e9 \
-        else type(value).__name__
-
-
-def described(e: BaseException) -> str:
-    try:
-        text = f"{e.msg} (line {e.lineno})" if isinstance(e, SyntaxError) and e.lineno else str(e)
-    except BaseException:
-        text = ""
-    return f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__
 
 
 if __name__ == "__main__":

@@ -1,0 +1,139 @@
+"""A cgroup of a sandbox's own, where this machine lets the caller make one: the memory of all its processes together
+(the kernel's own for them too: a tmpfs's inodes, xattrs, pipes, page tables) under `memory`, its processes under
+`pids`, and every process in it killed at the end, however it left the supervisor's process tree.
+
+cgroup v2 where the caller's cgroup delegates the memory and pids controllers (or lets them be enabled), else the v1
+memory and pids hierarchies where they are mounted and writable (the caller root, as in most containers). Where
+neither is, `make` says why and the sandbox's memory is bounded per process only (RLIMIT_AS).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+_names = itertools.count()
+
+
+def mounts() -> dict[str, str]:
+    """{"2": the cgroup2 mount, "memory": the v1 memory hierarchy's mount, "pids": ...} on this machine."""
+    found = {}
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                sep = fields.index("-")
+                fstype, options = fields[sep + 1], fields[sep + 3].split(",") if len(fields) > sep + 3 else []
+                if fstype == "cgroup2":
+                    found.setdefault("2", fields[4])
+                elif fstype == "cgroup":
+                    for controller in ("memory", "pids"):
+                        if controller in options:
+                            found.setdefault(controller, fields[4])
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def own_paths() -> dict[str, str]:
+    """This process's cgroup in each hierarchy: {"2": "/...", "memory": "/...", "pids": "/..."}."""
+    paths = {}
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            number, controllers, path = line.rstrip("\n").split(":", 2)
+            if number == "0":
+                paths["2"] = path
+            for c in controllers.split(","):
+                if c in ("memory", "pids"):
+                    paths[c] = path
+    return paths
+
+
+@dataclass
+class Cgroup:
+    dirs: list[str]  # one (v2) or two (v1: memory, pids) directories
+
+    def kill(self) -> None:
+        """Kill every process in it until none is left (v2's cgroup.kill where there is one)."""
+        for _ in range(200):
+            pids = set()
+            for d in self.dirs:
+                try:
+                    with open(os.path.join(d, "cgroup.procs")) as f:
+                        pids |= {int(p) for p in f.read().split()}
+                except OSError:
+                    continue
+            if not pids:
+                return
+            if os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+                write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            time.sleep(0.005)
+
+    def remove(self) -> None:
+        self.kill()
+        for d in self.dirs:
+            for _ in range(100):  # a killed process leaves its cgroup once it is reaped
+                try:
+                    os.rmdir(d)
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    time.sleep(0.01)
+
+
+def write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def make(memory_bytes: int, pids: int) -> tuple[Cgroup | None, str]:
+    """A new cgroup bounding memory and processes, and what bounds them ("cgroup v2", "cgroup v1"), or (None, why
+    not)."""
+    try:
+        where, own = mounts(), own_paths()
+    except OSError as e:
+        return None, f"no cgroup ({e.strerror})"
+    name = f"nanochat-sandbox-{os.getpid()}-{next(_names)}"
+    why = "no cgroup hierarchy with memory and pids"
+    if "2" in where and "2" in own:
+        parent = os.path.join(where["2"], own["2"].lstrip("/"))
+        try:
+            with open(os.path.join(parent, "cgroup.subtree_control")) as f:
+                enabled = f.read().split()
+            if not {"memory", "pids"} <= set(enabled):
+                write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+            d = os.path.join(parent, name)
+            os.mkdir(d)
+            try:
+                write(os.path.join(d, "memory.max"), str(memory_bytes))
+                write(os.path.join(d, "memory.swap.max"), "0") if os.path.exists(os.path.join(d, "memory.swap.max")) \
+                    else None
+                write(os.path.join(d, "pids.max"), str(pids))
+            except OSError:
+                os.rmdir(d)
+                raise
+            return Cgroup([d]), "cgroup v2"
+        except OSError as e:
+            why = f"cgroup v2 does not delegate memory and pids here ({e.strerror})"
+    if "memory" in where and "pids" in where and "memory" in own and "pids" in own:
+        made = []
+        try:
+            for controller in ("memory", "pids"):
+                d = os.path.join(where[controller], own[controller].lstrip("/"), name)
+                os.mkdir(d)
+                made.append(d)
+            write(os.path.join(made[0], "memory.limit_in_bytes"), str(memory_bytes))
+            write(os.path.join(made[1], "pids.max"), str(pids))
+            return Cgroup(made), "cgroup v1"
+        except OSError as e:
+            Cgroup(made).remove()
+            why += f"; cgroup v1: {e.strerror}"
+    return None, why

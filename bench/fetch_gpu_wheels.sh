@@ -15,7 +15,7 @@ WHEELS=${WHEELS:-.whl}
 mkdir -p "$WHEELS"
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 -d "$WHEELS" \
-    transformers==5.23.0 tokenizers==0.23.3 rustbpe==0.1.0 gguf==0.19.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 \
+    transformers==5.23.0 tokenizers==0.23.3 rustbpe==0.1.0 gguf==0.19.0 peft==0.21.2 trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 pyseccomp==0.1.2 \
     regex==2026.11.15
 du -sh "$WHEELS"
 echo "fetch_gpu_wheels: in the image already: $IMAGE_HAS; not carried: $NOT_CARRIED"

@@ -423,13 +423,14 @@ def test_a_rows_verdict_does_not_depend_on_its_neighbours():
     games = [CodeTests({"tests": TESTS}, time_limit=1.0) for _ in replies]
     out = toolbox.call_all([(f"row {k}", lambda g=g, r=r: g.step(r)) for k, (g, r) in enumerate(zip(games, replies))],
                            timeout=2.0, text=False)
-    assert [o.timed_out for o in out] == [False] * 10, [o.text for o in out]
-    assert [g.get_reward() for g in games] == [0.0] * 8 + [1.0] * 2, [o.value for o in out]
+    assert [o.timed_out for o in out[8:]] == [False] * 2, [o.text for o in out]  # a looping row may overrun a
+    assert [g.get_reward() for g in games] == [0.0] * 8 + [1.0] * 2, [o.text for o in out]  # loaded machine's end
 
 
 def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
     """A start that fails for the machine's reasons (the code had not run) is tried once more; twice, the run says
     so (failed_to_start) rather than a verdict on the code."""
+    sandbox.seal_trial()  # this process's trial done first: it is not a run's start
     real, calls = sandbox.launch, []
 
     def flaky(code, steps, limits, isolate, started=None):
@@ -442,3 +443,15 @@ def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
     assert sandbox.run(SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT)).values == {1: 5}
     assert len(calls) == 2
     assert sandbox.run("never", [], sandbox.Limits(seconds=LIMIT)).failed_to_start and len(calls) == 4
+
+
+@pytest.mark.skipif("cgroup v" not in sandbox.isolation(), reason=f"no cgroup here: {sandbox.isolation()}")
+def test_the_sandboxs_processes_share_one_memory_bound():
+    """RLIMIT_AS is per process: 3 processes under it each touch 60 MB; the sandbox's cgroup holds them to 128 MB
+    together, so not all of them finish."""
+    hog = ("import os, time\ndone = 0\nkids = []\nfor _ in range(3):\n    kid = os.fork()\n    if kid == 0:\n"
+           "        b = bytearray(60 << 20)\n        for i in range(0, len(b), 4096):\n            b[i] = 1\n"
+           "        time.sleep(0.5)\n        os._exit(0)\n    kids.append(kid)\nfor kid in kids:\n"
+           "    done += os.waitstatus_to_exitcode(os.waitpid(kid, 0)[1]) == 0\n")
+    run = sandbox.run(hog, [("value", "done", "done")], sandbox.Limits(seconds=LIMIT, total_memory_mb=128))
+    assert run.values.get(1, 0) < 3, run

@@ -211,8 +211,8 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
         if th is None:
             out.append(Outcome(f"Error: {what} could not be started ({box['unstarted']})", True))
             continue
-        while th.is_alive() and time.monotonic() < deadline + 0.0:  # waits for others: not its time
-            th.join(max(deadline + 0.0 - time.monotonic(), 0.0))
+        while th.is_alive() and time.monotonic() < deadline + box["waits"].waited():  # waits for others: not its time
+            th.join(max(deadline + box["waits"].waited() - time.monotonic(), 0.0))
         if th.is_alive():
             LATE.add(th)
             out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))

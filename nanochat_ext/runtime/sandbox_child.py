@@ -111,8 +111,10 @@ def python_paths() -> list[str]:
     sys.path's (a project's root, put there by a .pth of `pip install -e`, holds its secrets and its tests)."""
     scheme = sysconfig.get_paths()
     paths = {scheme[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    paths |= {os.path.dirname(sys.executable), os.path.dirname(os.path.realpath(sys.executable))}
-    return sorted({os.path.realpath(p) for p in paths if p and os.path.isdir(p)})
+    paths = {os.path.realpath(p) for p in paths}
+    # the program where sys.executable names it (through a symlinked venv too) and where it lies
+    paths |= {os.path.dirname(os.path.abspath(sys.executable)), os.path.dirname(os.path.realpath(sys.executable))}
+    return sorted(p for p in paths if p and os.path.isdir(p))
 
 
 def sealed_child(job: dict) -> tuple[str, int | None]:

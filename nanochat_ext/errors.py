@@ -42,6 +42,12 @@ class InputError(Exception):
         self.collective = False  # raised on every rank by ddp_common.raise_if_any
 
 
+class Unscored(Exception):
+    """A reward that could not be computed for reasons outside the answer (the machine's: a sandbox that failed to
+    start twice). Raised by a reward function or an environment's get_reward(): the completion is not scored 0 but
+    left out of the loss, with its group (train/sandbox_failures counts such completions)."""
+
+
 class RunFailed(Exception):
     """A run started in Python (nanochat_ext.api) that ended as a script would with exit code `code`: its one line
     was said on stderr, as a script's is."""

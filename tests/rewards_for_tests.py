@@ -1,6 +1,8 @@
 """Rule-based rewards the GRPO tests pass as --reward_fn rewards_for_tests:<name>."""
 import math
 
+from nanochat_ext.errors import Unscored
+
 
 def vowel_share(prompt, completion, row):
     """Dense and learnable from scratch: the share of vowels among the completion's letters."""
@@ -68,3 +70,11 @@ def batched_short(prompts, completions, rows):
 
 
 batched_short.batched = True
+
+
+def unscored_for_even_prompts(prompt, completion, row):
+    """vowel_share, but the machine 'fails' to score every completion of a prompt of even length (errors.Unscored,
+    as a sandbox that failed to start twice): those groups are left out of the loss."""
+    if len(prompt) % 2 == 0:
+        raise Unscored("the sandbox failed to start twice (a test's stand-in)")
+    return vowel_share(prompt, completion, row)

@@ -546,3 +546,18 @@ def test_auto_micro_batch_fits_the_memory_limit_and_trains_as_that_size_by_hand(
     assert kat_train_grpo.main([*args, "--device_batch_size", "4"]) == 0
     auto, by_hand = (load_backbone(tmp_path / d).model.state_dict() for d in ("auto", "by_hand"))
     assert all(torch.equal(auto[k], by_hand[k]) for k in auto)
+
+
+def test_a_completion_the_machine_failed_to_score_leaves_its_group_out_of_the_loss(assets, grpo_assets, tmp_path):
+    """#79: a reward that raises errors.Unscored (a sandbox that failed to start twice) does not stop the run or
+    score 0: its group is left out of the loss and out of the rewards' means, and train/sandbox_failures counts it."""
+    out = tmp_path / "unscored"
+    args = grpo_args(assets, grpo_assets, out, "--reward_fn", "rewards_for_tests:unscored_for_even_prompts",
+                     "--max_steps", "2", "--log_every", "1", "--beta", "0", "--val_ratio", "0")
+    assert kat_train_grpo.main(args) == 0
+    steps = [m for m in read_metrics(out) if "train/loss" in m]
+    failures = [m["train/sandbox_failures"] for m in steps]
+    assert len(steps) == 2 and any(0 < f for f in failures) and all(0 <= f <= 1 for f in failures), failures
+    assert all(0 <= m["train/reward"] <= 1 for m in steps), steps  # a mean over the scored (NaN nowhere)
+    for m in steps:  # every group unscored: nothing to learn from, not a gradient from zeros
+        assert m["train/sandbox_failures"] < 1 or (m["train/loss"] == 0 and m["train/grad_norm"] == 0), m

@@ -6,6 +6,7 @@ the reason, never passed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -17,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from nanochat_ext.errors import InputError
+from nanochat_ext.algorithms.rewards import call_reward_fn
+from nanochat_ext.errors import InputError, Unscored
 from nanochat_ext.generation import toolbox
 from nanochat_ext.runtime import sandbox, sandbox_child
 from nanochat_ext.tasks import code_functions, synthetic
@@ -443,6 +445,14 @@ def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
     assert sandbox.run(SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT)).values == {1: 5}
     assert len(calls) == 2
     assert sandbox.run("never", [], sandbox.Limits(seconds=LIMIT)).failed_to_start and len(calls) == 4
+    # failed twice: not a verdict on the code (0) but errors.Unscored, which GRPO leaves out of the loss
+    game = CodeTests({"tests": TESTS}, time_limit=LIMIT)
+    assert game.step("never") is None  # the episode ends
+    with pytest.raises(Unscored):
+        game.get_reward()
+    with pytest.raises(Unscored):
+        passes("", "never", {"tests": TESTS})
+    assert math.isnan(call_reward_fn("passes", passes, "", "never", {"tests": TESTS}, 0))
 
 
 @pytest.mark.skipif("cgroup v" not in sandbox.isolation(), reason=f"no cgroup here: {sandbox.isolation()}")

@@ -19,7 +19,7 @@ from nanochat_ext.algorithms.advantages import (ADVANTAGES, KL_ESTIMATORS, SCALE
                                                sequence_kl)
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.rewards import Rewards
-from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, log_rollouts
+from nanochat_ext.algorithms.rollouts import FEWER_COMPLETIONS, RolloutConfig, Rollouts, left_out, log_rollouts
 from nanochat_ext.config import FINITE_NON_NEGATIVE, FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
@@ -270,7 +270,7 @@ def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int
     return total
 
 # ---- the method -----------------------------------------------------------------------------------
-WINDOW = ("reward", "reward_sq", "samples", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
+WINDOW = ("reward", "reward_sq", "samples", "sandbox_failures", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
           "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
           "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes", "teacher_kl",
@@ -334,6 +334,8 @@ class GRPO:
                                         dtype=torch.float32).repeat_interleave(G)
         if self.rollout.mask_truncated:
             batch["mask"][torch.tensor(ro.truncated)] = 0.0
+        unscored = left_out(total, G)  # groups the machine failed to score one of (errors.Unscored)
+        batch["mask"][unscored], total = 0.0, total.masked_fill(unscored, 0.0)  # no tokens, no advantage
         t0 = time.time()
         with loop.progress.doing(f"log-probs without gradients, {micro} sequences at a time",
                                  smaller_micro(micro, self.share)):
@@ -398,10 +400,13 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
     over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
     world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
     n, steps = s["samples"], s["steps"] / world
-    mean = s["reward"] / n
+    scored = max(n - s["sandbox_failures"], 1)  # the rewards' means leave out what the machine failed to score
+    mean = s["reward"] / scored
     tokens = max(s["loss_tokens"], 1)
-    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / n - mean * mean, 0.0) ** 0.5} if names else {}
-    m.update({f"train/reward_{name}": s[f"reward_{name}"] / n for name in names})  # none: distillation without one
+    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / scored - mean * mean, 0.0) ** 0.5} \
+        if names else {}
+    m.update({f"train/reward_{name}": s[f"reward_{name}"] / scored for name in names})  # none: distillation alone
+    m["train/sandbox_failures"] = s["sandbox_failures"] / n  # completions unscored (errors.Unscored): out of the loss
     # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
     m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
               "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,

@@ -9,7 +9,8 @@ completions of a step as one JSON POST, {"prompts": [...], "completions": [...],
 {"rewards": [...]} (as OpenRLHF's remote RM does), within a timeout, retried with backoff. An --env whose
 environments have get_reward() gives one more reward, each rollout's own. Every value passes the same checks (a
 real, finite number within --reward_clip), and any failure is one line naming the function or the URL and the
-prompt, raised on every rank.
+prompt, raised on every rank; but a function or get_reward() that raises errors.Unscored (a sandbox that failed to
+start: the machine's failure, not the answer's) gives NaN, and its completion's group is left out of the loss.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.data.batching import truncate
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
-from nanochat_ext.errors import InputError, first_line
+from nanochat_ext.errors import InputError, Unscored, first_line
 from nanochat_ext.generation.agent import Episodes
 from nanochat_ext.generation.engine import Samples
 from nanochat_ext.generation.toolbox import load_attribute
@@ -131,6 +132,8 @@ def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: d
     where = f"reward function {name} on prompt {prompt_index}"
     try:
         value = fn(prompt, completion, row)
+    except Unscored:  # the machine's failure, not the answer's: left out of the loss (NaN), counted
+        return math.nan
     except Exception as e:  # the user's code: any failure becomes the run's one line
         raise InputError(f"{where} raised {first_line(e)}") from None
     return checked(value, where, clip)
@@ -181,6 +184,9 @@ def env_rewards(episodes: Episodes, indices: list[int], G: int, clip: float | No
     out = []
     for i, outcome in enumerate(episodes.env_rewards()):
         where = f"the environment's reward on prompt {indices[i // G]} (sample {i % G})"
+        if outcome.error and isinstance(outcome.value, Unscored):
+            out.append(math.nan)  # the machine's failure: left out of the loss, counted
+            continue
         if outcome.error:
             raise InputError(f"{where}: {outcome.text.removeprefix('Error: ')}")
         out.append(checked(outcome.value, where, clip))

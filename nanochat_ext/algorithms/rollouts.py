@@ -3,6 +3,7 @@ DAPO's dynamic sampling over draws (the sums go to the log window), and the roll
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import ContextManager
@@ -58,6 +59,12 @@ class Rollout:
 def zero_std_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
     """(n_groups,) bool: the groups whose total rewards are all equal (their advantages are all 0)."""
     return total.view(-1, group_size).std(dim=1, unbiased=False) < ZERO_STD
+
+
+def left_out(total: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(completions,) bool: the completions of the groups the machine failed to score one of (a NaN total: a reward
+    raised errors.Unscored), which GRPO leaves out of the loss."""
+    return torch.isnan(total).view(-1, group_size).any(1).repeat_interleave(group_size)
 
 
 def in_global_order(parts: list[list]) -> list:
@@ -181,8 +188,11 @@ class Rollouts:
             per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], indices, prompts, samples,
                                                     self.tok, self.G)
         total = self.rewards.total(per_reward)
+        unscored = torch.isnan(total)  # the machine's failures (errors.Unscored): out of the loss, out of the means
+        total, per_reward_sums = total.nan_to_num(0.0), per_reward.nan_to_num(0.0).sum(0)
         tokens = sum(map(len, samples.completions))
-        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total), tokens=tokens,
+        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
+                        sandbox_failures=unscored.sum(), tokens=tokens,
                         sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
                         tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
                         tool_timeouts=samples.tool_timeouts,
@@ -197,7 +207,7 @@ class Rollouts:
                         score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, row_steps=decoded.row_steps,
                         decode_s=decoded.decode_s,
                         decode_bytes=decoded.bytes_read,
-                        **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward.sum(0).tolist())})
+                        **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward_sums.tolist())})
         return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled, samples.logprobs)
 
     def with_signal(self) -> tuple[Rollout, int]:
@@ -219,7 +229,8 @@ def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, 
     """Collective: rank 0 writes every rank's trained completions of this step, ordered by global prompt index."""
     G = len(ro.completions) // len(ro.indices)
     mine = [{"step": step, "prompt_index": i, "sample": g, "completion_ids": ro.completions[j * G + g],
-             "completion": tok.decode(ro.completions[j * G + g]), "reward": float(total[j * G + g]),
+             "completion": tok.decode(ro.completions[j * G + g]),
+             "reward": None if math.isnan(total[j * G + g]) else float(total[j * G + g]),  # None: unscored
              **({"sampled": ro.sampled[j * G + g]} if ro.sampled is not None else {})}
             for j, i in enumerate(ro.indices) for g in range(G)]
     rows = sorted((r for part in gather_objects(mine) for r in part), key=lambda r: (r["prompt_index"], r["sample"]))

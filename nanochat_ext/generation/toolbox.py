@@ -46,7 +46,8 @@ class Tool:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What one call gave: the text the model reads, whether it was an error (and an overrun), and its value."""
+    """What one call gave: the text the model reads, whether it was an error (and an overrun), and its value (what it
+    raised, for an error)."""
     text: str
     error: bool = False
     value: Any = None
@@ -217,7 +218,7 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
             LATE.add(th)
             out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))
         elif "error" in box:
-            out.append(Outcome(f"Error: {what} raised {first_line(box['error'])}", True))
+            out.append(Outcome(f"Error: {what} raised {first_line(box['error'])}", True, box["error"]))
         elif not text:
             out.append(Outcome("", False, box["value"]))
         else:

@@ -55,6 +55,11 @@ def own_paths() -> dict[str, str]:
 class Cgroup:
     dirs: list[str]  # one (v2) or two (v1: memory, pids) directories
 
+    def add(self, pid: int) -> None:
+        """Move a process in (before it starts anything: what it starts is counted with it)."""
+        for d in self.dirs:
+            write(os.path.join(d, "cgroup.procs"), str(pid))
+
     def kill(self) -> None:
         """Kill every process in it until none is left (v2's cgroup.kill where there is one)."""
         for _ in range(200):

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanochat_ext.runtime import cgroups
+from nanochat_ext.runtime import cgroups, seccomp
 from nanochat_ext.runtime.sandbox_child import TIMED_OUT
 from nanochat_ext.runtime.sandbox_code import MAX_DEPTH, MAX_VALUE, cpu_seconds
 from nanochat_ext.runtime.waits import not_counted
@@ -151,8 +151,9 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
     report_r, report_w = os.pipe()
     job = {"code": code, "steps": steps, "seconds": limits.seconds, "memory_bytes": limits.memory_mb << 20,
            "file_bytes": limits.file_mb << 20, "processes": limits.processes, "open_files": limits.open_files,
-           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir,
-           "cgroups": cgroup.dirs if cgroup else []}
+           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir}
+    bpf, job["keyctl"], job["seccomp_why"] = seccomp.program()
+    job["seccomp_bpf"] = bpf.hex()
     try:
         try:
             proc = subprocess.Popen([PYTHON, "-I", "-c", BOOT], stdin=subprocess.PIPE,
@@ -162,6 +163,12 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
             os.close(results_w)
             os.close(report_w)
         with proc:
+            if cgroup:  # while its interpreter starts (a v1 move waits out an RCU grace period), before it reads
+                try:    # its job: nothing it runs is outside
+                    cgroup.add(proc.pid)
+                except OSError as e:
+                    cgroup.remove()
+                    cgroup, bounded = None, f"the sandbox could not join its cgroup ({e.strerror})"
             try:
                 proc.stdin.write(json.dumps(job).encode())
                 proc.stdin.close()

@@ -1,10 +1,10 @@
 """The sandbox's side of the wall: runtime/sandbox.py starts it (`python -I -c`, this module's main). It seals
 itself off, runs the untrusted code, then the steps the caller asked for, and writes what each probe gave on a pipe.
-The standard library (and pyseccomp) only; the job is read from stdin before any untrusted line runs. The processes,
+The standard library only; the job is read from stdin before any untrusted line runs. The processes,
 outermost first:
 
-    supervisor  the caller's child, first of all in the sandbox's cgroup where the caller made one (memory and
-                processes counted together, kernel memory too); the wall clock; at the end, or when the caller
+    supervisor  the caller's child, moved into the sandbox's cgroup (where the caller made one: memory and
+                processes counted together, kernel memory too) before it reads its job; the wall clock; at the end, or when the caller
                 signals SIGUSR1, it kills every process below it (their subreaper); it maps the namespaces' uid from
                 outside (nobody where the caller is root: RLIMIT_NPROC binds)
     namespaces  unshares user, mount, pid, network, IPC and UTS namespaces, and chroots into a new root: a read-only
@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import time
 
-from nanochat_ext.runtime.sandbox_code import filter_state, run_code
+from nanochat_ext.runtime.sandbox_code import run_code
 
 libc = ctypes.CDLL(None, use_errno=True)
 NAMESPACES = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS UTS IPC USER PID NET
@@ -80,10 +80,7 @@ def die_with_parent() -> None:
 # ---- the supervisor ----
 
 def main() -> None:
-    job = json.loads(sys.stdin.buffer.read())
-    for cgroup in job.get("cgroups", []):  # first: everything this process starts is counted and ended there
-        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
+    job = json.loads(sys.stdin.buffer.read())  # the caller moved us into the sandbox's cgroup before it wrote this
     job["show"] = python_paths()
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
@@ -94,7 +91,7 @@ def main() -> None:
     report = job["report_fd"]
     os.set_inheritable(report, False)
     said, child = sealed_child(job) if job["isolate"] else unsealed_child(job)  # sealed asked: sealed or nothing
-    _write(report, f"{said}\n{filter_state()}\n".encode())
+    _write(report, f"{said}\n{'seccomp' if job.get('seccomp_bpf') else job.get('seccomp_why', '')}\n".encode())
     os.close(report)
     os.close(job["results_fd"])
     if child is None:  # the code does not run

@@ -1,119 +1,57 @@
 """The code's own process inside the sandbox (runtime/sandbox_child.py starts it): the last walls, then the untrusted
-code and the caller's probes, each probe's value a record on the results pipe. The standard library and pyseccomp
-only: this module is loaded before any untrusted line runs.
+code and the caller's probes, each probe's value a record on the results pipe. The standard library only: this
+module is loaded before any untrusted line runs.
 
 The last walls, in order: the rlimits (CPU, address space, file size, open files, processes, no core), a session
-keyring of its own (an empty anonymous one: the caller's keys are not in reach), and a seccomp filter (libseccomp,
-through pyseccomp) that refuses, with EPERM, the system calls the code has no use for and the kernel's riskiest
-surface: the keyring's calls, ptrace and process_vm_*, bpf, perf_event_open, userfaultfd, io_uring, the mount family,
-namespaces (unshare, setns), modules, kexec, reboot, swap, and every socket family but AF_UNIX (AF_VSOCK, AF_NETLINK
-and AF_INET included: no network behind the network namespace either). Calls of another ABI (32-bit int 0x80 on
-x86_64) kill the process (libseccomp's default for a foreign architecture).
+keyring of its own (an empty anonymous one: the caller's keys are not in reach), and the seccomp filter the caller
+compiled (runtime/seccomp.py: a BPF program, loaded here with a prctl).
 """
 import builtins
 import ctypes
-import ctypes.util
-import errno
 import json
 import os
 import resource
-import socket
 import sys
-
-
-
-def import_pyseccomp():
-    """pyseccomp, or why not. It looks its libraries up with ctypes.util.find_library, which runs `ldconfig -p`
-    (about 20 ms, in every sandbox's start): their sonames first, the lookup only where those do not load."""
-    sonames = {"seccomp": "libseccomp.so.2", "c": "libc.so.6"}
-    real = ctypes.util.find_library
-    for find in (lambda name: sonames.get(name) or real(name), real):
-        ctypes.util.find_library = find
-        try:
-            import pyseccomp
-            return pyseccomp, ""
-        except Exception as e:  # not installed, or no libseccomp.so.2 on this machine
-            sys.modules.pop("pyseccomp", None)
-            why = f"{type(e).__name__}: {e}"
-        finally:
-            ctypes.util.find_library = real
-    return None, why
-
-
-pyseccomp, NO_SECCOMP = import_pyseccomp()
 
 MAX_VALUE = 64 << 10  # bytes of one record
 MAX_DEPTH = 40  # of a value's nesting
 THREADS_ONE = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}  # under RLIMIT_NPROC
-DENIED = ("keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "bpf",
-          "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register", "mount", "umount2",
-          "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick",
-          "mount_setattr", "unshare", "setns", "init_module", "finit_module", "delete_module", "kexec_load",
-          "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog", "name_to_handle_at",
-          "open_by_handle_at", "fanotify_init", "lookup_dcookie", "iopl", "ioperm", "personality", "vhangup")
-NEW_NAMESPACE = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
-# CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
 KEYCTL_JOIN_SESSION_KEYRING = 1
+PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 _exit, _write, _dumps = os._exit, os.write, json.dumps  # the harness's own, whatever the code rebinds later
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
 
 
 def cpu_seconds(seconds: float) -> int:
     return max(int(seconds + 0.999), 1)
 
 
-def seccomp_filter():
-    """The filter (not yet loaded), or a str saying why there is none."""
-    if pyseccomp is None:
-        return f"no seccomp filter (pyseccomp: {NO_SECCOMP})"
-    try:
-        f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
-        for name in DENIED:
-            try:
-                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
-            except (ValueError, OSError):  # a call this architecture does not have (iopl on arm64)
-                pass
-        for call in ("socket", "socketpair"):
-            f.add_rule(pyseccomp.ERRNO(errno.EAFNOSUPPORT), call, pyseccomp.Arg(0, pyseccomp.NE, socket.AF_UNIX))
-        for flag in NEW_NAMESPACE:  # clone's flags are its first argument on every architecture we know
-            f.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
-        f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")  # its flags hide behind a pointer: libc falls back to clone
-        return f
-    except Exception as e:  # libseccomp refused to build it
-        return f"no seccomp filter ({type(e).__name__}: {e})"
-
-
-def filter_state() -> str:
-    """"seccomp" where the filter builds on this machine, else why not (the run's start line says so)."""
-    f = seccomp_filter()
-    return f if isinstance(f, str) else "seccomp"
-
-
-def own_keyring(libc) -> None:
-    """A new, empty anonymous session keyring: the caller's session keys out of reach (seccomp then refuses the
-    keyring's calls altogether)."""
-    if pyseccomp is None:
-        return
-    try:
-        number = pyseccomp.resolve_syscall(pyseccomp.system_arch(), "keyctl")
-    except Exception:  # no such call here
-        return
-    libc.syscall(ctypes.c_long(number), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
+def load_filter(libc, bpf: bytes) -> None:
+    """Load a BPF program (8 bytes an instruction) as this process's seccomp filter, no new privileges first."""
+    program = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.cast(program, ctypes.c_void_p))
+    for args in ((PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), (PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0)):
+        if libc.prctl(*args) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
 
 
 def walls(job: dict, others: int, libc) -> None:
-    """The limits, a keyring of its own and the seccomp filter (where it builds: where it does not, the start line
-    said so). A filter that builds but does not load: the code does not run."""
+    """The limits, a keyring of its own and the seccomp filter (where the caller has one: where it has none, the
+    start line said so). A filter that does not load: the code does not run."""
     seconds = cpu_seconds(job["seconds"])
     for limit, value in ((resource.RLIMIT_CPU, (seconds, seconds + 1)), (resource.RLIMIT_AS, job["memory_bytes"]),
                          (resource.RLIMIT_FSIZE, job["file_bytes"]), (resource.RLIMIT_NOFILE, job["open_files"]),
                          (resource.RLIMIT_NPROC, job["processes"] + others), (resource.RLIMIT_CORE, 0)):
         resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
-    own_keyring(libc)
-    f = seccomp_filter()
-    if not isinstance(f, str):
+    if job.get("keyctl") is not None:  # a new, empty session keyring: the caller's keys out of reach
+        libc.syscall(ctypes.c_long(job["keyctl"]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
+    if job.get("seccomp_bpf"):
         try:
-            f.load()
-        except Exception as e:
+            load_filter(libc, bytes.fromhex(job["seccomp_bpf"]))
+        except OSError as e:
             os.write(2, f"sandbox: the seccomp filter did not load ({e})\n".encode())
             _exit(125)
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import InputError, Unscored
 from nanochat_ext.runtime import sandbox
 from nanochat_ext.tasks.code_checks import Judged, Plan, Unjudged, parse_tests
 
@@ -93,10 +93,14 @@ def shown(value: Any) -> str:
 
 
 def run_tests(code: str, tests: str, time_limit: float = TIME_LIMIT, memory_mb: int = MEMORY_MB) -> tuple[bool, str]:
-    """(passed, what the model reads): the code, then the tests, run sealed and judged here."""
+    """(passed, what the model reads): the code, then the tests, run sealed and judged here. Unscored where the
+    sandbox failed to start (twice): the machine's failure, not the code's."""
     plan = parse_tests(tests)
     limits = sandbox.Limits(seconds=time_limit, memory_mb=memory_mb)
-    return verdict(sandbox.run(code, plan.steps, limits), plan, limits)
+    run = sandbox.run(code, plan.steps, limits)
+    if run.failed_to_start:
+        raise Unscored(f"the sandbox failed to start twice ({run.sealed[:200]})")
+    return verdict(run, plan, limits)
 
 
 def passes(prompt: str, completion: str, row: dict) -> float:
@@ -115,7 +119,7 @@ class CodeTests:
             raise InputError("a row needs its tests: Python asserts, as text")
         self.tests, self.time_limit = row["tests"], time_limit
         parse_tests(self.tests)  # tests that do not parse are the row's error now, not a failure of every turn
-        self.passed = False
+        self.passed, self.unscored = False, ""
 
     @classmethod
     def describe(cls) -> str:
@@ -123,10 +127,17 @@ class CodeTests:
         return f"the model's code runs {sandbox.isolation()}"
 
     def step(self, reply: str) -> str | None:
-        """The failure to fix, as the next user turn; None once every test passes."""
+        """The failure to fix, as the next user turn; None once every test passes (or the sandbox failed to start:
+        the episode ends, and its reward is Unscored)."""
         blocks = CODE_BLOCK.findall(reply)
-        self.passed, said = run_tests(blocks[-1] if blocks else reply, self.tests, self.time_limit)
+        try:
+            self.passed, said = run_tests(blocks[-1] if blocks else reply, self.tests, self.time_limit)
+        except Unscored as e:
+            self.unscored, self.passed = str(e), False
+            return None
         return None if self.passed else f"The tests failed: {said}. Fix the code."
 
     def get_reward(self) -> float:
+        if self.unscored:
+            raise Unscored(self.unscored)
         return float(self.passed)

@@ -14,7 +14,7 @@ from datasets import Dataset
 from conftest import assert_bitwise, assert_same_update, launcher, run_command
 from nanochat_ext import api
 from nanochat_ext.algorithms.dpo import DPOConfig
-from nanochat_ext.algorithms.grpo import GRPOConfig
+from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.errors import EXIT_BAD_INPUT, InputError, RunFailed
 from nanochat_ext.models.loader import load_backbone

@@ -14,8 +14,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
 from nanochat_ext.algorithms import grpo
 from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
-from nanochat_ext.algorithms.advantages import group_advantages
-from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS
+from nanochat_ext.algorithms.advantages import ESTIMATORS, advantages, group_advantages
+from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS, zero_advantage_groups
+from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
@@ -299,14 +300,14 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
                                                                                           tmp_path, capsys):
     """--filter_zero_std (DAPO): about half the prompts get a constant reward; every trained group has a
     spread, 1 and 2 ranks draw and train the same groups, and a resumed run continues the draws; its logs follow
-    the checkpoint. RLOO as TRL's RLOOTrainer computes it (test_trl_oracle): its advantages normalised over the global
-    batch (--scale_rewards batch), the KL in the reward (logged as train/kl: 0 while the policy is the reference), one
-    ratio per completion (--importance_level sequence_product --loss_agg sequence)."""
+    the checkpoint. GRPO's advantages normalised over the global batch (--scale_rewards batch), one ratio per
+    completion (--importance_level sequence_product --loss_agg sequence). (RLOO with the KL in its reward gives a
+    group of equal rewards non-zero advantages: --filter_zero_std is refused there, test_estimators_declare_...)"""
     # One group per micro-batch on 1 and 2 ranks alike: the split over ranks is what is compared here (the
     # split into micro-batches is test_loss_and_grads_invariant_to_ranks_and_micro_batches').
     common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
               "--max_steps", "3", "--batch_size", "4", "--group_size", "4", "--lr", "1e-3", "--log_rollouts",
-              "--log_every", "1", "--device_batch_size", "4", "--advantage", "rloo", "--scale_rewards", "batch",
+              "--log_every", "1", "--device_batch_size", "4", "--scale_rewards", "batch",
               "--importance_level", "sequence_product", "--loss_agg", "sequence"]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *common)) == 0
@@ -327,8 +328,7 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     assert_engine_log_probs_are_the_trainers(one, two)
     draws = [m["train/draws"] for m in read_metrics(one) if "train/draws" in m]
     assert sum(draws) > 3 and all(m["train/filled_frac"] == 0 for m in read_metrics(one) if "train/draws" in m)
-    kl = [m["train/kl"] for m in read_metrics(one) if "train/kl" in m]
-    assert abs(kl[0]) < 1e-6 and kl[2] > 1e-4, kl
+    assert all(m["train/zero_std_groups"] == 0 for m in read_metrics(one) if "train/draws" in m)
 
     # Resume the two-rank run from step 2 on one rank: the draw counter carries on where it was.
     stamps = sorted(int(p.stem.split("_")[1]) for p in two.glob("model_*.pt"))
@@ -353,14 +353,35 @@ def test_dynamic_sampling_trains_only_groups_with_signal_on_one_or_two_ranks_and
     common.remove("--filter_zero_std")
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
     assert "--filter_zero_std is False but the checkpoint was trained with True" in capsys.readouterr().err
+
+
+def test_rloo_with_its_defaults_keeps_kl_noise_small_and_refuses_what_it_does_not_define(assets, grpo_assets, tmp_path,
+                                                                                         capsys):
+    """#80 item 4: RLOO as TRL's RLOOTrainer runs by default (the KL in the reward, logged as train/kl: 0 while the
+    policy is the reference; unscaled, normalize_advantages=False): a group of equal task rewards keeps advantages of
+    about beta x its KL, never the +-1 a group scaling would blow them up to; train/zero_std_groups counts the groups
+    whose advantages are zero (none here: the KL tells them apart). --scale_rewards group and --filter_zero_std are
+    refused with the KL in the reward, and a checkpoint from before RLOO's KL moved there is refused on resume."""
+    out = tmp_path / "rloo"
+    common = ["--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--advantage", "rloo", "--max_steps", "3",
+              "--log_every", "1", "--lr", "1e-3", "--batch_size", "4", "--group_size", "4", "--log_rollouts"]
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common)) == 0
+    metrics = [m for m in read_metrics(out) if "train/kl" in m]
+    kl = [m["train/kl"] for m in metrics]
+    assert abs(kl[0]) < 1e-6 and abs(kl[2]) > 1e-4, kl  # k1: signed, as TRL's
+    assert metrics[2]["train/zero_std_groups"] == 0, metrics[2]  # half the prompts' rewards are flat
+    for flags, said in ((["--scale_rewards", "group"], "--scale_rewards group divides each group by its own spread"),
+                        (["--filter_zero_std"], "gives such a group non-zero advantages (the KL in its reward")):
+        assert kat_train_grpo.main(grpo_args(assets, grpo_assets, tmp_path / "refused", *common, *flags)) == 2
+        assert said in capsys.readouterr().err
     # A checkpoint from before RLOO's KL moved into the reward (it records no kl_in_reward): refused, not resumed
     # under another objective.
-    common.append("--filter_zero_std")
-    meta = max(two.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
+    meta = max(out.glob("meta_*.json"), key=lambda p: int(p.stem.split("_")[1]))
     saved = json.loads(meta.read_text())
     assert saved["args"].pop("kl_in_reward") is True
     meta.write_text(json.dumps(saved))
-    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *common, "--resume", "latest")) == 2
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--max_steps", "4", "--resume",
+                                         "latest")) == 2
     assert "--advantage rloo --beta 0.04 weighs a KL in the reward (as TRL's RLOOTrainer since 2026-11-28), and the " \
         "checkpoint was trained with it in the loss" in capsys.readouterr().err
 
@@ -561,3 +582,36 @@ def test_a_completion_the_machine_failed_to_score_leaves_its_group_out_of_the_lo
     assert all(0 <= m["train/reward"] <= 1 for m in steps), steps  # a mean over the scored (NaN nowhere)
     for m in steps:  # every group unscored: nothing to learn from, not a gradient from zeros
         assert m["train/sandbox_failures"] < 1 or (m["train/loss"] == 0 and m["train/grad_norm"] == 0), m
+
+
+def test_estimators_declare_what_they_are_and_flags_are_checked_from_it():
+    """#80 items 4-5: RLOO with its defaults (TRL's RLOOTrainer: the KL in the reward, unscaled) keeps a group of
+    equal task rewards at advantages of beta x its KL spread (<= 1e-2), where group scaling would blow them up to
+    about 1; train/zero_std_groups counts the groups whose advantages are zero; combinations an estimator does not
+    define are refused in one line, from what it declares."""
+    g = torch.Generator().manual_seed(0)
+    G, T = 4, 12
+    mask = (torch.arange(T)[None, :] < torch.tensor([12, 9, 5, 11, 12, 3, 7, 10])[:, None]).float()  # ragged
+    logp = -torch.rand(2 * G, T, generator=g)
+    batch = {"engine_logp": logp, "ref_logp": logp + 0.01 * torch.randn(2 * G, T, generator=g), "mask": mask}
+    rewards = torch.tensor([1.0] * G + [0.0, 1.0, 1.0, 0.0])  # a group of equal rewards, a group that splits
+    cfg = GRPOConfig(advantage="rloo")
+    assert cfg.scaling == "none" and GRPOConfig().scaling == "group"  # each its reference's default
+    adv = advantages("rloo", rewards, G, cfg.scaling, batch=batch, kl_coef=cfg.beta)
+    assert adv[:G].abs().max() <= 1e-2 and adv[G:].abs().max() > 0.5, adv
+    blown = advantages("rloo", rewards, G, "group", batch=batch, kl_coef=cfg.beta)
+    assert blown[:G].abs().max() > 0.5, blown  # what the refused combination would train on
+    assert zero_advantage_groups(adv, mask, G) == 0  # the KL tells the equal group's members apart
+    assert zero_advantage_groups(advantages("grpo", rewards, G, "group"), mask, G) == 1
+    refused = {("rloo", "group", 0.04, False): "--scale_rewards group divides each group by its own spread",
+               ("rloo", None, 0.04, True): "--filter_zero_std drops the groups whose rewards are all equal",
+               ("reinforce_pp", None, 0.0, True): "OpenRLHF's reinforce: no baseline",
+               ("reinforce_pp_baseline", None, 0.0, True): "whitened over the batch",
+               ("reinforce_pp", "batch", 0.04, False): "--scale_rewards batch: --advantage reinforce_pp does not read",
+               ("distill", None, 0.0, True): "the Tinker cookbook"}
+    for (advantage, scale, beta, filter_zero_std), said in refused.items():
+        with pytest.raises(InputError, match=re.escape(said)):
+            GRPOConfig(advantage=advantage, scale_rewards=scale, beta=beta).check(filter_zero_std)
+    for advantage, beta in (("grpo", 0.04), ("rloo", 0.0)):  # defined: equal rewards, zero advantages
+        GRPOConfig(advantage=advantage, beta=beta).check(filter_zero_std=True)
+        assert ESTIMATORS[advantage].zero_when_rewards_equal(beta)

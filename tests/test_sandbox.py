@@ -5,6 +5,7 @@ directory. The filesystem and network cases need the namespaces: where the OS re
 the reason, never passed."""
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import os
@@ -15,13 +16,14 @@ import time
 import uuid
 from pathlib import Path
 
+import pyseccomp
 import pytest
 
 from conftest import REPO
 from nanochat_ext.algorithms.rewards import call_reward_fn
 from nanochat_ext.errors import InputError, Unscored
 from nanochat_ext.generation import toolbox
-from nanochat_ext.runtime import sandbox, sandbox_child
+from nanochat_ext.runtime import sandbox, sandbox_child, seccomp
 from nanochat_ext.tasks import code_functions, synthetic
 from nanochat_ext.tasks.code_checks import parse_tests
 from nanochat_ext.tasks.code_tests import CodeTests, passes, run_tests, verdict
@@ -181,6 +183,8 @@ def test_only_the_codes_values_come_back_and_the_rest_is_judged_here():
                        ("assert all(f(i) for i in range(3))", "GeneratorExp"),
                        ("assert (lambda: f(1))() == 1", "Lambda"),
                        ("assert sum([1, 2]) == 3", "asks nothing of the code"),
+                       ("assert f(1) == print(2)", "`print` is a builtin or standard module the trainer does not"),
+                       ("assert f(1) == dict(**g(1))", "Call"),
                        ("x = 1", "no assert"), ("assert (", "line 1")):
         with pytest.raises(InputError, match=re.escape(why)):
             parse_tests(tests)
@@ -196,6 +200,13 @@ FORGERIES = {  # name -> (the model's code, the row's tests): a test form MBPP u
                                              "def f(x):\n    return Z()", "assert f(2) - 7 == 0"),
     "math.isclose patched": ("import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0.0",
                              "import math\nassert math.isclose(f(1), 3.0, rel_tol=1e-3)"),
+    "math shadowed where the tests do not import it": ("class math:\n    isclose = staticmethod(lambda *a, **k: True)\n"
+                                                       "def volume(r):\n    return 1.0",
+                                                       "assert math.isclose(volume(10), 4188.79, rel_tol=0.001)"),
+    "range shadowed on the expected side": ("range = lambda n: []\ndef f(n):\n    return []",
+                                            "assert f(5) == list(range(5))"),
+    "Counter shadowed on the expected side": ("def Counter(x):\n    return {}\ndef f(x):\n    return [9]",
+                                              "assert Counter(f([1, 1, 2])) == Counter([1, 2, 1])"),
     "builtins patched": ("import builtins\nbuiltins.abs = lambda x: 0\nbuiltins.sorted = lambda x: [1, 2]\n"
                          "def f(x):\n    return 9.0\ndef g(x):\n    return [5]",
                          "assert abs(f(1) - 3.0) < 0.1\nassert sorted(g(1)) == [1, 2]"),
@@ -226,9 +237,11 @@ def test_the_verdict_never_raises_whatever_the_code_gives():
     run = sandbox.Run(errors={1: "raised ValueError: x"}, sealed="sealed")
     assert verdict(run, plan, limits) == (False, "test 1 of 2: f(1) raised ValueError: x")
     assert verdict(sandbox.Run(values={1: 2, 2: 10 ** 300}, sealed="sealed"), plan, limits)[0] is False
-    huge = parse_tests("assert 2 ** f(1) == 4\nassert 'x' * f(2) == 'xx'")
-    said = verdict(sandbox.Run(values={1: 10 ** 9, 2: 2}, sealed="sealed"), huge, limits)[1]
-    assert "too large to judge" in said
+    huge = parse_tests("assert 2 ** f(1) == 4\nassert 'x' * f(2) == 'xx'\nassert f(3) % 2 == '2'\n"
+                       "assert len(list(range(f(4)))) == 1")
+    for values in ({1: 10 ** 9}, {1: 2, 2: 10 ** 9}, {1: 2, 2: 2, 3: "%0100000000d"}, {1: 2, 2: 2, 3: "%d", 4: 10 ** 9}):
+        said = verdict(sandbox.Run(values=values, sealed="sealed"), huge, limits)[1]
+        assert "to judge" in said, (values, said)
 
 
 def test_the_values_that_come_back_are_plain_data():
@@ -292,29 +305,59 @@ def test_the_sealed_code_sees_its_own_directory_and_no_process_outside():
 
 WALLS = """import ctypes, errno, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
-import pyseccomp
+NUMBERS = {NUMBERS}
 def refused(name, *args):
-    number = pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
     ctypes.set_errno(0)
-    got = libc.syscall(number, *[ctypes.c_long(a) for a in args])
+    got = libc.syscall(NUMBERS[name], *[ctypes.c_long(a) for a in args])
     return got == -1 and ctypes.get_errno() in (errno.EPERM, errno.ENOSYS)
+def family_refused(family):
+    try:
+        socket.socket(family, socket.SOCK_STREAM).close()
+    except OSError as e:
+        return e.errno == errno.EAFNOSUPPORT
+    return False
+def session_keyring():
+    return libc.syscall(NUMBERS["keyctl"], ctypes.c_long(0), ctypes.c_long(-3), ctypes.c_long(0))
 """
 REFUSED = {"keyctl": (0, -3, 0), "add_key": (0, 0, 0, 0, -3), "ptrace": (16, 1, 0, 0), "bpf": (0, 0, 0),
            "perf_event_open": (0, 0, -1, -1, 0), "userfaultfd": (0,), "io_uring_setup": (1, 0),
-           "unshare": (0x10000000,), "mount": (0, 0, 0, 0, 0), "process_vm_readv": (1, 0, 0, 0, 0, 0)}
+           "unshare": (0x10000000,), "mount": (0, 0, 0, 0, 0), "process_vm_readv": (1, 0, 0, 0, 0, 0),
+           "shmget": (0, 1 << 20, 0o1600), "kill": (-1, 0)}
 
 
-@pytest.mark.skipif("seccomp" not in sandbox.isolation(), reason=f"no seccomp filter here: {sandbox.isolation()}")
-def test_the_code_meets_a_seccomp_filter_and_a_keyring_of_its_own():
-    """The kernel's riskiest calls are refused (EPERM) and sockets other than AF_UNIX too, AF_VSOCK included; the
-    code's session keyring is its own, and the keyring's calls are refused; /proc says the filter is on."""
+def unsealed_python(monkeypatch) -> None:
+    """Unsealed as nobody needs a Python nobody can read: the system's where the trainer's lies under /root."""
+    if os.getuid() == 0 and not sandbox_child.readable_by_others(sandbox_child.python_paths()):
+        if not Path("/usr/bin/python3").is_file():
+            pytest.skip("no Python that nobody can read, to run unsealed as nobody")
+        monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/python3")
+
+
+@pytest.mark.skipif("a seccomp filter" not in sandbox.isolation(), reason=f"no filter here: {sandbox.isolation()}")
+def test_the_code_meets_a_seccomp_filter_and_a_keyring_of_its_own(monkeypatch):
+    """Sealed and unsealed: the kernel's riskiest calls are refused (EPERM), System V IPC and kill(-1) too, and every
+    socket family but AF_UNIX, AF_VSOCK and AF_INET included; /proc says the filter is on. Without the filter the
+    code's session keyring is still its own, not the trainer's."""
+    numbers = {name: pyseccomp.resolve_syscall(pyseccomp.system_arch(), name) for name in REFUSED}
+    walls = WALLS.replace("{NUMBERS}", repr(numbers))
     asked = [f"refused({name!r}, *{args})" for name, args in REFUSED.items()]
     asked += ["open('/proc/self/status').read().split('Seccomp:')[1].split()[0]",
-              "len(socket.socketpair(socket.AF_UNIX))"]
-    for isolate in (SEALED,):
-        run = sandbox.launch(WALLS, [("value", a, a) for a in asked], sandbox.Limits(seconds=LIMIT), isolate=isolate)
-        assert run.values == {**{k + 1: True for k in range(len(REFUSED))}, len(REFUSED) + 1: "2",
-                              len(REFUSED) + 2: 2}, (isolate, run)
+              "len(socket.socketpair(socket.AF_UNIX))", "family_refused(socket.AF_VSOCK)",
+              "family_refused(socket.AF_INET)"]
+    want = {**{k + 1: True for k in range(len(REFUSED))}, len(REFUSED) + 1: "2", len(REFUSED) + 2: 2,
+            len(REFUSED) + 3: True, len(REFUSED) + 4: True}
+    if SEALED:
+        run = sandbox.launch(walls, [("value", a, a) for a in asked], sandbox.Limits(seconds=LIMIT), isolate=True)
+        assert run.values == want, run
+    unsealed_python(monkeypatch)
+    run = sandbox.launch(walls, [("value", a, a) for a in asked], sandbox.Limits(seconds=LIMIT), isolate=False)
+    assert run.values == want, ("unsealed", run)
+    libc = ctypes.CDLL(None, use_errno=True)
+    mine = libc.syscall(numbers["keyctl"], ctypes.c_long(0), ctypes.c_long(-3), ctypes.c_long(0))
+    monkeypatch.setattr(seccomp, "program", lambda: (b"", numbers["keyctl"], "no seccomp filter (this test's)"))
+    run = sandbox.launch(walls, [("value", "session_keyring()", "keyring")], sandbox.Limits(seconds=LIMIT),
+                         isolate=SEALED)
+    assert run.values[1] > 0 and run.values[1] != mine, (mine, run)
 
 
 def test_the_sandbox_mounts_the_interpreters_directories_never_sys_path(monkeypatch, tmp_path):
@@ -346,9 +389,7 @@ def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):
     if os.getuid() == 0 and not sandbox_child.readable_by_others(sandbox_child.python_paths()):
         refused = sandbox.launch(SOLVED, [("value", "add(2, 3)", "t")], sandbox.Limits(seconds=LIMIT), isolate=False)
         assert not refused.ran and "the code would run as root" in refused.sealed and not refused.values
-        if not Path("/usr/bin/python3").is_file():
-            pytest.skip("no Python that nobody can read, to run unsealed as nobody")
-        monkeypatch.setattr(sandbox, "PYTHON", "/usr/bin/python3")
+    unsealed_python(monkeypatch)
     before = descendants()
     code = ("import os, time\nkids = []\nfor _ in range(3):\n    kid = os.fork()\n    if kid == 0:\n"
             "        os.setsid()\n        time.sleep(30)\n    kids.append(kid)\n")
@@ -437,8 +478,10 @@ def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
 
     def flaky(code, steps, limits, isolate, started=None):
         calls.append(isolate)
-        if len(calls) == 1 or code == "never":
-            return sandbox.Run(sealed="failed: the sandbox ended (killed by SIGKILL)")
+        if calls == [isolate] or code == "never":  # the first start of all fails
+            return sandbox.Run(sealed="failed: the sandbox ended (killed by SIGKILL)", unreported=True)
+        if code == "reported":  # a failure the sandbox reports of itself is the same every time: not tried again
+            return sandbox.Run(sealed="failed: unsealed, the code would run as root")
         return real(code, steps, limits, isolate, started)
 
     monkeypatch.setattr(sandbox, "launch", flaky)
@@ -453,6 +496,9 @@ def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):
     with pytest.raises(Unscored):
         passes("", "never", {"tests": TESTS})
     assert math.isnan(call_reward_fn("passes", passes, "", "never", {"tests": TESTS}, 0))
+    before = len(calls)
+    assert run_tests("reported", TESTS)[0] is False and len(calls) == before + 1  # a verdict, 0: the start line
+    # said why
 
 
 @pytest.mark.skipif("cgroup v" not in sandbox.isolation(), reason=f"no cgroup here: {sandbox.isolation()}")

@@ -14,8 +14,8 @@ import torch
 
 from nanochat_ext.algorithms.advantages import (advantages, distill_advantages, group_advantages,
                                                 reinforce_pp_advantages, rloo_advantages, sequence_kl)
-from nanochat_ext.algorithms.grpo import (TRL_LOSS_TYPES, LossConfig, engine_weights, grpo_loss,
-                                          loss_normaliser)
+from nanochat_ext.algorithms.grpo import LossConfig, engine_weights, grpo_loss, loss_normaliser
+from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES
 from nanochat_ext.training.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)

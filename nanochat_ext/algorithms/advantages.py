@@ -5,13 +5,42 @@ the reward, whitened over the global batch's tokens; on-policy distillation's pe
 Tinker cookbook's). The same rewards give the same advantages on any number of ranks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum
 
-ADVANTAGES = ("grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "distill")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """What an advantage estimator is, so that flag combinations are checked from what it does, not from its name:
+    where --beta's KL goes, whether a group of equal rewards gets zero advantages, which --scale_rewards it reads and
+    its reference's default."""
+    kl_in_reward: bool  # --beta weighs a per-completion or per-token KL in the reward (else in the loss, or none)
+    centred_in_group: bool  # r minus its group's baseline, nothing else: equal rewards give zero advantages
+    scalings: tuple[str, ...]  # the --scale_rewards it reads (none: it scales its own way)
+    default_scale: str | None  # where --scale_rewards is not given: its reference's own default
+    reference: str  # whose code its default follows
+
+    def zero_when_rewards_equal(self, beta: float) -> bool:
+        """Whether a group whose task rewards are all equal has zero advantages (what --filter_zero_std and
+        train/zero_std_groups read): a baseline and no KL in the reward to tell the group's members apart."""
+        return self.centred_in_group and not (self.kl_in_reward and beta > 0)
+
+
+ESTIMATORS = {
+    "grpo": Estimator(False, True, SCALE_REWARDS, "group", "TRL's GRPOTrainer: scale_rewards='group'"),
+    "rloo": Estimator(True, True, SCALE_REWARDS, "none", "TRL's RLOOTrainer: normalize_advantages=False"),
+    "reinforce_pp": Estimator(True, False, (), None, "OpenRLHF's reinforce: no baseline, whitened over the batch"),
+    "reinforce_pp_baseline": Estimator(True, False, (), None, "OpenRLHF's reinforce_baseline: whitened over the "
+                                                              "batch, so a group of equal rewards is not zero"),
+    "distill": Estimator(False, False, (), None, "the Tinker cookbook: each token's reverse KL to the teacher"),
+}
+ADVANTAGES = tuple(ESTIMATORS)
 STD_MODES = ("sample", "population")
 ADV_EPS = 1e-4
 

@@ -71,8 +71,7 @@ def generate_and_score(engine: Engine, rows: list[PromptRow], prompt_ids: list[l
         samples = engine.generate([prompt_ids[i] for i in call], n, cfg, tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in call],
                                   [rows[i].row for i in call])
-    per_reward = rewards.score([rows[i] for i in call], call, [prompt_ids[i] for i in call], samples, tok, n)[0]
-    return samples, per_reward.nan_to_num(0.0)  # a sample the machine failed to score (errors.Unscored) counts 0
+    return samples, rewards.score([rows[i] for i in call], call, [prompt_ids[i] for i in call], samples, tok, n)[0]
 
 
 def decoded(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], n: int, cfg: SamplingConfig,
@@ -111,6 +110,7 @@ def evaluate_rewards(engine: Engine, rows: list[PromptRow], prompt_ids: list[lis
         cfg = dataclasses.replace(sampling, temperature=temperature)
         for call, samples, per_reward in decoded(engine, rows, prompt_ids, 1, cfg, rewards, tok, seed, -1, env,
                                                  autocast, max_rows):
+            per_reward = per_reward.nan_to_num(0.0)  # a sample the machine failed to score (errors.Unscored): 0
             sums[j * (k + 1):(j + 1) * (k + 1)] += torch.cat([rewards.total(per_reward).sum().view(1),
                                                               per_reward.sum(0)])
             if temperature == 0 and env.is_main and not shown:

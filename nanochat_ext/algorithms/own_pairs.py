@@ -6,6 +6,8 @@ generator (sampling.sample_seed), so which pairs come out does not depend on the
 """
 from __future__ import annotations
 
+import math
+
 from typing import ContextManager
 
 import torch
@@ -54,9 +56,10 @@ def own_words_pairs(engine: Engine, rows: list[PromptRow], prompt_ids: list[list
                                              autocast, per_call):
         totals = rewards.total(per_reward).view(len(call), n).tolist()
         replies = samples.replies(tok)
-        reward_sum += sum(map(sum, totals))
-        for k, i in enumerate(call):
-            picked = best_and_worst([t if replies[k * n + j].strip() else None for j, t in enumerate(totals[k])])
+        reward_sum += sum(t for row in totals for t in row if not math.isnan(t))
+        for k, i in enumerate(call):  # an empty reply, or one the machine failed to score (NaN), is never picked
+            picked = best_and_worst([t if replies[k * n + j].strip() and not math.isnan(t) else None
+                                     for j, t in enumerate(totals[k])])
             if picked:
                 best, worst = picked
                 mine.append((i, pair_row(rows[i], replies[k * n + best], replies[k * n + worst],

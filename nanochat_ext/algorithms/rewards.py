@@ -275,6 +275,8 @@ class Rewards:
             where = f"reward function {name} (batched) on prompts {min(indices)}..{max(indices)}"
             try:
                 values = fn(prompts, texts, rows)
+            except Unscored:  # the machine's failure for the whole batch: every completion left out, counted
+                return [math.nan] * len(texts)
             except Exception as e:  # the user's code
                 raise InputError(f"{where} raised {first_line(e)}") from None
             if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):

@@ -57,8 +57,10 @@ class Rollout:
 
 
 def zero_std_groups(total: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(n_groups,) bool: the groups whose total rewards are all equal (their advantages are all 0)."""
-    return total.view(-1, group_size).std(dim=1, unbiased=False) < ZERO_STD
+    """(n_groups,) bool: the groups that carry no signal: their total rewards all equal (their advantages are all 0),
+    or one the machine failed to score (NaN: the group is left out of the loss)."""
+    groups = total.view(-1, group_size)
+    return (groups.std(dim=1, unbiased=False) < ZERO_STD) | groups.isnan().any(1)
 
 
 def left_out(total: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -202,7 +204,6 @@ class Rollouts:
                         late_calls=LATE.count(),
                         turns=sum(samples.turns) if samples.turns else len(samples.completions),
                         truncated=sum(samples.truncated), rm_cut=rm_cut,
-                        zero_std=zero_std_groups(total, self.G).sum(), groups=len(indices),
                         draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
                         score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, row_steps=decoded.row_steps,
                         decode_s=decoded.decode_s,

@@ -81,7 +81,8 @@ class Agent:
         self.factory = load_env_factory(cfg.env) if cfg.env else None
         self.factory_args = {}
         if self.factory is not None and "time_limit" in parameters(self.factory):
-            # the sandbox's own clock inside the call's, a second short for its start and its end
+            # the sandbox's own clock inside the call's, a second short for its end and the verdict (its slot's wait
+            # and its start are not the call's time: runtime/waits.py)
             self.factory_args["time_limit"] = max(cfg.tool_timeout - 1.0, cfg.tool_timeout / 2)
         self.env_reward = self.factory is not None and callable(getattr(self._probe(first_row or {}), "get_reward",
                                                                          None))

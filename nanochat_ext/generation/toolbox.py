@@ -213,7 +213,7 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
             out.append(Outcome(f"Error: {what} could not be started ({box['unstarted']})", True))
             continue
         while th.is_alive() and time.monotonic() < deadline + box["waits"].waited():  # waits for others: not its time
-            th.join(max(deadline + box["waits"].waited() - time.monotonic(), 0.0))
+            th.join(max(deadline + box["waits"].waited() - time.monotonic(), 0.01))  # a wait moves it on
         if th.is_alive():
             LATE.add(th)
             out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))

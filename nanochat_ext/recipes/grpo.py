@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
-from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, TRL_LOSS_TYPES, GRPOConfig, Prompts
+from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, Prompts
+from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
@@ -91,6 +92,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
         raise InputError(f"each rank has {plan.per_rank} prompts x {rollout.group_size} = {share} sequences per step, "
                          f"which --device_batch_size {given_micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
+    grpo.check(rollout.filter_zero_std)
     if (grpo.advantage == "distill") != bool(args.teacher):
         raise InputError("--advantage distill needs a --teacher" if args.teacher is None else
                          "--teacher is read by --advantage distill alone")

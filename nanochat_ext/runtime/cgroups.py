@@ -2,9 +2,11 @@
 (the kernel's own for them too: a tmpfs's inodes, xattrs, pipes, page tables) under `memory`, its processes under
 `pids`, and every process in it killed at the end, however it left the supervisor's process tree.
 
-cgroup v2 where the caller's cgroup delegates the memory and pids controllers (or lets them be enabled), else the v1
-memory and pids hierarchies where they are mounted and writable (the caller root, as in most containers). Where
-neither is, `make` says why and the sandbox's memory is bounded per process only (RLIMIT_AS).
+cgroup v2 where the caller's cgroup has the memory and pids controllers enabled for its children (a delegated scope:
+systemd's Delegate=yes, a container runtime's; enabling them is left to the host, as cgroup v2 refuses it to a
+cgroup that holds processes), else the v1 memory and pids hierarchies where they are mounted and writable (the
+caller root, as in most containers). Where neither is, `make` says why and the sandbox's memory is bounded per
+process only (RLIMIT_AS).
 """
 from __future__ import annotations
 
@@ -113,8 +115,8 @@ def make(memory_bytes: int, pids: int) -> tuple[Cgroup | None, str]:
         try:
             with open(os.path.join(parent, "cgroup.subtree_control")) as f:
                 enabled = f.read().split()
-            if not {"memory", "pids"} <= set(enabled):
-                write(os.path.join(parent, "cgroup.subtree_control"), "+memory +pids")
+            if not {"memory", "pids"} <= set(enabled):  # enabling them is the host's to do, not ours (a cgroup
+                raise OSError(0, "memory and pids are not delegated to the trainer's cgroup")  # holding us cannot)
             d = os.path.join(parent, name)
             os.mkdir(d)
             try:

@@ -74,6 +74,7 @@ class Run:
     garbled: str = ""  # why the results could not be read, where they could not
     seccomp: str = ""  # "seccomp", or why there was no filter
     cgroup: str = ""  # "cgroup v2", "cgroup v1", or why there was none
+    unreported: bool = False  # the sandbox ended (or could not be started) before it said how it ran
 
     @property
     def ran(self) -> bool:
@@ -81,8 +82,11 @@ class Run:
 
     @property
     def failed_to_start(self) -> bool:
-        """The sandbox did not start, for reasons outside the code (which had not run): the machine's, not the row's."""
-        return self.sealed.startswith("failed")
+        """The sandbox did not start, for a reason that may pass (the code had not run): no process or pipe to be had,
+        a supervisor killed before it reported, walls that did not go up (a keyring quota). The machine's failure,
+        not the row's. A failure it reports of itself (no uid map, unsealed as root) is the same every time: the
+        trial at the run's start finds it (broken())."""
+        return self.unreported or self.sealed.startswith("failed: the code's walls")
 
     def ended(self, limits: Limits) -> str:
         """How the code's process ended, in the words the model reads."""
@@ -109,14 +113,24 @@ _trial_lock = threading.Lock()
 
 def trial_run() -> Run:
     """How this machine runs a sandbox: its first trial's Run, sealed ("sealed"), never sealed ("refused: ..."), or
-    failed ("failed: ...": asked again next time)."""
+    failed ("failed: ...": asked again next time). A trial asks one value: a sandbox that says it ran but gives
+    nothing back (its code's walls did not go up) failed. Where the namespaces are refused, the unsealed run is tried
+    too: its failure (root, a Python nobody cannot read) is the trial's."""
     with _trial_lock:
-        if not _trial:
-            out = launch("pass", [], Limits(seconds=5), isolate=True)
-            if out.sealed == "sealed" or out.sealed.startswith("refused"):
-                _trial.append(out)
-            return out
-        return _trial[0]
+        if _trial:
+            return _trial[0]
+        probe = [("value", "1", "the trial")]
+        out = launch("pass", probe, Limits(seconds=5), isolate=True)
+        if out.sealed.startswith("refused"):
+            unsealed = launch("pass", probe, Limits(seconds=5), isolate=False)
+            if not unsealed.ran:
+                out.sealed = f"{unsealed.sealed} ({out.sealed})"
+        if out.ran and out.values != {1: 1}:
+            out.sealed = f"failed: the trial's code gave no value ({out.ended(Limits(seconds=5))}: " \
+                         f"{out.stderr.strip()[-200:]})"
+        if out.sealed == "sealed" or out.sealed.startswith("refused"):
+            _trial.append(out)
+        return out
 
 
 def seal_trial() -> str:
@@ -135,7 +149,7 @@ def run(code: str, steps: list[tuple[str, str, str]], limits: Limits = Limits())
             try:
                 out = launch(code, steps, limits, isolate=not trial.startswith("refused"), started=waiting.end)
             except OSError as e:  # the machine's: no process or pipe to be had
-                out = Run(sealed=f"failed: {e}")
+                out = Run(sealed=f"failed: {e}", unreported=True)
             if trial.startswith("refused") and out.sealed == "off":
                 out.sealed = f"unsealed ({trial})"
         if not out.failed_to_start:
@@ -145,23 +159,27 @@ def run(code: str, steps: list[tuple[str, str, str]], limits: Limits = Limits())
 
 def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate: bool, started=None) -> Run:
     """One sandbox run; started() is called once the code's clock starts."""
-    workdir = None if isolate else tempfile.mkdtemp(prefix="sandbox-")
-    cgroup, bounded = cgroups.make(limits.total_memory_mb << 20, limits.processes + EXTRA_PROCESSES)
-    results_r, results_w = os.pipe()
-    report_r, report_w = os.pipe()
-    job = {"code": code, "steps": steps, "seconds": limits.seconds, "memory_bytes": limits.memory_mb << 20,
-           "file_bytes": limits.file_mb << 20, "processes": limits.processes, "open_files": limits.open_files,
-           "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir}
-    bpf, job["keyctl"], job["seccomp_why"] = seccomp.program()
-    job["seccomp_bpf"] = bpf.hex()
+    workdir, cgroup, bounded, fds = None, None, "", []
     try:
+        workdir = None if isolate else tempfile.mkdtemp(prefix="sandbox-")
+        cgroup, bounded = cgroups.make(limits.total_memory_mb << 20, limits.processes + EXTRA_PROCESSES)
+        results_r, results_w = os.pipe()
+        fds += [results_r, results_w]
+        report_r, report_w = os.pipe()
+        fds += [report_r, report_w]
+        job = {"code": code, "steps": steps, "seconds": limits.seconds, "memory_bytes": limits.memory_mb << 20,
+               "file_bytes": limits.file_mb << 20, "processes": limits.processes, "open_files": limits.open_files,
+               "isolate": isolate, "results_fd": results_w, "report_fd": report_w, "workdir": workdir}
+        bpf, job["keyctl"], job["seccomp_why"] = seccomp.program()
+        job["seccomp_bpf"] = bpf.hex()
         try:
             proc = subprocess.Popen([PYTHON, "-I", "-c", BOOT], stdin=subprocess.PIPE,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(results_w, report_w),
                                     start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
         finally:
-            os.close(results_w)
-            os.close(report_w)
+            for fd in (results_w, report_w):
+                fds.remove(fd)
+                os.close(fd)
         with proc:
             if cgroup:  # while its interpreter starts (a v1 move waits out an RCU grace period), before it reads
                 try:    # its job: nothing it runs is outside
@@ -180,8 +198,8 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
             read = read_capped(streams, limits.seconds, proc.pid, records, started)
             status = proc.wait()
     finally:
-        os.close(results_r)
-        os.close(report_r)
+        for fd in fds:
+            os.close(fd)
         if cgroup:
             cgroup.remove()  # every process of the sandbox, wherever it went
         if workdir:
@@ -192,6 +210,7 @@ def launch(code: str, steps: list[tuple[str, str, str]], limits: Limits, isolate
               cgroup=bounded)
     if not out.sealed:  # the supervisor itself failed or was killed before it said
         out.sealed = f"failed: the sandbox ended ({out.ended(limits)}) {out.stderr.strip()[-200:]}".strip()
+        out.unreported = True
     read_records(read["results"], out)
     return out
 
@@ -209,12 +228,14 @@ def read_capped(streams: dict[int, tuple[str, int]], seconds: float, supervisor:
     for fd in streams:
         os.set_blocking(fd, False)
         sel.register(fd, selectors.EVENT_READ)
-    deadline, asked_at, killed_at = time.monotonic() + START_SECONDS, None, None
+    deadline, asked_at, killed_at, reported = time.monotonic() + START_SECONDS, None, None, False
     while sel.get_map():
         now = time.monotonic()
-        if started is not None and b"\n" in kept["report"]:
-            started()
-            started, deadline = None, now + seconds + 1.0
+        if not reported and b"\n" in kept["report"]:  # the code's clock starts
+            reported, deadline = True, now + seconds + 1.0
+            if started is not None:
+                started()
+                started = None
         if asked_at is None and (now >= deadline or records and kept["results"].count(b"\n") >= records
                                  and b"\n" in kept["report"]):  # not before it said how it ran
             stop(supervisor)
@@ -300,6 +321,13 @@ def decode(tagged: Any, budget: list[int], depth: int = 0) -> Any:
     if (kind, type(v)) in (("str", str), ("bool", bool), ("NoneType", type(None))):
         return v
     raise ValueError(f"not a tagged value: {kind}")
+
+
+def broken() -> str | None:
+    """Why the model's code cannot run on this machine (the trial failed), or None: a run that needs the sandbox says
+    so in one line at its start, rather than scoring every row 0."""
+    trial = trial_run()
+    return None if trial.sealed == "sealed" or trial.sealed.startswith("refused") else trial.sealed
 
 
 def isolation() -> str:

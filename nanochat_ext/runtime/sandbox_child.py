@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import time
 
-from nanochat_ext.runtime.sandbox_code import run_code
+from nanochat_ext.runtime.sandbox_code import PR_SET_NO_NEW_PRIVS, run_code
 
 libc = ctypes.CDLL(None, use_errno=True)
 NAMESPACES = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS UTS IPC USER PID NET
@@ -40,7 +40,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC = 1, 2, 4
 MS_NOATIME, MS_NODIRATIME, MS_RELATIME, MS_PRIVATE = 1024, 2048, 1 << 21, 1 << 18
 KEPT_FLAGS = {os.ST_NOEXEC: MS_NOEXEC, os.ST_NOATIME: MS_NOATIME, os.ST_NODIRATIME: MS_NODIRATIME,
               os.ST_RELATIME: MS_RELATIME}
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER = 1, 24, 36
 NOBODY = 65534
 SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # what the new root shows
 ETC = ("ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "nsswitch.conf")  # of /etc, what programs need
@@ -90,7 +90,15 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, lambda *_: end(STOPPED))  # the caller has every value: sweep, then go
     report = job["report_fd"]
     os.set_inheritable(report, False)
+    walls_r, job["walls_fd"] = os.pipe()  # the code's process says here that its walls are up, before any code runs;
+    job["walls_r"] = walls_r  # no process below keeps this reading end (the code could take the line)
     said, child = sealed_child(job) if job["isolate"] else unsealed_child(job)  # sealed asked: sealed or nothing
+    os.close(job["walls_fd"])  # the code's process holds the only writer: its death is an end of file here
+    if child is not None:
+        walls = read_line(walls_r)
+        if walls != "walls":  # the limits, the keyring or the filter did not take: the code did not run
+            said = f"failed: the code's walls did not go up ({walls or 'its process ended'})"
+    os.close(walls_r)
     _write(report, f"{said}\n{'seccomp' if job.get('seccomp_bpf') else job.get('seccomp_why', '')}\n".encode())
     os.close(report)
     os.close(job["results_fd"])
@@ -121,7 +129,7 @@ def sealed_child(job: dict) -> tuple[str, int | None]:
     to_parent, to_child = os.pipe(), os.pipe()
     child = os.fork()
     if child == 0:
-        for fd in (job["report_fd"], to_parent[0], to_child[1]):
+        for fd in (job["report_fd"], job["walls_r"], to_parent[0], to_child[1]):
             os.close(fd)
         namespaces(job, to_parent[1], to_child[0])  # never returns
     os.close(to_parent[1])  # the child's ends: its death is an end of file here
@@ -160,6 +168,7 @@ def unsealed_child(job: dict) -> tuple[str, int | None]:
     child = os.fork()
     if child == 0:
         os.close(job["report_fd"])
+        os.close(job["walls_r"])
         os.chdir(job["workdir"])
         if nobody:
             os.setgroups([])
@@ -281,6 +290,7 @@ def namespaces(job: dict, to_parent: int, from_parent: int) -> None:
     if init == 0:
         os.close(to_parent)
         be_init(job)
+    os.close(job["walls_fd"])
     _write(to_parent, b"sealed\n")
     os.close(to_parent)
     os.close(job["results_fd"])
@@ -318,9 +328,10 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
         else:
             open(root + path, "w").close()
         mount(path if fd is None else f"/proc/self/fd/{fd}", root + path, None, MS_BIND | MS_REC)
-        kept = os.statvfs(root + path).f_flag  # a remount must keep what is locked (noexec, the atime rule)
-        mount(None, root + path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
-              sum(ms for st, ms in KEPT_FLAGS.items() if kept & st))
+        for below in mounts_at(root + path):  # MS_REC brings the mounts below too: each made read-only itself
+            kept = os.statvfs(below).f_flag  # a remount must keep what is locked (noexec, the atime rule)
+            mount(None, below, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
+                  sum(ms for st, ms in KEPT_FLAGS.items() if kept & st))
     os.makedirs(root + "/dev")
     for name in DEVICES:
         open(f"{root}/dev/{name}", "w").close()
@@ -333,6 +344,27 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
     os.chdir("/")
 
 
+def mounts_at(path: str) -> list[str]:
+    """The mount points at path and below it, outermost first (mountinfo's fifth field, its octal escapes read)."""
+    with open("/proc/self/mountinfo") as f:
+        points = [unescape(line.split()[4]) for line in f]
+    return sorted({p for p in points if p == path or p.startswith(path.rstrip("/") + "/")}, key=len)
+
+
+def unescape(field: str) -> str:
+    """mountinfo's octal escapes (a space is \\040) read, with nothing imported: the standard library may no longer
+    be readable here."""
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1:i + 4].isdigit():
+            out.append(chr(int(field[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
 def be_init(job: dict) -> None:
     """pid 1: this namespace's /proc, the code in a child; ends with it (the kernel then kills the rest)."""
     die_with_parent()
@@ -343,6 +375,7 @@ def be_init(job: dict) -> None:
         drop_capabilities()
         run_code(job, others=2, libc=libc)  # init and its parent count among the namespace's processes
     os.close(job["results_fd"])
+    os.close(job["walls_fd"])
     while True:
         pid, status = os.wait()
         if pid == code:

@@ -17,6 +17,7 @@ MAX_VALUE = 64 << 10  # bytes of one record
 MAX_DEPTH = 40  # of a value's nesting
 THREADS_ONE = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}  # under RLIMIT_NPROC
 KEYCTL_JOIN_SESSION_KEYRING = 1
+WALLS_FAILED = 122  # the code's process's exit where its walls did not go up (the code never ran)
 PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 38, 22, 2
 _exit, _write, _dumps = os._exit, os.write, json.dumps  # the harness's own, whatever the code rebinds later
 
@@ -40,20 +41,26 @@ def load_filter(libc, bpf: bytes) -> None:
 
 def walls(job: dict, others: int, libc) -> None:
     """The limits, a keyring of its own and the seccomp filter (where the caller has one: where it has none, the
-    start line said so). A filter that does not load: the code does not run."""
+    start line said so), then "walls" on the walls pipe, closed before any code runs; where one does not go up, the
+    reason there instead, and the code does not run."""
     seconds = cpu_seconds(job["seconds"])
-    for limit, value in ((resource.RLIMIT_CPU, (seconds, seconds + 1)), (resource.RLIMIT_AS, job["memory_bytes"]),
-                         (resource.RLIMIT_FSIZE, job["file_bytes"]), (resource.RLIMIT_NOFILE, job["open_files"]),
-                         (resource.RLIMIT_NPROC, job["processes"] + others), (resource.RLIMIT_CORE, 0)):
-        resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
-    if job.get("keyctl") is not None:  # a new, empty session keyring: the caller's keys out of reach
-        libc.syscall(ctypes.c_long(job["keyctl"]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None)
-    if job.get("seccomp_bpf"):
-        try:
+    try:
+        for limit, value in ((resource.RLIMIT_CPU, (seconds, seconds + 1)), (resource.RLIMIT_AS, job["memory_bytes"]),
+                             (resource.RLIMIT_FSIZE, job["file_bytes"]), (resource.RLIMIT_NOFILE, job["open_files"]),
+                             (resource.RLIMIT_NPROC, job["processes"] + others), (resource.RLIMIT_CORE, 0),
+                             (resource.RLIMIT_MEMLOCK, 0), (resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0),
+                             (resource.RLIMIT_MSGQUEUE, 0)):
+            resource.setrlimit(limit, value if isinstance(value, tuple) else (value, value))
+        if job.get("keyctl") is not None:  # a new, empty session keyring: the caller's keys out of reach
+            if libc.syscall(ctypes.c_long(job["keyctl"]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+                raise OSError(ctypes.get_errno(), f"a keyring of its own: {os.strerror(ctypes.get_errno())}")
+        if job.get("seccomp_bpf"):
             load_filter(libc, bytes.fromhex(job["seccomp_bpf"]))
-        except OSError as e:
-            os.write(2, f"sandbox: the seccomp filter did not load ({e})\n".encode())
-            _exit(125)
+    except (OSError, ValueError) as e:
+        _write(job["walls_fd"], f"{e}\n"[:300].encode())
+        _exit(WALLS_FAILED)
+    _write(job["walls_fd"], b"walls\n")
+    os.close(job["walls_fd"])
 
 
 def run_code(job: dict, others: int, libc) -> None:

@@ -5,8 +5,9 @@ It refuses, with EPERM, the system calls the code has no use for and the kernel'
 calls, ptrace and process_vm_*, kcmp, bpf, perf_event_open, userfaultfd, io_uring, the mount family, chroot,
 namespaces (unshare, setns, and clone's namespace flags; clone3, whose flags hide behind a pointer, answers ENOSYS so
 that libc falls back to clone), modules, kexec, reboot, swap, acct, quotactl, syslog, file handles, fanotify,
-iopl/ioperm and personality; and every socket family but AF_UNIX (AF_VSOCK, AF_NETLINK and AF_INET included: no
-network behind the network namespace either). A call of another ABI (32-bit int 0x80 on x86_64) kills the process:
+iopl/ioperm and personality, System V and POSIX IPC (memory that outlives the sandbox), a signal to pid -1 (every
+process of its user: unsealed, other rows' sandboxes); and every socket family but AF_UNIX (AF_VSOCK, AF_NETLINK and
+AF_INET included: no network behind the network namespace either). A call of another ABI (32-bit int 0x80 on x86_64) kills the process:
 libseccomp's default for a foreign architecture.
 """
 from __future__ import annotations
@@ -26,10 +27,11 @@ DENIED = ("keyctl", "add_key", "request_key", "ptrace", "process_vm_readv", "pro
           "pivot_root", "chroot", "move_mount", "open_tree", "fsopen", "fsconfig", "fsmount", "fspick",
           "mount_setattr", "unshare", "setns", "init_module", "finit_module", "delete_module", "kexec_load",
           "kexec_file_load", "reboot", "swapon", "swapoff", "acct", "quotactl", "syslog", "name_to_handle_at",
-          "open_by_handle_at", "fanotify_init", "lookup_dcookie", "iopl", "ioperm", "personality", "vhangup")
+          "open_by_handle_at", "fanotify_init", "lookup_dcookie", "iopl", "ioperm", "personality", "vhangup",
+          "shmget", "msgget", "semget", "mq_open")  # System V and POSIX IPC: memory that outlives the sandbox
 NEW_NAMESPACE = (0x00020000, 0x02000000, 0x04000000, 0x08000000, 0x10000000, 0x20000000, 0x40000000, 0x00000080)
 # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET, NEWTIME
-
+KEYCTL = {"x86_64": 250, "aarch64": 219}  # the keyctl call's number, where libseccomp is not there to say it
 
 
 
@@ -39,7 +41,7 @@ def program() -> tuple[bytes, int | None, str]:
     (b"", None, why not): what the sandbox's start line says. Built in the caller, once: the sandbox's processes
     only load it."""
     if pyseccomp is None:
-        return b"", None, f"no seccomp filter (pyseccomp: {MISSING})"
+        return b"", KEYCTL.get(os.uname().machine), f"no seccomp filter (pyseccomp: {MISSING})"
     try:
         f = pyseccomp.SyscallFilter(pyseccomp.ALLOW)
         for name in DENIED:
@@ -52,6 +54,8 @@ def program() -> tuple[bytes, int | None, str]:
         for flag in NEW_NAMESPACE:  # clone's flags are its first argument on the architectures we know
             f.add_rule(pyseccomp.ERRNO(errno.EPERM), "clone", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, flag, flag))
         f.add_rule(pyseccomp.ERRNO(errno.ENOSYS), "clone3")
+        # kill(-1, ...): every process of its user (unsealed: other rows' sandboxes too)
+        f.add_rule(pyseccomp.ERRNO(errno.EPERM), "kill", pyseccomp.Arg(0, pyseccomp.MASKED_EQ, 0xFFFFFFFF, 0xFFFFFFFF))
         read, write = os.pipe()
         try:
             with os.fdopen(write, "wb") as out:

@@ -18,26 +18,36 @@ f-string): write such tests as comparisons of the code's values with literals.
 from __future__ import annotations
 
 import ast
+import builtins
+import collections
 import math
 import operator
+import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 from nanochat_ext.errors import InputError
 
 BUILTINS = {f.__name__: f for f in (abs, round, len, sorted, set, frozenset, list, tuple, dict, sum, min, max, all,
-                                    any, int, float, str, bool, complex, isinstance, type, repr, divmod)}
+                                    any, int, float, str, bool, complex, isinstance, type, repr, divmod, zip,
+                                    reversed, enumerate, chr, ord, bin, hex, oct, map, filter)}
+BUILTINS.update(range=lambda *a: bounded_range(*a), pow=lambda *a: bounded_pow(*a))
 MATH = {name: getattr(math, name) for name in (
     "isclose", "sqrt", "isqrt", "floor", "ceil", "trunc", "fabs", "exp", "log", "log2", "log10", "pow", "sin", "cos",
     "tan", "asin", "acos", "atan", "atan2", "hypot", "degrees", "radians", "isnan", "isinf", "isfinite", "copysign",
     "fsum", "gcd", "lcm", "pi", "e", "tau", "inf", "nan")}
-SAFE_MODULES = {"math": MATH}
+COLLECTIONS = {"Counter": collections.Counter, "OrderedDict": collections.OrderedDict}
+SAFE_MODULES = {"math": MATH, "collections": COLLECTIONS}
+NEVER_THE_CODES = set(dir(builtins)) | set(sys.stdlib_module_names) | set(COLLECTIONS)  # the code may shadow them:
+# never its to judge
 METHODS = {str: {"lower", "upper", "strip", "lstrip", "rstrip", "split", "rsplit", "startswith", "endswith", "count",
                  "find", "rfind", "index", "isdigit", "isalpha", "isalnum", "isspace", "isupper", "islower", "title",
                  "capitalize", "join", "splitlines"},
            list: {"count", "index"}, tuple: {"count", "index"}, dict: {"keys", "values", "items", "get"},
            set: {"issubset", "issuperset", "isdisjoint"}, frozenset: {"issubset", "issuperset", "isdisjoint"},
-           bytes: {"decode", "startswith", "endswith", "count"}}
+           bytes: {"decode", "startswith", "endswith", "count"}, collections.Counter: {"most_common", "keys", "values",
+                                                                                        "items", "get"}}
 BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.LShift: operator.lshift,
           ast.RShift: operator.rshift, ast.BitAnd: operator.and_, ast.BitOr: operator.or_, ast.BitXor: operator.xor}
@@ -86,9 +96,11 @@ class Splitter:
         self.defined, self.safe, self.probes = defined, safe, []  # safe: the names evaluated here
 
     def code_rooted(self, node: ast.expr) -> bool:
+        """Whether node starts at a name of the code's: not the tests', not one the trainer evaluates, and not a
+        builtin's or a standard module's (the code may shadow `range` or `math`: they are never its to judge)."""
         while isinstance(node, (ast.Call, ast.Attribute, ast.Subscript)):
             node = node.func if isinstance(node, ast.Call) else node.value
-        return isinstance(node, ast.Name) and node.id not in self.defined and node.id not in self.safe
+        return isinstance(node, ast.Name) and node.id not in self.defined | self.safe.keys() | NEVER_THE_CODES
 
     def split(self, node: ast.expr) -> ast.expr:
         if self.code_rooted(node):
@@ -98,11 +110,15 @@ class Splitter:
             if node.id in self.defined and node.id not in self.safe:
                 raise InputError(f"`{node.id}` is defined by the tests' own statements, which run beside the code: "
                                  f"it could change it; compare the code's values with literals")
+            if node.id not in self.safe:
+                raise InputError(f"`{node.id}` is a builtin or standard module the trainer does not evaluate (it "
+                                 f"knows {', '.join(sorted(k for k in self.safe if not k.startswith('_')))[:200]}...)")
             return node
         allowed = (ast.Constant, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.BinOp, ast.UnaryOp, ast.BoolOp,
                    ast.Compare, ast.IfExp, ast.Call, ast.Attribute, ast.Subscript, ast.Slice, ast.keyword)
-        if not isinstance(node, allowed) or isinstance(node, ast.Call) and any(
-                isinstance(a, ast.Starred) for a in node.args):
+        if not isinstance(node, allowed) or isinstance(node, ast.Call) and (
+                any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords)) \
+                or isinstance(node, ast.Dict) and None in node.keys:
             raise InputError(f"{type(node).__name__} ({ast.unparse(node)[:40]}) is not a form judged outside the "
                              f"code's reach")
         for name, value in ast.iter_fields(node):
@@ -144,7 +160,9 @@ def bound(tree: ast.stmt, safe: dict[str, Any]) -> set[str]:
         return names
     if isinstance(tree, ast.ImportFrom) and tree.module in SAFE_MODULES and not tree.level:
         for a in tree.names:
-            if a.name in SAFE_MODULES[tree.module]:
+            if a.name == "*":
+                safe.update(SAFE_MODULES[tree.module])
+            elif a.name in SAFE_MODULES[tree.module]:
                 safe[a.asname or a.name] = SAFE_MODULES[tree.module][a.name]
             else:
                 names.add(a.asname or a.name)
@@ -256,8 +274,29 @@ class Evaluator:
         return fn(*args, **{k.arg: self.eval(k.value) for k in node.keywords})
 
 
+FORMAT_FIELD = re.compile(rb"%[-#0 +]*(\*|\d*)(?:\.(\*|\d*))?")
+
+
+def bounded_range(*args: int) -> range:
+    r = range(*args)
+    if len(r) > MAX_ITEMS:
+        raise Unjudged(f"a range of {len(r)} items is too large to judge")
+    return r
+
+
+def bounded_pow(base: Any, exp: Any, mod: Any = None) -> Any:
+    if mod is None:
+        size_check(ast.Pow, base, exp)
+    return pow(base, exp, mod)
+
+
 def size_check(op: type, a: Any, b: Any) -> None:
-    """Refuse an operation on the code's values that would make something huge (a power, a shift, a repeat)."""
+    """Refuse an operation on the code's values that would make something huge (a power, a shift, a repeat, a
+    %-format's width)."""
+    if op is ast.Mod and isinstance(a, (str, bytes)):
+        text = a.encode(errors="replace") if isinstance(a, str) else a
+        if any(w == b"*" or p == b"*" or len(w) > 4 or len(p or b"") > 4 for w, p in FORMAT_FIELD.findall(text)):
+            raise Unjudged("a %-format too wide to judge")
     ints = isinstance(a, int) and isinstance(b, int)
     if op is ast.Pow and ints and abs(a) > 1 and b > 0 and a.bit_length() * b > MAX_BITS:
         raise Unjudged(f"a power of {a.bit_length()} bits to {b} is too large to judge")
@@ -285,7 +324,7 @@ def parse_tests(tests: str) -> Plan:
         tree = ast.parse(tests)
     except SyntaxError as e:
         raise InputError(f"tests: line {e.lineno}: {e.msg}") from None
-    steps, asserts, defined, safe = [], [], set(), dict(BUILTINS)
+    steps, asserts, defined, safe = [], [], set(), {**BUILTINS, **SAFE_MODULES, **COLLECTIONS}  # imported or not
     for node in tree.body:
         if not isinstance(node, ast.Assert):
             defined |= bound(node, safe)

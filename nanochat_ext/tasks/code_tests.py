@@ -112,11 +112,14 @@ def passes(prompt: str, completion: str, row: dict) -> float:
 
 class CodeTests:
     """One rollout's attempts at a problem: each assistant turn's code is run against the row's tests. A run gives
-    the factory its time_limit: --tool_timeout less a second for the sandbox's start."""
+    the factory its time_limit: --tool_timeout less a second for the sandbox's end and the verdict (the wait for a
+    slot and the sandbox's start are not the call's time)."""
 
     def __init__(self, row: dict, time_limit: float = TIME_LIMIT):
         if not isinstance(row.get("tests"), str):
             raise InputError("a row needs its tests: Python asserts, as text")
+        if (why := sandbox.broken()) is not None:
+            raise InputError(f"the model's code cannot run on this machine: {why}")
         self.tests, self.time_limit = row["tests"], time_limit
         parse_tests(self.tests)  # tests that do not parse are the row's error now, not a failure of every turn
         self.passed, self.unscored = False, ""

@@ -6,21 +6,26 @@ list of dicts or a `datasets.Dataset`, and GRPO's rewards as Python functions (d
 
 Each returns the checkpoint written (a Path). An option that is not the trainer's, or a value its flag refuses, raises
 InputError before anything runs; a run that ends as a script would with an exit code raises RunFailed with that code
-(2: bad input, as a row without its field), after the script's one line on stderr.
-Under `torchrun --nproc_per_node=N your_script.py` every rank runs the same call, as the scripts' ranks do.
+(2: bad input, as a row without its field), after the script's one line on stderr; Ctrl-C checkpoints at the end of
+the step and raises KeyboardInterrupt (a second one raises at once: never an exit of the caller's process).
+Under `torchrun --nproc_per_node=N your_script.py` every rank runs the same call, as the scripts' ranks do. Calls
+follow one another in one process, each making and ending its own process group; the caller's signal handlers are
+as they were after every call, and a call from a thread other than the main one installs none.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
 from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
-from nanochat_ext.errors import InputError, RunFailed
+from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
 from nanochat_ext.recipes import dpo, grpo, rm, sft
+from nanochat_ext.runtime import guard
 
 # The options whose value may be rows given in Python rather than a file's path.
 ROWS = ("conversations", "pairs", "prompts", "eval_prompts")
@@ -59,7 +64,13 @@ def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, 
     args = recipe.parse_args(argv, parser)  # as the script parses them: --preset's values, the trainer's defaults
     for name, value in objects.items():
         setattr(args, name, value)
-    code, checkpoint = run_body(args, recipe.train, "checkpoint")
+    guard.in_process = True  # a second Ctrl-C raises KeyboardInterrupt here, never exits the caller's process
+    try:
+        code, checkpoint = run_body(args, recipe.train, "checkpoint")
+    finally:
+        guard.in_process = False
+    if code == EXIT_INTERRUPTED and guard.signal_number == signal.SIGINT:  # Ctrl-C, checkpointed: as Python's own
+        raise KeyboardInterrupt(f"{trainer} checkpointed and stopped at Ctrl-C; call again with resume='latest'")
     if code:
         raise RunFailed(trainer, code)
     return checkpoint

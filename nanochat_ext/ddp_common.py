@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
+import itertools
 import os
 import random
 from dataclasses import dataclass
@@ -126,12 +127,17 @@ def attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
     The agent keeps one store for the whole job, and the process group's keys (each rank's address, NCCL's unique
     id) have the same names on every attempt, so a restarted rank can read a dead peer's address and never connect
     (measured: 4 of 6 two-rank gloo restarts after a SIGKILL; torch's env:// rendezvous assumes a new store per
-    attempt). A prefix per attempt is what that rendezvous did before the store was shared."""
+    attempt). A prefix per attempt is what that rendezvous did before the store was shared; and one per group this
+    process makes, since torch names every default group alike: a second run in one process (nanochat_ext.api's
+    calls one after another, every rank making the same calls) must not read the first's keys while a peer may
+    still be tearing it down (seen: the second call hung)."""
     agent = agent_store(timeout)
-    return None if agent is None else dist.PrefixStore(f"nanochat_ext/attempt_{restart_attempt()}/", agent)
+    return None if agent is None else dist.PrefixStore(f"nanochat_ext/attempt_{restart_attempt()}/"
+                                                       f"group_{next(_GROUPS_MADE)}/", agent)
 
 
 _AGENT_STORE: Any = None
+_GROUPS_MADE = itertools.count()  # process groups this process has made: every rank makes the same ones, in order
 
 
 def agent_store(timeout: datetime.timedelta = datetime.timedelta(minutes=30)) -> dist.Store | None:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import signal
 import textwrap
+import threading
 
 import pytest
 from datasets import Dataset
@@ -146,3 +148,75 @@ def test_every_trainer_reads_rows_given_in_python(assets, tmp_path, capfd, train
     assert e.value.code == EXIT_BAD_INPUT
     assert f"error: {data}: a list of 2 rows[1]: " in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
+
+
+def test_calls_one_after_another_under_torchrun_each_make_and_end_their_group(assets, tmp_path):
+    """#80 item 1: the documented pipeline as one user's script on 2 ranks under torchrun (its agent's store, as users
+    launch it): SFT, a reward model, DPO, then GRPO on the DPO checkpoint, one call after another in one process; each
+    call makes and ends its own process group (torch names every default group alike: each gets keys of its own, or
+    the second call hung); the caller's SIGTERM handler is its own after every call."""
+    rows = prompt_rows()
+    prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    tiny = {"tokenizer": str(assets["tokenizer"]), "device": "cpu", "max_steps": 1}
+    mine = tmp_path / "pipeline.py"
+    mine.write_text(textwrap.dedent(f"""
+        import json, signal
+        from nanochat_ext import api
+
+        def mine(*_):
+            pass
+
+        signal.signal(signal.SIGTERM, mine)
+        pairs = [json.loads(line) for line in open({str(assets["pairs"])!r})][:64]
+        talks = [{{"messages": [{{"role": "user", "content": p["prompt"]}},
+                                {{"role": "assistant", "content": p["chosen"]}}]}} for p in pairs]
+        prompts = [json.loads(line) for line in open({str(prompts)!r})]
+        tiny = {tiny!r}
+        sft = api.train_sft(backbone={str(assets["gpt"])!r}, conversations=talks, batch_size=4,
+                            out={str(tmp_path / "sft")!r}, **tiny)
+        rm = api.train_rm(backbone={str(assets["gpt"])!r}, pairs=pairs, batch_size=4, out={str(tmp_path / "rm")!r},
+                          **tiny)
+        dpo = api.train_dpo(policy=str(sft), pairs=pairs, batch_size=4, out={str(tmp_path / "dpo")!r}, **tiny)
+        grpo = api.train_grpo(policy=str(dpo), prompts=prompts, rm=str(rm), batch_size=4, group_size=4,
+                              max_new_tokens=8, out={str(tmp_path / "grpo")!r}, **tiny)
+        assert signal.getsignal(signal.SIGTERM) is mine
+        print("pipeline", sft.parent.name, rm.parent.name, dpo.parent.name, grpo.parent.name)
+        """))
+    proc = run_command([str(mine)], 2, None, tmp_path, 300, launcher(2, torchrun=True))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("pipeline sft rm dpo grpo") == 2, proc.stdout[-2000:]
+
+
+def test_the_callers_signal_handlers_are_its_own_after_every_call_and_a_thread_may_call(assets, tmp_path):
+    """#80 item 2: after a call that succeeds, one refused before it runs and one that fails inside, the caller's
+    SIGTERM and SIGINT handlers are the same objects; a call from a thread other than the main one runs (it installs
+    no handlers: a preemption is then its caller's) and fails, where it fails, as a call from the main thread does."""
+    rows = prompt_rows()
+    grpo = {"policy": str(assets["gpt"]), "tokenizer": str(assets["tokenizer"]), "prompts": rows,
+            "reward_fn": [vowel_share], "batch_size": 4, "group_size": 4, "max_new_tokens": 8, "max_steps": 1,
+            "device": "cpu"}
+    before = signal.signal(signal.SIGTERM, lambda *_: None), signal.getsignal(signal.SIGTERM), \
+        signal.getsignal(signal.SIGINT)
+    try:
+        with pytest.raises(InputError):
+            api.train_grpo(**grpo, no_such_option=1)
+        with pytest.raises(RunFailed):
+            api.train_dpo(policy=str(assets["gpt"]), pairs=[{"nothing": 1}], out=str(tmp_path / "never"), device="cpu")
+        assert api.train_grpo(**grpo, out=str(tmp_path / "main")).is_file()
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before[1:]
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+    got = {}
+
+    def call(name, **options):
+        try:
+            got[name] = api.train_grpo(**{**grpo, **options}, out=str(tmp_path / name))
+        except BaseException as e:  # what the thread's caller would see
+            got[name] = e
+
+    for name, options in (("thread", {}), ("bad_row", {"prompts": [{"nothing": 1}]})):
+        thread = threading.Thread(target=call, args=(name,), kwargs=options)
+        thread.start()
+        thread.join(120)
+    assert got["thread"].is_file(), got
+    assert isinstance(got["bad_row"], RunFailed) and got["bad_row"].code == EXIT_BAD_INPUT, got

@@ -238,8 +238,10 @@ def test_the_verdict_never_raises_whatever_the_code_gives():
     assert verdict(run, plan, limits) == (False, "test 1 of 2: f(1) raised ValueError: x")
     assert verdict(sandbox.Run(values={1: 2, 2: 10 ** 300}, sealed="sealed"), plan, limits)[0] is False
     huge = parse_tests("assert 2 ** f(1) == 4\nassert 'x' * f(2) == 'xx'\nassert f(3) % 2 == '2'\n"
-                       "assert len(list(range(f(4)))) == 1")
-    for values in ({1: 10 ** 9}, {1: 2, 2: 10 ** 9}, {1: 2, 2: 2, 3: "%0100000000d"}, {1: 2, 2: 2, 3: "%d", 4: 10 ** 9}):
+                       "assert len(list(range(f(4)))) == 1\nassert round(1, f(5)) == 1\nassert pow(3, f(6), f(7)) == 1")
+    ok = {1: 2, 2: 2, 3: "%d", 4: 1, 5: 0}
+    for values in ({1: 10 ** 9}, {1: 2, 2: 10 ** 9}, {1: 2, 2: 2, 3: "%0100000000d"}, {1: 2, 2: 2, 3: "%d", 4: 10 ** 9},
+                   {**ok, 5: -10 ** 9}, {**ok, 6: 1 << 400_000, 7: (1 << 400_000) + 1}):
         said = verdict(sandbox.Run(values=values, sealed="sealed"), huge, limits)[1]
         assert "to judge" in said, (values, said)
 

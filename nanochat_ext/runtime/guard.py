@@ -8,8 +8,9 @@ before the optimizer step, so no rank runs ahead into a collective the others wi
   to resume. `--skip_nonfinite N` skips up to N such steps instead (each logged).
 - SIGTERM (what SLURM and Kubernetes send before a kill) or SIGINT on any rank: the step finishes,
   rank 0 writes a checkpoint, and every rank exits with errors.EXIT_INTERRUPTED and one line saying how to
-  resume. A second signal a second or more after the first exits at once; one within the second is
-  the same event delivered twice (the terminal and torchrun both pass Ctrl-C / SIGTERM on).
+  resume. A second signal a second or more after the first exits at once (a run called in the caller's process,
+  nanochat_ext.api's, raises KeyboardInterrupt instead); one within the second is the same event delivered twice
+  (the terminal and torchrun both pass Ctrl-C / SIGTERM on). The handlers the run replaced are put back when it ends.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import math
 import os
 import signal
 import sys
+import threading
 import time
 
 import torch
@@ -36,33 +38,45 @@ class Interrupted(Exception):
 
 
 _signal_at: float | None = None  # when the first SIGTERM/SIGINT arrived
+signal_number: int | None = None  # which one
+_replaced: dict[int, object] = {}  # the handlers install_signal_handlers replaced, put back when the run ends
+in_process = False  # a run called in the caller's own process (nanochat_ext.api): a second signal raises, never exits
 
 
 def _on_signal(signum: int, frame) -> None:
-    global _signal_at
+    global _signal_at, signal_number
     now = time.monotonic()
     if _signal_at is None:
-        _signal_at = now
+        _signal_at, signal_number = now, signum
         if detect_launcher()[1] == 0:  # every rank gets the signal; one line says so
             print(f"signal: {signal.Signals(signum).name}; finishing this step, then checkpointing (send it again "
                   f"to stop at once)", file=sys.stderr, flush=True)
     elif now - _signal_at >= 1.0:
         print(f"error: second {signal.Signals(signum).name}: stopped at once, without a checkpoint",
               file=sys.stderr, flush=True)
+        if in_process:  # a notebook's kernel, a user's script: theirs to end, not ours
+            raise KeyboardInterrupt(f"second {signal.Signals(signum).name}: stopped at once, without a checkpoint")
         os._exit(128 + signum)
 
 
 def install_signal_handlers() -> None:
-    """SIGTERM and SIGINT ask the run to stop after the current step (main thread only)."""
-    global _signal_at
-    _signal_at = None
+    """SIGTERM and SIGINT ask the run to stop after the current step. Only the main thread can install handlers:
+    a run called from another thread installs none (a preemption is then its caller's to handle). The handlers
+    replaced are put back by restore_signal_handlers, the caller's own included."""
+    global _signal_at, signal_number
+    _signal_at = signal_number = None
+    if threading.current_thread() is not threading.main_thread():
+        return
     for sig in (signal.SIGTERM, signal.SIGINT):
+        _replaced.setdefault(sig, signal.getsignal(sig))
         signal.signal(sig, _on_signal)
 
 
 def restore_signal_handlers() -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    """The handlers there were before the run's, as they were (nothing where the run installed none)."""
+    for sig, handler in list(_replaced.items()):
+        signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+    _replaced.clear()
 
 
 class StepGuard:

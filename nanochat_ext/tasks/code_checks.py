@@ -1,19 +1,22 @@
 """How a code task's tests are judged outside the code's reach (tasks/code_tests.py runs them).
 
 An assert is split in two. The values of the code's own names (a call `f(2)`, a name `PI`, `f(x)[0]`, `obj.m(1)`:
-whatever starts at a name the tests do not define) are asked of the sandbox, one probe each, and come back as plain
-data of exact types (int, float, str, bytes, bool, None, complex, and lists, tuples, dicts and sets of them). The
-rest of the assert is evaluated here, in the trainer, by a small evaluator over the AST that knows literals,
-operators, comparisons, `and`/`or`/`not`, `x if c else y`, subscripts, a few pure builtins (abs, round, len, sorted,
-...), the math module's functions (`import math` or `from math import isclose` in the tests) and a few methods of
-plain values (str.lower, dict.keys, ...). Nothing of the code's (an `__eq__`, `__sub__`, a patched `math.isclose`)
-takes part, so `abs(area(2) - 12.566) < 0.001`, `f(x) - L == 0` and `math.isclose(f(x), L)` cannot be forged.
+whatever starts at a name that is not the tests', not a builtin's and not a standard module's) are asked of the
+sandbox, one probe each, and come back as plain data of exact types (int, float, str, bytes, bool, None, complex, and
+lists, tuples, dicts and sets of them). The rest of the assert is evaluated here, in the trainer, by a small
+evaluator over the AST that knows literals, operators, comparisons, `and`/`or`/`not`, `x if c else y`, subscripts,
+the pure builtins in BUILTINS (range, pow and round bounded), the math module (imported by the tests or not),
+collections' Counter and OrderedDict, and a few methods of plain values (str.lower, dict.keys, ...). Nothing of the
+code's (an `__eq__`, `__sub__`, a patched or shadowed `math`, `range` or `Counter`) takes part, so
+`abs(area(2) - 12.566) < 0.001`, `f(x) - L == 0`, `math.isclose(f(x), L)` and `f(5) == list(range(5))` cannot be
+forged. Whatever would make something huge of the code's values (a power, a shift, a repeat, a %-format's width, a
+range, round's digits) fails the test instead.
 
 An assert that is one probe alone (`assert is_valid(x)`, `assert not f(0)`) is judged by the truth the code's
 process computes: the code chooses that value either way. Refused when a row is read (InputError naming the test):
-an assert whose judged part uses a name the tests' own statements define (`x = ...`, `def helper`, `import re`:
-the code could change it while the tests run), or a form the evaluator does not know (a lambda, a comprehension, an
-f-string): write such tests as comparisons of the code's values with literals.
+an assert whose judged part uses a name the tests' own statements define (`x = ...`, `def helper`: the code could
+change it while the tests run), a builtin or module the evaluator does not know (`print`, `re`), a form it does not
+know (a lambda, a comprehension, an f-string, `*args`, `**kwargs`), or an assert that asks nothing of the code.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ from nanochat_ext.errors import InputError
 BUILTINS = {f.__name__: f for f in (abs, round, len, sorted, set, frozenset, list, tuple, dict, sum, min, max, all,
                                     any, int, float, str, bool, complex, isinstance, type, repr, divmod, zip,
                                     reversed, enumerate, chr, ord, bin, hex, oct, map, filter)}
-BUILTINS.update(range=lambda *a: bounded_range(*a), pow=lambda *a: bounded_pow(*a))
+BUILTINS.update(range=lambda *a: bounded_range(*a), pow=lambda *a: bounded_pow(*a),
+                round=lambda *a, **k: bounded_round(*a, **k))
 MATH = {name: getattr(math, name) for name in (
     "isclose", "sqrt", "isqrt", "floor", "ceil", "trunc", "fabs", "exp", "log", "log2", "log10", "pow", "sin", "cos",
     "tan", "asin", "acos", "atan", "atan2", "hypot", "degrees", "radians", "isnan", "isinf", "isfinite", "copysign",
@@ -287,7 +291,15 @@ def bounded_range(*args: int) -> range:
 def bounded_pow(base: Any, exp: Any, mod: Any = None) -> Any:
     if mod is None:
         size_check(ast.Pow, base, exp)
+    elif isinstance(exp, int) and isinstance(mod, int) and exp.bit_length() * mod.bit_length() > MAX_BITS * 64:
+        raise Unjudged("a modular power too large to judge")
     return pow(base, exp, mod)
+
+
+def bounded_round(number: Any, ndigits: Any = None) -> Any:
+    if isinstance(ndigits, int) and abs(ndigits) > 4300:  # an int's round to -10**9 digits makes 10**(10**9)
+        raise Unjudged("a round to too many digits to judge")
+    return round(number) if ndigits is None else round(number, ndigits)
 
 
 def size_check(op: type, a: Any, b: Any) -> None:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from nanochat_ext.algorithms.advantages import group_advantages
-from nanochat_ext.algorithms.grpo import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig, policy_backward
+from nanochat_ext.algorithms.grpo import policy_backward
+from nanochat_ext.algorithms.grpo_config import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig

@@ -328,7 +328,8 @@ def new_root(shown: list[tuple[str, int]], work_bytes: int) -> None:
         else:
             open(root + path, "w").close()
         mount(path if fd is None else f"/proc/self/fd/{fd}", root + path, None, MS_BIND | MS_REC)
-        for below in mounts_at(root + path):  # MS_REC brings the mounts below too: each made read-only itself
+    for below in mounts_at(root):  # each bind, and what MS_REC brought below it, read-only itself; not the root
+        if below not in (root, root + WORK):  # (read-only below) nor the code's own directory
             kept = os.statvfs(below).f_flag  # a remount must keep what is locked (noexec, the atime rule)
             mount(None, below, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV |
                   sum(ms for st, ms in KEPT_FLAGS.items() if kept & st))

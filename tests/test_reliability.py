@@ -200,6 +200,13 @@ def test_sigint_on_one_process_exits_with_the_interrupted_code(assets, tmp_path)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted at step ")
+    # #80 item 7: the same command again without --resume is refused, naming the step; the checkpoint stays whole
+    saved = sorted(p.name for p in (tmp_path / "int").iterdir())
+    step = metas(tmp_path / "int")[0]["step"]
+    again = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "int", "--max_steps", "60"))
+    assert again.returncode == 2 and f"unfinished run (its newest checkpoint is at step {step} of 60): add --resume " \
+        f"latest" in again.stderr.strip().splitlines()[-1], again.stderr[-1000:]
+    assert sorted(p.name for p in (tmp_path / "int").iterdir()) == saved
 
 
 SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext.runtime import guard; guard.install_signal_handlers()\n"

@@ -66,7 +66,8 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) ->
     """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
     scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
     resume different steps); a checkpoint that does not load whole (its meta included) is skipped for an older one,
-    with a warning. One written by another trainer than `kind` (the meta's) is refused in one line."""
+    with a warning. One written by another trainer than `kind` (the meta's) is refused in one line, and so is a run
+    without --resume in an --out that holds an unfinished one of its own (refuse_unfinished)."""
     choice, error = None, None
     if is_main():
         try:
@@ -75,6 +76,8 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) ->
                 choice = _choose_resume("latest", out_dir, saved)
             elif resume is not None:
                 choice = _choose_resume(resume, out_dir if resume in READS_OUT else resume)
+            else:
+                refuse_unfinished(out_dir, kind)
             if choice is not None:
                 check_kind(choice[4], kind, choice[1], in_out=choice[1].parent == Path(out_dir))
         except InputError as e:
@@ -85,6 +88,25 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) ->
         return None
     model_path, meta_path, state_path = paths
     return model_path, meta_path, choice[3] if is_main() else torch_load(state_path, "resume state")
+
+
+def refuse_unfinished(out_dir: str | os.PathLike, kind: str) -> None:
+    """A run started without --resume in an --out whose newest checkpoint of this trainer is not its run's last step:
+    one line naming that step and the two ways on, rather than training from step 1 beside it (whose --keep_last
+    would prune the checkpoint a resume needs, and whose logs would overlap the first run's)."""
+    for _, meta_path in resumable_checkpoints(out_dir):
+        try:
+            meta = read_json(meta_path)
+        except InputError:
+            continue
+        if not isinstance(meta, dict) or meta.get("kind") != kind:
+            continue
+        step, last = meta.get("step"), (meta.get("args") or {}).get("max_steps")
+        if step != last:
+            raise InputError(f"--out holds an unfinished run (its newest checkpoint is at step {step} of {last}): "
+                             f"add --resume latest to go on from it, or give another --out (or empty this one) to "
+                             f"start afresh", path=str(out_dir))
+        return
 
 
 def saved_by_this_job(out_dir: str | os.PathLike) -> list[tuple[Path, Path]]:

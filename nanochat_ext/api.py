@@ -25,7 +25,7 @@ from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
 from nanochat_ext.recipes import dpo, grpo, rm, sft
-from nanochat_ext.runtime import guard
+from nanochat_ext.runtime import guard, session
 
 # The options whose value may be rows given in Python rather than a file's path.
 ROWS = ("conversations", "pairs", "prompts", "eval_prompts")
@@ -72,7 +72,8 @@ def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, 
     if code == EXIT_INTERRUPTED and guard.signal_number == signal.SIGINT:  # Ctrl-C, checkpointed: as Python's own
         raise KeyboardInterrupt(f"{trainer} checkpointed and stopped at Ctrl-C; call again with resume='latest'")
     if code:
-        raise RunFailed(trainer, code)
+        cause = session.last_failure
+        raise RunFailed(trainer, code, str(cause) if cause is not None else "") from cause
     return checkpoint
 
 

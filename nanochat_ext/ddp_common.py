@@ -263,8 +263,9 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def raise_if_any(error: str | None) -> None:
-    """Collective: raise InputError on every rank if any rank has an error (the first one's text).
+def raise_if_any(error: str | None, cause: BaseException | None = None) -> None:
+    """Collective: raise InputError on every rank if any rank has an error (the first one's text), from `cause` on
+    the rank that had it (a user's function's traceback stays in the chain there).
 
     Checks that only one rank can make (is the output dir writable?) must stop all ranks, or the
     others hang in the next collective.
@@ -273,7 +274,7 @@ def raise_if_any(error: str | None) -> None:
     if first:
         e = InputError(first)
         e.collective = True  # the same error on every rank: rank 0 reports it
-        raise e
+        raise e from (cause if first == error else None)
 
 
 def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:

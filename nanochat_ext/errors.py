@@ -50,11 +50,12 @@ class Unscored(Exception):
 
 class RunFailed(Exception):
     """A run started in Python (nanochat_ext.api) that ended as a script would with exit code `code`: its one line
-    was said on stderr, as a script's is."""
+    was said on stderr, as a script's is, and is this exception's message too (`why`); raised from what ended the
+    run, so that a user's function that raised shows its own traceback in the chain."""
 
-    def __init__(self, trainer: str, code: int):
-        super().__init__(f"{trainer} ended with exit code {code} (docs/reliability.md#exit-codes; the line above says "
-                         "why)")
+    def __init__(self, trainer: str, code: int, why: str = ""):
+        super().__init__(f"{trainer} ended with exit code {code}" + (f": {why}" if why else
+                                                                     " (docs/reliability.md#exit-codes)"))
         self.code = code
 
 

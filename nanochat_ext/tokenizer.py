@@ -366,8 +366,21 @@ def keep_beside(file: Path | None, directory: Path) -> None:
 
 
 PROBE = "Hello there! 12 + 30 = 42, isn't it?"
+PROBE_TURNS = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42."}]
 
 
 def same_ids(a: "TokenizerWrapper", b: "TokenizerWrapper") -> bool:
-    """Whether two tokenizers give the same ids (a reward model or a teacher scores the policy's ids directly)."""
-    return (a.vocab_size, a.encode(PROBE), a.eos_id) == (b.vocab_size, b.encode(PROBE), b.eos_id)
+    """Whether two tokenizers give the same ids (a reward model or a teacher scores the policy's ids directly): their
+    size, a probe's ids, the end id, and a conversation as each renders it (the chat template's special tokens, the
+    turns' markers: what the scorer reads of every prompt)."""
+    return (a.vocab_size, a.encode(PROBE), a.eos_id) == (b.vocab_size, b.encode(PROBE), b.eos_id) and \
+        rendered_probe(a) == rendered_probe(b)
+
+
+def rendered_probe(tok: "TokenizerWrapper") -> list[int] | str:
+    """A short conversation with a reply as the tokenizer renders it (a prompt and its generation prompt, then the
+    reply's turn), or why it cannot render one (a tokenizer without a chat template: the same why is the same)."""
+    try:
+        return tok.render_prompt(PROBE_TURNS[:1]) + tok.render_response(PROBE_TURNS[1]["content"])
+    except Exception as e:  # InputError, a template's own error: compared as what it is
+        return f"no conversation: {type(e).__name__}"

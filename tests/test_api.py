@@ -9,6 +9,7 @@ import json
 import signal
 import textwrap
 import threading
+import traceback
 
 import pytest
 from datasets import Dataset
@@ -220,3 +221,19 @@ def test_the_callers_signal_handlers_are_its_own_after_every_call_and_a_thread_m
         thread.join(120)
     assert got["thread"].is_file(), got
     assert isinstance(got["bad_row"], RunFailed) and got["bad_row"].code == EXIT_BAD_INPUT, got
+
+
+def test_a_users_exception_keeps_its_traceback_in_the_chain(assets, tmp_path):
+    """#80 item 3: a reward function of the user's that raises ends the call in RunFailed whose message is the run's
+    one line, raised from the error that ended the run, itself from the user's exception: the chain shows the line
+    of the user's own function that failed."""
+    def my_reward(prompt, completion, row):
+        return float(row["no_such_field"])  # the user's mistake
+
+    with pytest.raises(RunFailed) as e:
+        api.train_grpo(policy=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), prompts=prompt_rows(),
+                       reward_fn=[my_reward], batch_size=4, group_size=4, max_new_tokens=8, max_steps=1,
+                       device="cpu", out=str(tmp_path / "out"))
+    assert e.value.code == EXIT_BAD_INPUT and "my_reward" in str(e.value) and "KeyError" in str(e.value), e.value
+    chain = "".join(traceback.format_exception(e.value))
+    assert 'return float(row["no_such_field"])  # the user\'s mistake' in chain, chain[-2000:]

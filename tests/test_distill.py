@@ -6,13 +6,15 @@ test_trl_oracle.py."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
 
-from conftest import assert_bitwise, assert_same_update, assert_stopped, run_script
+from conftest import REPO, assert_bitwise, assert_same_update, assert_stopped, run_script
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
+from nanochat_ext.tokenizer import PROBE, TokenizerWrapper, same_ids
 from scripts import kat_train_grpo
 from test_grpo import grpo_args, read_metrics
 
@@ -98,3 +100,22 @@ def test_a_distillation_resumes_exactly_and_only_from_its_teacher(assets, prompt
     assert kat_train_grpo.main(other) == 2  # another teacher: refused, naming the flag
     assert kat_train_grpo.main(grpo_args(assets, prompts, crashed, *common, "--resume", "latest")) == 0
     assert_bitwise(load_backbone(crashed).model.state_dict(), load_backbone(straight).model.state_dict())
+
+
+def test_a_teacher_or_rm_tokenizer_is_compared_by_the_conversation_it_renders(tmp_path):
+    """#80 item 6: two tokenizers of one vocabulary whose chat templates write the turns with other special tokens
+    give the policy's ids other meanings: not the same ids (a teacher or an RM scoring them is refused), though their
+    size, a probe's ids and the end id agree; a copy of the same tokenizer is the same."""
+    fixture = REPO / "tests" / "fixtures" / "hf-tool-use"
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(fixture, same)
+    shutil.copytree(fixture, other)
+    template = (other / "chat_template.jinja").read_text()
+    assert "<|im_start|>" in template
+    (other / "chat_template.jinja").write_text(template.replace("<|im_start|>", "<|im_end|>"))
+    policy = TokenizerWrapper.load(fixture)
+    assert same_ids(policy, TokenizerWrapper.load(same))
+    changed = TokenizerWrapper.load(other)
+    assert (changed.vocab_size, changed.encode(PROBE), changed.eos_id) == (policy.vocab_size, policy.encode(PROBE),
+                                                                          policy.eos_id)
+    assert not same_ids(policy, changed)

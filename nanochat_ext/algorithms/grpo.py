@@ -182,8 +182,8 @@ def zero_advantage_groups(adv: torch.Tensor, mask: torch.Tensor, group_size: int
 
 
 # ---- the method -----------------------------------------------------------------------------------
-WINDOW = ("reward", "reward_sq", "samples", "sandbox_failures", "tokens", "sampled_tokens", "tool_calls", "tool_errors", "tool_timeouts",
-          "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
+WINDOW = ("reward", "reward_sq", "samples", "sandbox_failures", "tokens", "sampled_tokens", "tool_calls", "tool_errors",
+          "tool_timeouts", "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
           "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes", "teacher_kl",
           "teacher_tokens")  # a log window's sums, and each reward's

@@ -21,6 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -135,7 +136,7 @@ def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: d
     except Unscored:  # the machine's failure, not the answer's: left out of the loss (NaN), counted
         return math.nan
     except Exception as e:  # the user's code: any failure becomes the run's one line
-        raise InputError(f"{where} raised {first_line(e)}") from None
+        raise InputError(f"{where} raised {first_line(e)}") from e  # the user's traceback: nanochat_ext.api chains it
     return checked(value, where, clip)
 
 
@@ -224,6 +225,8 @@ class Rewards:
             self.names.append("overlong")
             self.weights.append(1.0)
         self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
+        if self.pool is not None:  # its threads end with the run's rewards, not with the process
+            weakref.finalize(self, self.pool.shutdown, wait=False)
 
     def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples: Samples,
               tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
@@ -232,7 +235,7 @@ class Rewards:
         service's failure or bad value, or a non-finite RM score, is raised on every rank."""
         n = len(samples.completions)
         out = torch.zeros(n, len(self.names), dtype=torch.float64)
-        col, rm_cut, error = 0, 0, None
+        col, rm_cut, error, cause = 0, 0, None, None
         if self.rm is not None:
             full = [(prompt_ids[i // G], tok.reply_ids(c)) for i, c in enumerate(samples.completions)]
             rm_cut = sum(len(p) + len(c) > self.rm.max_len for p, c in full)
@@ -261,8 +264,8 @@ class Rewards:
                     out[:, self.names.index("env")] = torch.tensor(env_rewards(samples.episodes, indices, G, self.clip),
                                                                    dtype=torch.float64)
         except InputError as e:
-            error = str(e)
-        raise_if_any(error)
+            error, cause = str(e), e.__cause__
+        raise_if_any(error, cause)
         if self.overlong:
             out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
         return out, rm_cut
@@ -278,7 +281,7 @@ class Rewards:
             except Unscored:  # the machine's failure for the whole batch: every completion left out, counted
                 return [math.nan] * len(texts)
             except Exception as e:  # the user's code
-                raise InputError(f"{where} raised {first_line(e)}") from None
+                raise InputError(f"{where} raised {first_line(e)}") from e  # the user's traceback: nanochat_ext.api chains it
             if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
                 raise InputError(f"{where} returned {type(values).__name__} of "
                                  f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")

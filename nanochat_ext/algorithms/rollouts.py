@@ -18,7 +18,6 @@ from nanochat_ext.ddp_common import DistEnv, gather_objects
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
-from nanochat_ext.generation.toolbox import LATE
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -201,7 +200,7 @@ class Rollouts:
                         # the episodes' own counts: scoring asked the environments for their rewards since
                         env_errors=samples.episodes.env_errors if samples.episodes else 0,
                         env_timeouts=samples.episodes.env_timeouts if samples.episodes else 0,
-                        late_calls=LATE.count(),
+                        late_calls=self.engine.agent.late.count() if self.engine.agent else 0,
                         turns=sum(samples.turns) if samples.turns else len(samples.completions),
                         truncated=sum(samples.truncated), rm_cut=rm_cut,
                         draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,

@@ -19,7 +19,7 @@ from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.generation.calculator import calculate
 from nanochat_ext.generation.formats import (FORMATS, Call, block_call, hermes_calls, llama3_calls, renders_tools,
                                              template_format, tools_system_prompt, write_call)
-from nanochat_ext.generation.toolbox import (MAX_LATE_CALLS, Outcome, Tool, argument_problem, call_all,
+from nanochat_ext.generation.toolbox import (MAX_LATE_CALLS, LateCalls, Outcome, Tool, argument_problem, call_all,
                                             load_env_factory, load_tools)
 from nanochat_ext.generation.tools import ToolTokens
 from nanochat_ext.tokenizer import Message, TokenizerWrapper
@@ -61,6 +61,7 @@ class Agent:
 
     def __init__(self, cfg: AgentConfig, tok: TokenizerWrapper, first_row: dict | None = None):
         self.cfg, self.tok = cfg, tok
+        self.late = LateCalls()  # this run's calls still running past their timeout: not an earlier run's
         names = [s.strip() for s in (cfg.tools or "").split(",") if s.strip()]
         self.protocol = ToolTokens.of(tok)
         self.calculator = "calculator" in names or (cfg.tools is None and self.protocol is not None)
@@ -194,7 +195,7 @@ class Agent:
         return outcomes
 
     def call_all(self, calls: list, text: bool = True) -> list[Outcome]:
-        return call_all(calls, self.cfg.tool_timeout, text, self.cfg.max_late_calls)
+        return call_all(calls, self.cfg.tool_timeout, text, self.cfg.max_late_calls, self.late)
 
     def refused(self) -> Outcome:
         return Outcome(f"Error: at most {self.cfg.max_tool_calls} tool calls a turn (--max_tool_calls); this one was "

@@ -180,12 +180,12 @@ def as_text(value: Any) -> str:
 
 
 def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: bool = True,
-             max_late: int = MAX_LATE_CALLS) -> list[Outcome]:
+             max_late: int = MAX_LATE_CALLS, late_calls: LateCalls = LATE) -> list[Outcome]:
     """Run every call at once, each in a thread of its own, within `timeout` seconds of the start (calls: (what,
     thunk)). Each value kept, and as text where `text` (a value that has none is an error); every failure an error
-    Outcome naming what failed. While `max_late` calls of this process are still running past their timeout, the
-    calls are refused (an error Outcome) and not run."""
-    late = LATE.count()
+    Outcome naming what failed. While `max_late` calls counted in `late_calls` (a run's own: Agent.late) are still
+    running past their timeout, the calls are refused (an error Outcome) and not run."""
+    late = late_calls.count()
     if calls and late >= max_late:
         return [Outcome(f"Error: {what} was not run: {late} earlier calls are still running past their timeout",
                         True, refused=True) for what, _ in calls]
@@ -215,7 +215,7 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
         while th.is_alive() and time.monotonic() < deadline + box["waits"].waited():  # waits for others: not its time
             th.join(max(deadline + box["waits"].waited() - time.monotonic(), 0.01))  # a wait moves it on
         if th.is_alive():
-            LATE.add(th)
+            late_calls.add(th)
             out.append(Outcome(f"Error: {what} did not answer within {timeout:g} s", True, timed_out=True))
         elif "error" in box:
             out.append(Outcome(f"Error: {what} raised {first_line(box['error'])}", True, box["error"]))

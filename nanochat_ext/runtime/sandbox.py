@@ -334,8 +334,9 @@ def isolation() -> str:
     """What a sandboxed run gets on this machine, for a run's start lines: the namespaces, the seccomp filter and the
     cgroup, each said where it is missing."""
     trial = trial_run()
-    walls = (f"{'a seccomp filter' if trial.seccomp == 'seccomp' else trial.seccomp or 'no seccomp filter'}, "
-             f"{'memory and processes bounded together by a ' + trial.cgroup if trial.cgroup.startswith('cgroup v') else 'memory bounded per process only: ' + trial.cgroup}")
+    bounded = (f"memory and processes bounded together by a {trial.cgroup}" if trial.cgroup.startswith("cgroup v")
+               else f"memory bounded per process only: {trial.cgroup}")
+    walls = f"{'a seccomp filter' if trial.seccomp == 'seccomp' else trial.seccomp or 'no seccomp filter'}, {bounded}"
     if trial.sealed == "sealed":
         return ("sealed: own user, mount, pid and network namespaces (a read-only root of the system's programs and "
                 "Python, its own /tmp, no network, no process outside visible), every process ended with it, limits "

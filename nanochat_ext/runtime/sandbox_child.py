@@ -4,9 +4,9 @@ The standard library only; the job is read from stdin before any untrusted line 
 outermost first:
 
     supervisor  the caller's child, moved into the sandbox's cgroup (where the caller made one: memory and
-                processes counted together, kernel memory too) before it reads its job; the wall clock; at the end, or when the caller
-                signals SIGUSR1, it kills every process below it (their subreaper); it maps the namespaces' uid from
-                outside (nobody where the caller is root: RLIMIT_NPROC binds)
+                processes counted together, kernel memory too) before it reads its job; the wall clock; at the
+                end, or when the caller signals SIGUSR1, it kills every process below it (their subreaper); it
+                maps the namespaces' uid from outside (nobody where the caller is root: RLIMIT_NPROC binds)
     namespaces  unshares user, mount, pid, network, IPC and UTS namespaces, and chroots into a new root: a read-only
                 tmpfs holding only SYSTEM (/usr, /bin, /lib*) and the interpreter's own directories (its standard
                 library, site-packages and program: never a project's) bound read-only, of /etc only what programs

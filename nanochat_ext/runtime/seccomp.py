@@ -7,8 +7,8 @@ namespaces (unshare, setns, and clone's namespace flags; clone3, whose flags hid
 that libc falls back to clone), modules, kexec, reboot, swap, acct, quotactl, syslog, file handles, fanotify,
 iopl/ioperm and personality, System V and POSIX IPC (memory that outlives the sandbox), a signal to pid -1 (every
 process of its user: unsealed, other rows' sandboxes); and every socket family but AF_UNIX (AF_VSOCK, AF_NETLINK and
-AF_INET included: no network behind the network namespace either). A call of another ABI (32-bit int 0x80 on x86_64) kills the process:
-libseccomp's default for a foreign architecture.
+AF_INET included: no network behind the network namespace either). A call of another ABI (32-bit int 0x80 on
+x86_64) kills the process: libseccomp's default for a foreign architecture.
 """
 from __future__ import annotations
 

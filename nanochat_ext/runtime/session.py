@@ -46,6 +46,7 @@ class Session:
     progress: Progress
 
 
+last_failure: BaseException | None = None  # what ended the last run() of this process, for nanochat_ext.api to chain
 # Endings a restart would meet again (torchrun restarts after any failure): the next start ends at once with the line.
 ENDINGS_THAT_REPEAT = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY)
 
@@ -63,7 +64,8 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
     ending = Ending(rank, datetime.timedelta(seconds=timeout_s))
     if (ended := previous_ending(ending.timeout)) is not None:
         return ending(*ended, again=" (torchrun's previous start ended so; not run again)")
-    progress = Progress()
+    global last_failure
+    progress, last_failure = Progress(), None
     try:
         with dist_session(config.device, config.backend, timeout_s, group) as env:
             result = with_roll_call(body, Session(env, progress), timeout_s)
@@ -71,14 +73,17 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
                 print(f"{label}: {result}", flush=True)
         return 0
     except InputError as e:
+        last_failure = e
         return ending(EXIT_BAD_INPUT, str(e), everyone=not e.collective)
     except NonFiniteError as e:
+        last_failure = e
         return ending(EXIT_NONFINITE, str(e))
     except Interrupted as e:
         if rank == 0:
             say(str(e))
         return EXIT_INTERRUPTED
     except Exception as e:  # a bug or an environment failure: its traceback, then the one line
+        last_failure = e
         if is_out_of_memory(e):  # bad input too (a model or batch too big): every rank that hit it says so
             return ending(EXIT_OUT_OF_MEMORY, out_of_memory_line(e, progress.phase_of(e), given or {}), everyone=True)
         if isinstance(e, LostRanks) and e.missing:  # a peer stopped answering: the lowest rank that answered says so

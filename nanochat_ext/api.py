@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import signal
 from pathlib import Path
 from types import ModuleType
@@ -107,7 +108,8 @@ def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
     for name, value in given.items():
         action = actions.get(name)
         if action is None or name == "help":
-            refuse(f"{trainer} has no option {name!r} (its options are its flags: docs/cli.md)")
+            refuse(f"{trainer} has no option {name!r}{nearest(name, actions)} (its options are its flags: "
+                   f"docs/cli.md)")
         flag = f"--{name}"
         if value is None:
             continue
@@ -128,6 +130,21 @@ def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
         else:
             argv += [flag, str(value)]
     return argv, objects
+
+
+# TRL's names for the same options (GRPOConfig's, DPOConfig's, TrainingArguments'), said where a user gives one
+TRL_NAMES = {"num_generations": "group_size", "max_completion_length": "max_new_tokens", "learning_rate": "lr",
+             "output_dir": "out", "per_device_train_batch_size": "device_batch_size", "num_train_epochs": "num_epochs",
+             "logging_steps": "log_every", "save_steps": "save_every", "epsilon": "clip_eps",
+             "epsilon_high": "clip_eps_high", "resume_from_checkpoint": "resume"}
+
+
+def nearest(name: str, options: dict[str, Any]) -> str:
+    """', TRL's num_generations is group_size here' or '; did you mean max_steps?' (difflib's nearest), or ''."""
+    if TRL_NAMES.get(name) in options:
+        return f": TRL's {name} is {TRL_NAMES[name]} here"
+    close = difflib.get_close_matches(name, [o for o in options if o != "help"], n=1, cutoff=0.7)
+    return f"; did you mean {close[0]}?" if close else ""
 
 
 def described(rows: Any) -> str:

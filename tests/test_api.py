@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import re
 import signal
 import textwrap
 import threading
@@ -237,3 +238,12 @@ def test_a_users_exception_keeps_its_traceback_in_the_chain(assets, tmp_path):
     assert e.value.code == EXIT_BAD_INPUT and "my_reward" in str(e.value) and "KeyError" in str(e.value), e.value
     chain = "".join(traceback.format_exception(e.value))
     assert 'return float(row["no_such_field"])  # the user\'s mistake' in chain, chain[-2000:]
+
+
+@pytest.mark.parametrize("option,said", [("num_generations", ": TRL's num_generations is group_size here"),
+                                         ("learning_rate", ": TRL's learning_rate is lr here"),
+                                         ("max_step", "; did you mean max_steps?")])
+def test_an_option_a_trl_user_would_write_is_named_in_our_words(option, said):
+    """#80 item 8: TRL's names and typos are refused before anything runs, saying what the option is called here."""
+    with pytest.raises(InputError, match=re.escape(f"kat_train_grpo has no option {option!r}{said}")):
+        api.train_grpo(policy="never-loaded", **{option: 1})

@@ -6,8 +6,12 @@ from __future__ import annotations
 import functools
 import inspect
 import json
+import os
 import re
+import shutil
 import signal
+import subprocess
+import sys
 import textwrap
 import threading
 import traceback
@@ -15,7 +19,7 @@ import traceback
 import pytest
 from datasets import Dataset
 
-from conftest import assert_bitwise, assert_same_update, launcher, run_command
+from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
 from nanochat_ext import api
 from nanochat_ext.algorithms.dpo import DPOConfig
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
@@ -247,3 +251,37 @@ def test_an_option_a_trl_user_would_write_is_named_in_our_words(option, said):
     """#80 item 8: TRL's names and typos are refused before anything runs, saying what the option is called here."""
     with pytest.raises(InputError, match=re.escape(f"kat_train_grpo has no option {option!r}{said}")):
         api.train_grpo(policy="never-loaded", **{option: 1})
+
+
+def test_the_package_installs_and_trains_from_outside_the_repository(assets, tmp_path):
+    """#80 item 8: a plain `pip install` of the clone (its build-system: setuptools; its dependencies: the pins of
+    requirements.txt) puts the package, the sandbox's files included, where a script outside the repository imports it,
+    and the Python quick start's call trains there (the dependencies are this environment's: nothing is downloaded)."""
+    source, site, elsewhere = tmp_path / "clone", tmp_path / "site", tmp_path / "elsewhere"
+    shutil.copytree(REPO / "nanochat_ext", source / "nanochat_ext", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "requirements.txt", "README.md", "LICENSE"):
+        shutil.copy(REPO / name, source / name)
+    pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                          "--target", str(site), str(source)], capture_output=True, text=True, cwd=tmp_path)
+    assert pip.returncode == 0, pip.stderr[-2000:]
+    meta = next(site.glob("nanochat_ext-*.dist-info")) / "METADATA"
+    assert "Requires-Dist: torch==2.13.0" in meta.read_text()
+    elsewhere.mkdir()
+    (elsewhere / "train.py").write_text(textwrap.dedent(f"""
+        from nanochat_ext import api
+
+        def reward(prompt, completion, row):
+            return float(len(completion) % 3 == 0)
+
+        prompts = [{{"prompt": f"What is {{a}} times 7?", "answer": a * 7}} for a in range(8)]
+        print(api.__file__)
+        print(api.train_grpo(policy={str(assets["gpt"])!r}, tokenizer={str(assets["tokenizer"])!r}, prompts=prompts,
+                             reward_fn=[reward], batch_size=4, group_size=4, max_new_tokens=8, max_steps=1,
+                             device="cpu", out="runs/grpo"))
+        """))
+    run = subprocess.run([sys.executable, "train.py"], capture_output=True, text=True, cwd=elsewhere, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(site)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = run.stdout.strip().splitlines()
+    installed, checkpoint = lines[0], lines[-1]  # api's file, before the run's lines; what the call returned
+    assert installed.startswith(str(site)) and (elsewhere / checkpoint).is_file(), run.stdout[-1000:]

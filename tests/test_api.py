@@ -166,7 +166,7 @@ def test_calls_one_after_another_under_torchrun_each_make_and_end_their_group(as
     tiny = {"tokenizer": str(assets["tokenizer"]), "device": "cpu", "max_steps": 1}
     mine = tmp_path / "pipeline.py"
     mine.write_text(textwrap.dedent(f"""
-        import json, signal
+        import json, os, signal
         from nanochat_ext import api
 
         def mine(*_):
@@ -186,11 +186,13 @@ def test_calls_one_after_another_under_torchrun_each_make_and_end_their_group(as
         grpo = api.train_grpo(policy=str(dpo), prompts=prompts, rm=str(rm), batch_size=4, group_size=4,
                               max_new_tokens=8, out={str(tmp_path / "grpo")!r}, **tiny)
         assert signal.getsignal(signal.SIGTERM) is mine
-        print("pipeline", sft.parent.name, rm.parent.name, dpo.parent.name, grpo.parent.name)
+        with open(f"{tmp_path}/rank_{{os.environ['RANK']}}.txt", "w") as f:  # the ranks share one stdout pipe
+            f.write(" ".join(["pipeline", sft.parent.name, rm.parent.name, dpo.parent.name, grpo.parent.name]))
         """))
     proc = run_command([str(mine)], 2, None, tmp_path, 300, launcher(2, torchrun=True))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("pipeline sft rm dpo grpo") == 2, proc.stdout[-2000:]
+    said = [(tmp_path / f"rank_{r}.txt").read_text() for r in range(2)]  # every rank's calls all returned
+    assert said == ["pipeline sft rm dpo grpo"] * 2, (said, proc.stdout[-2000:])
 
 
 def test_the_callers_signal_handlers_are_its_own_after_every_call_and_a_thread_may_call(assets, tmp_path):

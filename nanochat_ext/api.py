@@ -22,6 +22,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from nanochat_ext.algorithms.rewards import trl_style as trl_reward  # noqa: F401  (api.trl_reward(f): a TRL reward)
 from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
@@ -73,8 +74,7 @@ def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, 
     if code == EXIT_INTERRUPTED and guard.signal_number == signal.SIGINT:  # Ctrl-C, checkpointed: as Python's own
         raise KeyboardInterrupt(f"{trainer} checkpointed and stopped at Ctrl-C; call again with resume='latest'")
     if code:
-        cause = session.last_failure
-        raise RunFailed(trainer, code, str(cause) if cause is not None else "") from cause
+        raise RunFailed(trainer, code, session.last_line) from session.last_failure
     return checkpoint
 
 

@@ -265,16 +265,19 @@ def seed_everything(seed: int) -> None:
 
 def raise_if_any(error: str | None, cause: BaseException | None = None) -> None:
     """Collective: raise InputError on every rank if any rank has an error (the first one's text), from `cause` on
-    the rank that had it (a user's function's traceback stays in the chain there).
+    the lowest rank that had one (a user's function's traceback stays in the chain there: e.origin names that rank,
+    e.traced says whether it holds a cause).
 
     Checks that only one rank can make (is the output dir writable?) must stop all ranks, or the
     others hang in the next collective.
     """
-    first = next((e for e in gather_objects(error) if e), None)
-    if first:
-        e = InputError(first)
+    errors = gather_objects((error, cause is not None) if error else None)
+    origin = next((r for r, e in enumerate(errors) if e), None)
+    if origin is not None:
+        e = InputError(errors[origin][0])
         e.collective = True  # the same error on every rank: rank 0 reports it
-        raise e from (cause if first == error else None)
+        e.origin, e.traced = origin, errors[origin][1]  # the rank whose error it is, and whether it holds a cause
+        raise e from (cause if origin == get_rank() else None)
 
 
 def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:

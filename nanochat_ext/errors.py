@@ -27,15 +27,19 @@ class Index(int):
     '[i]', as Python indexes them."""
 
 
+def located(path: object, line: int | None) -> str:
+    """A record as its user numbers it: 'prompts.jsonl:15' (a line), 'prompts.parquet: row 15' (a Row), 'prompts: a
+    list of 64 rows[14]' (an Index into rows given in Python), or the path alone."""
+    at = "" if line is None else f": row {line}" if isinstance(line, Row) else f"[{line}]" \
+        if isinstance(line, Index) else f":{line}"
+    return f"{path}{at}"
+
+
 class InputError(Exception):
     """Bad user input: a file, a line, a field, a flag. The message says which."""
 
     def __init__(self, message: str, path: str | None = None, line: int | None = None, field: str | None = None):
-        where = ""
-        if path is not None:
-            at = "" if line is None else f": row {line}" if isinstance(line, Row) else f"[{line}]" \
-                if isinstance(line, Index) else f":{line}"
-            where = f"{path}{at}: "
+        where = f"{located(path, line)}: " if path is not None else ""
         what = f"field '{field}': " if field is not None else ""
         super().__init__(where + what + message)
         self.path, self.line, self.field = path, line, field

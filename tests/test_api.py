@@ -23,7 +23,9 @@ from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_com
 from nanochat_ext import api
 from nanochat_ext.algorithms.dpo import DPOConfig
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
+from nanochat_ext.algorithms.rewards import Rewards, load_reward_fn
 from nanochat_ext.algorithms.rollouts import RolloutConfig
+from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.errors import EXIT_BAD_INPUT, InputError, RunFailed
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json
@@ -244,6 +246,54 @@ def test_a_users_exception_keeps_its_traceback_in_the_chain(assets, tmp_path):
     assert e.value.code == EXIT_BAD_INPUT and "my_reward" in str(e.value) and "KeyError" in str(e.value), e.value
     chain = "".join(traceback.format_exception(e.value))
     assert 'return float(row["no_such_field"])  # the user\'s mistake' in chain, chain[-2000:]
+    # the row as the user numbers it (an index into the rows given), and the traceback kept in the run's logs
+    assert re.search(r"my_reward on prompt prompts: a list of 40 rows\[\d+\] raised KeyError", str(e.value)), e.value
+    kept = tmp_path / "out" / "logs" / "traceback_rank0.txt"
+    assert str(e.value).endswith(f"(its traceback: {kept})") and "# the user's mistake" in kept.read_text()
+
+
+def test_a_reward_function_in_trls_form_is_named_before_the_model_loads_and_trl_reward_passes_it(tmp_path):
+    """#80 item 8: TRL's reward functions take (completions, **columns) and return a list: given as one here, the call
+    ends before the policy loads (the policy is not a checkpoint: loading it first would say so) in a line that names
+    TRL's form and api.trl_reward; a misspelt built-in lists the built-ins."""
+    def trl_reward(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    not_a_checkpoint = tmp_path / "notes.txt"
+    not_a_checkpoint.write_text("not a model\n")
+    needs = {"policy": str(not_a_checkpoint), "prompts": prompt_rows(), "device": "cpu", "out": str(tmp_path / "out")}
+    for reward, said in [(trl_reward, "takes (completions, **kwargs), as TRL's reward functions do; a reward function "
+                                      "here is f(prompt, completion, row) -> float"),
+                         ("gsm8kk", "--reward_fn 'gsm8kk' is not a built-in reward (did you mean gsm8k?); the "
+                                    "built-ins: exact_match, contains_answer,")]:
+        with pytest.raises(RunFailed) as e:
+            api.train_grpo(**needs, reward_fn=reward)
+        assert e.value.code == EXIT_BAD_INPUT and said in str(e.value), e.value
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(InputError, match=re.escape("; pass a TRL reward function as nanochat_ext.api.trl_reward(f)")):
+        load_reward_fn(trl_reward)
+    assert load_reward_fn(api.trl_reward(trl_reward)).batched  # passed as TRL's: called with the step's lists
+
+
+def test_trl_reward_gives_a_trl_function_the_prompts_completions_and_columns_as_trl_does():
+    """api.trl_reward(f): f is called as TRL's GRPOTrainer calls it (prompts=, completions=, and each other column of
+    the rows as a keyword list), and scores each completion as the same rule written in this project's form."""
+    seen = {}
+
+    def matches_answer(prompts, completions, answer, **kwargs):
+        seen.update(prompts=prompts, kwargs=kwargs)
+        return [float(c.strip() == str(a)) for c, a in zip(completions, answer)]
+
+    def plain(prompt, completion, row):
+        return float(completion.strip() == str(row["answer"]))
+
+    rows = [PromptRow([{"role": "user", "content": f"q{i}"}], str(i), {"prompt": f"q{i}", "answer": i, "topic": "t"},
+                      i + 1, path="p.jsonl") for i in range(3)]
+    texts = ["0", " 5", "2 "]
+    got = Rewards(None, [api.trl_reward(matches_answer)], None).task_scores(rows, [0, 1, 2], texts)
+    assert got == Rewards(None, [plain], None).task_scores(rows, [0, 1, 2], texts) == [1.0, 0.0, 1.0]
+    assert seen == {"prompts": ["q0", "q1", "q2"], "kwargs": {"topic": ["t", "t", "t"]}}
+    assert Rewards(None, [api.trl_reward(matches_answer)], None).names == ["matches_answer"]
 
 
 @pytest.mark.parametrize("option,said", [("num_generations", ": TRL's num_generations is group_size here"),

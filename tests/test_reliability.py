@@ -591,6 +591,10 @@ def test_reward_function_failures_stop_every_rank_with_one_line(assets, tmp_path
                           torchrun=True)
     assert_stopped(proc, 2, expected, nproc)
     assert "Connection closed by peer" not in proc.stderr
+    if fn == "raises_runtime_error":  # #80 item 3: the user's row as the file numbers it; the traceback in the logs
+        kept = tmp_path / "g" / "logs" / "traceback_rank0.txt"
+        assert f"on prompt {assets['pairs']}:" in proc.stderr and f"(its traceback: {kept})" in proc.stderr, proc.stderr
+        assert 'raise RuntimeError("the grader\'s service is down")' in kept.read_text()
 
 
 def test_speedrun_repeats_the_failing_stages_error_line(tmp_path):

@@ -130,8 +130,8 @@ def test_a_reward_url_that_is_not_http_is_refused_before_anything_runs(assets, g
 
 
 @pytest.mark.parametrize("spec,expected", [
-    ("rewards_for_tests:batched_short", "reward function batched_short (batched) on prompts 19..100 returned list of "
-                                        "63 values for 64 completions"),  # the lowest and the highest of the step's
+    ("rewards_for_tests:batched_short", "prompts.jsonl:70 and 7 more returned list of 63 values for 64 "
+                                        "completions"),  # the step's first prompt as its file numbers it
     ("broken_reward_module:anything", "cannot import 'broken_reward_module' (SyntaxError"),
 ])
 def test_a_batched_function_that_loses_a_value_or_a_module_that_does_not_parse(assets, grpo_assets, tmp_path,

@@ -71,7 +71,7 @@ def generate_and_score(engine: Engine, rows: list[PromptRow], prompt_ids: list[l
         samples = engine.generate([prompt_ids[i] for i in call], n, cfg, tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in call],
                                   [rows[i].row for i in call])
-    return samples, rewards.score([rows[i] for i in call], call, [prompt_ids[i] for i in call], samples, tok, n)[0]
+    return samples, rewards.score([rows[i] for i in call], [prompt_ids[i] for i in call], samples, tok, n)[0]
 
 
 def decoded(engine: Engine, rows: list[PromptRow], prompt_ids: list[list[int]], n: int, cfg: SamplingConfig,

@@ -14,7 +14,9 @@ start: the machine's failure, not the answer's) gives NaN, and its completion's 
 """
 from __future__ import annotations
 
+import difflib
 import http.client
+import inspect
 import json
 import math
 import time
@@ -76,10 +78,57 @@ class RewardConfig:
 def load_reward_fn(spec: str | RewardFn) -> RewardFn:
     """`package.module:function` (or a built-in's name, reward_fns.BUILT_IN) -> the callable; a callable (given in
     Python, nanochat_ext.api) is itself. Any failure to import the module (an ImportError, a SyntaxError, an
-    exception its top level raises) is one line."""
-    if callable(spec):
-        return spec
-    return getattr(reward_fns, spec) if spec in BUILT_IN else load_attribute(spec, "--reward_fn")
+    exception its top level raises), a name that is neither a built-in nor module:function, and a function that
+    cannot be called as a reward (check_signature) is one line."""
+    if isinstance(spec, str) and spec in BUILT_IN:
+        return getattr(reward_fns, spec)
+    if isinstance(spec, str) and ":" not in spec:
+        close = difflib.get_close_matches(spec, BUILT_IN, n=1, cutoff=0.6)
+        raise InputError(f"--reward_fn {spec!r} is not a built-in reward{f' (did you mean {close[0]}?)' if close else ''}"
+                         f"; the built-ins: {', '.join(BUILT_IN)}; or give module:function")
+    fn = spec if callable(spec) else load_attribute(spec, "--reward_fn")
+    check_signature(fn, spec if isinstance(spec, str) else function_name(fn))
+    return fn
+
+
+def check_signature(fn: Callable, name: str) -> None:
+    """A reward function is called f(prompt, completion, row), or with `batched = True` f(prompts, completions, rows):
+    one that cannot be, or that names its arguments as TRL's reward functions do (completions, **columns) -> a list,
+    is one line before the model loads, saying how to pass it (trl_style)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # a callable whose signature Python cannot read: called as it is
+        return
+    batched = getattr(fn, "batched", False)
+    try:
+        signature.bind(None, None, None)
+        fits = batched or not {"prompts", "completions"} & set(signature.parameters)
+    except TypeError:
+        fits = False
+    if fits:
+        return
+    trl = "completions" in signature.parameters or any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    how = ("f(prompts, completions, rows) -> a list of floats, with `batched = True` set on it" if batched else
+           "f(prompt, completion, row) -> float, or with `batched = True` set on it f(prompts, completions, rows) -> "
+           "a list of floats")
+    raise InputError(f"--reward_fn {name} takes {signature}" + (", as TRL's reward functions do" if trl else "") +
+                     f"; a reward function here is {how}" +
+                     ("; pass a TRL reward function as nanochat_ext.api.trl_reward(f)" if trl else ""))
+
+
+def trl_style(fn: Callable) -> RewardFn:
+    """A reward function written for TRL's GRPOTrainer, f(prompts, completions, **columns) -> a list of floats, as a
+    batched reward function here: called once per step with this rank's prompts and completions (as text: the last
+    user turn and the reply) and every other field of the rows as a keyword list, as TRL passes a dataset's columns.
+    A None in its answer (TRL's 'not applicable') is refused as any non-number is."""
+    def batched(prompts: list[str], completions: list[str], rows: list[dict]) -> list:
+        columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)
+                   if k not in ("prompt", "prompts", "completions")}
+        return fn(prompts=prompts, completions=completions, **columns)
+    batched.batched = True
+    batched.__name__ = batched.__qualname__ = getattr(fn, "__name__", type(fn).__name__)  # its logged name
+    batched.__module__ = getattr(fn, "__module__", "?")
+    return batched
 
 
 def function_name(fn: Callable) -> str:
@@ -127,10 +176,11 @@ def checked(value, where: str, clip: float | None) -> float:
     return value
 
 
-def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, prompt_index: int,
+def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: dict, place: str,
                    clip: float | None = None) -> float:
-    """fn's value for one completion, checked; when it raises, one line naming the function and the prompt."""
-    where = f"reward function {name} on prompt {prompt_index}"
+    """fn's value for one completion, checked; when it raises, one line naming the function and the prompt's row as
+    its user numbers it (place: PromptRow.where)."""
+    where = f"reward function {name} on prompt {place}"
     try:
         value = fn(prompt, completion, row)
     except Unscored:  # the machine's failure, not the answer's: left out of the loss (NaN), counted
@@ -179,12 +229,12 @@ def post_rewards(url: str, prompts: list[str], completions: list[str], rows: lis
     return rewards
 
 
-def env_rewards(episodes: Episodes, indices: list[int], G: int, clip: float | None) -> list[float]:
+def env_rewards(episodes: Episodes, places: list[str], G: int, clip: float | None) -> list[float]:
     """The environments' get_reward() values, checked as a reward function's; a failure is one line naming the
     prompt."""
     out = []
     for i, outcome in enumerate(episodes.env_rewards()):
-        where = f"the environment's reward on prompt {indices[i // G]} (sample {i % G})"
+        where = f"the environment's reward on prompt {places[i // G]} (sample {i % G})"
         if outcome.error and isinstance(outcome.value, Unscored):
             out.append(math.nan)  # the machine's failure: left out of the loss, counted
             continue
@@ -228,12 +278,12 @@ class Rewards:
         if self.pool is not None:  # its threads end with the run's rewards, not with the process
             weakref.finalize(self, self.pool.shutdown, wait=False)
 
-    def score(self, rows: list[PromptRow], indices: list[int], prompt_ids: list[list[int]], samples: Samples,
-              tok: TokenizerWrapper, G: int) -> tuple[torch.Tensor, int]:
+    def score(self, rows: list[PromptRow], prompt_ids: list[list[int]], samples: Samples, tok: TokenizerWrapper,
+              G: int) -> tuple[torch.Tensor, int]:
         """(n*G, n_rewards) raw rewards, and how many completions the RM saw cut to its max_len (it scores what it
         was trained on: prompt cut from the left, completion from the right). A reward function's or the
         service's failure or bad value, or a non-finite RM score, is raised on every rank."""
-        n = len(samples.completions)
+        n, places = len(samples.completions), [r.where for r in rows]
         out = torch.zeros(n, len(self.names), dtype=torch.float64)
         col, rm_cut, error, cause = 0, 0, None, None
         if self.rm is not None:
@@ -244,7 +294,7 @@ class Rewards:
             bad = (~torch.isfinite(out[:, 0])).nonzero()
             if len(bad):
                 i = int(bad[0])
-                error = (f"the reward model scored {out[i, 0].item()} on prompt {indices[i // G]} (completion "
+                error = (f"the reward model scored {out[i, 0].item()} on prompt {places[i // G]} (completion "
                          f"{i % G}; {len(bad)} non-finite scores in this batch): the RM checkpoint is broken")
             col = 1
         texts = samples.replies(tok)
@@ -253,15 +303,15 @@ class Rewards:
         try:
             if error is None:
                 for j, (name, fn) in enumerate(self.fns):
-                    out[:, col + j] = torch.tensor(self._call(name, fn, prompts, texts, row_dicts, indices, G),
+                    out[:, col + j] = torch.tensor(self._call(name, fn, prompts, texts, row_dicts, places, G),
                                                    dtype=torch.float64)
                 if self.url:
                     values = post_rewards(self.url, prompts, texts, row_dicts, self.url_timeout)
                     out[:, col + len(self.fns)] = torch.tensor(
-                        [checked(v, f"--reward_url {self.url} on prompt {indices[i // G]}", self.clip)
+                        [checked(v, f"--reward_url {self.url} on prompt {places[i // G]}", self.clip)
                          for i, v in enumerate(values)], dtype=torch.float64)
                 if self.env:
-                    out[:, self.names.index("env")] = torch.tensor(env_rewards(samples.episodes, indices, G, self.clip),
+                    out[:, self.names.index("env")] = torch.tensor(env_rewards(samples.episodes, places, G, self.clip),
                                                                    dtype=torch.float64)
         except InputError as e:
             error, cause = str(e), e.__cause__
@@ -270,12 +320,14 @@ class Rewards:
             out[:, -1] = overlong_penalty(torch.tensor([len(c) for c in samples.completions]), *self.overlong)
         return out, rm_cut
 
-    def _call(self, name: str, fn: RewardFn, prompts: list[str], texts: list[str], rows: list[dict], indices: list[int],
+    def _call(self, name: str, fn: RewardFn, prompts: list[str], texts: list[str], rows: list[dict], places: list[str],
               G: int) -> list[float]:
         """One function's values for every completion: once with the lists (batched), else per completion, in the
-        pool where there is one (the same values in the same order)."""
+        pool where there is one (the same values in the same order). places: each prompt's row as its user numbers
+        it (PromptRow.where)."""
         if getattr(fn, "batched", False):
-            where = f"reward function {name} (batched) on prompts {min(indices)}..{max(indices)}"
+            shown = places[0] + (f" and {len(places) - 1} more" if len(places) > 1 else "")
+            where = f"reward function {name} (batched) on the prompts {shown}"
             try:
                 values = fn(prompts, texts, rows)
             except Unscored:  # the machine's failure for the whole batch: every completion left out, counted
@@ -285,9 +337,9 @@ class Rewards:
             if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
                 raise InputError(f"{where} returned {type(values).__name__} of "
                                  f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")
-            return [checked(v, f"reward function {name} on prompt {indices[i // G]}", self.clip)
+            return [checked(v, f"reward function {name} on prompt {places[i // G]}", self.clip)
                     for i, v in enumerate(values)]
-        one = lambda i: call_reward_fn(name, fn, prompts[i], texts[i], rows[i], indices[i // G], self.clip)  # noqa: E731
+        one = lambda i: call_reward_fn(name, fn, prompts[i], texts[i], rows[i], places[i // G], self.clip)  # noqa: E731
         return list(self.pool.map(one, range(len(texts))) if self.pool else map(one, range(len(texts))))
 
     def task_column(self) -> int:
@@ -302,7 +354,7 @@ class Rewards:
         self.task_column()  # one line where there is no reward function
         name, fn = self.fns[0]
         return self._call(name, fn, [rows[i].messages[-1]["content"] for i in indices], texts,
-                          [rows[i].row for i in indices], indices, 1)
+                          [rows[i].row for i in indices], [rows[i].where for i in indices], 1)
 
     def total(self, per_reward: torch.Tensor) -> torch.Tensor:
         return per_reward @ torch.tensor(self.weights, dtype=torch.float64)

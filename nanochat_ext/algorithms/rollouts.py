@@ -186,8 +186,8 @@ class Rollouts:
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
         decoded = self.engine.last
         with self.progress.doing("scoring the rollout", (FEWER_COMPLETIONS,)):
-            per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], indices, prompts, samples,
-                                                    self.tok, self.G)
+            per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], prompts, samples, self.tok,
+                                                    self.G)
         total = self.rewards.total(per_reward)
         unscored = torch.isnan(total)  # the machine's failures (errors.Unscored): out of the loss, out of the means
         total, per_reward_sums = total.nan_to_num(0.0), per_reward.nan_to_num(0.0).sum(0)

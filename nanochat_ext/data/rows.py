@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping
 
 from nanochat_ext.config import option
 from nanochat_ext.data.gsm8k import is_gsm8k_row
-from nanochat_ext.errors import Index, InputError, Row, first_line
+from nanochat_ext.errors import Index, InputError, Row, first_line, located
 from nanochat_ext.runtime.checkpoint import read_json
 
 ROLES = ("system", "user", "assistant")
@@ -277,6 +277,12 @@ class PromptRow:
     row: dict  # the whole JSON object: reward functions read fields such as "answer" from it
     line: int
     weight: float = 1.0
+    path: str = ""  # the file (or the rows given in Python) it was read from
+
+    @property
+    def where(self) -> str:
+        """The row as its user numbers it, for messages: 'prompts.jsonl:15', 'prompts: a list of 64 rows[14]'."""
+        return located(self.path, self.line)
 
 
 def parse_prompt(obj: dict, path: str, line: int) -> PromptRow:
@@ -300,7 +306,7 @@ def parse_prompt(obj: dict, path: str, line: int) -> PromptRow:
     pid = obj.get("prefix_id", prefix_id_of(messages))
     if not isinstance(pid, str) or not pid:
         raise InputError("must be a non-empty string", path, line, "prefix_id")
-    return PromptRow(messages, pid, obj, line)
+    return PromptRow(messages, pid, obj, line, path=path)
 
 
 def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
@@ -314,7 +320,7 @@ def load_prompts(path: str | os.PathLike) -> list[PromptRow]:
             key = json.dumps(pair.prompt)
             if key not in seen:
                 seen.add(key)
-                rows.append(PromptRow(pair.prompt, pair.prefix_id, obj, lineno))
+                rows.append(PromptRow(pair.prompt, pair.prefix_id, obj, lineno, path=str(path)))
             continue
         rows.append(parse_prompt(obj, str(path), lineno))
     if not rows:

@@ -60,6 +60,7 @@ def _meta(path: Path) -> dict:
 
 
 _LOCKS: list[Any] = []  # open lock files of this process's runs, released by release_out_dirs()
+run_log_dir: Path | None = None  # the log dir of the run this process is in, once claimed (session.py writes there)
 
 
 def _lock(out_dir: Path) -> str | None:
@@ -84,6 +85,8 @@ def _lock(out_dir: Path) -> str | None:
 
 
 def release_out_dirs() -> None:
+    global run_log_dir
+    run_log_dir = None
     while _LOCKS:
         _LOCKS.pop().close()
 
@@ -91,7 +94,8 @@ def release_out_dirs() -> None:
 def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None = None) -> None:
     """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir), checks they can
     be written, locks out_dir for this run and removes what crashed saves left there."""
-    error = None
+    global run_log_dir
+    error, run_log_dir = None, Path(log_dir if log_dir is not None else out_dir)
     if is_main():
         error = check_writable(out_dir) or (check_writable(log_dir) if log_dir is not None else None)
         error = error or _lock(Path(out_dir))

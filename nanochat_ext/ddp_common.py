@@ -167,7 +167,9 @@ def group_for(device: torch.device) -> Any:
 @contextlib.contextmanager
 def dist_session(device: str = "auto", backend: str | None = None, timeout_s: float = 1800.0,
                  group: bool = False) -> Iterator[DistEnv]:
-    """init_dist(), and always destroy the group on the way out, exceptions included."""
+    """init_dist(), and always destroy the group on the way out, exceptions included; the rendezvous variables
+    init_dist sets are as they were before (a caller's next session picks its own port)."""
+    rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     env = init_dist(device, backend, timeout_s, group)
     try:
         yield env
@@ -180,6 +182,11 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
         # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
         # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
         destroy_dist()
+        for k, v in rendezvous.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def destroy_dist() -> None:

@@ -7,6 +7,7 @@ import functools
 import inspect
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -16,7 +17,9 @@ import textwrap
 import threading
 import traceback
 
+import numpy as np
 import pytest
+import torch
 from datasets import Dataset
 
 from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
@@ -67,6 +70,31 @@ def test_grpo_in_python_is_the_scripts_run(assets, tmp_path):
     flags, script_flags = read_json(meta)["args"], read_json(find_checkpoint(script)[1])["args"]
     assert flags["reward_fn"] == script_flags["reward_fn"] == ["rewards_for_tests:vowel_share"]
     assert flags["prompts"] == "prompts: a Dataset of 40 rows"
+
+
+def test_a_call_leaves_the_processs_generators_as_they_were_and_repeats_bitwise_whatever_ran_before(assets, tmp_path):
+    """#80 item 3: the generators a run seeds (Python's, NumPy's, torch's) are the caller's again after it, and the
+    rendezvous variables; the same call after another trainer's call and the caller's own draws trains the same
+    weights, bitwise."""
+    def grpo(out):
+        return api.train_grpo(policy=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), prompts=prompt_rows(),
+                              reward_fn=[vowel_share], batch_size=4, group_size=4, max_new_tokens=8, max_steps=2,
+                              lr=1e-2, device="cpu", out=str(tmp_path / out))
+
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state(), os.environ.get("MASTER_PORT"))
+    first = grpo("first")
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state(), os.environ.get("MASTER_PORT"))
+    first = load_backbone(first.parent).model.state_dict()  # (a model's init draws from torch's generator)
+    assert before[0] == after[0] and (before[1] == after[1]).all() and torch.equal(before[2], after[2]), \
+        "a call left the caller's generators seeded by the run"
+    assert before[3] == after[3]
+    torch.rand(100), random.random(), np.random.rand(3)  # the caller draws; another trainer runs
+    api.train_sft(backbone=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), max_steps=1, seed=11,
+                  conversations=[{"messages": [{"role": "user", "content": f"hi {i}"},
+                                               {"role": "assistant", "content": "hello"}]} for i in range(8)],
+                  batch_size=4, device="cpu", out=str(tmp_path / "sft"))
+    assert_bitwise(load_backbone(grpo("second").parent).model.state_dict(), first)
 
 
 def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):

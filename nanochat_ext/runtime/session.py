@@ -20,7 +20,7 @@ from nanochat_ext.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_LOST_RAN
                                  EXIT_UNFORESEEN, InputError, first_line)
 from nanochat_ext.runtime.guard import Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.runtime.oom import is_out_of_memory, out_of_memory_line
-from nanochat_ext.runtime import outdir
+from nanochat_ext.runtime import outdir, process_state
 from nanochat_ext.runtime.outdir import release_out_dirs
 from nanochat_ext.runtime.peers import FAILED, LostRanks, is_collective_failure, lost_rank_line, lost_ranks, sign_in
 from nanochat_ext.runtime.progress import Progress
@@ -69,7 +69,7 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
     global last_failure, last_line
     progress, last_failure, last_line = Progress(), None, ""
     try:
-        with dist_session(config.device, config.backend, timeout_s, group) as env:
+        with process_state.kept(), dist_session(config.device, config.backend, timeout_s, group) as env:
             result = with_roll_call(body, Session(env, progress), timeout_s)
             if env.is_main:
                 print(f"{label}: {result}", flush=True)

@@ -11,6 +11,9 @@ the step and raises KeyboardInterrupt (a second one raises at once: never an exi
 Under `torchrun --nproc_per_node=N your_script.py` every rank runs the same call, as the scripts' ranks do. Calls
 follow one another in one process, each making and ending its own process group; the caller's signal handlers are
 as they were after every call, and a call from a thread other than the main one installs none.
+
+generate(checkpoint, prompts) and evaluate(checkpoint, prompts, reward_fn) ask a trained checkpoint as its training
+asked it (algorithms/answers.py): its replies, and their mean rewards.
 """
 from __future__ import annotations
 
@@ -22,12 +25,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn
 
+from nanochat_ext.algorithms import answers
 from nanochat_ext.algorithms.rewards import trl_style as trl_reward  # noqa: F401  (api.trl_reward(f): a TRL reward)
 from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
+from nanochat_ext.generation.agent import AgentConfig
+from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.recipes import dpo, grpo, rm, sft
-from nanochat_ext.runtime import guard, session
+from nanochat_ext.runtime import guard, process_state, session
 
 # The options whose value may be rows given in Python rather than a file's path.
 ROWS = ("conversations", "pairs", "prompts", "eval_prompts")
@@ -54,6 +60,46 @@ def train_grpo(*configs: Any, **options: Any) -> Path:
     """GRPO, RLOO, REINFORCE++ (kat_train_grpo): policy=..., prompts=[{"prompt", "answer"?}, ...] or a path, and a
     reward: reward_fn=[f(prompt, completion, row) -> float, or 'module:function'], rm=..., reward_url=... or env=..."""
     return run_recipe(grpo, configs, options)
+
+
+def generate(checkpoint: str | Path, prompts: Any, *, n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
+             top_k: int = 0, top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None, device: str = "auto",
+             dtype: str = "auto", tools: str | AgentConfig | None = None, batch_size: int = 32) -> list:
+    """The checkpoint's replies to prompts (a list of strings, of message lists or of rows {"prompt", ...}, a
+    datasets.Dataset, or a file's path), each rendered as its training rendered rollouts: its chat template, the
+    generation prompt, the tools its run recorded (tools: others, e.g. "none"). Greedy by default; with a temperature,
+    prompt i samples from a seed of (seed, i) alone. One reply per prompt (a list of str), or n of each (a list of
+    lists). Decoded by the rollout engine, batch_size prompts at a time, on this process's device (auto: its GPU)."""
+    replies = replies_to(answers.prompt_rows(prompts), checkpoint, locals())
+    return [r[0] for r in replies] if n == 1 else replies
+
+
+def evaluate(checkpoint: str | Path, prompts: Any, reward_fn: Any, *, n: int = 1, max_new_tokens: int = 256,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None,
+             device: str = "auto", dtype: str = "auto", tools: str | AgentConfig | None = None,
+             batch_size: int = 32) -> dict[str, float]:
+    """Each reward function's mean over the checkpoint's replies to prompts (as generate() answers them: greedy by
+    default, as a run's eval/reward_greedy), by the function's name, and `reward`, their sum. reward_fn: as
+    train_grpo's (functions, built-in names, 'module:function'), each checked before the model loads."""
+    rows = answers.prompt_rows(prompts)
+    fns = [reward_fn] if callable(reward_fn) or isinstance(reward_fn, str) else list(reward_fn)
+    answers.check_rewards(fns, rows, str(rows[0].path))
+    return answers.mean_rewards(rows, replies_to(rows, checkpoint, locals()), fns)
+
+
+def replies_to(rows: list, checkpoint: str | Path, o: dict[str, Any]) -> list[list[str]]:
+    """generate()'s replies to rows, with its options o: checked, the model loaded, decoded; the process's generators
+    and settings as they were after (runtime/process_state.py)."""
+    for name, ok in [("n", o["n"] >= 1), ("max_new_tokens", o["max_new_tokens"] >= 1),
+                     ("temperature", o["temperature"] >= 0), ("top_k", o["top_k"] >= 0),
+                     ("top_p", 0 < o["top_p"] <= 1), ("batch_size", o["batch_size"] >= 1)]:
+        if not ok:
+            refuse(f"{name} {o[name]!r} is out of range")
+    tools = AgentConfig(tools=o["tools"]) if isinstance(o["tools"], str) else o["tools"]  # "none", "calculator", ...
+    with process_state.kept():
+        answerer = answers.load_answerer(checkpoint, o["tokenizer"], o["device"], o["dtype"], tools)
+        cfg = SamplingConfig(o["max_new_tokens"], o["temperature"], o["top_k"], o["top_p"])
+        return answers.answer(answerer, rows, o["n"], cfg, o["seed"], o["batch_size"])
 
 
 def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, Any]) -> Path:

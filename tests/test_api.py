@@ -24,6 +24,7 @@ from datasets import Dataset
 
 from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
 from nanochat_ext import api
+from nanochat_ext.algorithms import answers
 from nanochat_ext.algorithms.dpo import DPOConfig
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rewards import Rewards, load_reward_fn
@@ -33,6 +34,7 @@ from nanochat_ext.errors import EXIT_BAD_INPUT, InputError, RunFailed
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json
 from nanochat_ext.tasks import synthetic
+from nanochat_ext.tokenizer import TokenizerWrapper
 from rewards_for_tests import vowel_share
 from scripts import kat_train_grpo
 
@@ -95,6 +97,37 @@ def test_a_call_leaves_the_processs_generators_as_they_were_and_repeats_bitwise_
                                                {"role": "assistant", "content": "hello"}]} for i in range(8)],
                   batch_size=4, device="cpu", out=str(tmp_path / "sft"))
     assert_bitwise(load_backbone(grpo("second").parent).model.state_dict(), first)
+
+
+def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_reward_does(assets, tmp_path):
+    """#80 item 8: api.generate answers a trained checkpoint's prompts rendered as its run rendered rollouts (its chat
+    template, the generation prompt, the tools its run recorded: none here), greedy equal to a token-by-token argmax
+    of the model's own forward; sampled replies do not depend on the batch a prompt lands in; api.evaluate is the
+    reward function's mean over generate's replies."""
+    checkpoint = api.train_grpo(policy=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), prompts=prompt_rows(),
+                                reward_fn=[vowel_share], batch_size=4, group_size=4, max_new_tokens=8, max_steps=1,
+                                tools="none", device="cpu", out=str(tmp_path / "grpo"))
+    assert answers.recorded_tools(checkpoint).tools == "none" and answers.recorded_tools(assets["gpt"]).tools is None
+    questions = ["Tell me about tea.", [{"role": "user", "content": "hi"}], {"prompt": "What is rain?", "answer": "w"}]
+    kw = {"tokenizer": str(assets["tokenizer"]), "max_new_tokens": 6, "device": "cpu"}
+    greedy = api.generate(checkpoint, questions, **kw)
+    model, tok = load_backbone(checkpoint), TokenizerWrapper.load(assets["tokenizer"])
+    for question, reply in zip(["Tell me about tea.", "hi", "What is rain?"], greedy):
+        ids = tok.render_prompt([{"role": "user", "content": question}])  # no tools: the run had none
+        out = []
+        with torch.no_grad():
+            while len(out) < 6 and (not out or out[-1] not in tok.stop_ids):
+                out.append(int(model(torch.tensor([ids + out]))[0, -1].argmax()))
+        assert reply == tok.reply_text(out), (question, reply, tok.reply_text(out))
+    sampled = [api.generate(checkpoint, questions, n=2, temperature=1.0, seed=5, batch_size=b, **kw) for b in (1, 8)]
+    assert sampled[0] == sampled[1] and all(len(r) == 2 for r in sampled[0])
+    got = api.evaluate(checkpoint, questions, vowel_share, **kw)
+    mean = sum(vowel_share("", r, {}) for r in greedy) / len(greedy)
+    assert got == {"vowel_share": pytest.approx(mean), "reward": pytest.approx(mean)}
+    with pytest.raises(InputError, match="n 0 is out of range"):
+        api.generate(checkpoint, questions, n=0)
+    with pytest.raises(InputError, match=r"prompts: a list of 2 rows\[1\]: field 'prompt': "):
+        api.generate(checkpoint, ["fine", ""])
 
 
 def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):

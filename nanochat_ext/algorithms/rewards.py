@@ -349,10 +349,11 @@ class Rewards:
                              "--reward_fn (e.g. gsm8k)")
         return self.names.index(self.fns[0][0])
 
-    def task_scores(self, rows: list[PromptRow], indices: list[int], texts: list[str]) -> list[float]:
-        """The task reward (the first reward function) of each text, a completion of rows[indices[k]]."""
+    def task_scores(self, rows: list[PromptRow], indices: list[int], texts: list[str], which: int = 0) -> list[float]:
+        """The task reward (the first reward function; which: another) of each text, a completion of
+        rows[indices[k]]."""
         self.task_column()  # one line where there is no reward function
-        name, fn = self.fns[0]
+        name, fn = self.fns[which]
         return self._call(name, fn, [rows[i].messages[-1]["content"] for i in indices], texts,
                           [rows[i].row for i in indices], [rows[i].where for i in indices], 1)
 

@@ -3,10 +3,13 @@ run, and a target that is not there is one line before anything is written."""
 from __future__ import annotations
 
 import json
+import sys
+import types
 
 import pytest
 
 from conftest import run_script
+from nanochat_ext.training.tracking import Tracker, in_notebook
 from scripts import kat_train_rm
 from test_reliability import rm_args
 
@@ -96,3 +99,38 @@ def test_an_unknown_target_or_a_missing_wandb_is_one_line(assets, tmp_path, caps
     assert kat_train_rm.main(rm_args(assets, tmp_path / "c", "--max_steps", "1", "--report_to", "none")) == 0
     assert not list((tmp_path / "c" / "logs").glob("events.out.tfevents.*"))
     assert (tmp_path / "c" / "logs" / "metrics.jsonl").is_file()
+
+
+def test_the_step_line_is_the_methods_headline_and_the_logs_keep_every_metric(assets, tmp_path, capsys):
+    """#80 item 8: the line printed every --log_every steps shows the method's headline (rm: loss, accuracy, margin,
+    pairs/s) and the lr, a few hundred characters at most; metrics.jsonl keeps every metric; --log_line full prints
+    them all."""
+    for line_kind in ("short", "full"):
+        out = tmp_path / line_kind
+        assert kat_train_rm.main(rm_args(assets, out, "--max_steps", "2", "--log_every", "1", "--log_line",
+                                         line_kind)) == 0
+        lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("rm step 1 |")]
+        logged = json.loads((out / "logs" / "metrics.jsonl").read_text().splitlines()[0])
+        shown = [part.rsplit(" ", 1)[0] for part in lines[0].split(" | ")[1:]]
+        if line_kind == "short":
+            assert shown == ["train/loss", "train/accuracy", "train/margin", "perf/pairs_per_s", "train/lr",
+                             "perf/train_time_s"] and len(lines[0]) < 300, lines
+            assert {"train/grad_norm", "perf/tokens_per_s"} <= logged.keys()
+        else:
+            assert shown == [k for k in logged if k != "step"], (shown, logged)
+
+
+def test_a_notebook_gets_the_progress_bar_a_terminal_gets(tmp_path, monkeypatch, capsys):
+    """A Jupyter kernel's stderr is no terminal, yet a person watches: the run's bar (step N/M, rate, time left)."""
+    assert not in_notebook()
+    assert Tracker(tmp_path / "plain", True, 3, 0, "rm").bar is None  # pytest's stderr: no terminal, no kernel
+
+    class ZMQInteractiveShell:  # what IPython's get_ipython() returns inside a Jupyter kernel
+        config: dict = {}
+
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    tracker = Tracker(tmp_path / "kernel", True, 3, 1, "rm", report_to="none")
+    assert in_notebook() and tracker.bar is not None
+    tracker.advance()
+    tracker.close()
+    assert "2/3" in capsys.readouterr().err

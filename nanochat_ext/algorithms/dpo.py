@@ -217,6 +217,7 @@ class DPO:
     precomputed: `reference` None) and the policy's forward and backward over them in micro-batches, shortest rows
     together; the evaluation scores the held-out pairs."""
     name = "dpo"
+    headline = ("train/loss", "rewards/accuracies", "rewards/margins", "perf/pairs_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: PolicyTraining, cfg: DPOConfig, reference: nn.Module | None,
                  train: list[TokenizedPair], held_out: list[TokenizedPair], loader: GlobalBatchLoader,

@@ -210,6 +210,8 @@ class GRPO:
     micro-batches of `micro` sequences; the evaluation decodes the held-out prompts greedy and sampled (pass@k with
     --eval_pass_k)."""
     name = "grpo"
+    headline = ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/completion_len", "train/zero_std_groups",
+                "perf/completions_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: PolicyTraining, cfg: GRPOConfig, rollout: RolloutConfig, evaluation: EvalConfig,
                  rewards: Rewards, train: Prompts, held_out: Prompts, loader: GlobalBatchLoader, seed: int,

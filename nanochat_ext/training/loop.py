@@ -85,6 +85,9 @@ class OutputConfig:
     skip_nonfinite: int = option(0, "skip up to N steps whose loss or gradient is NaN/inf, logged (0: stop at the "
                                     "first, with nothing saved)", type=int, check=NON_NEGATIVE)
     log_dir: str | None = option(None, "TensorBoard + metrics.jsonl dir (default: <out>/logs)")
+    log_line: str = option("short", "the step line printed every --log_every steps: short (the method's headline: loss, "
+                                    "reward, ..., lr) or full (every metric, as metrics.jsonl has them)",
+                           choices=("short", "full"))
     report_to: str = option("tensorboard", "where rank 0 sends the scalars besides <log_dir>/metrics.jsonl: "
                                            "tensorboard, wandb (requirements.txt pins it; WANDB_MODE=offline works), "
                                            "both as 'tensorboard,wandb', or none")
@@ -108,6 +111,7 @@ class OutputConfig:
 class Method(Protocol):
     """A trainer's own part of the loop (algorithms/: sft, rm, dpo, grpo)."""
     name: str  # the run's name in its logs
+    headline: tuple[str, ...]  # the metrics its short step line shows (--log_line short); the logs have every one
     window: WindowSums  # this rank's sums since the last log: `step` adds to them, the loop counts "steps"
     evaluation: Phase | None  # what the held-out evaluation runs (the out-of-memory line names it); None: there is none
     estimate: StepMemory | None  # the memory model's figures for a step, set beside the measured peak at the end
@@ -210,7 +214,8 @@ class Loop:
         metrics = {**method.metrics(method.window.reduced(), time.time() - self.t_log), "train/lr": lr,
                    "train/grad_norm": self.grad_norm, **peak_memory_gb(self.env.device),
                    "perf/train_time_s": self.count_train_time()}
-        self.tracker.log(self.done, metrics)
+        shown = None if self.out.log_line == "full" else (*method.headline, "train/lr", "perf/train_time_s")
+        self.tracker.log(self.done, metrics, shown)
         self.metrics = metrics
         self.t_log = time.time()
         method.window.zero()

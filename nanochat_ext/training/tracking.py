@@ -38,6 +38,12 @@ def report_targets(value: str) -> list[str]:
     return [t for t in targets if t != "none"]
 
 
+def in_notebook() -> bool:
+    """Whether this process is a Jupyter kernel (its stderr is no terminal, yet a person watches the cell)."""
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
 class Tracker:
     def __init__(self, log_dir: str | Path | None, enabled: bool, total_steps: int, start_step: int, name: str,
                  report_to: str = "tensorboard", config: dict | None = None, project: str | None = None):
@@ -68,15 +74,17 @@ class Tracker:
             self.metrics_file = open(Path(log_dir) / "metrics.jsonl", "a")
             if "wandb" in targets:
                 self.wandb = start_wandb(Path(log_dir), name, config or {}, project, resumed=start_step > 0)
-        if sys.stderr.isatty():
-            from tqdm import tqdm
+        if sys.stderr.isatty() or in_notebook():  # a person watches: step N/M, its rate, the time left
+            from tqdm.auto import tqdm  # a notebook's widget where ipywidgets is installed, else text
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc=name, dynamic_ncols=True)
 
-    def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
-        """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line. Once
-        anything is compiled (--compile), rank 0's graph count and compile seconds so far ride along, and a line
-        for each compile since the last log says which function compiled and why (CompileLog)."""
+    def log(self, step: int, metrics: dict[str, float], shown: tuple[str, ...] | None = None,
+            echo: bool = True) -> None:
+        """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line of the metrics
+        `shown` (None: all). Once anything is compiled (--compile), rank 0's graph count and compile seconds so far
+        ride along, and a line for each compile since the last log says which function compiled and why
+        (CompileLog)."""
         if not self.enabled:
             return
         graphs, seconds = compile_stats()
@@ -93,7 +101,7 @@ class Tracker:
             self.metrics_file.write(json.dumps({"step": step, **metrics}) + "\n")
             self.metrics_file.flush()
         if echo:
-            line = " | ".join(f"{k} {v:.4g}" for k, v in metrics.items())
+            line = " | ".join(f"{k} {metrics[k]:.4g}" for k in (metrics if shown is None else shown) if k in metrics)
             self._print(f"{self.name} step {step} | {line}")
 
     def _print(self, msg: str) -> None:

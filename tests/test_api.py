@@ -398,3 +398,10 @@ def test_the_package_installs_and_trains_from_outside_the_repository(assets, tmp
     lines = run.stdout.strip().splitlines()
     installed, checkpoint = lines[0], lines[-1]  # api's file, before the run's lines; what the call returned
     assert installed.startswith(str(site)) and (elsewhere / checkpoint).is_file(), run.stdout[-1000:]
+    # the trainers' command lines as console commands (one run: each is its recipe's main, as the scripts')
+    entry_points = (meta.parent / "entry_points.txt").read_text()
+    assert all(f"{c} = nanochat_ext.recipes.{m}:main" in entry_points for c, m in [
+        ("kat-sft", "sft"), ("kat-train-rm", "rm"), ("kat-train-dpo", "dpo"), ("kat-train-grpo", "grpo")]), entry_points
+    helped = subprocess.run([str(site / "bin" / "kat-train-grpo"), "--help"], capture_output=True, text=True,
+                            cwd=elsewhere, env={**os.environ, "PYTHONPATH": str(site)}, timeout=120)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: kat_train_grpo "), helped.stderr[-1000:]

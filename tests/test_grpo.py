@@ -65,6 +65,17 @@ def test_advantages(std_mode, unbiased):
     torch.testing.assert_close(group_advantages(rewards, 4, "batch", std_mode)[4:], centred / (batch_std + 1e-4))
 
 
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_batch_scaling_counts_only_the_groups_in_the_loss(estimator):
+    """A group left out of the loss (a reward the machine could not compute, errors.Unscored: its rewards set to 0)
+    is not part of the batch's spread: the kept groups' advantages are those of the batch without it."""
+    kept_rewards = torch.tensor([0.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 2.0, 3.0])
+    with_left_out = torch.cat([kept_rewards[:4], torch.zeros(4), kept_rewards[4:]])
+    kept = torch.tensor([True] * 4 + [False] * 4 + [True] * 8)
+    got = advantages(estimator, with_left_out, 4, "batch", kept=kept)
+    torch.testing.assert_close(got[kept], advantages(estimator, kept_rewards, 4, "batch"))
+
+
 def test_advantages_default_to_trls_sample_std():
     rewards = torch.tensor([0.0, 1.0])  # G=2: TRL's advantages are +-0.7071, population std would give +-1
     torch.testing.assert_close(group_advantages(rewards, 2, "group"), torch.tensor([-0.5, 0.5]) / (0.5 ** 0.5 + 1e-4))

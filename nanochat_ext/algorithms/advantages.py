@@ -45,8 +45,12 @@ STD_MODES = ("sample", "population")
 ADV_EPS = 1e-4
 
 
-def batch_mean_std(x: torch.Tensor, std_mode: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Mean and std of x over the global batch (every rank's x), in one all-reduce."""
+def batch_mean_std(x: torch.Tensor, std_mode: str,
+                   kept: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mean and std of x over the global batch (every rank's x), in one all-reduce; kept: the elements counted (a
+    group left out of the loss, errors.Unscored, is not part of the batch's spread)."""
+    if kept is not None:
+        x = x.reshape(-1)[kept.reshape(-1)]
     stats = all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=x.dtype)]))
     n = stats[2]
     mean = stats[0] / n
@@ -56,11 +60,12 @@ def batch_mean_std(x: torch.Tensor, std_mode: str) -> tuple[torch.Tensor, torch.
     return mean, var.sqrt()
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample") -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
+                     kept: torch.Tensor | None = None) -> torch.Tensor:
     """(r - group mean) / (std + eps): std of the group ('group'), of the whole global batch ('batch',
     one all-reduce), or no scaling ('none'). std_mode 'sample' divides the squared deviations by n - 1
     (TRL, torch.std), 'population' by n (1.41x larger advantages at G=2). A group whose rewards are all
-    equal gets 0, not NaN."""
+    equal gets 0, not NaN. kept: the completions 'batch' counts (None: all)."""
     if std_mode not in STD_MODES:
         raise ValueError(f"unknown std_mode {std_mode!r}")
     r = rewards.double().view(-1, group_size)
@@ -69,16 +74,18 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mod
         std = r.std(dim=1, keepdim=True, unbiased=std_mode == "sample")
         return (centred / (std + ADV_EPS)).view(-1).float()
     if scale == "batch":
-        return (centred / (batch_mean_std(r, std_mode)[1] + ADV_EPS)).view(-1).float()
+        return (centred / (batch_mean_std(r, std_mode, kept)[1] + ADV_EPS)).view(-1).float()
     if scale == "none":
         return centred.view(-1).float()
     raise ValueError(f"unknown scale_rewards {scale!r}")
 
 
-def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample") -> torch.Tensor:
+def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
+                    kept: torch.Tensor | None = None) -> torch.Tensor:
     """r minus the mean of the other G - 1 rewards of its group (G / (G - 1) times r minus the group's mean);
     'none' leaves it so (TRL's RLOOTrainer by default), 'batch' centres and divides it by the spread of the whole
-    global batch's advantages (TRL's normalize_advantages), 'group' divides it by the std of its group's rewards."""
+    global batch's advantages (TRL's normalize_advantages; kept: the completions it counts), 'group' divides it by the
+    std of its group's rewards."""
     if std_mode not in STD_MODES:
         raise ValueError(f"unknown std_mode {std_mode!r}")
     if group_size < 2:
@@ -88,7 +95,7 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int, scale: str, std_mode
     if scale == "group":
         return (loo / (r.std(dim=1, keepdim=True, unbiased=std_mode == "sample") + ADV_EPS)).view(-1).float()
     if scale == "batch":
-        mean, std = batch_mean_std(loo, std_mode)
+        mean, std = batch_mean_std(loo, std_mode, kept)
         return ((loo - mean) / (std + ADV_EPS)).view(-1).float()
     if scale == "none":
         return loo.view(-1).float()
@@ -158,18 +165,19 @@ def distill_advantages(rewards: torch.Tensor, group_size: int, student_logp: tor
 
 def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
                batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
-               discount: float = 0.0) -> torch.Tensor:
+               discount: float = 0.0, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s and distillation's per
     token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's
     ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: the coefficient of the KL in the reward (RLOO's,
-    REINFORCE++'s; none without "ref_logp") or distillation's."""
+    REINFORCE++'s; none without "ref_logp") or distillation's; kept: the completions whose groups are in the loss
+    (a batch-wide scaling counts only them; REINFORCE++ counts the mask's tokens)."""
     if estimator == "grpo":
-        return group_advantages(rewards, group_size, scale, std_mode)
+        return group_advantages(rewards, group_size, scale, std_mode, kept)
     if estimator == "rloo":
         if batch is not None and batch.get("ref_logp") is not None and kl_coef > 0:
             rewards = rewards.double() - kl_coef * sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"],
                                                                kl_estimator)
-        return rloo_advantages(rewards, group_size, scale, std_mode)
+        return rloo_advantages(rewards, group_size, scale, std_mode, kept)
     if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
         return reinforce_pp_advantages(rewards, group_size, batch["engine_logp"], batch.get("ref_logp"), batch["mask"],
                                        kl_coef, kl_estimator, estimator == "reinforce_pp_baseline")

@@ -266,7 +266,7 @@ class GRPO:
         distill = self.cfg.advantage == "distill"
         batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scaling, self.cfg.std_mode,
                                          batch, self.cfg.teacher_coef if distill else self.cfg.beta,
-                                         self.cfg.kl_estimator, self.cfg.teacher_discount)
+                                         self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
         self.window.add(zero_std=zero_advantage_groups(batch["advantages"], batch["mask"], G), groups=len(ro.indices))
         t1 = time.time()
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)

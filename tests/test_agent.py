@@ -422,6 +422,20 @@ def test_grpo_in_an_environment_on_two_ranks_resumes_to_one_ranks_run(tmp_path):
     assert_same_update(*({k: v for k, v in sd.items() if k != "backout_lambda"} for sd in (got, want, init)))
 
 
+def test_an_agents_late_calls_count_against_its_own_cap_not_the_next_runs(assets):
+    """#80 item 3: calls still running past their timeout belong to the run (its Agent) that made them: once one run
+    has --max_late_calls of them its new calls are refused, while the next run's agent, in the same process, calls."""
+    tok, release = TokenizerWrapper.load(assets["tokenizer"]), threading.Event()
+    cfg = AgentConfig(tools="none", tool_timeout=0.01, max_late_calls=2)
+    first, second = Agent(cfg, tok), Agent(cfg, tok)
+    try:
+        assert all(o.timed_out for o in first.call_all([("tool hang", lambda: release.wait(60))] * 2))
+        assert first.call_all([("tool quick", lambda: 3)])[0].refused
+        assert second.call_all([("tool quick", lambda: 3)])[0].text == "3"
+    finally:
+        release.set()
+
+
 def test_overrunning_calls_are_capped_and_a_thread_that_cannot_start_is_an_error(monkeypatch):
     """A tool that hangs on every call, 4 calls a step for 200 steps: calls past their timeout stay counted until
     they end, and once max_late are running new calls are refused (an error the row reads) instead of piling up

@@ -26,17 +26,18 @@ from types import ModuleType
 from typing import Any, NoReturn
 
 from nanochat_ext.algorithms import answers
+from nanochat_ext.algorithms.answers import AnswerOptions
+from nanochat_ext.algorithms.rewards import check_reward_fns
 from nanochat_ext.algorithms.rewards import trl_style as trl_reward  # noqa: F401  (api.trl_reward(f): a TRL reward)
 from nanochat_ext.cli import run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
-from nanochat_ext.generation.agent import AgentConfig
-from nanochat_ext.generation.sampling import SamplingConfig
 from nanochat_ext.recipes import dpo, grpo, rm, sft
-from nanochat_ext.runtime import guard, process_state, session
+from nanochat_ext.runtime import guard, session
 
 # The options whose value may be rows given in Python rather than a file's path.
 ROWS = ("conversations", "pairs", "prompts", "eval_prompts")
+PROMPTS = ("prompts", "eval_prompts")  # of them, those whose rows may be bare prompts (a string, a message list)
 # The options whose values may be Python functions rather than 'module:function' names.
 FUNCTIONS = ("reward_fn",)
 
@@ -62,44 +63,42 @@ def train_grpo(*configs: Any, **options: Any) -> Path:
     return run_recipe(grpo, configs, options)
 
 
-def generate(checkpoint: str | Path, prompts: Any, *, n: int = 1, max_new_tokens: int = 256, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None, device: str = "auto",
-             dtype: str = "auto", tools: str | AgentConfig | None = None, batch_size: int = 32) -> list:
+def generate(checkpoint: str | Path, prompts: Any, options: AnswerOptions | None = None, **keywords: Any) -> list:
     """The checkpoint's replies to prompts (a list of strings, of message lists or of rows {"prompt", ...}, a
     datasets.Dataset, or a file's path), each rendered as its training rendered rollouts: its chat template, the
-    generation prompt, the tools its run recorded (tools: others, e.g. "none"). Greedy by default; with a temperature,
-    prompt i samples from a seed of (seed, i) alone. One reply per prompt (a list of str), or n of each (a list of
-    lists). Decoded by the rollout engine, batch_size prompts at a time, on this process's device (auto: its GPU)."""
-    replies = replies_to(answers.prompt_rows(prompts), checkpoint, locals())
-    return [r[0] for r in replies] if n == 1 else replies
+    generation prompt, the tools its run recorded. Options (AnswerOptions' fields, as keywords or an AnswerOptions):
+    greedy by default, max_new_tokens the run's, n replies of each prompt at a temperature (prompt i samples from a
+    seed of (seed, i) alone), tools="none" or others, device, batch_size. One reply per prompt (a list of str), or
+    with n > 1 a list of n for each. Decoded by the rollout engine, batch_size prompts at a time, in this process."""
+    o = answer_options(options, keywords)
+    got = answers.replies(checkpoint, answers.prompt_rows(prompts), o)
+    return [r[0] for r in got] if o.n == 1 else got
 
 
-def evaluate(checkpoint: str | Path, prompts: Any, reward_fn: Any, *, n: int = 1, max_new_tokens: int = 256,
-             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0, tokenizer: str | None = None,
-             device: str = "auto", dtype: str = "auto", tools: str | AgentConfig | None = None,
-             batch_size: int = 32) -> dict[str, float]:
-    """Each reward function's mean over the checkpoint's replies to prompts (as generate() answers them: greedy by
-    default, as a run's eval/reward_greedy), by the function's name, and `reward`, their sum. reward_fn: as
-    train_grpo's (functions, built-in names, 'module:function'), each checked before the model loads."""
-    rows = answers.prompt_rows(prompts)
-    fns = [reward_fn] if callable(reward_fn) or isinstance(reward_fn, str) else list(reward_fn)
-    answers.check_rewards(fns, rows, str(rows[0].path))
-    return answers.mean_rewards(rows, replies_to(rows, checkpoint, locals()), fns)
+def evaluate(checkpoint: str | Path, prompts: Any, reward_fn: Any, options: AnswerOptions | None = None,
+             **keywords: Any) -> dict[str, float]:
+    """As the run's held-out evaluation logs them, over the checkpoint's replies to prompts (generate()'s, its
+    options alike: greedy by default, as eval/reward_greedy): each reward function's mean, `reward_<name>`, their sum,
+    `reward`, and `unscored`, the replies the machine could not score (counted 0). reward_fn: as train_grpo's
+    (functions, built-in names, 'module:function'), each checked before the model loads."""
+    o, rows, fns = answer_options(options, keywords), answers.prompt_rows(prompts), functions(reward_fn)
+    check_reward_fns(fns, rows, rows[0].path)
+    return answers.mean_rewards(rows, answers.replies(checkpoint, rows, o), fns)
 
 
-def replies_to(rows: list, checkpoint: str | Path, o: dict[str, Any]) -> list[list[str]]:
-    """generate()'s replies to rows, with its options o: checked, the model loaded, decoded; the process's generators
-    and settings as they were after (runtime/process_state.py)."""
-    for name, ok in [("n", o["n"] >= 1), ("max_new_tokens", o["max_new_tokens"] >= 1),
-                     ("temperature", o["temperature"] >= 0), ("top_k", o["top_k"] >= 0),
-                     ("top_p", 0 < o["top_p"] <= 1), ("batch_size", o["batch_size"] >= 1)]:
-        if not ok:
-            refuse(f"{name} {o[name]!r} is out of range")
-    tools = AgentConfig(tools=o["tools"]) if isinstance(o["tools"], str) else o["tools"]  # "none", "calculator", ...
-    with process_state.kept():
-        answerer = answers.load_answerer(checkpoint, o["tokenizer"], o["device"], o["dtype"], tools)
-        cfg = SamplingConfig(o["max_new_tokens"], o["temperature"], o["top_k"], o["top_p"])
-        return answers.answer(answerer, rows, o["n"], cfg, o["seed"], o["batch_size"])
+def answer_options(options: AnswerOptions | None, keywords: dict[str, Any]) -> AnswerOptions:
+    """generate()'s options: the AnswerOptions given, its fields replaced by the keywords; one that is none of its
+    fields refused as train_*'s are, with the nearest."""
+    fields = {f.name: f for f in dataclasses.fields(AnswerOptions)}
+    for name in keywords:
+        if name not in fields:
+            refuse(f"generate has no option {name!r}{nearest(name, fields)} (its options: {', '.join(fields)})")
+    return dataclasses.replace(options or AnswerOptions(), **keywords)
+
+
+def functions(value: Any) -> list:
+    """A reward_fn option as a list: one function or name, or several."""
+    return [value] if callable(value) or isinstance(value, str) else list(value)
 
 
 def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, Any]) -> Path:
@@ -160,9 +159,9 @@ def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
         if value is None:
             continue
         if name in ROWS and not isinstance(value, (str, Path)):
-            value = objects[name] = InMemoryRows(value, f"{name}: {described(value)}")
+            value = objects[name] = InMemoryRows(value, f"{name}: {described(value)}", prompts=name in PROMPTS)
         if name in FUNCTIONS:
-            value = objects[name] = [value] if callable(value) or isinstance(value, str) else list(value)
+            value = objects[name] = functions(value)
         if isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
                 refuse(f"{trainer}'s option {name} is True or False, got {value!r}")

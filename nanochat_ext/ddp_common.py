@@ -170,18 +170,20 @@ def dist_session(device: str = "auto", backend: str | None = None, timeout_s: fl
     """init_dist(), and always destroy the group on the way out, exceptions included; the rendezvous variables
     init_dist sets are as they were before (a caller's next session picks its own port)."""
     rendezvous = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
-    env = init_dist(device, backend, timeout_s, group)
     try:
-        yield env
-        barrier()
-    except InputError:
-        barrier()  # bad input is raised on every rank (validation is collective), so all get here
-        raise
-    finally:
-        # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
-        # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
-        # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
-        destroy_dist()
+        env = init_dist(device, backend, timeout_s, group)
+        try:
+            yield env
+            barrier()
+        except InputError:
+            barrier()  # bad input is raised on every rank (validation is collective), so all get here
+            raise
+        finally:
+            # Every rank passes the barrier before any tears down: gloo otherwise aborts a rank at exit
+            # ("terminate called without an active exception", SIGABRT) when a peer has already gone.
+            # Other exceptions skip it: a rank that crashed alone would leave the others waiting.
+            destroy_dist()
+    finally:  # a group that did not start too
         for k, v in rendezvous.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -272,19 +274,16 @@ def seed_everything(seed: int) -> None:
 
 def raise_if_any(error: str | None, cause: BaseException | None = None) -> None:
     """Collective: raise InputError on every rank if any rank has an error (the first one's text), from `cause` on
-    the lowest rank that had one (a user's function's traceback stays in the chain there: e.origin names that rank,
-    e.traced says whether it holds a cause).
+    the rank that had it (a user's function's traceback stays in the chain there).
 
     Checks that only one rank can make (is the output dir writable?) must stop all ranks, or the
     others hang in the next collective.
     """
-    errors = gather_objects((error, cause is not None) if error else None)
-    origin = next((r for r, e in enumerate(errors) if e), None)
-    if origin is not None:
-        e = InputError(errors[origin][0])
+    first = next((e for e in gather_objects(error) if e), None)
+    if first:
+        e = InputError(first)
         e.collective = True  # the same error on every rank: rank 0 reports it
-        e.origin, e.traced = origin, errors[origin][1]  # the rank whose error it is, and whether it holds a cause
-        raise e from (cause if origin == get_rank() else None)
+        raise e from (cause if first == error else None)
 
 
 def wrap_ddp(module: torch.nn.Module, env: DistEnv) -> torch.nn.Module:

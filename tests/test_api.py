@@ -76,12 +76,12 @@ def test_grpo_in_python_is_the_scripts_run(assets, tmp_path):
 
 def test_a_call_leaves_the_processs_generators_as_they_were_and_repeats_bitwise_whatever_ran_before(assets, tmp_path):
     """#80 item 3: the generators a run seeds (Python's, NumPy's, torch's) are the caller's again after it, and the
-    rendezvous variables; the same call after another trainer's call and the caller's own draws trains the same
-    weights, bitwise."""
+    rendezvous variables (a one-process group takes a port); the same call after another trainer's call and the
+    caller's own draws trains the same weights, bitwise (as each run seeds what it draws from)."""
     def grpo(out):
         return api.train_grpo(policy=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), prompts=prompt_rows(),
                               reward_fn=[vowel_share], batch_size=4, group_size=4, max_new_tokens=8, max_steps=2,
-                              lr=1e-2, device="cpu", out=str(tmp_path / out))
+                              lr=1e-2, device="cpu", backend="gloo", out=str(tmp_path / out))  # (a group: a port)
 
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state(), os.environ.get("MASTER_PORT"))
@@ -107,7 +107,8 @@ def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_rewa
     checkpoint = api.train_grpo(policy=str(assets["gpt"]), tokenizer=str(assets["tokenizer"]), prompts=prompt_rows(),
                                 reward_fn=[vowel_share], batch_size=4, group_size=4, max_new_tokens=8, max_steps=1,
                                 tools="none", device="cpu", out=str(tmp_path / "grpo"))
-    assert answers.recorded_tools(checkpoint).tools == "none" and answers.recorded_tools(assets["gpt"]).tools is None
+    flags = answers.recorded_flags(checkpoint)
+    assert answers.recorded_tools(flags).tools == "none" and answers.recorded_flags(assets["gpt"]) == {}
     questions = ["Tell me about tea.", [{"role": "user", "content": "hi"}], {"prompt": "What is rain?", "answer": "w"}]
     kw = {"tokenizer": str(assets["tokenizer"]), "max_new_tokens": 6, "device": "cpu"}
     greedy = api.generate(checkpoint, questions, **kw)
@@ -123,11 +124,20 @@ def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_rewa
     assert sampled[0] == sampled[1] and all(len(r) == 2 for r in sampled[0])
     got = api.evaluate(checkpoint, questions, vowel_share, **kw)
     mean = sum(vowel_share("", r, {}) for r in greedy) / len(greedy)
-    assert got == {"vowel_share": pytest.approx(mean), "reward": pytest.approx(mean)}
-    with pytest.raises(InputError, match="n 0 is out of range"):
-        api.generate(checkpoint, questions, n=0)
-    with pytest.raises(InputError, match=r"prompts: a list of 2 rows\[1\]: field 'prompt': "):
-        api.generate(checkpoint, ["fine", ""])
+    assert got == {"reward": pytest.approx(mean), "reward_vowel_share": pytest.approx(mean), "unscored": 0}
+    assert api.generate(checkpoint, questions[:1], tokenizer=kw["tokenizer"], device="cpu") == \
+        api.generate(checkpoint, questions[:1], max_new_tokens=8, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    for call, said in [(lambda: api.generate(checkpoint, questions, n=0), "n 0 is out of range"),
+                       (lambda: api.generate(checkpoint, questions, n=2), "n 2 at temperature 0 gives 2 equal replies"),
+                       (lambda: api.generate(checkpoint, questions, max_new_token=4),
+                        "generate has no option 'max_new_token'; did you mean max_new_tokens?"),
+                       (lambda: api.generate(checkpoint, "What is rain?"),
+                        "to ask one prompt, give a list: prompts=['What is rain?']"),
+                       (lambda: api.generate(checkpoint, ["fine", ""]),
+                        "prompts: a list of 2 rows[1]: field 'prompt': ")]:
+        with pytest.raises(InputError) as e:
+            call()
+        assert said in str(e.value), (said, str(e.value))
 
 
 def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):
@@ -199,9 +209,9 @@ def test_a_row_without_its_field_ends_as_the_script_does(assets, tmp_path, capfd
     assert "error: prompts: a list of 4 rows[3]: field 'prompt': missing" in capfd.readouterr().err
     assert not (tmp_path / "never").exists()
     with pytest.raises(RunFailed):
-        api.train_grpo(policy=str(assets["gpt"]), prompts=[*rows[:3], "a string"], reward_fn=vowel_share,
+        api.train_grpo(policy=str(assets["gpt"]), prompts=[*rows[:3], 42], reward_fn=vowel_share,
                        out=str(tmp_path / "never"), device="cpu")
-    assert "prompts: a list of 4 rows[3]: expected a dict, got str" in capfd.readouterr().err
+    assert "prompts: a list of 4 rows[3]: expected a dict, got int" in capfd.readouterr().err  # (a string is a prompt)
 
 
 @pytest.mark.parametrize("train,model,data", [(api.train_sft, "backbone", "conversations"),
@@ -355,6 +365,14 @@ def test_trl_reward_gives_a_trl_function_the_prompts_completions_and_columns_as_
     assert got == Rewards(None, [plain], None).task_scores(rows, [0, 1, 2], texts) == [1.0, 0.0, 1.0]
     assert seen == {"prompts": ["q0", "q1", "q2"], "kwargs": {"topic": ["t", "t", "t"]}}
     assert Rewards(None, [api.trl_reward(matches_answer)], None).names == ["matches_answer"]
+
+    def conversational(prompts, completions, **kwargs):  # TRL's conversational form: completion[0]["content"]
+        seen.update(prompts=prompts)
+        return [float(c[0]["content"].strip() == "0") for c in completions]
+
+    chat = [PromptRow(r.messages, r.prefix_id, {**r.row, "prompt": r.messages}, r.line) for r in rows]
+    assert Rewards(None, [api.trl_reward(conversational)], None).task_scores(chat, [0, 1], texts[:2]) == [1.0, 0.0]
+    assert seen["prompts"] == [[{"role": "user", "content": "q0"}], [{"role": "user", "content": "q1"}]]
 
 
 @pytest.mark.parametrize("option,said", [("num_generations", ": TRL's num_generations is group_size here"),

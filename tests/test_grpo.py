@@ -74,6 +74,8 @@ def test_batch_scaling_counts_only_the_groups_in_the_loss(estimator):
     kept = torch.tensor([True] * 4 + [False] * 4 + [True] * 8)
     got = advantages(estimator, with_left_out, 4, "batch", kept=kept)
     torch.testing.assert_close(got[kept], advantages(estimator, kept_rewards, 4, "batch"))
+    none_kept = advantages(estimator, torch.zeros(8), 4, "batch", kept=torch.zeros(8, dtype=torch.bool))
+    assert torch.equal(none_kept, torch.zeros(8))  # a step whose every group is left out: no advantage, no NaN
 
 
 def test_advantages_default_to_trls_sample_std():

@@ -128,7 +128,10 @@ def test_a_notebook_gets_the_progress_bar_a_terminal_gets(tmp_path, monkeypatch,
     class ZMQInteractiveShell:  # what IPython's get_ipython() returns inside a Jupyter kernel
         config: dict = {}
 
-    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=ZMQInteractiveShell))
+    class Shell(ZMQInteractiveShell):  # Colab's, a subclass of it
+        pass
+
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=Shell))
     tracker = Tracker(tmp_path / "kernel", True, 3, 1, "rm", report_to="none")
     assert in_notebook() and tracker.bar is not None
     tracker.advance()

@@ -52,7 +52,7 @@ def batch_mean_std(x: torch.Tensor, std_mode: str,
     if kept is not None:
         x = x.reshape(-1)[kept.reshape(-1)]
     stats = all_reduce_sum(torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(x.numel()), dtype=x.dtype)]))
-    n = stats[2]
+    n = stats[2].clamp(min=1)  # no element kept anywhere (every group left out): zeros, not 0/0
     mean = stats[0] / n
     var = (stats[1] / n - mean * mean).clamp(min=0)
     if std_mode == "sample":

@@ -39,6 +39,7 @@ from nanochat_ext.generation.agent import Episodes
 from nanochat_ext.generation.engine import Samples
 from nanochat_ext.generation.toolbox import load_attribute
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
+from nanochat_ext.runtime.outdir import keep_traceback
 from nanochat_ext.tasks import reward_fns
 from nanochat_ext.tasks.reward_fns import BUILT_IN, REFERENCE, reference_problem
 from nanochat_ext.tokenizer import TokenizerWrapper, same_ids
@@ -118,13 +119,18 @@ def check_signature(fn: Callable, name: str) -> None:
 
 def trl_style(fn: Callable) -> RewardFn:
     """A reward function written for TRL's GRPOTrainer, f(prompts, completions, **columns) -> a list of floats, as a
-    batched reward function here: called once per step with this rank's prompts and completions (as text: the last
-    user turn and the reply) and every other field of the rows as a keyword list, as TRL passes a dataset's columns.
-    A None in its answer (TRL's 'not applicable') is refused as any non-number is."""
+    batched reward function here, called as TRL calls it: once per step with this rank's rows, `prompts` their prompts
+    as given (a text, or a conversation's messages), `completions` the replies (text, or for a conversation
+    [{"role": "assistant", "content": reply}]) and each other field of the rows as a keyword list. TRL's
+    completion_ids and trainer_state are not passed; a None in the answer (TRL's 'not applicable') is refused, as any
+    value that is not a number is."""
     def batched(prompts: list[str], completions: list[str], rows: list[dict]) -> list:
+        given = [r.get("prompt", p) for p, r in zip(prompts, rows)]
+        replies = [[{"role": "assistant", "content": c}] if isinstance(g, list) else c
+                   for g, c in zip(given, completions)]
         columns = {k: [r.get(k) for r in rows] for k in dict.fromkeys(k for r in rows for k in r)
                    if k not in ("prompt", "prompts", "completions")}
-        return fn(prompts=prompts, completions=completions, **columns)
+        return fn(prompts=given, completions=replies, **columns)
     batched.batched = True
     batched.__name__ = batched.__qualname__ = getattr(fn, "__name__", type(fn).__name__)  # its logged name
     batched.__module__ = getattr(fn, "__module__", "?")
@@ -163,6 +169,14 @@ def check_references(specs: list[str | RewardFn], rows: list[PromptRow], path: s
                 raise InputError(why, path=path, line=r.line, field=REFERENCE)
 
 
+def check_reward_fns(specs: list[str | RewardFn], rows: list[PromptRow], path: str | None) -> None:
+    """Before any model loads: each reward function imports and can be called as a reward (load_reward_fn), and each
+    built-in finds its reference in every row (check_references)."""
+    for spec in specs:
+        load_reward_fn(spec)
+    check_references(specs, rows, path)
+
+
 def checked(value, where: str, clip: float | None) -> float:
     """value as a float, or one line saying what is wrong with it: something other than a real number (a bool or
     a string included), a NaN/inf, or a value outside [-clip, clip]."""
@@ -186,7 +200,7 @@ def call_reward_fn(name: str, fn: RewardFn, prompt: str, completion: str, row: d
     except Unscored:  # the machine's failure, not the answer's: left out of the loss (NaN), counted
         return math.nan
     except Exception as e:  # the user's code: any failure becomes the run's one line
-        raise InputError(f"{where} raised {first_line(e)}") from e  # the user's traceback: nanochat_ext.api chains it
+        raise InputError(f"{where} raised {first_line(e)}{keep_traceback(e)}") from e  # api chains it too
     return checked(value, where, clip)
 
 
@@ -326,14 +340,15 @@ class Rewards:
         pool where there is one (the same values in the same order). places: each prompt's row as its user numbers
         it (PromptRow.where)."""
         if getattr(fn, "batched", False):
-            shown = places[0] + (f" and {len(places) - 1} more" if len(places) > 1 else "")
+            prompts_named = list(dict.fromkeys(places))  # a prompt once, whatever its replies
+            shown = prompts_named[0] + (f" and {len(prompts_named) - 1} more" if len(prompts_named) > 1 else "")
             where = f"reward function {name} (batched) on the prompts {shown}"
             try:
                 values = fn(prompts, texts, rows)
             except Unscored:  # the machine's failure for the whole batch: every completion left out, counted
                 return [math.nan] * len(texts)
             except Exception as e:  # the user's code
-                raise InputError(f"{where} raised {first_line(e)}") from e  # the user's traceback: nanochat_ext.api chains it
+                raise InputError(f"{where} raised {first_line(e)}{keep_traceback(e)}") from e  # api chains it too
             if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
                 raise InputError(f"{where} returned {type(values).__name__} of "
                                  f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")

@@ -101,15 +101,18 @@ def is_table(path: str | os.PathLike) -> bool:
 class InMemoryRows:
     """Records given in Python (nanochat_ext.api): a list of dicts, a datasets.Dataset, any iterable of mappings, read
     as a file's rows are (null fields left out, as a table's); `name` stands for a path in messages ("prompts: a
-    Dataset of 64 rows[3]: field 'prompt': missing") and in the run's recorded flags."""
+    Dataset of 64 rows[3]: field 'prompt': missing") and in the run's recorded flags. prompts: rows of prompts, where
+    a prompt given bare (a string, a list of messages) is the row {"prompt": it}."""
 
-    def __init__(self, rows: Iterable[Mapping[str, Any]], name: str):
-        self.rows, self.name = rows, name
+    def __init__(self, rows: Iterable[Mapping[str, Any]], name: str, prompts: bool = False):
+        self.rows, self.name, self.prompts = rows, name, prompts
 
     def __str__(self) -> str:
         return self.name
 
     def record(self, i: int, row: object) -> dict:
+        if self.prompts and isinstance(row, (str, list)):
+            return {"prompt": row}
         if not isinstance(row, Mapping):
             raise InputError(f"expected a dict, got {type(row).__name__}", path=self.name, line=Index(i))
         return {k: v for k, v in row.items() if v is not None}

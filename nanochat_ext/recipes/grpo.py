@@ -22,7 +22,7 @@ import torch
 from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
 from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, Prompts
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
-from nanochat_ext.algorithms.rewards import RewardConfig, check_references, load_reward_fn, make_rewards
+from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
                               script_argv, trainer_parser)
@@ -83,10 +83,8 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     train_rows, eval_rows = read_prompts(args.prompts, c.data.density, c.data.val_ratio, evaluation.eval_prompts,
                                          evaluation.eval_examples)
     loop_cfg = c.loop.with_steps(len(train_rows), c.batch.batch_size, "prompts")
-    check_references(reward.reward_fn or [], train_rows, args.prompts)  # every row a built-in scores has its answer
+    check_reward_fns(reward.reward_fn or [], train_rows, args.prompts)  # callable as rewards; the answers there
     check_references(reward.reward_fn or [], eval_rows, evaluation.eval_prompts or args.prompts)
-    for spec in reward.reward_fn or []:  # each imports and can be called as a reward, before any model loads
-        load_reward_fn(spec)
     plan = BatchPlan.make(c.batch.batch_size, env.world_size, None)
     share = plan.per_rank * rollout.group_size  # this rank's sequences a step
     given_micro = c.batch.device_batch_size if c.batch.device_batch_size != "auto" else None

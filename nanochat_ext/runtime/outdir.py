@@ -17,10 +17,13 @@ import errno
 import fcntl
 import os
 import socket
+import sys
+import threading
+import traceback
 from pathlib import Path
 from typing import Any
 
-from nanochat_ext.ddp_common import is_main, print0, raise_if_any
+from nanochat_ext.ddp_common import get_rank, is_main, print0, raise_if_any
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import read_json, remove_files, remove_orphans, resumable_checkpoints, stamp_digits
 
@@ -60,7 +63,9 @@ def _meta(path: Path) -> dict:
 
 
 _LOCKS: list[Any] = []  # open lock files of this process's runs, released by release_out_dirs()
-run_log_dir: Path | None = None  # the log dir of the run this process is in, once claimed (session.py writes there)
+run_log_dir: Path | None = None  # the log dir of the run this process is in, once claimed (keep_traceback's)
+_kept: set[Path] = set()  # the traceback files this run wrote
+_kept_lock = threading.Lock()
 
 
 def _lock(out_dir: Path) -> str | None:
@@ -87,21 +92,46 @@ def _lock(out_dir: Path) -> str | None:
 def release_out_dirs() -> None:
     global run_log_dir
     run_log_dir = None
+    _kept.clear()
     while _LOCKS:
         _LOCKS.pop().close()
 
 
 def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None = None) -> None:
-    """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir), checks they can
-    be written, locks out_dir for this run and removes what crashed saves left there."""
+    """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir: the run's, where
+    keep_traceback writes), checks they can be written, locks out_dir for this run and removes what crashed saves left
+    there."""
     global run_log_dir
-    error, run_log_dir = None, Path(log_dir if log_dir is not None else out_dir)
+    error = None
+    if log_dir is not None:
+        run_log_dir = Path(log_dir)
     if is_main():
         error = check_writable(out_dir) or (check_writable(log_dir) if log_dir is not None else None)
         error = error or _lock(Path(out_dir))
         if error is None and (removed := remove_orphans(Path(out_dir))):
             print0(f"checkpoint: removed what an interrupted save left: {', '.join(removed)}")
     raise_if_any(error)
+
+
+def keep_traceback(error: BaseException) -> str:
+    """The traceback of the user's code that raised `error` (a reward function), which a one-line error cannot hold,
+    written by this rank into the run's log dir as traceback_rank<r>.txt (the run's first such one; any rank makes the
+    dir it lacks), and named for the line: ' (its traceback: PATH)'. Where no log dir is claimed, or it cannot be
+    written, the traceback goes to stderr and the line names nothing."""
+    text = "".join(traceback.format_exception(error))
+    path = run_log_dir / f"traceback_rank{get_rank()}.txt" if run_log_dir is not None else None
+    try:
+        with _kept_lock:  # reward threads: the first failure's traceback is the file's
+            if path is not None and path not in _kept:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+                _kept.add(path)
+    except OSError:
+        path = None
+    if path is None:
+        sys.stderr.write(text)
+        return ""
+    return f" (its traceback: {path})"
 
 
 def check_writable(out_dir: str | os.PathLike) -> str | None:

@@ -18,7 +18,9 @@ def compute_dtype(dtype: str, device: torch.device) -> torch.dtype:
 def precision(dtype: torch.dtype, device: torch.device) -> contextlib.AbstractContextManager:
     """The autocast context for a compute dtype (see compute_dtype): bf16 autocast, or none for fp32;
     TF32 matmuls on CUDA."""
-    if device.type == "cuda":
+    if device.type == "cuda" and not (torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32):
+        # written only where off: a caller's torch.set_float32_matmul_precision, written beside the legacy flags,
+        # would make torch refuse to read its precision back
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == torch.bfloat16)

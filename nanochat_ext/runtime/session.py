@@ -20,7 +20,7 @@ from nanochat_ext.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_LOST_RAN
                                  EXIT_UNFORESEEN, InputError, first_line)
 from nanochat_ext.runtime.guard import Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.runtime.oom import is_out_of_memory, out_of_memory_line
-from nanochat_ext.runtime import outdir, process_state
+from nanochat_ext.runtime import process_state
 from nanochat_ext.runtime.outdir import release_out_dirs
 from nanochat_ext.runtime.peers import FAILED, LostRanks, is_collective_failure, lost_rank_line, lost_ranks, sign_in
 from nanochat_ext.runtime.progress import Progress
@@ -76,7 +76,7 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
         return 0
     except InputError as e:
         last_failure = e
-        return ending(EXIT_BAD_INPUT, str(e) + kept_traceback(e, rank), everyone=not e.collective)
+        return ending(EXIT_BAD_INPUT, str(e), everyone=not e.collective)
     except NonFiniteError as e:
         last_failure = e
         return ending(EXIT_NONFINITE, str(e))
@@ -99,26 +99,6 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
     finally:
         release_out_dirs()
         restore_signal_handlers()
-
-
-def kept_traceback(e: InputError, rank: int) -> str:
-    """Where the user's code raised (a reward function: the error's cause), its traceback, which the one line cannot
-    hold, is written by the rank that holds it into the run's log dir, `traceback_rank<r>.txt` (on stderr where no
-    log dir is claimed yet); ' (its traceback: PATH)' for the line, '' where no user's code is behind the error."""
-    origin, traced = (e.origin, e.traced) if e.collective else (rank, e.__cause__ is not None)
-    if not traced:
-        return ""
-    path = outdir.run_log_dir / f"traceback_rank{origin}.txt" if outdir.run_log_dir is not None else None
-    if rank == origin and e.__cause__ is not None:
-        text = "".join(traceback.format_exception(e.__cause__))
-        try:
-            written = path is not None and path.write_text(text) > 0
-        except OSError:
-            written = False
-        if not written:  # no log dir yet, or one that cannot be written: the traceback on stderr, above the line
-            sys.stderr.write(text)
-            return ""
-    return f" (its traceback: {path})" if path is not None else ""
 
 
 def with_roll_call(body: Callable[[Session], object], session: Session, timeout_s: float) -> object:

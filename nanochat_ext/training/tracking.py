@@ -39,9 +39,10 @@ def report_targets(value: str) -> list[str]:
 
 
 def in_notebook() -> bool:
-    """Whether this process is a Jupyter kernel (its stderr is no terminal, yet a person watches the cell)."""
+    """Whether this process is a Jupyter kernel (its stderr is no terminal, yet a person watches the cell): IPython's
+    kernel shell or a subclass of it (Colab's)."""
     shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+    return any(c.__name__ == "ZMQInteractiveShell" for c in type(shell).__mro__) or "google.colab" in sys.modules
 
 
 class Tracker:
@@ -83,8 +84,8 @@ class Tracker:
             echo: bool = True) -> None:
         """Record already-reduced metrics for `step`; echo prints one `name step N | k v | ...` line of the metrics
         `shown` (None: all). Once anything is compiled (--compile), rank 0's graph count and compile seconds so far
-        ride along, and a line for each compile since the last log says which function compiled and why
-        (CompileLog)."""
+        ride along in the logs (and in a full line), and a line for each compile since the last log says which
+        function compiled and why (CompileLog)."""
         if not self.enabled:
             return
         graphs, seconds = compile_stats()

@@ -453,3 +453,15 @@ def test_the_decode_tail_bench_compares_both_ways_on_the_same_rows(assets, capsy
     assert (kept["drop_finished"], dropped["drop_finished"]) == (False, True)
     assert kept["rows"] == dropped["rows"] == 8 and kept["row_steps"] == 8 * kept["steps"]
     assert dropped["row_steps"] <= kept["row_steps"] and summary["speedup"] > 0
+
+
+def test_the_ab_table_gives_each_trees_median_and_range_and_their_ratio():
+    """bench/ab.sh's table: per bench, each tree's median over its rounds with min-max, and new / old."""
+    from ab_table import table
+
+    runs = [{"ab_bench": "grpo", "tree": t, "completions_per_s": v} for t, v in
+            [("old", 30.0), ("new", 33.0), ("new", 36.0), ("old", 28.0), ("old", 32.0), ("new", 30.0)]]
+    runs += [{"ab_bench": "rm", "tree": t, "pairs_per_s": v} for t, v in [("old", 100.0), ("new", 90.0)]]
+    assert table(runs, "abc", "def").splitlines()[2:] == [
+        "| grpo (completions_per_s) | 30.00 [28.00-32.00] (n=3) | 33.00 [30.00-36.00] (n=3) | 1.100 |",
+        "| rm (pairs_per_s) | 100.00 [100.00-100.00] (n=1) | 90.00 [90.00-90.00] (n=1) | 0.900 |"]

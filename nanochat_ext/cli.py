@@ -1,5 +1,5 @@
-"""What every script's command line shares: its parser generated from the configs' fields (config.option), each
-trainer's own defaults and words in one table, the dashed spellings (--max-steps) accepted but not shown, the run's
+"""What every script's command line shares: its parser generated from the configs' fields (config.option), with each
+trainer's own defaults and words (its TrainerSpec), the dashed spellings (--max-steps) accepted but not shown, the run's
 flags as its checkpoints record them, and the run of a script (one line and an exit code for every failure).
 """
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanochat_ext.algorithms.rewards import function_name
-from nanochat_ext.algorithms.rm import RM_LRS
-from nanochat_ext.config import check_config
+from nanochat_ext.algorithms.trainers import SPECS
+from nanochat_ext.config import NO, check_config
 from nanochat_ext.data.batching import BatchConfig
 from nanochat_ext.data.rows import DataConfig, InMemoryRows
 from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
@@ -23,62 +23,10 @@ from nanochat_ext.training.loop import LoopConfig, OutputConfig
 from nanochat_ext.training.optim import OptimConfig, check_optimizer
 from nanochat_ext.training.setup import ModelConfig
 
-TRAINERS = ("sft", "rm", "dpo", "grpo")
-NO = "-"  # in DEFAULTS: the trainer has no such flag
-
-# Each trainer's defaults where they are its own (a flag not listed: its field's default for every trainer), set for
-# real models: TRL 1.16's where TRL has the trainer (SFT's, DPO's and GRPO's lr). lr: AdamW's, where --lr is not given
-# (OptimConfig.with_lr); the RM's trains its head alone by default (--unfreeze_last 0), for which TRL's 1e-4 for a
-# full fine-tune is far too small.
-DEFAULTS: dict[str, tuple[Any, Any, Any, Any]] = {
-    #                    sft       rm        dpo       grpo
-    "batch_size":       (32,       32,       32,       8),
-    "max_steps":        (300,      200,      None,     None),
-    "num_epochs":       (NO,       NO,       None,     None),
-    "optimizer":        (NO,       NO,       "adamw",  "adamw"),
-    "lr":               (2e-5,     3e-3,     1e-6,     1e-6),
-    "warmup_steps":     (10,       0,        0,        0),
-    "lr_decay":         (NO,       NO,       "cosine", "cosine"),
-    "log_every":        (20,       10,       10,       1),
-    "eval_every":       (NO,       50,       50,       0),
-    "density":          (NO,       None,     None,     None),
-    "val_ratio":        (NO,       0.1,      0.1,      0.1),
-    "max_len":          (None,     None,     None,     NO),
-}
-
-RM_LR_HELP = (f"by what trains: {RM_LRS['head']:g} for the head alone (and LoRA), {RM_LRS['blocks']:g} with "
-              f"--unfreeze_last N, {RM_LRS['all']:g} with all; measured on SmolLM2-135M-Instruct, "
-              "docs/reward_models.md#learning-rate")
-MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac "
-                "(0.05)")
-# The optimizer and schedule flags a trainer has, as the shared help names them: SFT and the RM have neither
-# --optimizer nor --lr_decay, DPO and GRPO both.
-ADAMW_ONLY = {"muon_wd": "", "schedule_flags": "--max_steps, --lr or --warmup_steps"}
-SCHEDULED = {"muon_wd": " (the matrices' under --optimizer muon)",
-             "schedule_flags": "--max_steps, --lr, --warmup_steps or --lr_decay"}
-# Each trainer's words in the help the configs share ({unit} and the like in an option's help).
-WORDS: dict[str | None, dict[str, str]] = {
-    "sft": {"unit": "conversations", "micro_unit": "conversations", "model": "model", "steps": "optimizer steps",
-            "max_steps": "%(default)s", "epochs": "", "seeds": "", "responses": "replies", "at_most": "",
-            "val_ratio": "", "stage_dir": "chatsft_checkpoints", "tag": "'default'", "lr": "2e-5, TRL's",
-            "muon_lr": "", **ADAMW_ONLY},
-    "rm": {"unit": "pairs", "micro_unit": "pairs", "model": "backbone", "steps": "optimizer steps",
-           "max_steps": "%(default)s", "epochs": "", "seeds": " and head init", "responses": "responses",
-           "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "rm_checkpoints",
-           "tag": "'density' with --density, else 'uniform'", "lr": RM_LR_HELP, "muon_lr": "", **ADAMW_ONLY},
-    "dpo": {"unit": "pairs", "micro_unit": "pairs", "model": "policy", "steps": "optimizer steps",
-            "max_steps": "--num_epochs's, else 100", "epochs": "", "seeds": "", "responses": "responses",
-            "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "dpo_checkpoints",
-            "tag": "'density' with --density, else 'uniform'", "lr": "1e-6, TRL's", "muon_lr": MUON_LR_HELP,
-            **SCHEDULED},
-    "grpo": {"unit": "prompts", "micro_unit": "sequences", "model": "policy", "steps": "rollout steps",
-             "max_steps": "--num_epochs's, else 100", "epochs": " (steps' worth of batches: dynamic sampling may draw "
-                                                          "more)", "seeds": " and sampling", "responses": "completions",
-             "at_most": "", "val_ratio": " where no --eval_prompts", "stage_dir": "chatrl_checkpoints",
-             "tag": "'density' with --density, else 'uniform' (--preset chat_rl: d<depth>)", "lr": "1e-6, TRL's",
-             "muon_lr": MUON_LR_HELP, **SCHEDULED},
-    None: {"model": "model"},
-}
+# Each trainer's own defaults and words (its TrainerSpec, in algorithms/<method>.py), registered in
+# algorithms/trainers.py; a script that trains nothing (None) has only these words.
+TRAINERS = tuple(SPECS)
+NO_TRAINER_WORDS = {"model": "model"}
 
 MODEL_HELP = ("a nanochat checkpoint: a dir (its largest model_<N>.pt with meta_<N>.json; nanochat's zero-padded "
               "steps or our stamps), a model_<N>.pt file, a checkpoints root such as chatsft_checkpoints/ (its "
@@ -171,16 +119,12 @@ def parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
     return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=HelpFormatter)
 
 
-# The model each trainer trains: its flag and what it is.
-MODEL_FLAGS = {"sft": ("--backbone", "the model to fine-tune"), "rm": ("--backbone", "the RM's backbone"),
-               "dpo": ("--policy", "the model to train"), "grpo": ("--policy", "the model to train")}
-
-
 def trainer_parser(trainer: str, doc: str | None) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
-    """kat_<trainer>'s parser and its inputs group, which holds the model it trains."""
-    p = parser(f"kat_{'sft' if trainer == 'sft' else 'train_' + trainer}", doc)
+    """The trainer's script's parser and its inputs group, which holds the model it trains."""
+    spec = SPECS[trainer]
+    p = parser(spec.script, doc)
     g = p.add_argument_group("inputs")
-    flag, what = MODEL_FLAGS[trainer]
+    flag, what = spec.model_flag
     g.add_argument(flag, required=True, help=f"{what}: {MODEL_HELP}")
     return p, g
 
@@ -191,13 +135,13 @@ def add_config(p: argparse.ArgumentParser, cls: type, trainer: str | None, title
     that trains nothing), with the trainer's defaults and words; a default the help does not say is appended."""
     g = p.add_argument_group(title)
     p.__dict__.setdefault("configs", []).append(cls)  # the configs its flags are made from (api.given_in)
-    words = WORDS[trainer]
+    words = SPECS[trainer].words if trainer is not None else NO_TRAINER_WORDS
     for f in dataclasses.fields(cls):
         if "flag" not in f.metadata or (only is not None and f.name not in only):
             continue
         default = f.default
-        if trainer is not None and f.name in DEFAULTS:
-            own = DEFAULTS[f.name][TRAINERS.index(trainer)]
+        if trainer is not None and f.name in SPECS[trainer].defaults:
+            own = SPECS[trainer].defaults[f.name]
             if own == NO:
                 continue
             default = default if f.name == "lr" else own
@@ -270,7 +214,7 @@ def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = Non
     model, out = config(ModelConfig, args), config(OutputConfig, args)
     out.check()
     lora = config(LoraConfig, args).resolved(model.parallel)
-    optim = config(OptimConfig, args).with_lr(adamw_lr if adamw_lr is not None else DEFAULTS["lr"][TRAINERS.index(trainer)])
+    optim = config(OptimConfig, args).with_lr(adamw_lr if adamw_lr is not None else SPECS[trainer].defaults["lr"])
     check_optimizer(optim.optimizer, bool(lora.lora_r), model.parallel)
     return Configs(model, config(DataConfig, args), config(BatchConfig, args), optim, config(LoopConfig, args), out,
                    lora)

@@ -1,12 +1,14 @@
 """Typed configs: dataclasses whose fields say what they do, as TRL's configs do. A field made with `option()` is also a
 command-line flag of the same name: its help, choices, type and valid range live here, beside the field, and the
-scripts' parsers are generated from them (cli/flags.py), so a flag is declared once whatever trainers have it.
+scripts' parsers are generated from them (cli.py), so a flag is declared once whatever trainers have it. A trainer's
+own facts (its defaults, its words, its checkpoints' kind) are its TrainerSpec, in its algorithms/<method>.py.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import math
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from nanochat_ext.errors import InputError
@@ -50,3 +52,21 @@ def micro_batch(value: str) -> int | str:
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be a number >= 1 or 'auto', got {value!r}")
     return n
+
+
+NO = "-"  # in a TrainerSpec's defaults: the trainer has no such flag
+
+
+@dataclass(frozen=True)
+class TrainerSpec:
+    """What a trainer is, said once, beside its method (algorithms/<method>.py; algorithms/trainers.py registers it):
+    its flags' own defaults and words (cli.py's parser), its checkpoints' kind (the resume check), its measured lr
+    cliff (the warning), the script that runs it (api.py, the docs)."""
+    name: str  # "grpo": the run's name in its logs and flags' tables
+    kind: str  # its checkpoints' meta kind ("grpo_policy"), which a resume checks
+    script: str  # its command line, scripts/<script>.py ("kat_train_grpo"), and --help's prog
+    wrote: str  # what its checkpoint is, where a message names the trainer that wrote one ("a GRPO policy")
+    model_flag: tuple[str, str]  # the flag of the model it trains, and what that model is
+    defaults: dict[str, Any]  # its own defaults of the shared flags (NO: it has no such flag); others: the field's
+    words: dict[str, str]  # its words in the help the configs share ({unit}, {steps}, ...)
+    lr_cliff: tuple[float, str] | None = None  # AdamW's --lr at which its sweep fell off a cliff, and what it saw

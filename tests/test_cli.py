@@ -1,5 +1,5 @@
 """The trainers' command lines: a flag is declared once (a config's option, or one script's own input), each trainer
-takes its own defaults from cli.DEFAULTS, and --help shows every flag once, with help."""
+takes its own defaults from its TrainerSpec (algorithms/<method>.py), and --help shows every flag once, with help."""
 from __future__ import annotations
 
 import argparse
@@ -12,7 +12,8 @@ import pytest
 
 import nanochat_ext
 from conftest import REPO
-from nanochat_ext.cli import DEFAULTS, REQUIRED_FLAG, SCRIPT_FLAGS, TRAINERS
+from nanochat_ext.algorithms.trainers import SPECS
+from nanochat_ext.cli import REQUIRED_FLAG, SCRIPT_FLAGS, TRAINERS
 from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
 
 SCRIPTS = {"sft": kat_sft, "rm": kat_train_rm, "dpo": kat_train_dpo, "grpo": kat_train_grpo}
@@ -74,8 +75,8 @@ def test_no_two_scripts_declare_one_flag():
 @pytest.mark.parametrize("trainer", TRAINERS)
 def test_each_trainer_takes_its_own_defaults_and_lacks_what_it_does_not_have(trainer):
     args = SCRIPTS[trainer].parse_args(REQUIRED[trainer])
-    for flag, defaults in DEFAULTS.items():
-        own = defaults[TRAINERS.index(trainer)]
+    assert SPECS[trainer].defaults.keys() == SPECS["sft"].defaults.keys()  # each spec says each of the shared flags
+    for flag, own in SPECS[trainer].defaults.items():
         if own == "-":
             assert not hasattr(args, flag), (trainer, flag)
         elif flag != "lr":  # --lr stays None until the optimizer is known (OptimConfig.with_lr)

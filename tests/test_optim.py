@@ -10,9 +10,9 @@ import torch
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
 from nanochat_ext import api
-from nanochat_ext.cli import DEFAULTS, TRAINERS
+from nanochat_ext.algorithms.trainers import SPECS
 from nanochat_ext.training import optim
-from nanochat_ext.training.optim import LR_CLIFF_PARAMS, LR_CLIFFS, OptimConfig, lr_multiplier, lr_warning, make_adamw
+from nanochat_ext.training.optim import LR_CLIFF_PARAMS, OptimConfig, lr_multiplier, lr_warning, make_adamw
 from scripts import kat_train_grpo
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
@@ -193,24 +193,27 @@ def test_linear_decay_is_chat_rls_schedule():
 
 
 def test_a_full_fine_tune_at_its_trainers_measured_cliff_is_warned_about(assets, tmp_path, capfd, monkeypatch):
-    """An AdamW --lr at or above the trainer's cliff on SmolLM2 (optim.LR_CLIFFS, from bench/lr_sweep.sh) is one
-    warning line for a model of SmolLM2's size or more; below it, on a far smaller model, with LoRA or Muon: none. No
-    default --lr reaches its trainer's cliff. A DPO run prints the line (the tiny model counted as large enough)."""
+    """An AdamW --lr at or above the trainer's cliff on SmolLM2 (its TrainerSpec.lr_cliff, from bench/lr_sweep.sh) is
+    one warning line for a model of SmolLM2's size or more; below it, on a far smaller model, with LoRA or Muon: none.
+    No default --lr reaches its trainer's cliff. A DPO run prints the line (the tiny model counted as large enough)."""
     size = LR_CLIFF_PARAMS
-    kinds = {k.removesuffix("_policy") for f in (REPO / "nanochat_ext" / "recipes").glob("*.py")
-             for k in re.findall(r'PolicyTraining\([^()]*?kind="(\w+)"', f.read_text())}
-    assert kinds == set(LR_CLIFFS)  # each policy trainer's kind names its cliff (PolicyTraining checks it by kind)
-    for trainer, (cliff, _) in LR_CLIFFS.items():
-        assert DEFAULTS["lr"][TRAINERS.index(trainer)] < cliff, trainer
+    specs = {re.search(r"algorithms\.(\w+) import [^\n]*\bSPEC\b", f.read_text()).group(1)
+             for f in (REPO / "nanochat_ext" / "recipes").glob("*.py")
+             if "PolicyTraining(" in f.read_text()}
+    assert {n for n in specs if SPECS[n].lr_cliff} == specs == {"sft", "dpo", "grpo"}  # each policy trainer's cliff
+    for trainer in specs:
+        (cliff, _), spec = SPECS[trainer].lr_cliff, SPECS[trainer]
+        assert spec.defaults["lr"] < cliff, trainer
         adamw = dataclasses.replace(OptimConfig(), lr=cliff)
-        said = lr_warning(trainer, adamw, size, lora=False)
+        said = lr_warning(trainer, spec.lr_cliff, adamw, size, lora=False)
         assert said.startswith(f"warning: --lr {cliff:g} is at or above") and "#learning-rate" in said
-        assert lr_warning(trainer, dataclasses.replace(adamw, lr=cliff * 3), size, lora=False)
-        assert lr_warning(trainer, dataclasses.replace(adamw, lr=cliff * 0.9), size, lora=False) is None
-        assert lr_warning(trainer, adamw, size - 1, lora=False) is None
-        assert lr_warning(trainer, adamw, size, lora=True) is None
-        assert lr_warning(trainer, dataclasses.replace(adamw, optimizer="muon"), size, lora=False) is None
-    cliff = LR_CLIFFS["dpo"][0]
+        assert lr_warning(trainer, spec.lr_cliff, dataclasses.replace(adamw, lr=cliff * 3), size, lora=False)
+        assert lr_warning(trainer, spec.lr_cliff, dataclasses.replace(adamw, lr=cliff * 0.9), size, lora=False) is None
+        assert lr_warning(trainer, spec.lr_cliff, adamw, size - 1, lora=False) is None
+        assert lr_warning(trainer, spec.lr_cliff, adamw, size, lora=True) is None
+        muon = dataclasses.replace(adamw, optimizer="muon")
+        assert lr_warning(trainer, spec.lr_cliff, muon, size, lora=False) is None
+    cliff = SPECS["dpo"].lr_cliff[0]
     dpo = {"policy": str(assets["gpt"]), "pairs": str(assets["pairs"]), "lr": cliff, "max_steps": 1, "batch_size": 4,
            "val_ratio": 0, "eval_every": 0, "save_every": 0, "device": "cpu"}
     api.train_dpo(**dpo, out=str(tmp_path / "small"))
@@ -218,4 +221,5 @@ def test_a_full_fine_tune_at_its_trainers_measured_cliff_is_warned_about(assets,
     monkeypatch.setattr(optim, "LR_CLIFF_PARAMS", 0)
     api.train_dpo(**dpo, out=str(tmp_path / "large"))
     assert [line for line in capfd.readouterr().out.splitlines() if line.startswith("warning: --lr")] == [
-        lr_warning("dpo", dataclasses.replace(OptimConfig(), lr=cliff), LR_CLIFF_PARAMS, lora=False)]
+        lr_warning("dpo", SPECS["dpo"].lr_cliff, dataclasses.replace(OptimConfig(), lr=cliff), LR_CLIFF_PARAMS,
+                   lora=False)]

@@ -22,6 +22,7 @@ from nanochat_ext.ddp_common import free_port
 from nanochat_ext.errors import InputError
 from nanochat_ext.errors import EXIT_INTERRUPTED, EXIT_NONFINITE
 from nanochat_ext.runtime import checkpoint
+from nanochat_ext.algorithms.trainers import SPECS, WRITERS
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_eval, kat_train_grpo, kat_train_rm
@@ -146,7 +147,7 @@ def test_a_corrupt_newest_meta_falls_back_to_the_previous_checkpoint(tmp_path, c
     was taken before, its state read as if whole)."""
     older, newest = _checkpoints(tmp_path, "reward_model", (2, 4))
     (tmp_path / "meta_1004.json").write_text('{"kind": "rew')  # truncated
-    model, meta, state = resolve_resume("latest", tmp_path, "reward_model")
+    model, meta, state = resolve_resume("latest", tmp_path, SPECS["rm"], WRITERS)
     assert (model, meta, state["step"]) == (older, tmp_path / "meta_1002.json", 2)
     assert "warning: skipping a checkpoint that does not load (" in capsys.readouterr().out
 
@@ -155,10 +156,10 @@ def test_an_out_dir_of_another_trainer_says_which_wrote_it_and_what_to_do(tmp_pa
     _checkpoints(tmp_path, "reward_model", (2,))
     with pytest.raises(InputError, match=r"meta_1002.json: this checkpoint was written by kat_train_rm \(a reward "
                                          r"model\), not by kat_train_grpo, .*give kat_train_grpo an --out of its own"):
-        resolve_resume("latest", tmp_path, "grpo_policy")
+        resolve_resume("latest", tmp_path, SPECS["grpo"], WRITERS)
     with pytest.raises(InputError, match=r"written by kat_train_rm .* give --resume a checkpoint kat_sft wrote"):
-        resolve_resume(str(tmp_path / "model_1002.pt"), tmp_path / "sft_out", "sft")
-    assert resolve_resume("latest", tmp_path, "reward_model")[2]["step"] == 2
+        resolve_resume(str(tmp_path / "model_1002.pt"), tmp_path / "sft_out", SPECS["sft"], WRITERS)
+    assert resolve_resume("latest", tmp_path, SPECS["rm"], WRITERS)[2]["step"] == 2
 
 
 # ---- preemption -----------------------------------------------------------------------------------

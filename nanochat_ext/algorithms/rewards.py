@@ -85,8 +85,9 @@ def load_reward_fn(spec: str | RewardFn) -> RewardFn:
         return getattr(reward_fns, spec)
     if isinstance(spec, str) and ":" not in spec:
         close = difflib.get_close_matches(spec, BUILT_IN, n=1, cutoff=0.6)
-        raise InputError(f"--reward_fn {spec!r} is not a built-in reward{f' (did you mean {close[0]}?)' if close else ''}"
-                         f"; the built-ins: {', '.join(BUILT_IN)}; or give module:function")
+        guess = f" (did you mean {close[0]}?)" if close else ""
+        raise InputError(f"--reward_fn {spec!r} is not a built-in reward{guess}; the built-ins: {', '.join(BUILT_IN)}; "
+                         f"or give module:function")
     fn = spec if callable(spec) else load_attribute(spec, "--reward_fn")
     check_signature(fn, spec if isinstance(spec, str) else function_name(fn))
     return fn

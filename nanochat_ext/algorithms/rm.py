@@ -10,18 +10,20 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from nanochat_ext.config import option
+from nanochat_ext.config import NO, TrainerSpec, option
 from nanochat_ext.data.batching import (GlobalBatchLoader, TokenizedPair, by_length, collate_pairs,
                                         rank_chunks)
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, get_world_size
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.lora import dropout_active
+from nanochat_ext.models.loader import RM_KIND
 from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.runtime.oom import smaller_micro
 from nanochat_ext.runtime.parallel import no_sync
 from nanochat_ext.runtime.progress import Phase
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory
+from nanochat_ext.training.optim import ADAMW_ONLY
 from nanochat_ext.training.setup import RewardModelTraining
 from nanochat_ext.training.tracking import Tracker, WindowSums
 
@@ -32,6 +34,21 @@ from nanochat_ext.training.tracking import Tracker, WindowSums
 RM_LRS = {"head": 3e-3, "blocks": 1e-4, "all": 1e-5}
 # An --lr given at this many times the default for what trains gets a warning: the sweep's cliff lies below it.
 RM_LR_WARN_FACTOR = 10
+
+SPEC = TrainerSpec(
+    name="rm", kind=RM_KIND, script="kat_train_rm", wrote="a reward model",
+    model_flag=("--backbone", "the RM's backbone"),
+    # lr: the head's alone, the default (--unfreeze_last 0); TRL's 1e-4 for a full fine-tune is far too small for it
+    defaults={"batch_size": 32, "max_steps": 200, "num_epochs": NO, "optimizer": NO, "lr": RM_LRS["head"],
+              "warmup_steps": 0, "lr_decay": NO, "log_every": 10, "eval_every": 50, "density": None, "val_ratio": 0.1,
+              "max_len": None},
+    words={"unit": "pairs", "micro_unit": "pairs", "model": "backbone", "steps": "optimizer steps",
+           "max_steps": "%(default)s", "epochs": "", "seeds": " and head init", "responses": "responses",
+           "at_most": ", at most 1024", "val_ratio": "", "stage_dir": "rm_checkpoints",
+           "tag": "'density' with --density, else 'uniform'",
+           "lr": f"by what trains: {RM_LRS['head']:g} for the head alone (and LoRA), {RM_LRS['blocks']:g} with "
+                 f"--unfreeze_last N, {RM_LRS['all']:g} with all; measured on SmolLM2-135M-Instruct, "
+                 "docs/reward_models.md#learning-rate", **ADAMW_ONLY})
 
 
 @dataclass(frozen=True)

@@ -91,9 +91,12 @@ def load_backbone(path: str | os.PathLike, device: torch.device | str = "cpu", n
                      "with d<N> tags, or config.json (Hugging Face causal LM)", path=str(p))
 
 
+RM_KIND = "reward_model"  # a reward-model checkpoint's meta kind (models/reward_model.py writes it)
+
+
 def _load_nanochat(model_file: Path, meta_file: Path, device: torch.device | str, vintage: str | None) -> Backbone:
     meta = read_json(meta_file)
-    if isinstance(meta, dict) and meta.get("kind") == "reward_model":
+    if isinstance(meta, dict) and meta.get("kind") == RM_KIND:
         raise InputError("a reward-model checkpoint, not a model: give it as --rm", path=str(meta_file))
     if not isinstance(meta, dict) or not isinstance(meta.get("model_config"), dict):
         raise InputError("meta json has no 'model_config'", path=str(meta_file), field="model_config")

@@ -20,7 +20,7 @@ from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.llama import Llama, config_from_hf
-from nanochat_ext.models.loader import (is_hf_classifier, load_backbone, load_tokenizer_for, merged_weights,
+from nanochat_ext.models.loader import (RM_KIND, is_hf_classifier, load_backbone, load_tokenizer_for, merged_weights,
                                         quiet_transformers)
 from nanochat_ext.models.lora import LoraSpec, apply_lora, is_adapter_dir
 from nanochat_ext.runtime.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
@@ -160,7 +160,7 @@ def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str
                    override: str | os.PathLike | None) -> tuple:
     """(RewardModel with its head loaded, tokenizer, meta, state dict, scoring dtype); one line for a bad file."""
     meta = read_json(meta_path)
-    if not isinstance(meta, dict) or meta.get("kind") != "reward_model":
+    if not isinstance(meta, dict) or meta.get("kind") != RM_KIND:
         raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
     dtype_name = meta.get("dtype", "float32")
     if dtype_name not in ("float32", "bfloat16"):
@@ -278,7 +278,7 @@ def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cp
     # The tokenizer's model_max_length, where it sets one (ours: the length the RM was trained on), else the context.
     said = tokenizer._impl.model_max_length
     max_len = min(backbone.max_seq_len, said) if isinstance(said, int) and said < 1 << 30 else backbone.max_seq_len
-    meta = {"kind": "reward_model", "format": "hf", "max_len": max_len, "architecture": architecture}
+    meta = {"kind": RM_KIND, "format": "hf", "max_len": max_len, "architecture": architecture}
     return RewardScorer(model.eval(), tokenizer, max_len, meta, path=d, pad_id=config.pad_token_id)
 
 

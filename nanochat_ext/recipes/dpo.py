@@ -15,7 +15,8 @@ import argparse
 import functools
 from pathlib import Path
 
-from nanochat_ext.algorithms.dpo import DPO, RESUME_FLAGS, DPOConfig, precompute_reference
+from nanochat_ext.algorithms.dpo import DPO, RESUME_FLAGS, SPEC, DPOConfig, precompute_reference
+from nanochat_ext.algorithms.trainers import WRITERS
 from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
 from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
@@ -56,7 +57,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)
     loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer, args.reference)
     out_dir, log_dir = c.out.dirs("dpo_checkpoints", "density" if c.data.density else "uniform")
-    resume = resolve_resume(c.out.resume, out_dir, "dpo_policy")
+    resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     max_len = fit_max_len(c.data.max_len, loaded.backbone.max_seq_len, "policy")
     train_pairs, val_pairs = tokenize_splits(train_rows, val_rows, loaded.tok, max_len, pairs_cfg.long_pairs,
                                              pairs_cfg.pairs)
@@ -66,7 +67,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
 
     # ---- the model, its reference, resume -------------------------------------------------------------------
     flags = recorded(args, c.optim, loop_cfg, c.lora, DataConfig(c.data.density, c.data.val_ratio, max_len))
-    training = PolicyTraining(loaded, c.model, c.optim, env, kind="dpo_policy", reference=cfg.uses_reference,
+    training = PolicyTraining(loaded, c.model, c.optim, env, spec=SPEC, reference=cfg.uses_reference,
                               resume=resume, checks=Checks(flags, RESUME_FLAGS + RESUME_KEYS, BEFORE_LORA),
                               merge_lora=c.lora.merge_lora)
     print0(training.describe())

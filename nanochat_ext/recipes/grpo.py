@@ -20,10 +20,11 @@ from typing import Callable
 import torch
 
 from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
-from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, Prompts
+from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, SPEC, Prompts
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
+from nanochat_ext.algorithms.trainers import WRITERS
 from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
                               script_argv, trainer_parser)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
@@ -101,7 +102,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     teacher = load_teacher(args.teacher, tok, env) if args.teacher else None
     out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
                                 or ("density" if c.data.density else "uniform"))
-    resume = resolve_resume(c.out.resume, out_dir, "grpo_policy")
+    resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     agent = Agent(agent_cfg, tok, train_rows[0].row)
     agent_cfg = dataclasses.replace(agent_cfg, tools=agent.spec)  # a resume compares what it did
     rewards = make_rewards(reward, tok, env.device, rollout.overlong(), bool(evaluation.eval_pass_k), agent.env_reward,
@@ -124,7 +125,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     compile_decode, why = decode_compiled(c.model.compile, env.device, loop_cfg.max_steps, rollout.max_new_tokens)
     rm_backbone = getattr(getattr(rewards.rm, "model", None), "backbone", None)
     training = PolicyTraining(
-        loaded, c.model, c.optim, env, kind="grpo_policy", reference=grpo.uses_reference, resume=resume,
+        loaded, c.model, c.optim, env, spec=SPEC, reference=grpo.uses_reference, resume=resume,
         checks=Checks(flags, RESUME_FLAGS + RESUME_KEYS + (("max_draws",) if rollout.filter_zero_std else ()),
                       {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
         merge_lora=c.lora.merge_lora, temperature=rollout.temperature,

@@ -14,7 +14,8 @@ import dataclasses
 import functools
 from pathlib import Path
 
-from nanochat_ext.algorithms.rm import RESUME_FLAGS, RewardModelMethod, RMConfig
+from nanochat_ext.algorithms.rm import RESUME_FLAGS, SPEC, RewardModelMethod, RMConfig
+from nanochat_ext.algorithms.trainers import WRITERS
 from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
 from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
@@ -53,7 +54,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)
     share = c.batch.plan(env.world_size).per_rank  # one line where the batch does not split over the ranks
-    resume = resolve_resume(c.out.resume, out_dir, "reward_model")
+    resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     c = dataclasses.replace(c, optim=started_lr(c.optim, args.lr is not None, resume))
     backbone, tok = load_rm_backbone(args.backbone, c.model, env, rm.unfreeze_last, c.lora.spec)
     max_len = fit_max_len(c.data.max_len, backbone.max_seq_len, "backbone")

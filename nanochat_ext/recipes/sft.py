@@ -15,7 +15,8 @@ import argparse
 import functools
 from pathlib import Path
 
-from nanochat_ext.algorithms.sft import SFT, sft_examples
+from nanochat_ext.algorithms.sft import SFT, SPEC, sft_examples
+from nanochat_ext.algorithms.trainers import WRITERS
 from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.ddp_common import print0, seed_everything
@@ -56,7 +57,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     # ---- inputs, checked before anything is written --------------------------------------------------
     conversations = load_conversations(args.conversations)
     share = c.batch.loader(len(conversations), env.world_size, env.rank).plan.per_rank  # checks the batch splits
-    resume = resolve_resume(c.out.resume, out_dir, "sft")
+    resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     loaded = load_policy(args.backbone, c.model, env, lora=None)
     max_len = c.data.max_len or loaded.backbone.max_seq_len
     if max_len > loaded.backbone.max_seq_len:
@@ -68,7 +69,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
 
     # ---- the model, the batches, the loop ------------------------------------------------------------
     flags = recorded(args, c.optim)
-    training = PolicyTraining(loaded, c.model, c.optim, env, kind="sft", reference=False, resume=resume,
+    training = PolicyTraining(loaded, c.model, c.optim, env, spec=SPEC, reference=False, resume=resume,
                               checks=Checks(flags, RESUME_FLAGS, {}))
     loop = Loop(training, c.loop, c.out, c.optim, out_dir, log_dir, flags, session)
     if c.out.consolidate:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch.distributed as dist
 
+from nanochat_ext.config import TrainerSpec
 from nanochat_ext.ddp_common import agent_store, broadcast_object, is_main, print0, raise_if_any, restart_attempt
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, read_json,
@@ -35,18 +37,14 @@ def check_resume_args(saved: dict, flags: dict, keys: tuple[str, ...], path: Pat
                              f"{was!r}; resume with the same setting{hint}", path=str(path))
 
 
-# A checkpoint's meta 'kind' -> the trainer that writes it
-TRAINERS = {"sft": "kat_sft (an SFT model)", "reward_model": "kat_train_rm (a reward model)",
-            "grpo_policy": "kat_train_grpo (a GRPO policy)", "dpo_policy": "kat_train_dpo (a DPO policy)"}
-
-
-def check_kind(meta: dict, kind: str, meta_path: Path, in_out: bool) -> None:
-    """The checkpoint to resume was written by this trainer (`kind`): one line naming the one that wrote it and what to
-    do otherwise (another trainer's flags and state mean nothing here). in_out: it was found in --out."""
+def check_kind(meta: dict, trainer: TrainerSpec, meta_path: Path, in_out: bool, writers: Mapping[str, str]) -> None:
+    """The checkpoint to resume was written by this trainer (its kind): one line naming the one that wrote it (writers:
+    kind -> the trainer, algorithms/trainers.py's) and what to do otherwise (another trainer's flags and state mean
+    nothing here). in_out: it was found in --out."""
     wrote = meta.get("kind")
-    if wrote is None or wrote == kind:
+    if wrote is None or wrote == trainer.kind:
         return
-    them, us = TRAINERS.get(wrote, f"another trainer (kind {wrote!r})"), TRAINERS.get(kind, kind).split(" ")[0]
+    them, us = writers.get(wrote, f"another trainer (kind {wrote!r})"), trainer.script
     todo = (f"give {us} an --out of its own (or an empty one)" if in_out else
             f"give --resume a checkpoint {us} wrote")
     raise InputError(f"this checkpoint was written by {them}, not by {us}, and cannot be resumed here: {todo}",
@@ -62,12 +60,13 @@ RESUME_HELP = ("'latest' (or 'auto'): the newest complete checkpoint in --out, o
                "checkpoint its job wrote in --out whatever this says, or as this says when the job wrote none")
 
 
-def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) -> tuple[Path, Path, dict] | None:
+def resolve_resume(resume: str | None, out_dir: str | os.PathLike, trainer: TrainerSpec,
+                   writers: Mapping[str, str]) -> tuple[Path, Path, dict] | None:
     """Collective: --resume -> (model file or shards dir, meta file, loaded train state), or None to start from
     scratch. Rank 0 chooses, and every rank takes its choice (ranks that saw a shared dir differently would otherwise
     resume different steps); a checkpoint that does not load whole (its meta included) is skipped for an older one,
-    with a warning. One written by another trainer than `kind` (the meta's) is refused in one line, and so is a run
-    without --resume in an --out that holds an unfinished one of its own (refuse_unfinished)."""
+    with a warning. One written by another trainer (the meta's kind; `writers` name them) is refused in one line, and
+    so is a run without --resume in an --out that holds an unfinished one of its own (refuse_unfinished)."""
     choice, error = None, None
     if is_main():
         try:
@@ -77,9 +76,9 @@ def resolve_resume(resume: str | None, out_dir: str | os.PathLike, kind: str) ->
             elif resume is not None:
                 choice = _choose_resume(resume, out_dir if resume in READS_OUT else resume)
             else:
-                refuse_unfinished(out_dir, kind)
+                refuse_unfinished(out_dir, trainer.kind)
             if choice is not None:
-                check_kind(choice[4], kind, choice[1], in_out=choice[1].parent == Path(out_dir))
+                check_kind(choice[4], trainer, choice[1], choice[1].parent == Path(out_dir), writers)
         except InputError as e:
             error = str(e)
     raise_if_any(error)

@@ -19,21 +19,21 @@ OPTIMIZERS = ("adamw", "muon")
 LR_DECAYS = ("cosine", "linear")
 MUON_LR = 0.05  # --lr under --optimizer muon where not given: nanochat chat_rl.py's --init-lr-frac
 
-# Where a policy trainer's AdamW --lr falls off a cliff: the lowest rate above the best one at which a sweep on
-# SmolLM2-135M-Instruct (bench/lr_sweep.sh, docs/hyperparameters.md#learning-rate) left the model no better than it
-# started, and what it did there. A full fine-tune at or above it is one warning line, for a model of LR_CLIFF_PARAMS
-# parameters or more: a safe rate falls as models grow, so the cliff holds at the swept size and above and says
-# nothing of a far smaller model (the demo's). Every default --lr lies below its cliff. LoRA's adapters and Muon's
-# fraction were not swept; the RM's rates follow what it trains (algorithms.rm.RMConfig.lr_warning).
-LR_CLIFFS = {
-    "dpo": (3e-4, "held-out greedy accuracy fell to 0.010 from the model's 0.062 in 16 steps, where 1e-5 reached "
-                  "0.323"),
-    "sft": (2e-3, "held-out tool calls fell to none and accuracy with the tool to 0.000 in 8 steps (the replies echo a "
-                  "factor), where 2e-4 reached 0.969"),
-    "grpo": (1e-4, "held-out greedy accuracy fell to 0.016 from the model's 0.109 in 40 steps, where 3e-5 reached "
-                   "0.578"),
-}
+# Where a policy trainer's AdamW --lr falls off a cliff (its TrainerSpec.lr_cliff): the lowest rate above the best one
+# at which a sweep on SmolLM2-135M-Instruct (bench/lr_sweep.sh, docs/hyperparameters.md#learning-rate) left the model
+# no better than it started, and what it did there. A full fine-tune at or above it is one warning line, for a model of
+# LR_CLIFF_PARAMS parameters or more: a safe rate falls as models grow, so the cliff holds at the swept size and above
+# and says nothing of a far smaller model (the demo's). Every default --lr lies below its cliff. LoRA's adapters and
+# Muon's fraction were not swept; the RM's rates follow what it trains (algorithms.rm.RMConfig.lr_warning).
 LR_CLIFF_PARAMS = 100_000_000
+
+# Words of the optimizer flags' shared help, by what a trainer has (TrainerSpec.words): SFT and the RM have neither
+# --optimizer nor --lr_decay, DPO and GRPO both.
+MUON_LR_HELP = ("; under --optimizer muon the fraction of nanochat's learning rates, its chat_rl.py --init-lr-frac "
+                "(0.05)")
+ADAMW_ONLY = {"muon_wd": "", "muon_lr": "", "schedule_flags": "--max_steps, --lr or --warmup_steps"}
+SCHEDULED = {"muon_wd": " (the matrices' under --optimizer muon)", "muon_lr": MUON_LR_HELP,
+             "schedule_flags": "--max_steps, --lr, --warmup_steps or --lr_decay"}
 
 
 @dataclass(frozen=True)
@@ -122,12 +122,13 @@ def check_muon_model(kind: str, model: nn.Module) -> None:
                          f"{type(model).__name__} trains with --optimizer adamw")
 
 
-def lr_warning(trainer: str, optim: OptimConfig, parameters: int, lora: bool) -> str | None:
+def lr_warning(trainer: str, lr_cliff: tuple[float, str] | None, optim: OptimConfig, parameters: int,
+               lora: bool) -> str | None:
     """One line where a full fine-tune of a model of LR_CLIFF_PARAMS or more runs AdamW at or above the trainer's
-    measured cliff, else None."""
-    if trainer not in LR_CLIFFS or lora or optim.optimizer != "adamw" or parameters < LR_CLIFF_PARAMS:
+    measured cliff (its TrainerSpec's), else None."""
+    if lr_cliff is None or lora or optim.optimizer != "adamw" or parameters < LR_CLIFF_PARAMS:
         return None
-    cliff, seen = LR_CLIFFS[trainer]
+    cliff, seen = lr_cliff
     if optim.lr < cliff:
         return None
     return (f"warning: --lr {optim.lr:g} is at or above {cliff:g}, where {trainer.upper()} on SmolLM2-135M-Instruct "

@@ -12,14 +12,14 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from nanochat_ext.config import option
+from nanochat_ext.config import TrainerSpec, option
 from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.errors import InputError
 from nanochat_ext.generation.agent import Agent
 from nanochat_ext.generation.engine import Engine
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import COMPILE_HELP, compile_models
-from nanochat_ext.models.loader import load_backbone, load_tokenizer_for, merged_weights
+from nanochat_ext.models.loader import RM_KIND, load_backbone, load_tokenizer_for, merged_weights
 from nanochat_ext.models.lora import (LoraSpec, WithoutAdapters, adapter_state, apply_lora, describe as describe_lora,
                                       load_adapter_state, save_adapters)
 from nanochat_ext.models.reward_model import RewardModel, trainable_state
@@ -204,11 +204,11 @@ class PolicyTraining(ModelTraining):
     `decode` asks for one), resumed. `model` is the policy's completion log-probs at `temperature`."""
     state_hints = (FEWER_RANKS_STATE, LORA_STATE)
 
-    def __init__(self, loaded: LoadedPolicy, cfg: ModelConfig, optim: OptimConfig, env: DistEnv, *, kind: str,
+    def __init__(self, loaded: LoadedPolicy, cfg: ModelConfig, optim: OptimConfig, env: DistEnv, *, spec: TrainerSpec,
                  reference: bool, resume: tuple | None, checks: Checks, merge_lora: bool = False,
                  temperature: float = 1.0, also_compile: tuple = (), decode: DecodeSpec | None = None):
         self._start(env, cfg)
-        self.kind, self.merge_lora = kind, merge_lora
+        self.kind, self.merge_lora = spec.kind, merge_lora
         self.policy, self.tok, self.lora = loaded.backbone, loaded.tok, loaded.lora
         policy, lora = self.policy, self.lora
         self.reference_path, self.reference_print = loaded.reference_path, loaded.reference_print
@@ -217,7 +217,7 @@ class PolicyTraining(ModelTraining):
             print0(describe_lora(policy))
         else:
             policy.set_trainable("all")
-        if warning := lr_warning(kind.removesuffix("_policy"), optim, sum(p.numel() for p in policy.parameters()),
+        if warning := lr_warning(spec.name, spec.lr_cliff, optim, sum(p.numel() for p in policy.parameters()),
                                  bool(lora)):
             print0(warning)
         self.reference = None
@@ -320,7 +320,7 @@ class RewardModelTraining(ModelTraining):
     """The reward model in training, ready: its frozen part held in the compute dtype, its head drawn from `seed`,
     compiled, wrapped, its optimizer (AdamW), resumed. `model` is the RewardModel; its checkpoint holds the head and
     what else trains, its meta where the backbone and tokenizer are (and their fingerprint)."""
-    kind = "reward_model"
+    kind = RM_KIND
 
     def __init__(self, backbone: Backbone, tok: TokenizerWrapper, cfg: ModelConfig, optim: OptimConfig,
                  env: DistEnv, *, given: str, unfreeze_last: str, lora: LoraSpec | None, max_len: int, seed: int,

@@ -25,6 +25,7 @@ from datasets import Dataset
 from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
 from nanochat_ext import api
 from nanochat_ext.algorithms import answers
+from nanochat_ext.algorithms.advantages import ESTIMATORS, AdvantageInputs, Estimator, register_estimator
 from nanochat_ext.algorithms.dpo import DPOConfig
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rewards import Rewards, load_reward_fn
@@ -138,6 +139,33 @@ def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_rewa
         with pytest.raises(InputError) as e:
             call()
         assert said in str(e.value), (said, str(e.value))
+
+
+def test_an_estimator_registered_from_outside_the_package_is_a_choice_and_computes_the_advantages(assets, tmp_path):
+    """#81: a new estimator is a registration line (advantages.register_estimator) from your own code: --advantage
+    takes it, its declarations check the flags (it reads no --scale_rewards: one given is refused in its line), and its
+    compute gives the step's advantages: all zero here, so the loss has no gradient and the policy stays as it was."""
+    seen = []
+
+    def no_signal(x: AdvantageInputs) -> torch.Tensor:
+        seen.append((x.group_size, tuple(x.rewards.shape)))
+        return torch.zeros(x.rewards.shape, dtype=torch.float32)
+
+    register_estimator("no_signal", Estimator(False, True, (), None, "this test's", no_signal))
+    try:
+        run = {"policy": str(assets["gpt"]), "tokenizer": str(assets["tokenizer"]), "prompts": prompt_rows(),
+               "reward_fn": [vowel_share], "batch_size": 4, "group_size": 4, "max_new_tokens": 8, "max_steps": 2,
+               "lr": 1e-2, "beta": 0.0, "log_every": 1, "device": "cpu"}
+        with pytest.raises(RunFailed, match="--scale_rewards group: --advantage no_signal does not read it"):
+            api.train_grpo(**run, advantage="no_signal", scale_rewards="group", out=str(tmp_path / "never"))
+        checkpoint = api.train_grpo(**run, advantage="no_signal", out=str(tmp_path / "out"))
+    finally:
+        del ESTIMATORS["no_signal"]
+    assert seen == [(4, (16,))] * 2  # once a step, the step's 4 prompts x 4 completions
+    assert [m["train/grad_norm"] for m in run_logs(tmp_path / "out") if "train/grad_norm" in m] == [0.0, 0.0]
+    assert_bitwise(load_backbone(checkpoint).model.state_dict(), load_backbone(assets["gpt"]).model.state_dict())
+    with pytest.raises(InputError, match="invalid choice: 'no_signal'"):  # unregistered: no longer a choice
+        api.train_grpo(**run, advantage="no_signal", out=str(tmp_path / "never"))
 
 
 def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):

@@ -6,6 +6,7 @@ Tinker cookbook's). The same rewards give the same advantages on any number of r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -16,15 +17,34 @@ SCALE_REWARDS = ("group", "batch", "none")
 
 
 @dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator reads of a step: the rewards (one per completion, prompt-major, G a prompt), --scale_rewards
+    and --std_mode, the batch (its mask, pi_old's log-probs "engine_logp", the reference's "ref_logp" or the teacher's
+    "teacher_logp"), the coefficient of a KL in the reward (or distillation's), the KL estimator, distillation's
+    discount, and the completions whose groups are in the loss (kept; None: all)."""
+    rewards: torch.Tensor
+    group_size: int
+    scale: str = "none"
+    std_mode: str = "sample"
+    batch: dict[str, torch.Tensor] | None = None
+    kl_coef: float = 0.0
+    kl_estimator: str = "k1"
+    discount: float = 0.0
+    kept: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Estimator:
     """What an advantage estimator is, so that flag combinations are checked from what it does, not from its name:
     where --beta's KL goes, whether a group of equal rewards gets zero advantages, which --scale_rewards it reads and
-    its reference's default."""
+    its reference's default; and how it computes: its advantages, one per completion (n,) or per token (n, T), from
+    the step's AdvantageInputs, the same on any number of ranks (a batch-wide statistic all-reduced)."""
     kl_in_reward: bool  # --beta weighs a per-completion or per-token KL in the reward (else in the loss, or none)
     centred_in_group: bool  # r minus its group's baseline, nothing else: equal rewards give zero advantages
     scalings: tuple[str, ...]  # the --scale_rewards it reads (none: it scales its own way)
     default_scale: str | None  # where --scale_rewards is not given: its reference's own default
     reference: str  # whose code its default follows
+    compute: Callable[[AdvantageInputs], torch.Tensor]
 
     def zero_when_rewards_equal(self, beta: float) -> bool:
         """Whether a group whose task rewards are all equal has zero advantages (what --filter_zero_std and
@@ -32,15 +52,6 @@ class Estimator:
         return self.centred_in_group and not (self.kl_in_reward and beta > 0)
 
 
-ESTIMATORS = {
-    "grpo": Estimator(False, True, SCALE_REWARDS, "group", "TRL's GRPOTrainer: scale_rewards='group'"),
-    "rloo": Estimator(True, True, SCALE_REWARDS, "none", "TRL's RLOOTrainer: normalize_advantages=False"),
-    "reinforce_pp": Estimator(True, False, (), None, "OpenRLHF's reinforce: no baseline, whitened over the batch"),
-    "reinforce_pp_baseline": Estimator(True, False, (), None, "OpenRLHF's reinforce_baseline: whitened over the "
-                                                              "batch, so a group of equal rewards is not zero"),
-    "distill": Estimator(False, False, (), None, "the Tinker cookbook: each token's reverse KL to the teacher"),
-}
-ADVANTAGES = tuple(ESTIMATORS)
 STD_MODES = ("sample", "population")
 ADV_EPS = 1e-4
 
@@ -166,22 +177,54 @@ def distill_advantages(rewards: torch.Tensor, group_size: int, student_logp: tor
 def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
                batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
                discount: float = 0.0, kept: torch.Tensor | None = None) -> torch.Tensor:
-    """The advantages --advantage names (ADVANTAGES): one per completion, or REINFORCE++'s and distillation's per
-    token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the reference's
-    ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: the coefficient of the KL in the reward (RLOO's,
-    REINFORCE++'s; none without "ref_logp") or distillation's; kept: the completions whose groups are in the loss
-    (a batch-wide scaling counts only them; REINFORCE++ counts the mask's tokens)."""
-    if estimator == "grpo":
-        return group_advantages(rewards, group_size, scale, std_mode, kept)
-    if estimator == "rloo":
-        if batch is not None and batch.get("ref_logp") is not None and kl_coef > 0:
-            rewards = rewards.double() - kl_coef * sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"],
-                                                               kl_estimator)
-        return rloo_advantages(rewards, group_size, scale, std_mode, kept)
-    if estimator in ("reinforce_pp", "reinforce_pp_baseline"):
-        return reinforce_pp_advantages(rewards, group_size, batch["engine_logp"], batch.get("ref_logp"), batch["mask"],
-                                       kl_coef, kl_estimator, estimator == "reinforce_pp_baseline")
-    if estimator == "distill":
-        return distill_advantages(rewards, group_size, batch["engine_logp"], batch["teacher_logp"], batch["mask"],
-                                  kl_coef, discount)
-    raise ValueError(f"unknown advantage {estimator!r}")
+    """The advantages --advantage names (a key of ESTIMATORS): one per completion, or REINFORCE++'s and
+    distillation's per token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the
+    reference's ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: the coefficient of the KL in the reward
+    (RLOO's, REINFORCE++'s; none without "ref_logp") or distillation's; kept: the completions whose groups are in the
+    loss (a batch-wide scaling counts only them; REINFORCE++ counts the mask's tokens)."""
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage {estimator!r}")
+    return ESTIMATORS[estimator].compute(AdvantageInputs(rewards, group_size, scale, std_mode, batch, kl_coef,
+                                                         kl_estimator, discount, kept))
+
+
+def _rloo(x: AdvantageInputs) -> torch.Tensor:
+    """RLOO's leave-one-out advantages, of the rewards less beta x each completion's KL where the batch has the
+    reference's log-probs (TRL's RLOOTrainer)."""
+    rewards = x.rewards
+    if x.batch is not None and x.batch.get("ref_logp") is not None and x.kl_coef > 0:
+        rewards = rewards.double() - x.kl_coef * sequence_kl(x.batch["engine_logp"], x.batch["ref_logp"],
+                                                             x.batch["mask"], x.kl_estimator)
+    return rloo_advantages(rewards, x.group_size, x.scale, x.std_mode, x.kept)
+
+
+def _reinforce_pp(baseline: bool) -> Callable[[AdvantageInputs], torch.Tensor]:
+    return lambda x: reinforce_pp_advantages(x.rewards, x.group_size, x.batch["engine_logp"], x.batch.get("ref_logp"),
+                                             x.batch["mask"], x.kl_coef, x.kl_estimator, baseline)
+
+
+# The estimators --advantage names, each declaring what it is (the flags' checks read it) and computing its own.
+ESTIMATORS: dict[str, Estimator] = {
+    "grpo": Estimator(False, True, SCALE_REWARDS, "group", "TRL's GRPOTrainer: scale_rewards='group'",
+                      lambda x: group_advantages(x.rewards, x.group_size, x.scale, x.std_mode, x.kept)),
+    "rloo": Estimator(True, True, SCALE_REWARDS, "none", "TRL's RLOOTrainer: normalize_advantages=False", _rloo),
+    "reinforce_pp": Estimator(True, False, (), None, "OpenRLHF's reinforce: no baseline, whitened over the batch",
+                              _reinforce_pp(False)),
+    "reinforce_pp_baseline": Estimator(True, False, (), None, "OpenRLHF's reinforce_baseline: whitened over the "
+                                                              "batch, so a group of equal rewards is not zero",
+                                       _reinforce_pp(True)),
+    "distill": Estimator(False, False, (), None, "the Tinker cookbook: each token's reverse KL to the teacher",
+                         lambda x: distill_advantages(x.rewards, x.group_size, x.batch["engine_logp"],
+                                                      x.batch["teacher_logp"], x.batch["mask"], x.kl_coef,
+                                                      x.discount)),
+}
+
+
+def register_estimator(name: str, estimator: Estimator) -> Estimator:
+    """A new --advantage NAME, from anywhere (your own module, imported before the run parses its flags): its
+    declarations check the flags it meets as the built-ins' do, and its compute gives the step's advantages. A name
+    already taken is refused."""
+    if name in ESTIMATORS:
+        raise ValueError(f"--advantage {name} is already an estimator")
+    ESTIMATORS[name] = estimator
+    return estimator

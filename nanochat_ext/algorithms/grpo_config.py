@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanochat_ext.algorithms.advantages import ADVANTAGES, ESTIMATORS, KL_ESTIMATORS, SCALE_REWARDS, STD_MODES
+from nanochat_ext.algorithms.advantages import ESTIMATORS, KL_ESTIMATORS, SCALE_REWARDS, STD_MODES
 from nanochat_ext.config import FINITE_NON_NEGATIVE, FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.errors import InputError
 
@@ -30,7 +30,7 @@ class GRPOConfig:
                                     "reinforce_baseline; --scale_rewards unused); distill: on-policy distillation, "
                                     "each token's advantage minus --teacher_coef x its reverse KL to --teacher (the "
                                     "Tinker cookbook's recipe; any reward, centred in its group, adds to it)",
-                            choices=ADVANTAGES)
+                            choices=ESTIMATORS)  # read at each parse: a registered estimator is a choice
     teacher_coef: float = option(1.0, "--advantage distill: the coefficient of the reverse KL to the teacher (the "
                                       "cookbook's kl_penalty_coef)", check=FINITE_POSITIVE)
     teacher_discount: float = option(0.0, "--advantage distill: a token's advantage sums the reverse KL of the tokens "

@@ -25,7 +25,7 @@ from datasets import Dataset
 from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
 from nanochat_ext import api
 from nanochat_ext.algorithms import answers
-from nanochat_ext.algorithms.advantages import ESTIMATORS, AdvantageInputs, Estimator, register_estimator
+from nanochat_ext.algorithms.advantages import AdvantageInputs, Estimator, register_estimator, unregister_estimator
 from nanochat_ext.algorithms.dpo import DPOConfig
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rewards import Rewards, load_reward_fn
@@ -160,7 +160,9 @@ def test_an_estimator_registered_from_outside_the_package_is_a_choice_and_comput
             api.train_grpo(**run, advantage="no_signal", scale_rewards="group", out=str(tmp_path / "never"))
         checkpoint = api.train_grpo(**run, advantage="no_signal", out=str(tmp_path / "out"))
     finally:
-        del ESTIMATORS["no_signal"]
+        unregister_estimator("no_signal")
+    with pytest.raises(InputError, match="--advantage rloo is a built-in estimator"):
+        register_estimator("rloo", Estimator(False, True, (), None, "this test's", no_signal))
     assert seen == [(4, (16,))] * 2  # once a step, the step's 4 prompts x 4 completions
     assert [m["train/grad_norm"] for m in run_logs(tmp_path / "out") if "train/grad_norm" in m] == [0.0, 0.0]
     assert_bitwise(load_backbone(checkpoint).model.state_dict(), load_backbone(assets["gpt"]).model.state_dict())

@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum
+from nanochat_ext.errors import InputError
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -220,11 +221,24 @@ ESTIMATORS: dict[str, Estimator] = {
 }
 
 
+BUILT_IN = tuple(ESTIMATORS)
+
+
 def register_estimator(name: str, estimator: Estimator) -> Estimator:
-    """A new --advantage NAME, from anywhere (your own module, imported before the run parses its flags): its
-    declarations check the flags it meets as the built-ins' do, and its compute gives the step's advantages. A name
-    already taken is refused."""
-    if name in ESTIMATORS:
-        raise ValueError(f"--advantage {name} is already an estimator")
+    """A new --advantage NAME from Python (api.train_grpo's advantage=NAME, or a script of your own that registers
+    before it parses its flags; every rank registers the same): its declarations check the flags it meets as the
+    built-ins' do, and its compute gives the step's advantages. Registering a name again replaces it (a notebook's
+    cell run twice); a built-in's name, or a default --scale_rewards it does not read, is refused."""
+    if name in BUILT_IN:
+        raise InputError(f"--advantage {name} is a built-in estimator: give yours another name")
+    if estimator.default_scale is not None and estimator.default_scale not in estimator.scalings:
+        raise InputError(f"--advantage {name}: its default_scale {estimator.default_scale!r} is not one of the "
+                         f"scalings it reads {estimator.scalings}")
     ESTIMATORS[name] = estimator
     return estimator
+
+
+def unregister_estimator(name: str) -> None:
+    """register_estimator's NAME no longer an --advantage (a built-in stays)."""
+    if name not in BUILT_IN:
+        ESTIMATORS.pop(name, None)

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat_ext.algorithms.rm import effective_weights, loss_normaliser
-from nanochat_ext.config import NO, TrainerSpec, option
+from nanochat_ext.config import TrainerSpec, option
 from nanochat_ext.data.batching import GlobalBatchLoader, TokenizedPair, by_length, rank_chunks
 from nanochat_ext.ddp_common import all_reduce_sum
 from nanochat_ext.errors import InputError
@@ -231,7 +231,7 @@ class DPO:
     """The DPO method of the loop (training/loop.py): a step is the reference's log-probs of its pairs (unless
     precomputed: `reference` None) and the policy's forward and backward over them in micro-batches, shortest rows
     together; the evaluation scores the held-out pairs."""
-    name = "dpo"
+    name = SPEC.name
     headline = ("train/loss", "rewards/accuracies", "rewards/margins", "perf/pairs_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: PolicyTraining, cfg: DPOConfig, reference: nn.Module | None,

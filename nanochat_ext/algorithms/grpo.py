@@ -228,7 +228,7 @@ class GRPO:
     group-relative advantages and the reference's log-probs, and --num_iterations clipped-surrogate updates in
     micro-batches of `micro` sequences; the evaluation decodes the held-out prompts greedy and sampled (pass@k with
     --eval_pass_k)."""
-    name = "grpo"
+    name = SPEC.name
     headline = ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/completion_len", "train/zero_std_groups",
                 "perf/completions_per_s")  # its step line (--log_line short)
 
@@ -282,10 +282,12 @@ class GRPO:
         if "ref_logp" in batch and self.cfg.kl_in_reward:  # train/kl: the reward's KL, as TRL and OpenRLHF log it
             kl = sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"], self.cfg.kl_estimator)
             self.window.add(kl=float(kl.sum()))  # over the loss's tokens
-        distill = self.cfg.advantage == "distill"
+        # the coefficient an estimator reads: distillation's, or beta where the KL is in the reward (in the loss
+        # otherwise: an estimator must not weigh it twice)
+        coef = self.cfg.teacher_coef if self.cfg.advantage == "distill" else \
+            self.cfg.beta if self.cfg.kl_in_reward else 0.0
         batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scaling, self.cfg.std_mode,
-                                         batch, self.cfg.teacher_coef if distill else self.cfg.beta,
-                                         self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
+                                         batch, coef, self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
         self.window.add(zero_std=zero_advantage_groups(batch["advantages"], batch["mask"], G), groups=len(ro.indices))
         t1 = time.time()
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)

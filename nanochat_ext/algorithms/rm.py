@@ -157,7 +157,7 @@ RESUME_FLAGS = ("batch_size", "seed", "unfreeze_last", "weight_mode", "weight_ca
 class RewardModelMethod:
     """The RM's method of the loop (training/loop.py): a step is the Bradley-Terry loss over its pairs in micro-batches,
     shortest rows together; the evaluation scores the held-out pairs."""
-    name = "rm"
+    name = SPEC.name
     headline = ("train/loss", "train/accuracy", "train/margin", "perf/pairs_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: RewardModelTraining, weight_mode: str, weight_cap: float | None,

@@ -57,7 +57,7 @@ def sft_examples(conversations: list[Conversation], tok: TokenizerWrapper, max_l
 
 class SFT:
     """The SFT method of the loop (training/loop.py)."""
-    name = "sft"
+    name = SPEC.name
     headline = ("train/loss", "perf/tokens_per_s")  # its step line (--log_line short)
     evaluation = None  # SFT holds nothing out
 

@@ -161,7 +161,7 @@ def _load_rm_files(model_path: Path, meta_path: Path, device: torch.device | str
     """(RewardModel with its head loaded, tokenizer, meta, state dict, scoring dtype); one line for a bad file."""
     meta = read_json(meta_path)
     if not isinstance(meta, dict) or meta.get("kind") != RM_KIND:
-        raise InputError("not a reward-model checkpoint (meta 'kind' is not 'reward_model')", path=str(meta_path))
+        raise InputError(f"not a reward-model checkpoint (meta 'kind' is not {RM_KIND!r})", path=str(meta_path))
     dtype_name = meta.get("dtype", "float32")
     if dtype_name not in ("float32", "bfloat16"):
         raise InputError(f"unknown dtype {dtype_name!r} (float32 or bfloat16)", path=str(meta_path), field="dtype")

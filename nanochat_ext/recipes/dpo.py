@@ -32,13 +32,13 @@ from nanochat_ext.training.setup import Checks, PolicyTraining, load_policy
 
 
 def flags() -> argparse.ArgumentParser:
-    p, g = trainer_parser("dpo", __doc__)
+    p, g = trainer_parser(SPEC.name, __doc__)
     g.add_argument("--reference", default=None,
                    help="the frozen reference, a checkpoint of the policy's architecture (default: the policy as it "
                         "starts; with --lora_r, the policy with its adapters off)")
-    add_config(p, PairsConfig, "dpo", "pairs")
-    add_config(p, DPOConfig, "dpo", "loss")
-    add_training(p, "dpo", lora=True)
+    add_config(p, PairsConfig, SPEC.name, "pairs")
+    add_config(p, DPOConfig, SPEC.name, "loss")
+    add_training(p, SPEC.name, lora=True)
     return p
 
 
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:
-    env, c = session.env, configs(args, "dpo")
+    env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
     pairs_cfg, cfg = config(PairsConfig, args), config(DPOConfig, args)
     cfg.check(args.reference)
@@ -56,7 +56,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)
     loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer, args.reference)
-    out_dir, log_dir = c.out.dirs("dpo_checkpoints", "density" if c.data.density else "uniform")
+    out_dir, log_dir = c.out.dirs(SPEC.words["stage_dir"], "density" if c.data.density else "uniform")
     resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     max_len = fit_max_len(c.data.max_len, loaded.backbone.max_seq_len, "policy")
     train_pairs, val_pairs = tokenize_splits(train_rows, val_rows, loaded.tok, max_len, pairs_cfg.long_pairs,

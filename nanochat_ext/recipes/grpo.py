@@ -47,18 +47,18 @@ from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load
 
 
 def flags() -> argparse.ArgumentParser:
-    p, g = trainer_parser("grpo", __doc__)
+    p, g = trainer_parser(SPEC.name, __doc__)
     p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
     add_flag(g, "kat_train_grpo", "prompts")
     g.add_argument("--teacher", default=None,
                    help="--advantage distill: the frozen model the policy learns from, scoring each token the policy "
                         "samples; any size, the policy's tokenizer (a nanochat checkpoint or a local HF dir)")
-    add_config(p, RewardConfig, "grpo", "rewards")
-    add_config(p, RolloutConfig, "grpo", "rollouts")
-    add_config(p, AgentConfig, "grpo", "tools and environments")
-    add_config(p, GRPOConfig, "grpo", "loss")
-    add_config(p, EvalConfig, "grpo", "evaluation")
-    add_training(p, "grpo", lora=True)
+    add_config(p, RewardConfig, SPEC.name, "rewards")
+    add_config(p, RolloutConfig, SPEC.name, "rollouts")
+    add_config(p, AgentConfig, SPEC.name, "tools and environments")
+    add_config(p, GRPOConfig, SPEC.name, "loss")
+    add_config(p, EvalConfig, SPEC.name, "evaluation")
+    add_training(p, SPEC.name, lora=True)
     return p
 
 
@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:
-    env, c = session.env, configs(args, "grpo")
+    env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
     print_preset(args)
     grpo, rollout, evaluation, reward, agent_cfg = config(GRPOConfig, args), config(RolloutConfig, args), \
@@ -100,7 +100,7 @@ def train(args: argparse.Namespace, session: Session) -> Path:
     loaded = load_policy(args.policy, c.model, env, c.lora.spec, c.optim.optimizer)
     tok = loaded.tok
     teacher = load_teacher(args.teacher, tok, env) if args.teacher else None
-    out_dir, log_dir = c.out.dirs("chatrl_checkpoints", preset_tag(args.preset, len(loaded.backbone.blocks))
+    out_dir, log_dir = c.out.dirs(SPEC.words["stage_dir"], preset_tag(args.preset, len(loaded.backbone.blocks))
                                 or ("density" if c.data.density else "uniform"))
     resume = resolve_resume(c.out.resume, out_dir, SPEC, WRITERS)
     agent = Agent(agent_cfg, tok, train_rows[0].row)

@@ -30,10 +30,10 @@ from nanochat_ext.training.setup import Checks, RewardModelTraining, load_rm_bac
 
 
 def flags() -> argparse.ArgumentParser:
-    p, _ = trainer_parser("rm", __doc__)
-    add_config(p, PairsConfig, "rm", "pairs")
-    add_config(p, RMConfig, "rm", "what trains")
-    add_training(p, "rm", lora=True)
+    p, _ = trainer_parser(SPEC.name, __doc__)
+    add_config(p, PairsConfig, SPEC.name, "pairs")
+    add_config(p, RMConfig, SPEC.name, "what trains")
+    add_training(p, SPEC.name, lora=True)
     return p
 
 
@@ -45,11 +45,11 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 def train(args: argparse.Namespace, session: Session) -> Path:
     pairs_cfg, rm = config(PairsConfig, args), config(RMConfig, args)
     rm.check()
-    env, c = session.env, configs(args, "rm", adamw_lr=rm.default_lr(bool(args.lora_r)))
+    env, c = session.env, configs(args, SPEC.name, adamw_lr=rm.default_lr(bool(args.lora_r)))
     seed_everything(args.seed)
     if warning := rm.lr_warning(c.optim.lr, args.lr is not None, bool(args.lora_r)):
         print0(warning)
-    out_dir, log_dir = c.out.dirs("rm_checkpoints", "density" if c.data.density else "uniform")
+    out_dir, log_dir = c.out.dirs(SPEC.words["stage_dir"], "density" if c.data.density else "uniform")
 
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     rows, train_rows, val_rows = read_pairs(pairs_cfg.pairs, c.data.density, c.data.val_ratio, pairs_cfg.skip_bad_rows)

@@ -34,13 +34,13 @@ RESUME_FLAGS = ("batch_size", "seed", "max_len")
 
 
 def flags() -> argparse.ArgumentParser:
-    p, g = trainer_parser("sft", __doc__)
+    p, g = trainer_parser(SPEC.name, __doc__)
     g.add_argument("--conversations", required=True,
                    help="{messages: [...]} ending with the turns to learn after the last user turn (a string, "
                         "nanochat's parts, or tool calls and tool turns for a chat model), or GSM8K's {question, "
                         "answer} rows; as JSONL, parquet, Arrow or a datasets dir")
-    add_config(p, AgentConfig, "sft", "tools (as GRPO will run them)", only=("tools", "tool_format"))
-    add_training(p, "sft")
+    add_config(p, AgentConfig, SPEC.name, "tools (as GRPO will run them)", only=("tools", "tool_format"))
+    add_training(p, SPEC.name)
     return p
 
 
@@ -50,9 +50,9 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 
 
 def train(args: argparse.Namespace, session: Session) -> Path:
-    env, c = session.env, configs(args, "sft")
+    env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
-    out_dir, log_dir = c.out.dirs("chatsft_checkpoints", "default")
+    out_dir, log_dir = c.out.dirs(SPEC.words["stage_dir"], "default")
 
     # ---- inputs, checked before anything is written --------------------------------------------------
     conversations = load_conversations(args.conversations)

@@ -170,6 +170,26 @@ def test_an_estimator_registered_from_outside_the_package_is_a_choice_and_comput
         api.train_grpo(**run, advantage="no_signal", out=str(tmp_path / "never"))
 
 
+def test_generate_on_a_hugging_face_model_is_transformers_own_greedy_generate_on_ragged_prompts(assets):
+    """api.generate on a Hugging Face model (its chat template, prompts of different lengths decoded in one left-padded
+    batch by our native Llama) gives what transformers' own generate gives for each prompt alone, greedy, stopping at
+    the tokenizer's stop tokens: the oracle is transformers', not this project's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: PLC0415  (the oracle, loaded here only)
+
+    questions = ["hi", "Tell me something about the weather in the mountains today, please.", "What is tea?"]
+    got = api.generate(str(assets["hf"]), questions, max_new_tokens=6, device="cpu", tools="none", batch_size=8)
+    hf_tok, model = AutoTokenizer.from_pretrained(assets["hf"]), AutoModelForCausalLM.from_pretrained(assets["hf"])
+    ours = TokenizerWrapper.load(assets["hf"], model_dir=assets["hf"])
+    want = []
+    for q in questions:
+        ids = hf_tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=list(ours.stop_ids),
+                             pad_token_id=hf_tok.pad_token_id)
+        want.append(ours.reply_text(out[0, ids.shape[1]:].tolist()))
+    assert got == want, (got, want)
+
+
 def test_a_script_of_your_own_under_torchrun_is_the_one_rank_run(assets, tmp_path):
     """The docs' "More than one GPU": a user's file calling the API, started on 2 ranks, every rank making the same call
     with a reward function defined in that file (__main__); the update is the 1-rank script's."""

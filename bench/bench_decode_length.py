@@ -2,7 +2,7 @@
 a shape whose keys and values outweigh its matrices, as GRPO's long allocations make them) decoding 16 tokens after
 a prompt of --short and of --long tokens, in a cache of --slots slots either way (Engine(reserve=...), as GRPO
 reserves its longest prompt + completion). Before length buckets a step read every slot whatever its position;
-with them it reads its bucket (static_decode.read_length). Both ways (READ_BUCKET as shipped, and one no cache
+with them it reads its bucket (scheduler.read_length). Both ways (READ_BUCKET as shipped, and one no cache
 reaches: the whole cache every step) run inductor's compiled step, each shape warmed first; the line per way and
 position reports the fastest decode time per step over --repeats calls.
 
@@ -35,9 +35,9 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(b.threads)
-    from nanochat_ext.generation import static_decode
-    from nanochat_ext.generation.engine import Engine
-    from nanochat_ext.generation.sampling import SamplingConfig
+    from nanochat_ext.engine import scheduler
+    from nanochat_ext.engine.engine import Engine
+    from nanochat_ext.engine.sampling import SamplingConfig
     from nanochat_ext.models.loader import load_backbone
     from nanochat_ext.tasks.synthetic import make_tiny_gpt
 
@@ -46,10 +46,10 @@ def main(argv: list[str] | None = None) -> None:
                                             n_embd=b.n_embd, n_head=b.n_embd // 64, n_kv_head=b.n_embd // 64,
                                             sequence_len=b.slots)).eval()
     cfg = SamplingConfig(b.new_tokens, 1.0)
-    shipped = static_decode.READ_BUCKET
+    shipped = scheduler.READ_BUCKET
     results = {}
     for way, bucket in (("whole cache", 1 << 30), ("length buckets", shipped)):
-        static_decode.READ_BUCKET = bucket
+        scheduler.READ_BUCKET = bucket
         torch._dynamo.reset()
         engine = Engine(model, compile=True, reserve=b.slots, drop_finished=False)
         for position in (b.short, b.long):
@@ -62,13 +62,13 @@ def main(argv: list[str] | None = None) -> None:
                     per_step = engine.last.decode_s / engine.last.steps
                     best = per_step if best is None else min(best, per_step)
             results[way, position] = best
-            print(json.dumps({"bench": "decode_length", "way": way, "slots": engine._states[b.rows].slots,
-                              "position": position, "read": static_decode.read_length(position + b.new_tokens,
-                                                                                     engine._states[b.rows].slots)
-                              or engine._states[b.rows].slots, "rows": b.rows, "n_layer": b.n_layer,
+            print(json.dumps({"bench": "decode_length", "way": way, "slots": engine.states[b.rows].slots,
+                              "position": position, "read": scheduler.read_length(position + b.new_tokens,
+                                                                                     engine.states[b.rows].slots)
+                              or engine.states[b.rows].slots, "rows": b.rows, "n_layer": b.n_layer,
                               "n_embd": b.n_embd, "ms_per_step": round(best * 1e3, 3), "threads": b.threads}),
                   flush=True)
-    static_decode.READ_BUCKET = shipped
+    scheduler.READ_BUCKET = shipped
     print(json.dumps({"bench": "decode_length",
                       "long_over_short_before": round(results["whole cache", b.long] / results["whole cache", b.short], 2),
                       "long_over_short_after": round(results["length buckets", b.long]

@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> None:
     import torch
 
     torch.set_num_threads(b.threads)
-    from nanochat_ext.generation.engine import Engine
-    from nanochat_ext.generation.sampling import SamplingConfig
+    from nanochat_ext.engine.engine import Engine
+    from nanochat_ext.engine.sampling import SamplingConfig
     from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
     from nanochat_ext.tasks.word_arithmetic import make_questions
 

@@ -24,8 +24,8 @@ from gpu_measure import (Clock, autocast_for, block_fwd_flops, decode_figures, m
                          nanochat_dims, shape_config)
 from gpu_trainers import bench_dpo, bench_grpo, bench_rm
 from nanochat_ext.ddp_common import init_dist
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.runtime.parallel import Parallel
 from nanochat_ext.training.optim import make_optimizer

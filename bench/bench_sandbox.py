@@ -1,4 +1,4 @@
-"""What running the model's code sealed costs (runtime/sandbox.py): seconds a CodeTests step takes, one at a time and
+"""What running the model's code sealed costs (sandbox/sandbox.py): seconds a CodeTests step takes, one at a time and
 in a burst of concurrent steps (as a GRPO step's environment calls come), sealed beside unsealed where the machine
 gives both, and beside the previous harness's cost (one `python -I` subprocess; --plain).
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanochat_ext.runtime import sandbox, sandbox_child  # noqa: E402
+from nanochat_ext.sandbox import sandbox, sandbox_child  # noqa: E402
 from nanochat_ext.tasks.code_checks import parse_tests  # noqa: E402
 from nanochat_ext.tasks.code_tests import verdict  # noqa: E402
 

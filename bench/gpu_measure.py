@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nanochat_ext.generation.decode_cost import peak_bandwidth
+from nanochat_ext.engine.cost import peak_bandwidth
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.gpt import GPT, GPTConfig, padded
 

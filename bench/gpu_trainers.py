@@ -19,9 +19,9 @@ from nanochat_ext.algorithms.dpo import DPOConfig, dpo_backward, pair_sequences,
 from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, per_token, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair
-from nanochat_ext.generation.decode_cost import decode_compiled
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine.cost import decode_compiled
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import compile_models, compile_stats
 from nanochat_ext.models.lora import LoraSpec, WithoutAdapters, apply_lora

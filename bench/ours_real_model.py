@@ -66,11 +66,11 @@ def step0(gargs: argparse.Namespace, env) -> dict:
     from nanochat_ext.data.batching import encode_prompts
     from nanochat_ext.data.rows import load_prompts
     from nanochat_ext.runtime.precision import compute_dtype, precision
-    from nanochat_ext.generation.engine import Engine
+    from nanochat_ext.engine.engine import Engine
     from nanochat_ext.algorithms.evaluation import evaluate_rewards
     from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
     from nanochat_ext.algorithms.rewards import Rewards
-    from nanochat_ext.generation.sampling import SamplingConfig
+    from nanochat_ext.engine.sampling import SamplingConfig
 
     policy = load_backbone(gargs.policy, env.device)
     tok = load_tokenizer_for(policy, gargs.tokenizer)

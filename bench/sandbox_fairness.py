@@ -1,6 +1,6 @@
 """Does a row's code reward depend on its neighbours or the machine's load? (issue 79's acceptance run)
 
-One decode step's environment calls, as GRPO makes them (generation/toolbox.call_all over CodeTests.step, the code's
+One decode step's environment calls, as GRPO makes them (agent/toolbox.call_all over CodeTests.step, the code's
 limit --tool_timeout less a second): 8 rows whose code loops forever and 2 correct rows, on each of --ranks
 processes at once (each rank has its own sandbox slots, as under torchrun), with --load busy processes beside them.
 A run passes when every correct row scores 1 within --tool_timeout.
@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanochat_ext.generation import toolbox  # noqa: E402
-from nanochat_ext.runtime import sandbox  # noqa: E402
+from nanochat_ext.agent import toolbox  # noqa: E402
+from nanochat_ext.sandbox import sandbox  # noqa: E402
 from nanochat_ext.tasks.code_tests import CodeTests  # noqa: E402
 
 TESTS = "assert add(2, 3) == 5\nassert add(-4, 1) == -3"

@@ -30,9 +30,9 @@ from nanochat_ext.data.batching import encode_prompts, truncate
 from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent, AgentConfig
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
 from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.models.reward_model import load_reward_model

@@ -1,4 +1,4 @@
-"""Your own tools and environments in rollouts (generation/agent.py), checked against what transformers renders: a
+"""Your own tools and environments in rollouts (agent/agent.py), checked against what transformers renders: a
 chat model's tool calls answered in its template's tool turns, nanochat's turns after an environment's answer, the
 masks token by token, SFT's learnt tokens as transformers' return_assistant_tokens_mask marks them; failures as the
 text a row reads; 1 rank = 2 ranks."""
@@ -16,12 +16,12 @@ from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.algorithms.sft import sft_examples
 from nanochat_ext.data.conversations import Conversation, conversation
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent, AgentConfig
-from nanochat_ext.generation import static_decode
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.formats import Call, block_call, hermes_calls, llama3_calls
-from nanochat_ext.generation.sampling import SamplingConfig
-from nanochat_ext.generation.toolbox import LATE, call_all
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.engine import scheduler
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.agent.formats import Call, block_call, hermes_calls, llama3_calls
+from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.agent.toolbox import LATE, call_all
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.guessing_game import make_prompts
@@ -284,7 +284,7 @@ def test_decoding_drops_rows_that_ended_their_episodes_and_samples_the_same(comp
     asked for another stays. The completions, their sampled/forced marks, turns, tool calls and rewards are those of
     decoding every row to the end (up to a tie), with fewer row-steps. nanochat's tool-use model, the calculator's
     blocks and CountingGame."""
-    monkeypatch.setattr(static_decode, "COMPACT_MIN_ROWS", 2)
+    monkeypatch.setattr(scheduler, "COMPACT_MIN_ROWS", 2)
     bb = load_backbone(TOOL_USE / "chatsft_checkpoints" / "d2")
     tok = load_tokenizer_for(bb, str(TOOL_USE / "tokenizer"))
     rows = [{"prompt": q} for q in ("what is 3 times 4?", "Share 1,200 pies among 4 kids.",
@@ -294,7 +294,7 @@ def test_decoding_drops_rows_that_ended_their_episodes_and_samples_the_same(comp
         agent = Agent(AgentConfig(env="tools_for_tests:CountingGame"), tok, rows[0])
         engine = Engine(bb, agent=agent, drop_finished=drop, compile=compiled)
         runs[drop] = decode(engine, agent, rows, max_new=90, temperature=1.0, n=2)[1], engine.last
-        assert sorted(engine._states) == ([] if not compiled else [3, 6] if drop else [6]), sorted(engine._states)
+        assert sorted(engine.states) == ([] if not compiled else [3, 6] if drop else [6]), sorted(engine.states)
     (kept, kept_stats), (dropped, dropped_stats) = runs[False], runs[True]
     assert kept_stats.row_steps == 6 * kept_stats.steps and dropped_stats.row_steps < kept_stats.row_steps
     parted = [i for i, (a, b) in enumerate(zip(kept.completions, dropped.completions)) if a != b]

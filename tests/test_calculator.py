@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from conftest import REPO
-from nanochat_ext.generation.calculator import calculate
+from nanochat_ext.agent.calculator import calculate
 
 ENTRIES = json.loads((REPO / "tests/fixtures/nanochat-tool-use/calculator.json").read_text())["entries"]
 

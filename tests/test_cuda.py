@@ -62,8 +62,8 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
     from torch.profiler import ProfilerActivity, profile
 
     from conftest import REPO
-    from nanochat_ext.generation.engine import Engine
-    from nanochat_ext.generation.sampling import SamplingConfig
+    from nanochat_ext.engine.engine import Engine
+    from nanochat_ext.engine.sampling import SamplingConfig
 
     sys.path.insert(0, str(REPO / "bench"))
     import bench_gpu

@@ -9,11 +9,11 @@ import torch
 from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from nanochat_ext.generation import engine as engine_module
-from nanochat_ext.generation import static_decode
-from nanochat_ext.generation.decode_cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
+from nanochat_ext.engine import runner
+from nanochat_ext.engine import scheduler
+from nanochat_ext.engine.cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.backbone import matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats
 from nanochat_ext.models.loader import load_backbone
@@ -47,7 +47,7 @@ def aot_eager(monkeypatch):
     """The engine's step compiled through dynamo and AOT autograd without inductor's code generation: the same
     captured graph, guards and static state, seconds instead of a C++ compile per model."""
     allow_recompiles()  # as compile_for does
-    monkeypatch.setattr(engine_module, "compile_for",
+    monkeypatch.setattr(runner, "compile_for",
                         lambda fn, device: torch.compile(fn, backend="aot_eager", dynamic=False))
 
 
@@ -122,7 +122,7 @@ def test_compiled_decoding_moves_the_live_rows_into_smaller_states(assets, name,
     uniforms and mask with them; fewer row-steps, and every completion and log-prob is what the compiled engine
     keeping every row samples (or a tie), and a re-forward's. nanochat's GPT and the native Llama, 16 rows stopping at
     many steps, a read every 4 steps."""
-    monkeypatch.setattr(static_decode, "COMPACT_MIN_ROWS", 2)
+    monkeypatch.setattr(scheduler, "COMPACT_MIN_ROWS", 2)
     bb = load_backbone(assets[name])
     prompts = [*PROMPTS, list(range(60, 70))]
     cfg = SamplingConfig(24, 1.0)
@@ -132,7 +132,7 @@ def test_compiled_decoding_moves_the_live_rows_into_smaller_states(assets, name,
     runs = {}
     for drop in (False, True):
         engine = Engine(bb, compile=True, drop_finished=drop, end_check_every=4, logprobs=True)
-        runs[drop] = engine.generate(prompts, 4, cfg, stops, 0, seeds(4)), engine.last, sorted(engine._states)
+        runs[drop] = engine.generate(prompts, 4, cfg, stops, 0, seeds(4)), engine.last, sorted(engine.states)
     (kept, kept_stats, kept_states), (dropped, dropped_stats, dropped_states) = runs[False], runs[True]
     halvings = [16 >> k for k in range(len(dropped_states))][::-1]  # each compaction into half the rows
     assert kept_states == [16] and dropped_states == halvings and len(halvings) >= 3, dropped_states
@@ -184,11 +184,11 @@ def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     eager = Engine(bb).generate(PROMPTS, 3, cfg, stop, 0, seeds())
     engine = Engine(bb, compile=True)
     first = engine.generate(PROMPTS, 3, cfg, stop, 0, seeds())
-    state, graphs = engine._states[9], compile_stats()[0]
+    state, graphs = engine.states[9], compile_stats()[0]
     pointers = [t.data_ptr() for t in state.tensors()]
     assert graphs > 0 and all(t._dynamo_static_input_type for t in state.tensors())
     second = engine.generate([p[1:] for p in PROMPTS], 3, cfg, stop, 0, seeds())  # shorter: the same bucket
-    assert engine._states[9] is state and [t.data_ptr() for t in state.tensors()] == pointers
+    assert engine.states[9] is state and [t.data_ptr() for t in state.tensors()] == pointers
     assert compile_stats()[0] == graphs and not counters["graph_break"], dict(counters["graph_break"])
     for got in (first, eager):
         assert_sampled_from_reforward(bb, PROMPTS, 3, cfg, stop, seeds(), got)
@@ -204,7 +204,7 @@ def test_compiled_steps_read_the_cache_in_use_by_length_buckets(assets, name, mo
     slots, the last the whole cache; the tokens are eager's and a re-forward's (or a tie), across the bucket
     boundary and a sliding window's edge (nanochat's current-d4: three layers of a 128-token window; the native
     Llama); a second call of other prompt lengths in the same buckets adds no graph."""
-    monkeypatch.setattr(static_decode, "READ_BUCKET", 32)
+    monkeypatch.setattr(scheduler, "READ_BUCKET", 32)
     read = []  # per graph compiled: the keys' lengths its attention reads (SDPA's key argument in the captured graph)
 
     def recording(gm: torch.fx.GraphModule, example_inputs):
@@ -213,7 +213,7 @@ def test_compiled_steps_read_the_cache_in_use_by_length_buckets(assets, name, mo
         return gm.forward  # the captured graph, run as it is
 
     allow_recompiles()  # as compile_for does
-    monkeypatch.setattr(engine_module, "compile_for", lambda fn, device: torch.compile(fn, backend=recording,
+    monkeypatch.setattr(runner, "compile_for", lambda fn, device: torch.compile(fn, backend=recording,
                                                                                        dynamic=False))
     bb = load_backbone(assets["hf"] if name == "llama" else fixture_dir(name),
                        vintage=None if name == "llama" else vintage_of(name))
@@ -222,7 +222,7 @@ def test_compiled_steps_read_the_cache_in_use_by_length_buckets(assets, name, mo
     torch._dynamo.reset()
     engine, before = Engine(bb, compile=True, drop_finished=False), compile_stats()[0]
     got = engine.generate(prompts, 2, cfg, (), 0, seeds())
-    slots, graphs = engine._states[6].slots, compile_stats()[0]
+    slots, graphs = engine.states[6].slots, compile_stats()[0]
     assert slots == 192 and read == [{128}, {192}] and graphs == before + 2, (slots, read, graphs - before)
     assert_same_but_a_tie(got, Engine(bb).generate(prompts, 2, cfg, (), 0, seeds()))
     assert_sampled_from_reforward(bb, prompts, 2, cfg, (), seeds(), got)
@@ -241,11 +241,11 @@ def test_a_reserved_state_serves_every_prompt_length_of_the_run(assets, aot_eage
     torch._dynamo.reset()
     engine = Engine(bb, compile=True, reserve=70 + 8)
     engine.generate(PROMPTS, 2, cfg, 1, 0, seeds())
-    state, graphs = engine._states[6], compile_stats()[0]
+    state, graphs = engine.states[6], compile_stats()[0]
     pointers = [t.data_ptr() for t in state.tensors()]
     got = engine.generate(long, 2, cfg, 1, 0, seeds())
-    assert engine._states[6] is state and [t.data_ptr() for t in state.tensors()] == pointers
-    assert compile_stats()[0] == graphs and state.slots == 2 * engine_module.SLOT_BUCKET
+    assert engine.states[6] is state and [t.data_ptr() for t in state.tensors()] == pointers
+    assert compile_stats()[0] == graphs and state.slots == 2 * runner.SLOT_BUCKET
     assert_same_but_a_tie(got, Engine(bb).generate(long, 2, cfg, 1, 0, seeds()))
 
 
@@ -256,10 +256,10 @@ def test_compiled_state_grows_for_longer_prompts(assets, aot_eager):
     cfg = SamplingConfig(8, 1.0)
     engine = Engine(bb, compile=True)
     engine.generate(PROMPTS, 2, cfg, 1, 0, seeds())
-    assert engine._states[6].slots == engine_module.SLOT_BUCKET
+    assert engine.states[6].slots == runner.SLOT_BUCKET
     long = [list(range(3, 3 + 70)), *PROMPTS[1:]]
     got = engine.generate(long, 2, cfg, 1, 0, seeds())
-    assert engine._states[6].slots == 2 * engine_module.SLOT_BUCKET
+    assert engine.states[6].slots == 2 * runner.SLOT_BUCKET
     assert_same_but_a_tie(got, Engine(bb).generate(long, 2, cfg, 1, 0, seeds()))
     assert_sampled_from_reforward(bb, long, 2, cfg, 1, seeds(), got)
 
@@ -376,10 +376,10 @@ def test_static_cache_takes_bf16_autocast_values_on_value_embedding_vintages(nam
     cfg = SamplingConfig(8, 1.0)
     with torch.autocast("cpu", torch.bfloat16):
         eager = Engine(bb).generate(PROMPTS, 2, cfg, -1, 0, seeds())
-        monkeypatch.setattr(engine_module, "compile_for", lambda fn, device: fn)  # the static step, uncompiled
+        monkeypatch.setattr(runner, "compile_for", lambda fn, device: fn)  # the static step, uncompiled
         static = Engine(bb, compile=True).generate(PROMPTS, 2, cfg, -1, 0, seeds())
         torch._dynamo.reset()
-        monkeypatch.setattr(engine_module, "compile_for",
+        monkeypatch.setattr(runner, "compile_for",
                             lambda fn, device: torch.compile(fn, backend="aot_eager", dynamic=False))
         compiled = Engine(bb, compile=True).generate(PROMPTS, 2, cfg, -1, 0, seeds())
     assert static == compiled

@@ -20,8 +20,8 @@ from nanochat_ext.algorithms.grpo_config import GRPOConfig
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation import decode_cost, engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine import cost as decode_cost, engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.resume import check_resume_args
 from nanochat_ext.tasks import synthetic
@@ -290,7 +290,7 @@ def test_the_memory_model_counts_the_decode_states_a_compiled_evaluation_keeps(a
     eng = engine.Engine(policy, compile=True, reserve=max(map(len, ids)) + 8)
     evaluate_rewards(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 0, env, contextlib.nullcontext(), 4)
     evaluate_pass_k(eng, rows, ids, rewards, tok, SamplingConfig(8, 1.0), 2, 0, env, contextlib.nullcontext(), 4)
-    assert sorted(eng._states) == eval_decode_rows(7, 1, 4, 2) == [2, 3, 4]
+    assert sorted(eng.states) == eval_decode_rows(7, 1, 4, 2) == [2, 3, 4]
     assert eval_decode_rows(7, 3, 4, 2) == [2, 3, 4]  # rank 0's prompts 0, 3, 6: 3 rows; pass@2: 2 x 2, then 1 x 2
     assert eval_decode_rows(8, 2, 3, 0) == [1, 3]  # 4 prompts a rank: 3, then 1
 

@@ -6,7 +6,7 @@ import torch
 
 from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, loss_normaliser, policy_backward
 from nanochat_ext.algorithms.rollouts import Rollout, SignalFilter, in_global_order, zero_std_groups
-from nanochat_ext.generation.sampling import SamplingConfig, sample_token
+from nanochat_ext.engine.sampling import SamplingConfig, sample_token
 from nanochat_ext.models.attention import PrefixTree
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs

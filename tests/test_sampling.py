@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SCAN_CHUNK, SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SCAN_CHUNK, SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.loader import load_backbone
 
 

@@ -1,4 +1,4 @@
-"""The model's code is hostile input (runtime/sandbox.py, tasks/code_tests.py): a catalog of programs that try to pass
+"""The model's code is hostile input (sandbox/sandbox.py, tasks/code_tests.py): a catalog of programs that try to pass
 without solving the task, to escape, or to hurt the process that runs them. Each scores 0, the caller survives, the
 call returns within its time limit and a second, no process it started is left, and no file appears outside its
 directory. The filesystem and network cases need the namespaces: where the OS refuses them they are skipped, with
@@ -22,8 +22,8 @@ import pytest
 from conftest import REPO
 from nanochat_ext.algorithms.rewards import call_reward_fn
 from nanochat_ext.errors import InputError, Unscored
-from nanochat_ext.generation import toolbox
-from nanochat_ext.runtime import sandbox, sandbox_child, seccomp
+from nanochat_ext.agent import toolbox
+from nanochat_ext.sandbox import child as sandbox_child, sandbox, seccomp
 from nanochat_ext.tasks import code_functions, synthetic
 from nanochat_ext.tasks.code_checks import parse_tests
 from nanochat_ext.tasks.code_tests import CodeTests, passes, run_tests, verdict
@@ -52,7 +52,7 @@ HOSTILE = {  # name -> (the model's code, what the model reads of the failure, i
                                       "def add(a, b):\n    return Yes()", "returned Yes, not a plain value"),
     "an int subclass": ("class Int(int):\n    def __eq__(self, other):\n        return True\n"
                         "def add(a, b):\n    return Int(0)", "add(2, 3) gave 0"),  # compared as the int it is
-    "the harness patched": ("import sys\nrunner = sys.modules['nanochat_ext.runtime.sandbox_code']\n"
+    "the harness patched": ("import sys\nrunner = sys.modules['nanochat_ext.sandbox.code_process']\n"
                             "runner.encode = lambda value, depth=0: ['int', '0x5']\n"
                             "def add(a, b):\n    return 0", "test 2 of 3: add(-4, 1) gave 5"),
     "the tests looked for": ("import gc, re, sys\n"
@@ -100,7 +100,7 @@ SEALED_ONLY = {  # need the namespaces: the filesystem and the network
                               "the code raised OSError"),  # seccomp refuses AF_INET; without it, no route
     "a vsock socket to the host": ("import socket\nsocket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)",
                                    "the code raised OSError: [Errno 97]"),  # not behind the network namespace
-    "rewriting the harness": (f"open({str(REPO / 'nanochat_ext/runtime/sandbox_child.py')!r}, 'a').write('#')",
+    "rewriting the harness": (f"open({str(REPO / 'nanochat_ext/sandbox/child.py')!r}, 'a').write('#')",
                               "the code raised"),
 }
 
@@ -271,7 +271,7 @@ def test_the_callers_memory_stays_bounded_whatever_the_code_writes():
     flood = ("import sys\nfor _ in range(30):\n    sys.stdout.write('x' * (10 << 20))\n"
              "    sys.stderr.write('y' * (10 << 20))\n")
     probe = (f"import resource, sys; sys.path[:0] = [{str(REPO)!r}]\n"
-             "from nanochat_ext.runtime import sandbox\n"
+             "from nanochat_ext.sandbox import sandbox\n"
              "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
              f"run = sandbox.run({flood!r}, [], sandbox.Limits(seconds=20, memory_mb=1024))\n"
              "grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before\n"
@@ -405,7 +405,7 @@ def test_unsealed_the_code_still_ends_with_the_call(monkeypatch):
 def test_a_sandbox_dies_with_its_caller(tmp_path):
     """The trainer killed (SIGKILL, no cleanup) while its sandbox runs: every process of the sandbox ends too."""
     caller = subprocess.Popen([sys.executable, "-c", f"import sys; sys.path[:0] = [{str(REPO)!r}]\n"
-                               "from nanochat_ext.runtime import sandbox\n"
+                               "from nanochat_ext.sandbox import sandbox\n"
                                "sandbox.run('import time\\ntime.sleep(30)', [], sandbox.Limits(seconds=30))"])
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and len(descendants(caller.pid)) < 2:  # the trial's sandbox, then the run's

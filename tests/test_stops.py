@@ -18,9 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
-from nanochat_ext.generation.agent import Agent, AgentConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for

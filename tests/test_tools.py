@@ -19,9 +19,9 @@ from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent, AgentConfig
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.reward_fns import contains_answer

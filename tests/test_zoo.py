@@ -15,8 +15,8 @@ from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.heads import HeadTransform, probe
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for

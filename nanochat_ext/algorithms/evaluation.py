@@ -16,8 +16,8 @@ from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.config import option
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, raise_if_any
-from nanochat_ext.generation.engine import Engine, Samples
-from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.engine.engine import Engine, Samples
+from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 SHOWN = 3  # greedy samples each evaluation shows (rank 0's first prompts)

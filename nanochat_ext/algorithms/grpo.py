@@ -25,7 +25,7 @@ from nanochat_ext.config import NO, TrainerSpec
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import all_reduce_sum
-from nanochat_ext.generation.decode_cost import peak_bandwidth
+from nanochat_ext.engine.cost import peak_bandwidth
 from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.runtime.oom import smaller_micro
 from nanochat_ext.runtime.progress import Phase, Progress

@@ -16,8 +16,8 @@ from nanochat_ext.algorithms.evaluation import decoded
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, gather_objects
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.tokenizer import TokenizerWrapper
 
 KEPT = ("kind", "share", "answer", "topic")  # a prompt row's fields its pair keeps (the density experiment's kinds)

@@ -35,9 +35,9 @@ from nanochat_ext.data.batching import truncate
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
 from nanochat_ext.errors import InputError, Unscored, first_line
-from nanochat_ext.generation.agent import Episodes
-from nanochat_ext.generation.engine import Samples
-from nanochat_ext.generation.toolbox import load_attribute
+from nanochat_ext.agent.agent import Episodes
+from nanochat_ext.engine.engine import Samples
+from nanochat_ext.agent.toolbox import load_attribute
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.runtime.outdir import keep_traceback
 from nanochat_ext.tasks import reward_fns

@@ -16,8 +16,8 @@ from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, gather_objects
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig, sample_seed
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper

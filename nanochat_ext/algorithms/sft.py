@@ -7,7 +7,7 @@ from nanochat_ext.config import NO, TrainerSpec
 from nanochat_ext.data.batching import GlobalBatchLoader, cut_to_fit
 from nanochat_ext.data.conversations import Conversation
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent
+from nanochat_ext.agent.agent import Agent
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.training.logprobs import make_sequences, sft_backward
 from nanochat_ext.training.loop import Loop

@@ -31,8 +31,8 @@ from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prom
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent, AgentConfig
-from nanochat_ext.generation.decode_cost import decode_compiled
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.engine.cost import decode_compiled
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset

@@ -21,7 +21,7 @@ from nanochat_ext.cli import add_config, add_training, config, configs, parse, r
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent, AgentConfig
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session

@@ -2,7 +2,7 @@
 
 Each prompt row carries "tests": Python asserts, as MBPP writes them (`assert add(2, 3) == 5`). After each assistant
 turn the environment takes the turn's last ```python block (or the whole turn, where it has none) and runs it sealed
-(runtime/sandbox.py: its own namespaces where the OS allows them, no network, the filesystem read-only but its own
+(sandbox/sandbox.py: its own namespaces where the OS allows them, no network, the filesystem read-only but its own
 directory, limits on time, memory, files and processes, every process it starts ended with it), then the tests in
 order. The verdict is made here, not by the code's process (tasks/code_checks.py): only the values of the code's own
 names (a call `f(2)`, `f(x)[0]`) come back from the sandbox, as plain data of exact types, and the rest of each
@@ -24,7 +24,7 @@ import re
 from typing import Any
 
 from nanochat_ext.errors import InputError, Unscored
-from nanochat_ext.runtime import sandbox
+from nanochat_ext.sandbox import sandbox
 from nanochat_ext.tasks.code_checks import Judged, Plan, Unjudged, parse_tests
 
 TIME_LIMIT = 5.0  # seconds of wall clock (and of CPU) a run may take, where the run gives no --tool_timeout

@@ -15,8 +15,8 @@ import torch.nn as nn
 from nanochat_ext.config import TrainerSpec, option
 from nanochat_ext.ddp_common import DistEnv, print0
 from nanochat_ext.errors import InputError
-from nanochat_ext.generation.agent import Agent
-from nanochat_ext.generation.engine import Engine
+from nanochat_ext.agent.agent import Agent
+from nanochat_ext.engine.engine import Engine
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import COMPILE_HELP, compile_models
 from nanochat_ext.models.loader import RM_KIND, load_backbone, load_tokenizer_for, merged_weights

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanochat_ext import ddp_common as dc
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
-from nanochat_ext.generation.engine import Engine
+from nanochat_ext.engine.engine import Engine
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.parallel import Parallel
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences

@@ -19,8 +19,8 @@ from nanochat_ext.algorithms.advantages import group_advantages
 from nanochat_ext.algorithms.grpo import policy_backward
 from nanochat_ext.algorithms.grpo_config import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
-from nanochat_ext.generation.engine import Engine
-from nanochat_ext.generation.sampling import SamplingConfig
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.compiled import compile_blocks, compile_stats
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, token_logprobs

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 
-from nanochat_ext.runtime.sandbox_child import die_with_parent
+from nanochat_ext.sandbox.child import die_with_parent
 
 
 def preimport(command: list[str]) -> None:

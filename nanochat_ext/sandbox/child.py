@@ -1,4 +1,4 @@
-"""The sandbox's side of the wall: runtime/sandbox.py starts it (`python -I -c`, this module's main). It seals
+"""The sandbox's side of the wall: sandbox/sandbox.py starts it (`python -I -c`, this module's main). It seals
 itself off, runs the untrusted code, then the steps the caller asked for, and writes what each probe gave on a pipe.
 The standard library only; the job is read from stdin before any untrusted line runs. The processes,
 outermost first:
@@ -13,7 +13,7 @@ outermost first:
                 need (the users written anew), DEVICES, and a tmpfs of the code's own at /tmp (its size and inodes
                 bounded); no SysV IPC, no nested user namespaces
     init        pid 1 of the new pid namespace: it ends when the code's process does, and the kernel kills the rest
-    code        every capability dropped, no new privileges, then runtime/sandbox_code.py's walls (limits, a keyring
+    code        every capability dropped, no new privileges, then sandbox/code_process.py's walls (limits, a keyring
                 of its own, the seccomp filter), stdin /dev/null: the untrusted code
 
 Unsealed (the caller asks for it where the OS refuses namespaces), the code runs in the caller's temporary directory
@@ -32,7 +32,7 @@ import sys
 import sysconfig
 import time
 
-from nanochat_ext.runtime.sandbox_code import PR_SET_NO_NEW_PRIVS, run_code
+from nanochat_ext.sandbox.code_process import PR_SET_NO_NEW_PRIVS, run_code
 
 libc = ctypes.CDLL(None, use_errno=True)
 NAMESPACES = 0x00020000 | 0x04000000 | 0x08000000 | 0x10000000 | 0x20000000 | 0x40000000  # NS UTS IPC USER PID NET

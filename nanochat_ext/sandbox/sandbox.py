@@ -3,7 +3,7 @@ them (a root of its own: the system's programs, the Python installation and a fe
 /tmp, no network, no process outside it visible), under limits on wall clock, CPU, memory, file size, processes
 and open files, behind a seccomp filter and, where the machine lets us make one, in a cgroup of its own (memory,
 the kernel's for it included, and processes bounded together), every process it starts ended with it, stdin
-closed, what it writes read up to a cap. runtime/sandbox_child.py and runtime/sandbox_code.py are the other side of
+closed, what it writes read up to a cap. sandbox/child.py and sandbox/code_process.py are the other side of
 the wall; docs/tools.md says what it holds against and what it does not.
 
 The caller asks for steps after the code: statements to run ("exec") and expressions whose value comes back
@@ -33,13 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanochat_ext.runtime import cgroups, seccomp
-from nanochat_ext.runtime.sandbox_child import TIMED_OUT
-from nanochat_ext.runtime.sandbox_code import MAX_DEPTH, MAX_VALUE, cpu_seconds
+from nanochat_ext.sandbox import cgroups, seccomp
+from nanochat_ext.sandbox.child import TIMED_OUT
+from nanochat_ext.sandbox.code_process import MAX_DEPTH, MAX_VALUE, cpu_seconds
 from nanochat_ext.runtime.waits import not_counted
 
 ROOT = str(Path(__file__).resolve().parents[2])  # the directory nanochat_ext lies in: the child imports from it
-BOOT = f"import sys; sys.path.insert(0, {ROOT!r}); from nanochat_ext.runtime.sandbox_child import main; main()"
+BOOT = f"import sys; sys.path.insert(0, {ROOT!r}); from nanochat_ext.sandbox.child import main; main()"
 PYTHON = sys.executable  # the interpreter the code runs in (the trainer's)
 KEPT_OUTPUT = 8 << 10  # bytes of the code's stdout and of its stderr kept; the rest is read and dropped
 MAX_RECORDS = 1 << 20  # bytes of results read at most
@@ -298,7 +298,7 @@ def read_records(data: bytes, out: Run) -> None:
 
 
 def decode(tagged: Any, budget: list[int], depth: int = 0) -> Any:
-    """sandbox_child.encode's tagged JSON back to plain values, at most budget[0] of them (a record of colliding
+    """child.encode's tagged JSON back to plain values, at most budget[0] of them (a record of colliding
     hashes cannot make a set slow to build); ValueError for anything else."""
     budget[0] -= 1
     if budget[0] < 0 or depth > MAX_DEPTH or not (isinstance(tagged, list) and len(tagged) == 2

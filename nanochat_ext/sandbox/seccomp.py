@@ -1,5 +1,5 @@
 """The sandbox's seccomp filter, compiled once per process by libseccomp (through pyseccomp) into a BPF program that
-the sandbox's code process loads itself (runtime/sandbox_code.py): the sandbox starts no binding, only a prctl.
+the sandbox's code process loads itself (sandbox/code_process.py): the sandbox starts no binding, only a prctl.
 
 It refuses, with EPERM, the system calls the code has no use for and the kernel's riskiest surface: the keyring's
 calls, ptrace and process_vm_*, kcmp, bpf, perf_event_open, userfaultfd, io_uring, the mount family, chroot,

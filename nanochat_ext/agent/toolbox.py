@@ -13,7 +13,7 @@ an error observation for its row: the text the model is shown, counted as an err
 is abandoned, not stopped (Python cannot stop a thread): it stays counted among the process's late calls until it
 ends, and once --max_late_calls of them are running, new calls are refused (an error the row reads) rather than
 piling up threads. Code that may loop forever belongs in a subprocess, as the code-tests environment
-(tasks/code_tests.py) runs the model's code in runtime/sandbox.py.
+(tasks/code_tests.py) runs the model's code in sandbox/sandbox.py.
 """
 from __future__ import annotations
 

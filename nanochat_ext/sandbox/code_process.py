@@ -1,10 +1,10 @@
-"""The code's own process inside the sandbox (runtime/sandbox_child.py starts it): the last walls, then the untrusted
+"""The code's own process inside the sandbox (sandbox/child.py starts it): the last walls, then the untrusted
 code and the caller's probes, each probe's value a record on the results pipe. The standard library only: this
 module is loaded before any untrusted line runs.
 
 The last walls, in order: the rlimits (CPU, address space, file size, open files, processes, no core), a session
 keyring of its own (an empty anonymous one: the caller's keys are not in reach), and the seccomp filter the caller
-compiled (runtime/seccomp.py: a BPF program, loaded here with a prctl).
+compiled (sandbox/seccomp.py: a BPF program, loaded here with a prctl).
 """
 import builtins
 import ctypes

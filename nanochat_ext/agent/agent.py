@@ -12,16 +12,18 @@ from __future__ import annotations
 import copy
 import inspect
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+import torch
 
 from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.errors import InputError, first_line
-from nanochat_ext.generation.calculator import calculate
-from nanochat_ext.generation.formats import (FORMATS, Call, block_call, hermes_calls, llama3_calls, renders_tools,
+from nanochat_ext.agent.calculator import calculate
+from nanochat_ext.agent.formats import (FORMATS, Call, block_call, hermes_calls, llama3_calls, renders_tools,
                                              template_format, tools_system_prompt, write_call)
-from nanochat_ext.generation.toolbox import (MAX_LATE_CALLS, LateCalls, Outcome, Tool, argument_problem, call_all,
+from nanochat_ext.agent.toolbox import (MAX_LATE_CALLS, LateCalls, Outcome, Tool, argument_problem, call_all,
                                             load_env_factory, load_tools)
-from nanochat_ext.generation.tools import ToolTokens
+from nanochat_ext.engine.forcing import ToolState, ToolTokens
 from nanochat_ext.tokenizer import Message, TokenizerWrapper
 
 BUILT_IN = ("calculator", "none")
@@ -230,6 +232,33 @@ class Episodes:
             self.envs = [None if o.error else o.value for o in made]
             self.env_errors = sum(o.error for o in made)
             self.env_timeouts = sum(o.timed_out for o in made)
+
+    def after_step(self, t: int, out: torch.Tensor, lengths: torch.Tensor, done: torch.Tensor, tools: ToolState,
+                   of: Callable[[list[int]], list[int]]) -> tuple[bool, int]:
+        """The engine's hook after token t (engine.StepHook): in one read from the device, how many rows have stopped
+        and whether all have; the python blocks token t closed answered, and the rows whose token t ended a turn
+        asked for their next one (forced into the row, which decodes on). `of`: the call's rows of rows of the
+        current batch, after the engine shrank it."""
+        ended = done & (lengths == t + 1)
+        stopped, closed, any_ended = torch.stack([done.sum(), tools.closed.any(), ended.any()]).tolist()
+        finished, room = stopped == done.numel(), out.size(1) - t - 1  # room: tokens left after token t
+        if closed and not finished and room:
+            rows, blocks = tools.closed_blocks(out, t)
+            for row, ids in zip(rows, self.answer_blocks([self.agent.tok.decode(b) for b in blocks], of(rows))):
+                tools.queue(row, ids)
+        if any_ended and self.agent.turns:
+            rows = ended.nonzero().squeeze(1).tolist()
+            calls = of(rows)  # the episodes' rows
+            texts = [self.agent.tok.turn_text(out[row, self.turn_start[call]:t].tolist())
+                     for row, call in zip(rows, calls)]
+            for row, call, ids in zip(rows, calls, self.after_turns(calls, texts, room)):
+                if ids:
+                    tools.queue(row, ids[:room])
+                    done[row], lengths[row] = False, out.size(1)
+                    self.turn_start[call] = min(t + 1 + len(ids), out.size(1))
+                    tools.in_block[row] = False  # a block the ended turn left open is not the next turn's
+                    finished, stopped = False, stopped - 1
+        return finished, stopped
 
     def _tools(self, calls: list[Call | None], rows: list[int]) -> list[Outcome | None]:
         """Each call's outcome (None for a block that calls no tool); a row's calls past --max_tool_calls in its

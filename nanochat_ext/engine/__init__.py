@@ -1,0 +1,1 @@
+"""The rollout engine: sampling rules, tokens forced into rows, the runners (eager, compiled) and the one decode loop."""

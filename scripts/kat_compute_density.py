@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from nanochat_ext.cli import MODEL_HELP, add_config, add_flag, parse, parser, run_script
+from nanochat_ext.cli import MODEL_HELP, add_config, parse, parser, run_script
 from nanochat_ext.data.batching import right_pad
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.ddp_common import all_reduce_sum, print0, raise_if_any
@@ -31,6 +31,7 @@ from nanochat_ext.runtime.outdir import check_writable
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.training.setup import ModelConfig
+from scripts.flags import add_flag
 
 
 WEIGHTINGS = ("inverse_density", "fork")

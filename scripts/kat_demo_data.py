@@ -17,9 +17,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanochat_ext.cli import add_flag, parse, parser
+from nanochat_ext.cli import parse, parser
 from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.tasks import synthetic
+from scripts.flags import add_flag
 
 
 def flags() -> argparse.ArgumentParser:

@@ -25,7 +25,7 @@ import torch
 
 from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.algorithms.rewards import Rewards, check_references
-from nanochat_ext.cli import add_config, add_flag, config, parse, parser, run_script
+from nanochat_ext.cli import add_config, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts, truncate
 from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
@@ -43,6 +43,7 @@ from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.tasks.report import all_judgeable, eval_rm, fmt, plot_curves, policy_measures, topics_of, write_report
 from nanochat_ext.training.setup import ModelConfig
+from scripts.flags import add_flag
 
 BEFORE = "before (SFT)"  # the report's name for --policy_before, by default
 

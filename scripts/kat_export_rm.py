@@ -13,9 +13,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from nanochat_ext.cli import add_flag, parse, parser
+from nanochat_ext.cli import parse, parser
 from nanochat_ext.models.reward_model import export_hf_classifier, export_reward_model
 from nanochat_ext.runtime.session import run_plain
+from scripts.flags import add_flag
 
 
 def flags() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.own_pairs import own_words_pairs
 from nanochat_ext.algorithms.rewards import Rewards, check_references
-from nanochat_ext.cli import add_config, add_flag, config, parse, parser, run_script
+from nanochat_ext.cli import add_config, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.ddp_common import raise_if_any
@@ -32,6 +32,7 @@ from nanochat_ext.runtime.outdir import check_writable
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.training.setup import ModelConfig
+from scripts.flags import add_flag
 
 
 def flags() -> argparse.ArgumentParser:

@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from nanochat_ext.cli import add_flag, parse, parser
+from nanochat_ext.cli import parse, parser
 from nanochat_ext.errors import EXIT_BAD_INPUT
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.runtime.session import say
 from nanochat_ext.tasks import code_functions, multiplication, word_arithmetic
 from nanochat_ext.tasks.synthetic import write_jsonl
+from scripts.flags import add_flag
 
 COMPLETE = ".complete"
 # task -> (its questions' maker, its pairs' maker, the flags that score them)

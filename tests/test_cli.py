@@ -13,8 +13,9 @@ import pytest
 import nanochat_ext
 from conftest import REPO
 from nanochat_ext.algorithms.trainers import SPECS
-from nanochat_ext.cli import REQUIRED_FLAG, SCRIPT_FLAGS, TRAINERS
+from nanochat_ext.cli import TRAINERS
 from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
+from scripts.flags import REQUIRED_FLAG, SCRIPT_FLAGS
 
 SCRIPTS = {"sft": kat_sft, "rm": kat_train_rm, "dpo": kat_train_dpo, "grpo": kat_train_grpo}
 REQUIRED = {"sft": ["--backbone", "b", "--conversations", "c"], "rm": ["--backbone", "b", "--pairs", "p"],
@@ -56,7 +57,7 @@ def test_a_flag_is_declared_once():
 
 
 def test_no_two_scripts_declare_one_flag():
-    """Beside the configs' options, a flag two scripts take is declared once, in cli.SCRIPT_FLAGS, and each script
+    """Beside the configs' options, a flag two scripts take is declared once, in scripts/flags.py's SCRIPT_FLAGS, and each script
     named there takes it with the default the table gives."""
     where: dict[str, list[str]] = {}
     for path in sorted((REPO / "scripts").glob("*.py")):

@@ -25,7 +25,7 @@ from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (Configs, add_config, add_flag, add_training, config, configs, parse, recorded, run_script,
+from nanochat_ext.cli import (Configs, add_config, add_training, config, configs, parse, recorded, run_script,
                               script_argv, trainer_parser)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.data.rows import read_prompts
@@ -49,7 +49,9 @@ from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load
 def flags() -> argparse.ArgumentParser:
     p, g = trainer_parser(SPEC.name, __doc__)
     p.add_argument("--preset", choices=list(PRESETS), default=None, help=PRESET_HELP)
-    add_flag(g, "kat_train_grpo", "prompts")
+    g.add_argument("--prompts", required=True,
+                   help="{prompt: str | [messages], answer?, prefix_id?} as JSONL, parquet, Arrow or a datasets "
+                        "save_to_disk dir; a pairs file works too (its prompts); formats: docs/data.md")
     g.add_argument("--teacher", default=None,
                    help="--advantage distill: the frozen model the policy learns from, scoring each token the policy "
                         "samples; any size, the policy's tokenizer (a nanochat checkpoint or a local HF dir)")

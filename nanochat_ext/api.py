@@ -29,7 +29,7 @@ from nanochat_ext.algorithms import answers
 from nanochat_ext.algorithms.answers import AnswerOptions
 from nanochat_ext.algorithms.rewards import check_reward_fns
 from nanochat_ext.algorithms.rewards import trl_style as trl_reward  # noqa: F401  (api.trl_reward(f): a TRL reward)
-from nanochat_ext.cli import run_body
+from nanochat_ext.cli import resolved, run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
 from nanochat_ext.recipes import dpo, grpo, rm, sft
@@ -102,18 +102,14 @@ def functions(value: Any) -> list:
 
 
 def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, Any]) -> Path:
-    """The recipe's run with these options, as its script runs them from the flags they become."""
+    """The recipe's run with these options, as its script runs the same options given as flags."""
     parser = recipe.flags()
     trainer = parser.prog
     given = {**given_in(configs, parser, trainer), **options}
-    argv, objects = command_line(given, parser, trainer)
-    parser.error = lambda message: refuse(f"{trainer}: {message}")  # the script's check of every flag, as a raise
-    args = recipe.parse_args(argv, parser)  # as the script parses them: --preset's values, the trainer's defaults
-    for name, value in objects.items():
-        setattr(args, name, value)
+    run = resolved(parser, python_options(given, parser, trainer), {k for k, v in given.items() if v is not None})
     guard.in_process = True  # a second Ctrl-C raises KeyboardInterrupt here, never exits the caller's process
     try:
-        code, checkpoint = run_body(args, recipe.train, "checkpoint")
+        code, checkpoint = run_body(run, recipe.train, "checkpoint")
     finally:
         guard.in_process = False
     if code == EXIT_INTERRUPTED and guard.signal_number == signal.SIGINT:  # Ctrl-C, checkpointed: as Python's own
@@ -144,37 +140,60 @@ def given_in(configs: tuple[Any, ...], parser: argparse.ArgumentParser, trainer:
     return given
 
 
-def command_line(given: dict[str, Any], parser: argparse.ArgumentParser,
-                 trainer: str) -> tuple[list[str], dict[str, Any]]:
-    """The flags the options are (None: the default), and the values only Python holds (rows, functions), which
-    stand in the command line as their names and replace them once it is parsed."""
-    actions = {a.dest: a for a in parser._actions if a.option_strings}
-    argv, objects = [], {}
+def python_options(given: dict[str, Any], parser: argparse.ArgumentParser, trainer: str) -> dict[str, Any]:
+    """Every option of the trainer: its flag's default where not given (None: the default), else the value given,
+    checked as its flag checks a value (type, choices, a list where the flag takes several) without a command line in
+    between; rows and functions given in Python as the objects they are."""
+    actions = {a.dest: a for a in parser._actions if a.option_strings and a.dest != "help"}
+    options = {dest: a.default for dest, a in actions.items()}
     for name, value in given.items():
         action = actions.get(name)
-        if action is None or name == "help":
+        if action is None:
             refuse(f"{trainer} has no option {name!r}{nearest(name, actions)} (its options are its flags: "
                    f"docs/cli.md)")
-        flag = f"--{name}"
         if value is None:
             continue
         if name in ROWS and not isinstance(value, (str, Path)):
-            value = objects[name] = InMemoryRows(value, f"{name}: {described(value)}", prompts=name in PROMPTS)
-        if name in FUNCTIONS:
-            value = objects[name] = functions(value)
-        if isinstance(action, argparse._StoreTrueAction):
+            options[name] = InMemoryRows(value, f"{name}: {described(value)}", prompts=name in PROMPTS)
+        elif name in FUNCTIONS:
+            options[name] = [v if callable(v) else option_value(action, v, trainer) for v in functions(value)]
+        elif isinstance(action, argparse._StoreTrueAction):
             if not isinstance(value, bool):
                 refuse(f"{trainer}'s option {name} is True or False, got {value!r}")
-            argv += [flag] if value else []
+            options[name] = value
         elif isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
             if not isinstance(value, (list, tuple)):
                 refuse(f"{trainer}'s option {name} takes a list, got {value!r}")
-            items = [str(v) for v in value]
-            argv += [s for v in items for s in (flag, v)] if isinstance(action, argparse._AppendAction) \
-                else [flag, *items]
+            options[name] = [option_value(action, v, trainer) for v in value]
         else:
-            argv += [flag, str(value)]
-    return argv, objects
+            options[name] = option_value(action, value, trainer)
+    missing = [f"--{dest}" for dest, a in actions.items() if a.required and options[dest] is None]
+    if missing:
+        refuse(f"{trainer}: the following arguments are required: {', '.join(missing)}")
+    return options
+
+
+def option_value(action: argparse.Action, value: Any, trainer: str) -> Any:
+    """One value as its flag takes it: a number for a number's flag (an int for an int's), its type's reading of a
+    string (as the flag reads its text), text for a flag of text (a path as its text); one of its choices."""
+    kind = action.type
+    if kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool) and \
+            (kind is float or isinstance(value, int)):
+        value = kind(value)
+    elif kind is not None:
+        if not isinstance(value, (str, Path)) and kind in (int, float):
+            refuse(f"{trainer}: argument --{action.dest}: invalid {kind.__name__} value: {value!r}")
+        try:
+            value = kind(str(value))
+        except (argparse.ArgumentTypeError, TypeError, ValueError) as e:
+            said = str(e) if isinstance(e, argparse.ArgumentTypeError) else f"invalid {kind.__name__} value: {value!r}"
+            refuse(f"{trainer}: argument --{action.dest}: {said}")
+    elif not isinstance(value, str):
+        value = str(value)  # a flag of text: a path, a number as the text it is
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(repr, action.choices))
+        refuse(f"{trainer}: argument --{action.dest}: invalid choice: {value!r} (choose from {choices})")
+    return value
 
 
 # TRL's names for the same options (GRPOConfig's, DPOConfig's, TrainingArguments'), said where a user gives one

@@ -1,6 +1,8 @@
 """What every script's command line shares: its parser generated from the configs' fields (config.option), with each
-trainer's own defaults and words (its TrainerSpec), the dashed spellings (--max-steps) accepted but not shown, the run's
-flags as its checkpoints record them, and the run of a script (one line and an exit code for every failure).
+trainer's own defaults and words (its TrainerSpec), the dashed spellings (--max-steps) accepted but not shown; a
+trainer's run (RunConfig), made from the command line here and from Python values by api.py, resolved the same way;
+the run's options as its checkpoints record them, and the run of a script (one line and an exit code for every
+failure).
 """
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import copy
 import dataclasses
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from nanochat_ext.algorithms.rewards import function_name
 from nanochat_ext.algorithms.trainers import SPECS
@@ -18,6 +21,7 @@ from nanochat_ext.data.batching import BatchConfig
 from nanochat_ext.data.rows import DataConfig, InMemoryRows
 from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
 from nanochat_ext.models.lora import LoraConfig
+from nanochat_ext.presets import given_flags
 from nanochat_ext.runtime.session import Session, SessionConfig, run, say
 from nanochat_ext.training.loop import LoopConfig, OutputConfig
 from nanochat_ext.training.optim import OptimConfig, check_optimizer
@@ -111,6 +115,39 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
     return p.parse_args(script_argv(argv))
 
 
+@dataclass(frozen=True)
+class RunConfig:
+    """A trainer's run as its recipe reads it: every option of its parser at its final value (given, a --preset's, the
+    trainer's default; rows and functions given in Python as the objects they are), frozen. The command line makes it
+    from argv (command_line_run), the Python API from configs and keywords (python_run): the same options, resolved
+    the same way (the recipe's `resolve`: GRPO's preset and TRL's --loss_type). Read as attributes (run.seed), as
+    typed configs (config(GRPOConfig, run)); its checkpoints record its options (recorded)."""
+    script: str  # the trainer's script: its parser's prog
+    options: Mapping[str, Any]
+    given: frozenset[str]  # the options the user gave, whatever their values (a preset sets only the others)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["options"][name]
+        except KeyError:
+            raise AttributeError(f"{self.__dict__.get('script', 'the run')} has no option {name!r}") from None
+
+
+def command_line_run(p: argparse.ArgumentParser, argv: list[str] | None) -> RunConfig:
+    """The run the command line asks for: its flags parsed (parse), then resolved by the recipe."""
+    argv = script_argv(argv)
+    return resolved(p, vars(parse(p, argv)), given_flags(p, argv))
+
+
+def resolved(p: argparse.ArgumentParser, options: dict[str, Any], given: set[str]) -> RunConfig:
+    """The run of these options: the recipe's `resolve(options, given)` (set on its parser, where it has one) fills
+    in what depends on other options, then the options are frozen."""
+    options = dict(options)
+    if (resolve := p.__dict__.get("resolve")) is not None:
+        resolve(options, given)
+    return RunConfig(p.prog, MappingProxyType(options), frozenset(given))
+
+
 def script_argv(argv: list[str] | None) -> list[str]:
     """The script's own arguments; drops the `--` that `torchrun ... -m scripts.X -- ...` passes on."""
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -149,10 +186,11 @@ def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = Non
                    lora)
 
 
-def recorded(args: argparse.Namespace, *configs: Any) -> dict:
-    """The run's flags as its checkpoints record them: as given, with what the run resolved (a default --lr, --max_len
-    from the model's context, ...) from its final configs; what was given in Python (nanochat_ext.api) by its name."""
-    flags = {k: recordable(v) for k, v in vars(args).items()}
+def recorded(run: RunConfig, *configs: Any) -> dict:
+    """The run's options as its checkpoints record them (by name, as its flags are named): as given, with what the run
+    resolved (a default --lr, --max_len from the model's context, ...) from its final configs; what was given in
+    Python (nanochat_ext.api) by its name."""
+    flags = {k: recordable(v) for k, v in run.options.items()}
     resolved = {k: v for c in configs for k, v in dataclasses.asdict(c).items() if k in flags}
     return {**flags, **resolved}
 
@@ -166,13 +204,13 @@ def recordable(value: Any) -> Any:
     return function_name(value) if callable(value) else value
 
 
-def run_script(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object], label: str) -> int:
+def run_script(args: argparse.Namespace | RunConfig, body: Callable[[Any, Session], object], label: str) -> int:
     """body(args, session) run by runtime.session.run with this script's flags: rank 0 prints `<label>: <result>`
     last; every failure ends with one line and its exit code."""
     return run_body(args, body, label)[0]
 
 
-def run_body(args: argparse.Namespace, body: Callable[[argparse.Namespace, Session], object],
+def run_body(args: argparse.Namespace | RunConfig, body: Callable[[Any, Session], object],
              label: str) -> tuple[int, object]:
     """run_script's run: (its exit code, what body returned, None unless the code is 0)."""
     try:
@@ -182,7 +220,8 @@ def run_body(args: argparse.Namespace, body: Callable[[argparse.Namespace, Sessi
         return EXIT_BAD_INPUT, None
     returned: list[object] = []
     code = run(session, lambda s: returned.append(body(args, s)) or returned[0], label,
-               group=getattr(args, "parallel", "ddp") == "fsdp", given=vars(args))
+               group=getattr(args, "parallel", "ddp") == "fsdp",
+               given=dict(args.options) if isinstance(args, RunConfig) else vars(args))
     return code, returned[0] if returned and code == 0 else None
 
 

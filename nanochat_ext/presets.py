@@ -52,20 +52,19 @@ def given_flags(p: argparse.ArgumentParser, argv: list[str]) -> set[str]:
     return set(vars(quiet.parse_known_args(argv)[0]))
 
 
-def apply_preset(p: argparse.ArgumentParser, argv: list[str], args: argparse.Namespace) -> None:
-    """Set args.preset's values but for the flags argv gives explicitly; args.preset_values holds what it set."""
-    args.preset_values = {}
-    if args.preset:
-        given = given_flags(p, argv)
-        args.preset_values = {k: v for k, v in PRESETS[args.preset].items() if k not in given}
-        vars(args).update(args.preset_values)
+def apply_preset(options: dict, given: set[str]) -> None:
+    """Set options["preset"]'s values but for the options given explicitly; options["preset_values"] holds what it
+    set (the start line prints them, the checkpoints record them)."""
+    preset = options.get("preset")
+    options["preset_values"] = {k: v for k, v in PRESETS[preset].items() if k not in given} if preset else {}
+    options.update(options["preset_values"])
 
 
-def print_preset(args: argparse.Namespace) -> None:
+def print_preset(preset: str | None, values: dict) -> None:
     """Rank 0's start line naming every value the preset set (none without a preset)."""
-    if args.preset:
-        print0(f"preset {args.preset}: " + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                                                    for k, v in args.preset_values.items()))
+    if preset:
+        print0(f"preset {preset}: " + " ".join(f"--{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                                               for k, v in values.items()))
 
 
 def preset_tag(preset: str | None, depth: int) -> str | None:

@@ -13,7 +13,8 @@ import pytest
 import nanochat_ext
 from conftest import REPO
 from nanochat_ext.algorithms.trainers import SPECS
-from nanochat_ext.cli import TRAINERS
+from nanochat_ext.api import python_options
+from nanochat_ext.cli import TRAINERS, recorded, resolved
 from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
 from scripts.flags import REQUIRED_FLAG, SCRIPT_FLAGS
 
@@ -130,3 +131,47 @@ def test_every_flag_of_every_script_says_what_it_does_and_its_default():
 def test_the_flag_reference_is_current():
     """docs/cli.md is what the parsers say (python -m scripts.kat_docs writes it)."""
     assert (REPO / "docs" / "cli.md").read_text() == kat_docs.generate(), "stale: python -m scripts.kat_docs"
+
+
+# The same options given on the command line and as Python values: every trainer's required inputs, then a mix of
+# kinds (numbers, a choice, a flag, a list, an 'auto', a path), GRPO's preset (which a given option overrides) and
+# TRL's --loss_type.
+AS_PYTHON = {"sft": {"max_steps": 7, "lr": 1e-4, "device_batch_size": "auto", "dtype": "float32"},
+             "rm": {"max_steps": 7, "batch_size": 4, "val_ratio": 0.1, "skip_bad_rows": True},
+             "dpo": {"beta": 0.5, "loss_type": "ipo", "device_batch_size": 2, "out": REPO / "never"},
+             "grpo": {"preset": "word_arithmetic", "group_size": 4, "loss_type": "dr_grpo", "top_k": 5,
+                      "reward_weights": [1.0, 0.5], "reward_fn": ["last_number", "gsm8k"], "log_rollouts": True}}
+
+
+def as_flags(options: dict) -> list[str]:
+    argv = []
+    for name, value in options.items():
+        if value is True:
+            argv.append(f"--{name}")
+        elif isinstance(value, list):
+            argv += [f"--{name}", *map(str, value)] if name != "reward_fn" else \
+                [s for v in value for s in (f"--{name}", v)]
+        else:
+            argv += [f"--{name}", str(value)]
+    return argv
+
+
+@pytest.mark.parametrize("trainer", TRAINERS)
+def test_the_api_runs_what_the_command_line_runs_for_the_same_options(trainer):
+    """#81 item 3: the API builds its run from Python values, with no command line in between, and it is the run the
+    script parses from the same options as flags: every option at the same value (defaults, the trainer's own,
+    a preset's, TRL's --loss_type resolved), the same given set, the same record a checkpoint keeps."""
+    given = {**dict(zip(REQUIRED[trainer][::2], REQUIRED[trainer][1::2])), **AS_PYTHON[trainer]}
+    given = {k.removeprefix("--"): v for k, v in given.items()}
+    script = SCRIPTS[trainer].parse_args(as_flags(given))
+    made = resolved(SCRIPTS[trainer].flags(), python_options(given, SCRIPTS[trainer].flags(), trainer),
+                    set(given))
+    assert dict(made.options) == dict(script.options) and made.given == script.given == set(given)
+    assert recorded(made) == recorded(script)
+    if trainer == "grpo":
+        assert script.loss_agg == "dr_grpo" and script.group_size == 4 and script.lr == 3e-5  # the preset's lr
+        assert script.preset_values["max_new_tokens"] == 16 and "group_size" not in script.preset_values
+    with pytest.raises(AttributeError, match="has no option 'no_such'"):
+        script.no_such
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        script.seed = 1

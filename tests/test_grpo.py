@@ -94,13 +94,15 @@ def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     last = read_metrics(out)[-2]
     assert all(k in last for k in ("train/kl", "train/entropy", "train/clip_frac", "train/zero_std_groups",
                                    "perf/gen_tokens_per_s", "perf/train_s_per_step", "perf/score_s_per_step"))
-    assert last["perf/ref_s_per_step"] < 1e-3  # beta 0: no reference model, no time spent on it
     # decoding as nanochat's infer_bench reports it; MBU only where the device's peak bandwidth is known (a GPU)
     assert last["perf/decode_tok_s"] > 0 and "perf/decode_mbu" not in last
     assert 0 < last["perf/decode_row_steps"] <= 8 * 8 * 8  # 64 rows, at most 8 steps (rows that stop are dropped)
     # throughput and the rollout share are over the wall clock, which holds the timed phases and more
     wall_per_step = 8 * 8 / last["perf/completions_per_s"]  # --batch_size 8 x --group_size 8
     phases = sum(last[f"perf/{p}_s_per_step"] for p in ("gen", "score", "ref", "train"))
+    # beta 0: no reference model, no time spent on it (a reference forward costs a share of the step as the
+    # policy's; a bound relative to the step holds on a loaded machine, where a fixed 1 ms did not: 1.008 ms, 2026-11-29)
+    assert last["perf/ref_s_per_step"] < 0.05 * wall_per_step  # with --beta 0.04: 13% (5.8 of 45.6 ms)
     assert phases < wall_per_step < 1.5 * phases
     rollout = last["perf/gen_s_per_step"] + last["perf/score_s_per_step"]
     assert last["perf/rollout_share"] == pytest.approx(rollout / wall_per_step, rel=1e-9)

@@ -25,8 +25,8 @@ from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (Configs, add_config, add_training, config, configs, parse, recorded, run_script,
-                              script_argv, trainer_parser)
+from nanochat_ext.cli import (Configs, RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
+                              run_script, trainer_parser)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
@@ -61,24 +61,26 @@ def flags() -> argparse.ArgumentParser:
     add_config(p, GRPOConfig, SPEC.name, "loss")
     add_config(p, EvalConfig, SPEC.name, "evaluation")
     add_training(p, SPEC.name, lora=True)
+    p.resolve = resolve  # the run's options resolved as the command line's and the API's alike
     return p
 
 
-def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """The flags (parser: flags()'s, as api.py makes it raise rather than exit), --preset's values where not given,
-    --loss_type as --loss_agg."""
-    p, argv = parser or flags(), script_argv(argv)
-    args = parse(p, argv)
-    apply_preset(p, argv, args)
-    if args.loss_type:
-        args.loss_agg = TRL_LOSS_TYPES[args.loss_type]
-    return args
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The run the command line asks for."""
+    return command_line_run(flags(), argv)
 
 
-def train(args: argparse.Namespace, session: Session) -> Path:
+def resolve(options: dict, given: set[str]) -> None:
+    """What depends on other options: --preset's values where not given, TRL's --loss_type as --loss_agg."""
+    apply_preset(options, given)
+    if options["loss_type"]:
+        options["loss_agg"] = TRL_LOSS_TYPES[options["loss_type"]]
+
+
+def train(args: RunConfig, session: Session) -> Path:
     env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
-    print_preset(args)
+    print_preset(args.preset, args.preset_values)
     grpo, rollout, evaluation, reward, agent_cfg = config(GRPOConfig, args), config(RolloutConfig, args), \
         config(EvalConfig, args), config(RewardConfig, args), config(AgentConfig, args)
 

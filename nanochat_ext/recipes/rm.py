@@ -16,7 +16,8 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.rm import RESUME_FLAGS, SPEC, RewardModelMethod, RMConfig
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
+from nanochat_ext.cli import (RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
+                              run_script, trainer_parser)
 from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything
@@ -37,12 +38,12 @@ def flags() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """The flags (parser: flags()'s, as api.py makes it raise rather than exit)."""
-    return parse(parser or flags(), argv)
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The run the command line asks for."""
+    return command_line_run(flags(), argv)
 
 
-def train(args: argparse.Namespace, session: Session) -> Path:
+def train(args: RunConfig, session: Session) -> Path:
     pairs_cfg, rm = config(PairsConfig, args), config(RMConfig, args)
     rm.check()
     env, c = session.env, configs(args, SPEC.name, adamw_lr=rm.default_lr(bool(args.lora_r)))

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.sft import SFT, SPEC, sft_examples
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import add_config, add_training, config, configs, parse, recorded, run_script, trainer_parser
+from nanochat_ext.cli import (RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
+                              run_script, trainer_parser)
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
@@ -44,12 +45,12 @@ def flags() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
-    """The flags (parser: flags()'s, as api.py makes it raise rather than exit)."""
-    return parse(parser or flags(), argv)
+def parse_args(argv: list[str] | None = None) -> RunConfig:
+    """The run the command line asks for."""
+    return command_line_run(flags(), argv)
 
 
-def train(args: argparse.Namespace, session: Session) -> Path:
+def train(args: RunConfig, session: Session) -> Path:
     env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
     out_dir, log_dir = c.out.dirs(SPEC.words["stage_dir"], "default")

@@ -20,6 +20,7 @@ import gc
 import itertools
 import os
 import random
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -80,6 +81,29 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 
 _CPU_GROUP: Any = None  # the group CPU tensors, objects and barriers use (see the module docstring)
+_THREAD = threading.local()  # a thread's own group for them (in_group): a rollout thread's, beside the training's
+
+
+def cpu_group() -> Any:
+    """The group this thread's CPU collectives use: its own (in_group), else the run's."""
+    return getattr(_THREAD, "group", None) or _CPU_GROUP
+
+
+def side_group() -> Any:
+    """Collective: a new gloo group over every rank, for a thread whose collectives run while the main thread's do
+    (one group's collectives must come in one order on every rank: two threads on one group would interleave them
+    differently and hang). None without a process group."""
+    return dist.new_group(backend="gloo") if _is_dist() else None
+
+
+@contextlib.contextmanager
+def in_group(group: Any) -> Iterator[None]:
+    """This thread's CPU collectives (gather_objects, raise_if_any, ...) on `group` meanwhile."""
+    _THREAD.group = group
+    try:
+        yield
+    finally:
+        _THREAD.group = None
 
 
 def served_device_types(backend: str) -> set[str]:
@@ -161,7 +185,7 @@ def free_port() -> int:
 
 def group_for(device: torch.device) -> Any:
     """The process group that serves tensors on `device` (None: the default group)."""
-    return _CPU_GROUP if device.type == "cpu" else None
+    return cpu_group() if device.type == "cpu" else None
 
 
 @contextlib.contextmanager
@@ -226,7 +250,7 @@ def print0(*args: Any, **kwargs: Any) -> None:
 
 def barrier() -> None:
     if _is_dist():
-        dist.barrier(group=_CPU_GROUP)
+        dist.barrier(group=cpu_group())
 
 
 def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
@@ -242,7 +266,7 @@ def all_reduce_sum(x: torch.Tensor | float) -> torch.Tensor | float:
 def all_reduce_max(x: float) -> float:
     t = torch.tensor([float(x)], dtype=torch.float64)
     if _is_dist():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_CPU_GROUP)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=cpu_group())
     return t.item()
 
 
@@ -262,7 +286,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     if not _is_dist():
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, group=_CPU_GROUP)
+    dist.broadcast_object_list(box, src=src, group=cpu_group())
     return box[0]
 
 
@@ -321,7 +345,7 @@ def gather_objects(obj: Any) -> list[Any]:
     if not _is_dist():
         return [obj]
     out: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj, group=_CPU_GROUP)
+    dist.all_gather_object(out, obj, group=cpu_group())
     return out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
@@ -19,12 +19,12 @@ from nanochat_ext.algorithms.advantages import advantages, sequence_kl
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.grpo_config import GRPOConfig, LossConfig
 from nanochat_ext.algorithms.rewards import Rewards
-from nanochat_ext.algorithms.rollouts import (FEWER_COMPLETIONS, ZERO_STD, RolloutConfig, Rollouts, left_out,
-                                             log_rollouts)
+from nanochat_ext.algorithms.rollouts import (FEWER_COMPLETIONS, ZERO_STD, Rollout, RolloutConfig, Rollouts,
+                                             in_global_order, left_out, log_rollouts)
 from nanochat_ext.config import NO, TrainerSpec
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
-from nanochat_ext.ddp_common import all_reduce_sum
+from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, gather_objects
 from nanochat_ext.engine.cost import peak_bandwidth
 from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.runtime.oom import smaller_micro
@@ -205,15 +205,15 @@ WINDOW = ("reward", "reward_sq", "samples", "sandbox_failures", "tokens", "sampl
           "tool_timeouts", "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
           "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
           "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes", "teacher_kl",
-          "teacher_tokens")  # a log window's sums, and each reward's
+          "teacher_tokens", "staleness")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
                      "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
-                     "max_turns": 8, "teacher": None, "kl_estimator": "k1"}
+                     "max_turns": 8, "teacher": None, "kl_estimator": "k1", "async_rollouts": 0}
 # The flags a resumed run must keep (its learning-rate schedule too, unless --resume_extend).
 RESUME_FLAGS = ("batch_size", "group_size", "seed", "loss_agg", "max_new_tokens", "std_mode", "advantage",
                 "importance_level", "filter_zero_std", "optimizer", "tools", "env", "tool_format", "max_turns",
-                "teacher", "kl_estimator")
+                "teacher", "kl_estimator", "async_rollouts")
 
 
 @dataclass
@@ -244,8 +244,9 @@ class GRPO:
         self.clock_noted = False
         env = training.env
         self.rollouts = Rollouts(training.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
-                                 loader.plan.batch_size, seed, env, training.autocast, self.window, progress,
-                                 drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))))
+                                 loader.plan.batch_size, seed, env, training.fresh_autocast, self.window, progress,
+                                 drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))),
+                                 ahead=training.rollout_engine, pending=in_flight(training.resumed, env))
         self.peak_bw = peak_bandwidth(env.device)
         # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
@@ -327,7 +328,27 @@ class GRPO:
         return metrics
 
     def resume_state(self) -> dict:
-        return {"draw": self.rollouts.drawn, "device_batch_size": self.micro}
+        """Collective with --async_rollouts: every rank's draw in flight, in global order (any world size resumes it)."""
+        state = {"draw": self.rollouts.drawn, "device_batch_size": self.micro}
+        mine = self.rollouts.in_flight()
+        if mine is not None:
+            parts = gather_objects(mine)
+            groups = in_global_order([Rollout(**p["rollout"]).groups() for p in parts])
+            stats = {k: sum(p["stats"][k] for p in parts) for k in mine["stats"]}  # summed over ranks, as logged
+            state["in_flight"] = {"groups": [asdict(g) for g in groups], "stats": stats,
+                                  "staleness": mine["staleness"], "n_rewards": len(self.rewards.names)}
+        return state
+
+
+def in_flight(resumed: dict, env: DistEnv) -> dict | None:
+    """This rank's share of the draw a checkpoint had in flight (--async_rollouts), as Rollouts takes it: its groups
+    by the rank's layout (GlobalBatchLoader's: rank r holds positions r, r + W, ...), the window's sums on rank 0."""
+    saved = resumed.get("in_flight")
+    if saved is None:
+        return None
+    mine = Rollout.concat([Rollout(**g) for g in saved["groups"][env.rank::env.world_size]], saved["n_rewards"])
+    stats = saved["stats"] if env.rank == 0 else {k: 0.0 for k in saved["stats"]}
+    return {"rollout": asdict(mine), "stats": stats, "staleness": saved["staleness"]}
 
 
 def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: float,
@@ -375,6 +396,8 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               # the rows the engine decoded, summed over its steps and the ranks, per GRPO step: rows x decode steps
               # but for the rows eager decoding dropped once they stopped
               "perf/decode_row_steps": s["row_steps"] / steps})
+    if s["staleness"]:  # --async_rollouts: steps between the weights a rollout came from and those it trains
+        m["train/staleness"] = s["staleness"] / steps
     if s["teacher_tokens"]:  # --advantage distill: the mean reverse KL to the teacher of the tokens sampled
         m["train/teacher_kl"] = s["teacher_kl"] / s["teacher_tokens"]
     if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding

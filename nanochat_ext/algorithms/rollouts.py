@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
-from typing import ContextManager
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from typing import Callable, ContextManager
 
 import torch
 
@@ -14,7 +16,7 @@ from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.config import FINITE_NON_NEGATIVE, NON_NEGATIVE, POSITIVE, option
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
-from nanochat_ext.ddp_common import DistEnv, gather_objects
+from nanochat_ext.ddp_common import DistEnv, gather_objects, in_group, side_group
 from nanochat_ext.errors import InputError
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
@@ -129,6 +131,11 @@ class RolloutConfig:
                                   type=int)
     overlong_penalty: float = option(1.0, "the penalty at max_new_tokens, with --overlong_buffer", type=float,
                                      check=FINITE_NON_NEGATIVE)
+    async_rollouts: int = option(0, "1: the next step's rollout is sampled and scored in a thread, from the weights this "
+                                    "step started from, while this step trains (one step off-policy, as TRL's "
+                                    "AsyncGRPO max_staleness 1; the schedule is fixed: step t's rollout comes from the "
+                                    "weights after step t-2, whatever finishes first); 0: each step's from its own "
+                                    "weights", type=int, choices=(0, 1))
     log_rollouts: bool = option(False, "write every completion (token ids, text, reward) of every step to "
                                        "<log_dir>/rollouts.jsonl, in global prompt order whatever the world size",
                                 action="store_true")
@@ -151,64 +158,116 @@ FEWER_COMPLETIONS = "fewer completions per rank (--batch_size, --group_size, or 
 class Rollouts:
     """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with
     --filter_zero_std), each sampled G times from prompt_ids with its own seeds and scored; statistics go to
-    `window`, the phases to `progress`."""
+    `window` as a step takes its rollout, the phases to `progress`.
+
+    --async_rollouts 1 (`ahead`: an engine holding its own copy of the policy): step t takes the rollout sampled while
+    step t-1 trained, from the weights step t-1 started from, then copies the weights step t starts from into that
+    engine and starts the next draw in a thread; the first step's rollout and the next draw both come from the
+    starting weights. A draw's tokens depend only on its seeds and the weights it was given, so the runs are the same
+    on any number of ranks and resumed (a checkpoint holds the draw in flight: `pending`)."""
 
     def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
                  prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
-                 env: DistEnv, autocast: ContextManager, window: WindowSums, progress: Progress, drawn: int = 0):
+                 env: DistEnv, autocast: Callable[[], ContextManager], window: WindowSums, progress: Progress,
+                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None):
         self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
         self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
         self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
         self.G = cfg.group_size
         self.drawn = drawn
+        self.ahead = ahead
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead is not None else None
+        self.group = side_group() if ahead is not None else None  # the thread's collectives (a reward's failure)
+        self.pending: Future | None = None
+        if pending is not None:  # a resumed run: the draw its checkpoint had in flight
+            self.pending = Future()
+            self.pending.set_result((Rollout(**pending["rollout"]), pending["stats"], pending["staleness"]))
 
     def next(self) -> Rollout:
         """This step's rollout: the next draw, or with --filter_zero_std the groups with a reward spread."""
+        if self.ahead is not None:
+            return self.next_ahead()
         if not self.cfg.filter_zero_std:
             self.drawn += 1
-            return self.draw(self.drawn - 1)
+            ro, stats = self.draw(self.drawn - 1)
+            self.window.add(**stats)
+            return ro
         ro, filled = self.with_signal()
         self.window.add(filled=filled / (self.batch_size * self.env.world_size))
         return ro
 
-    def draw(self, draw: int) -> Rollout:
-        """This rank's share of draw number `draw`, sampled and scored."""
+    def next_ahead(self) -> Rollout:
+        """--async_rollouts 1: the draw sampled while the last step trained (the first step's: sampled now), then the
+        next draw started in the thread from the weights this step starts from."""
+        self.ahead.refresh()  # the weights this step starts from (collective for a sharded policy's copy)
+        if self.pending is None:
+            self.pending = self.start(self.drawn, staleness=0)
+            self.drawn += 1
+        ro, stats, staleness = self.pending.result()
+        self.pending = self.start(self.drawn, staleness=1)
+        self.drawn += 1
+        self.window.add(**stats, staleness=staleness)
+        return ro
+
+    def start(self, draw: int, staleness: int) -> Future:
+        """Draw `draw` sampled and scored in the thread, by the engine holding the weights refreshed last."""
+        def sample_and_score() -> tuple[Rollout, dict, int]:
+            if self.env.device.type == "cuda":  # a thread's current device is its own
+                torch.cuda.set_device(self.env.device)
+            with in_group(self.group):
+                return (*self.draw(draw, self.ahead, quiet=True), staleness)
+
+        return self.worker.submit(sample_and_score)
+
+    def in_flight(self) -> dict | None:
+        """The draw started for the next step, as a checkpoint keeps it (waited for): its rollout, its statistics,
+        its staleness; None where none is."""
+        if self.pending is None:
+            return None
+        ro, stats, staleness = self.pending.result()
+        return {"rollout": asdict(ro), "stats": stats, "staleness": staleness}
+
+    def draw(self, draw: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict]:
+        """This rank's share of draw number `draw`, sampled (by `engine`, default the policy's) and scored, and its
+        statistics for the log window. quiet: in the rollout thread, which names no phase (the training's are)."""
+        engine = engine or self.engine
         indices = [i for mb in self.loader.micro_batches(draw) for i in mb]
         prompts, seed = [self.prompt_ids[i] for i in indices], self.seed
         t0, compiled_before = time.time(), compile_stats()[1]
-        self.engine.model.eval()
-        with self.autocast, self.progress.doing(f"the rollout ({len(indices) * self.G} completions of up to "
-                                                f"{self.sampling.max_new_tokens} tokens)",
-                                                (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
-            samples = self.engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
-                                           [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices],
-                                           [self.rows[i].row for i in indices])
+        engine.model.eval()
+        doing = (lambda what, hints: nullcontext()) if quiet else self.progress.doing
+        with self.autocast(), doing(f"the rollout ({len(indices) * self.G} completions of up to "
+                                    f"{self.sampling.max_new_tokens} tokens)",
+                                    (FEWER_COMPLETIONS, "a smaller --max_new_tokens")):
+            samples = engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
+                                      [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices],
+                                      [self.rows[i].row for i in indices])
         t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
-        decoded = self.engine.last
-        with self.progress.doing("scoring the rollout", (FEWER_COMPLETIONS,)):
+        decoded = engine.last
+        with doing("scoring the rollout", (FEWER_COMPLETIONS,)):
             per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], prompts, samples, self.tok,
                                                     self.G)
         total = self.rewards.total(per_reward)
         unscored = torch.isnan(total)  # the machine's failures (errors.Unscored): out of the loss, out of the means
         total, per_reward_sums = total.nan_to_num(0.0), per_reward.nan_to_num(0.0).sum(0)
         tokens = sum(map(len, samples.completions))
-        self.window.add(reward=total.sum(), reward_sq=(total * total).sum(), samples=len(total),
-                        sandbox_failures=unscored.sum(), tokens=tokens,
-                        sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
-                        tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
-                        tool_timeouts=samples.tool_timeouts,
-                        # the episodes' own counts: scoring asked the environments for their rewards since
-                        env_errors=samples.episodes.env_errors if samples.episodes else 0,
-                        env_timeouts=samples.episodes.env_timeouts if samples.episodes else 0,
-                        late_calls=self.engine.agent.late.count() if self.engine.agent else 0,
-                        turns=sum(samples.turns) if samples.turns else len(samples.completions),
-                        truncated=sum(samples.truncated), rm_cut=rm_cut,
-                        draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
-                        score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, row_steps=decoded.row_steps,
-                        decode_s=decoded.decode_s,
-                        decode_bytes=decoded.bytes_read,
-                        **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward_sums.tolist())})
-        return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled, samples.logprobs)
+        stats = dict(reward=float(total.sum()), reward_sq=float((total * total).sum()), samples=len(total),
+                     sandbox_failures=int(unscored.sum()), tokens=tokens,
+                     sampled_tokens=tokens if samples.sampled is None else sum(map(sum, samples.sampled)),
+                     tool_calls=samples.tool_calls, tool_errors=samples.tool_errors,
+                     tool_timeouts=samples.tool_timeouts,
+                     # the episodes' own counts: scoring asked the environments for their rewards since
+                     env_errors=samples.episodes.env_errors if samples.episodes else 0,
+                     env_timeouts=samples.episodes.env_timeouts if samples.episodes else 0,
+                     late_calls=engine.agent.late.count() if engine.agent else 0,
+                     turns=sum(samples.turns) if samples.turns else len(samples.completions),
+                     truncated=sum(samples.truncated), rm_cut=rm_cut,
+                     draws=1.0 / self.env.world_size, gen_s=t1 - t0 - compile_s, compile_s=compile_s,
+                     score_s=time.time() - t1, decoded=decoded.rows * decoded.steps, row_steps=decoded.row_steps,
+                     decode_s=decoded.decode_s, decode_bytes=decoded.bytes_read,
+                     **{f"reward_{n}": v for n, v in zip(self.rewards.names, per_reward_sums.tolist())})
+        return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled,
+                       samples.logprobs), stats
 
     def with_signal(self) -> tuple[Rollout, int]:
         """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward
@@ -216,7 +275,9 @@ class Rollouts:
         Returns it and how many zero-spread groups filled it up."""
         kept = SignalFilter(self.batch_size)
         for _ in range(self.cfg.max_draws):
-            groups = in_global_order(gather_objects(self.draw(self.drawn).groups()))
+            ro, stats = self.draw(self.drawn)
+            self.window.add(**stats)
+            groups = in_global_order(gather_objects(ro.groups()))
             self.drawn += 1
             kept.add(groups, [bool(zero_std_groups(self.rewards.total(g.rewards), self.G)) for g in groups])
             if kept.full:

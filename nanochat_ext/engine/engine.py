@@ -114,12 +114,13 @@ class Engine:
     step, to answer a block the step closed or a turn it ended. drop_finished: the batch shrinks as rows stop
     (scheduler.shrunk_rows; the same tokens: each row's logits are its own, up to a batch size's rounding). logprobs:
     the samples carry each token's log-prob as the engine computed it (sampling.token_logprob), for comparing with
-    the trainer's."""
+    the trainer's. held: the whole copy (whole_in) is refreshed only when the caller says so (refresh()), never by a
+    call: a rollout decoding in another thread while the policy trains reads the weights it was given, whole."""
 
     def __init__(self, model: Backbone, compile: bool = False, whole_in: torch.dtype | None = None,
                  agent: RolloutAgent | None = None, reserve: int = 0, end_check_every: int | None = None,
-                 drop_finished: bool = True, logprobs: bool = False):
-        self.model = model
+                 drop_finished: bool = True, logprobs: bool = False, held: bool = False):
+        self.model, self.held = model, held
         self.drop_finished, self.logprobs = drop_finished, logprobs
         self.agent = agent if agent is not None and agent.active else None
         self.compiled = compile and model.native
@@ -216,7 +217,7 @@ class Engine:
                 if not masters:
                     return self.model
                 self._lowered = lowered_copy(self.model, masters, dtype)
-        return self.refresh()
+        return self._lowered[0] if self.held else self.refresh()
 
     def refresh(self) -> Backbone | None:
         """Copy the policy's current weights into the engine's copy (if it keeps one) and return the copy.
@@ -261,7 +262,8 @@ def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtyp
     pairs."""
     lowering = {id(p) for p in masters}
     memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
-    memo.update({id(p): nn.Parameter(p.detach().to(dtype), requires_grad=False) for p in masters})  # no fp32 copy
+    # a copy of its own also in the masters' dtype (a held engine decodes while the masters train)
+    memo.update({id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in masters})
     lowered = copy.deepcopy(model, memo=memo)
     for m in lowered.modules():  # a forward set on the instance (compiled, checkpointed) calls the original's
         if getattr(m.__dict__.get("forward"), "wraps_block", False):

@@ -98,6 +98,9 @@ def train(args: RunConfig, session: Session) -> Path:
                          f"which --device_batch_size {given_micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
     grpo.check(rollout.filter_zero_std)
+    if rollout.async_rollouts and rollout.filter_zero_std:
+        raise InputError("--async_rollouts 1 with --filter_zero_std is not built yet (its extra draws would have to be "
+                         "sampled ahead too): leave one of them off")
     if (grpo.advantage == "distill") != bool(args.teacher):
         raise InputError("--advantage distill needs a --teacher" if args.teacher is None else
                          "--teacher is read by --advantage distill alone")
@@ -134,7 +137,8 @@ def train(args: RunConfig, session: Session) -> Path:
                       {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
         merge_lora=c.lora.merge_lora, temperature=rollout.temperature,
         also_compile=(rm_backbone,) if rm_backbone else (),
-        decode=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens))
+        decode=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens,
+                          rollout_copy=bool(rollout.async_rollouts)))
     print0(training.describe())
     print0(decode_line(training, why))
     print0(agent.describe())
@@ -169,7 +173,8 @@ def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: i
         rows=share, accum=None if getattr(training.model, "accumulate_unsharded", True) else 1,
         reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
         lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
-        kept_rows=kept_rows, slots=engine.reserved_slots, teacher=backbone_shape(teacher) if teacher else None)
+        kept_rows=kept_rows, slots=engine.reserved_slots, teacher=backbone_shape(teacher) if teacher else None,
+        rollout_copy=training.rollout_engine.kept_rows({share}) if training.rollout_engine else None)
 
 
 def decode_line(training: PolicyTraining, why: str) -> str:

@@ -5,6 +5,7 @@ for the RM). What they do alike once built, saving in the input's own layout and
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +107,10 @@ class ModelTraining:
         print0(f"resume: from {path} at step {self.start_step}" + (f" (draw {state['draw']})" if "draw" in state
                                                                     else ""))
 
+    def fresh_autocast(self) -> contextlib.AbstractContextManager:
+        """The run's autocast as a new context (one in use in another thread is not entered twice)."""
+        return precision(self.dtype, self.env.device)
+
     def training_hints(self, micro: int, share: int) -> tuple[str, ...]:
         """What takes less memory in a training micro-batch of `micro` of this rank's `share` rows."""
         return (*smaller_micro(micro, share), "--activation_checkpointing", *self.state_hints)
@@ -195,6 +200,7 @@ class DecodeSpec:
     compile: bool
     agent: Agent | None  # the tools and environment the rollouts run with
     reserve: int  # positions: the longest prompt plus --max_new_tokens
+    rollout_copy: bool = False  # --async_rollouts: the rollouts decode from a copy of the policy, refreshed when told
 
 
 class PolicyTraining(ModelTraining):
@@ -237,6 +243,11 @@ class PolicyTraining(ModelTraining):
             whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
             self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, agent=decode.agent,
                                  reserve=decode.reserve, logprobs=True)  # train/engine_ratio (grpo.py)
+        # --async_rollouts: a second engine whose whole copy of the policy (in the masters' dtype: the tokens of the
+        # weights it was given) decodes the next step's rollout while this step trains
+        self.rollout_engine = Engine(policy, compile=decode.compile, whole_in=whole_in or next(policy.parameters()).dtype,
+                                     agent=decode.agent, reserve=decode.reserve, logprobs=True, held=True) \
+            if decode is not None and decode.rollout_copy else None
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
         self._check_sources(resume)

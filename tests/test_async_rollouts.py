@@ -1,0 +1,123 @@
+"""--async_rollouts 1 (issue 82): the next step's rollout is sampled and scored in a thread while this step trains.
+Its schedule is fixed: step t's rollout comes from the weights after step t-2 (the first two steps' from the starting
+weights), checked against an engine decoding each draw from the checkpoint of those weights; 2 ranks sample what
+1 rank samples and take the same update; a run cut at a checkpoint resumes, the draw in flight kept in it, to the
+uninterrupted run's weights bitwise; --async_rollouts is a resume flag; 0 is the synchronous loop."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from conftest import REPO, assert_same_update, run_script
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.data.batching import encode_prompts
+from nanochat_ext.data.rows import read_prompts
+from nanochat_ext.engine.engine import Engine
+from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
+from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+from scripts import kat_train_grpo
+from test_grpo import grpo_args, grpo_assets, read_metrics  # noqa: F401 (a fixture)
+
+COMMON = ("--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4", "--beta", "0.04",
+          "--log_rollouts", "--log_every", "1", "--val_ratio", "0", "--seed", "3", "--lr", "3e-2")
+
+
+def rollouts_by_step(out) -> dict[int, list[tuple[int, list[int]]]]:
+    """Each step's logged (prompt, completion) pairs: its last run of lines (a resumed run logs a step anew)."""
+    steps: dict[int, list] = {}
+    previous = None
+    for r in map(json.loads, (out / "logs" / "rollouts.jsonl").read_text().splitlines()):
+        if r["step"] != previous:
+            steps[r["step"]], previous = [], r["step"]
+        steps[r["step"]].append((r["prompt_index"], r["completion_ids"]))
+    return steps
+
+
+def checkpoints(out) -> list:
+    """The run's checkpoints' model files, oldest first (one a step with --save_every 1 --keep_last 0)."""
+    return sorted(out.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
+
+
+def test_a_steps_rollout_comes_from_the_weights_two_steps_before(assets, grpo_assets, tmp_path):
+    """Each logged step's completions are what an engine decodes, with the run's seeds for that draw, from the weights
+    after step max(0, t-2) (t counted from 1): the first two steps' from the starting policy, then the checkpoint one
+    step older than the synchronous loop's. Decoding from the synchronous loop's weights instead gives other tokens:
+    the check tells the two schedules apart."""
+    out = tmp_path / "async"
+    argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "4", "--async_rollouts", "1",
+                     "--save_every", "1", "--keep_last", "0", "--temperature", "1.0")
+    assert kat_train_grpo.main(argv) == 0
+    logged = rollouts_by_step(out)
+    metrics = [m for m in read_metrics(out) if "train/loss" in m]
+    assert [m.get("train/staleness", 0.0) for m in metrics] == [0.0, 1.0, 1.0, 1.0]
+    weights = [assets["gpt"], *checkpoints(out)]  # after 0, 1, 2, 3, 4 steps
+    tok = load_tokenizer_for(load_backbone(assets["gpt"]), str(assets["tokenizer"]))
+    rows, _ = read_prompts(str(grpo_assets["prompts"]), None, 0.0)
+    ids = encode_prompts(rows, Agent(AgentConfig(), tok).render_prompt, 512, 8, None)
+
+    def decoded(step: int, after: int) -> list[tuple[int, list[int]]]:
+        indices = sorted({i for i, _ in logged[step]})
+        engine = Engine(load_backbone(weights[after]))
+        samples = engine.generate([ids[i] for i in indices], 4, SamplingConfig(8, 1.0), tok.stop_ids, tok.pad_id,
+                                  [torch.Generator().manual_seed(sample_seed(3, step - 1, i)) for i in indices])
+        return [(i, c) for k, i in enumerate(indices) for c in samples.completions[4 * k:4 * k + 4]]
+
+    for step in (1, 2, 3, 4):
+        assert sorted(logged[step]) == sorted(decoded(step, max(0, step - 2))), step
+    assert sorted(logged[4]) != sorted(decoded(4, 3))  # the synchronous loop's weights for step 4
+
+
+def test_two_ranks_sample_and_step_as_one_and_a_cut_run_resumes_to_the_same_weights(assets, grpo_assets, tmp_path,
+                                                                                    capsys):
+    """1 rank = 2 ranks under --async_rollouts 1 (the rollouts equal, the update within today's tolerance); the
+    two-rank run, its last checkpoint removed (a crash after step 2: the draw for step 3 in flight, kept in the
+    checkpoint of step 2), resumes on one rank to the same update; a 1-rank run cut the same way resumes to the
+    uninterrupted run's weights bitwise. Changing --async_rollouts on resume is refused in one line."""
+    args = (*COMMON, "--max_steps", "3", "--async_rollouts", "1")
+    one, two, cut = tmp_path / "one", tmp_path / "two", tmp_path / "cut"
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *args)) == 0
+    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *args, "--save_every", "1"),
+                      nproc=2, env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert rollouts_by_step(one) == rollouts_by_step(two)
+    init = load_backbone(assets["gpt"]).model.state_dict()
+    want = load_backbone(one).model.state_dict()
+    assert_same_update(load_backbone(two).model.state_dict(), want, init)
+
+    def crash_after_step_2(out) -> None:
+        for path in (checkpoints(out)[-1], *(out / f"{kind}_{checkpoints(out)[-1].stem.split('_')[1]}.{ext}"
+                                             for kind, ext in (("meta", "json"), ("state", "pt")))):
+            path.unlink()
+
+    crash_after_step_2(two)
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *args, "--resume", "latest")) == 0
+    assert_same_update(load_backbone(two).model.state_dict(), want, init)
+
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, cut, *args, "--save_every", "1")) == 0
+    crash_after_step_2(cut)
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, cut, *args, "--resume", "latest")) == 0
+    for name, p in load_backbone(cut).model.state_dict().items():
+        torch.testing.assert_close(p, want[name], atol=0, rtol=0, msg=name)
+    assert rollouts_by_step(cut)[3] == rollouts_by_step(one)[3]  # the draw kept in flight, not sampled again
+
+    sync = [*args[:-1], "0"]  # --async_rollouts 0
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, cut, *sync, "--resume", "latest")) == 2
+    assert "--async_rollouts is 0 but the checkpoint was trained with 1" in capsys.readouterr().err
+
+
+def test_with_weights_that_do_not_move_the_thread_samples_the_synchronous_loops_draws(assets, grpo_assets, tmp_path):
+    """A reward of 0 and no KL: no gradient, so the weights never move and every draw, sampled ahead in the thread or
+    in the step, comes from the same weights: the two loops log the same completions step by step (the thread takes
+    the draws in order, with their own seeds, scored) and end at the starting weights."""
+    logged, init = {}, load_backbone(assets["gpt"]).model.state_dict()
+    for k in ("0", "1"):
+        out = tmp_path / f"async_{k}"
+        argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "3", "--async_rollouts", k)
+        argv[argv.index("rewards_for_tests:vowel_share")] = "rewards_for_tests:zero"
+        argv[argv.index("--beta") + 1] = "0"
+        assert kat_train_grpo.main(argv) == 0
+        logged[k] = rollouts_by_step(out)
+        for name, p in load_backbone(out).model.state_dict().items():
+            torch.testing.assert_close(p, init[name], atol=0, rtol=0, msg=name)
+    assert logged["0"] == logged["1"] and sorted(logged["1"]) == [1, 2, 3]

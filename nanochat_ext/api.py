@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import numbers
 import signal
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +30,7 @@ from nanochat_ext.algorithms import answers
 from nanochat_ext.algorithms.answers import AnswerOptions
 from nanochat_ext.algorithms.rewards import check_reward_fns
 from nanochat_ext.algorithms.rewards import trl_style as trl_reward  # noqa: F401  (api.trl_reward(f): a TRL reward)
-from nanochat_ext.cli import resolved, run_body
+from nanochat_ext.cli import RunConfig, resolved, run_body
 from nanochat_ext.data.rows import InMemoryRows
 from nanochat_ext.errors import EXIT_INTERRUPTED, InputError, RunFailed
 from nanochat_ext.recipes import dpo, grpo, rm, sft
@@ -105,8 +106,7 @@ def run_recipe(recipe: ModuleType, configs: tuple[Any, ...], options: dict[str, 
     """The recipe's run with these options, as its script runs the same options given as flags."""
     parser = recipe.flags()
     trainer = parser.prog
-    given = {**given_in(configs, parser, trainer), **options}
-    run = resolved(parser, python_options(given, parser, trainer), {k for k, v in given.items() if v is not None})
+    run = python_run(parser, {**given_in(configs, parser, trainer), **options})
     guard.in_process = True  # a second Ctrl-C raises KeyboardInterrupt here, never exits the caller's process
     try:
         code, checkpoint = run_body(run, recipe.train, "checkpoint")
@@ -140,6 +140,16 @@ def given_in(configs: tuple[Any, ...], parser: argparse.ArgumentParser, trainer:
     return given
 
 
+def python_run(parser: argparse.ArgumentParser, given: dict[str, Any]) -> RunConfig:
+    """The run these Python values ask for, as the script's parser would run them given as flags: each option checked
+    (python_options), the options given (a preset sets only the others) those a command line would have: not None, a
+    flag (store_true) True, a list not empty."""
+    options = python_options(given, parser, parser.prog)
+    said = {k for k, v in given.items()
+            if v is not None and v is not False and not (isinstance(v, (list, tuple)) and not v)}
+    return resolved(parser, options, said)
+
+
 def python_options(given: dict[str, Any], parser: argparse.ArgumentParser, trainer: str) -> dict[str, Any]:
     """Every option of the trainer: its flag's default where not given (None: the default), else the value given,
     checked as its flag checks a value (type, choices, a list where the flag takes several) without a command line in
@@ -164,6 +174,8 @@ def python_options(given: dict[str, Any], parser: argparse.ArgumentParser, train
         elif isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
             if not isinstance(value, (list, tuple)):
                 refuse(f"{trainer}'s option {name} takes a list, got {value!r}")
+            if not value and action.nargs == "+":
+                refuse(f"{trainer}: argument --{name}: expected at least one value, got []")
             options[name] = [option_value(action, v, trainer) for v in value]
         else:
             options[name] = option_value(action, value, trainer)
@@ -177,9 +189,9 @@ def option_value(action: argparse.Action, value: Any, trainer: str) -> Any:
     """One value as its flag takes it: a number for a number's flag (an int for an int's), its type's reading of a
     string (as the flag reads its text), text for a flag of text (a path as its text); one of its choices."""
     kind = action.type
-    if kind in (int, float) and isinstance(value, (int, float)) and not isinstance(value, bool) and \
-            (kind is float or isinstance(value, int)):
-        value = kind(value)
+    if kind in (int, float) and isinstance(value, numbers.Real) and not isinstance(value, bool) and \
+            (kind is float or isinstance(value, numbers.Integral)):
+        value = kind(value)  # numpy's numbers too: a sweep over np.arange or np.logspace
     elif kind is not None:
         if not isinstance(value, (str, Path)) and kind in (int, float):
             refuse(f"{trainer}: argument --{action.dest}: invalid {kind.__name__} value: {value!r}")

@@ -119,18 +119,24 @@ def parse(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namesp
 class RunConfig:
     """A trainer's run as its recipe reads it: every option of its parser at its final value (given, a --preset's, the
     trainer's default; rows and functions given in Python as the objects they are), frozen. The command line makes it
-    from argv (command_line_run), the Python API from configs and keywords (python_run): the same options, resolved
-    the same way (the recipe's `resolve`: GRPO's preset and TRL's --loss_type). Read as attributes (run.seed), as
-    typed configs (config(GRPOConfig, run)); its checkpoints record its options (recorded)."""
+    from argv (command_line_run), the Python API from configs and keywords (api.python_run): the same options,
+    resolved the same way (the recipe's `resolve`: GRPO's preset and TRL's --loss_type). Read as attributes
+    (run.seed), as typed configs (config(GRPOConfig, run)); its checkpoints record its options (recorded)."""
     script: str  # the trainer's script: its parser's prog
     options: Mapping[str, Any]
     given: frozenset[str]  # the options the user gave, whatever their values (a preset sets only the others)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "options", MappingProxyType(dict(self.options)))  # read-only
 
     def __getattr__(self, name: str) -> Any:
         try:
             return self.__dict__["options"][name]
         except KeyError:
             raise AttributeError(f"{self.__dict__.get('script', 'the run')} has no option {name!r}") from None
+
+    def __reduce__(self) -> tuple:  # pickled and copied as its plain values (a mappingproxy pickles not)
+        return RunConfig, (self.script, dict(self.options), self.given)
 
 
 def command_line_run(p: argparse.ArgumentParser, argv: list[str] | None) -> RunConfig:
@@ -143,6 +149,8 @@ def resolved(p: argparse.ArgumentParser, options: dict[str, Any], given: set[str
     """The run of these options: the recipe's `resolve(options, given)` (set on its parser, where it has one) fills
     in what depends on other options, then the options are frozen."""
     options = dict(options)
+    if clash := {f.name for f in dataclasses.fields(RunConfig)} & options.keys():  # a run's fields are not options
+        raise ValueError(f"{p.prog}: an option may not be named {', '.join(sorted(clash))}")
     if (resolve := p.__dict__.get("resolve")) is not None:
         resolve(options, given)
     return RunConfig(p.prog, MappingProxyType(options), frozenset(given))
@@ -154,7 +162,7 @@ def script_argv(argv: list[str] | None) -> list[str]:
     return argv[1:] if argv[:1] == ["--"] else argv
 
 
-def config(cls: type, args: argparse.Namespace):
+def config(cls: type, args: argparse.Namespace | RunConfig):
     """`cls` from the flags of its fields the script has (the others keep their defaults), checked: one line naming a
     flag out of its range."""
     made = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
@@ -174,7 +182,7 @@ class Configs:
     lora: LoraConfig
 
 
-def configs(args: argparse.Namespace, trainer: str, adamw_lr: float | None = None) -> Configs:
+def configs(args: RunConfig, trainer: str, adamw_lr: float | None = None) -> Configs:
     """`trainer`'s shared configs from its flags: one line for a flag out of range or a combination none can train.
     adamw_lr: --lr where not given, if the trainer's default depends on other flags (the RM's on what trains)."""
     model, out = config(ModelConfig, args), config(OutputConfig, args)

@@ -235,7 +235,9 @@ def test_what_the_trainer_does_not_take_is_refused_before_anything_runs(assets, 
                        (lambda: api.train_grpo(**needs, log_rollouts="false"),
                         "kat_train_grpo's option log_rollouts is True or False, got 'false'"),
                        (lambda: api.train_grpo(**needs, reward_weights=1.0),
-                        "kat_train_grpo's option reward_weights takes a list, got 1.0")]:
+                        "kat_train_grpo's option reward_weights takes a list, got 1.0"),
+                       (lambda: api.train_grpo(**needs, reward_weights=[]),
+                        "kat_train_grpo: argument --reward_weights: expected at least one value, got []")]:
         with pytest.raises(InputError) as e:
             call()
         assert said in str(e.value), (said, str(e.value))

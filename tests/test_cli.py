@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import importlib
+import pickle
 import pkgutil
 
+import numpy as np
 import pytest
 
 import nanochat_ext
 from conftest import REPO
 from nanochat_ext.algorithms.trainers import SPECS
-from nanochat_ext.api import python_options
-from nanochat_ext.cli import TRAINERS, recorded, resolved
+from nanochat_ext.api import python_run
+from nanochat_ext.cli import TRAINERS, recorded
 from scripts import kat_docs, kat_sft, kat_train_dpo, kat_train_grpo, kat_train_rm
 from scripts.flags import REQUIRED_FLAG, SCRIPT_FLAGS
 
@@ -139,8 +142,12 @@ def test_the_flag_reference_is_current():
 AS_PYTHON = {"sft": {"max_steps": 7, "lr": 1e-4, "device_batch_size": "auto", "dtype": "float32"},
              "rm": {"max_steps": 7, "batch_size": 4, "val_ratio": 0.1, "skip_bad_rows": True},
              "dpo": {"beta": 0.5, "loss_type": "ipo", "device_batch_size": 2, "out": REPO / "never"},
-             "grpo": {"preset": "word_arithmetic", "group_size": 4, "loss_type": "dr_grpo", "top_k": 5,
-                      "reward_weights": [1.0, 0.5], "reward_fn": ["last_number", "gsm8k"], "log_rollouts": True}}
+             "grpo": {"preset": "word_arithmetic", "group_size": 4, "loss_type": "dr_grpo", "top_k": np.int64(5),
+                      "top_p": np.float64(0.9), "reward_weights": [1.0, 0.5], "reward_fn": ["last_number", "gsm8k"],
+                      "log_rollouts": True}}
+# What a command line says by leaving a flag off: None (the default), False (a flag not set), [] (none appended).
+UNSAID = {"sft": {"tag": None}, "rm": {"log_dir": None}, "dpo": {"skip_bad_rows": False}, "grpo": {"max_steps": None,
+          "filter_zero_std": False, "mask_truncated": False}}
 
 
 def as_flags(options: dict) -> list[str]:
@@ -164,10 +171,10 @@ def test_the_api_runs_what_the_command_line_runs_for_the_same_options(trainer):
     given = {**dict(zip(REQUIRED[trainer][::2], REQUIRED[trainer][1::2])), **AS_PYTHON[trainer]}
     given = {k.removeprefix("--"): v for k, v in given.items()}
     script = SCRIPTS[trainer].parse_args(as_flags(given))
-    made = resolved(SCRIPTS[trainer].flags(), python_options(given, SCRIPTS[trainer].flags(), trainer),
-                    set(given))
+    made = python_run(SCRIPTS[trainer].flags(), {**given, **UNSAID[trainer]})
     assert dict(made.options) == dict(script.options) and made.given == script.given == set(given)
     assert recorded(made) == recorded(script)
+    assert pickle.loads(pickle.dumps(script)) == script and copy.deepcopy(made) == made
     if trainer == "grpo":
         assert script.loss_agg == "dr_grpo" and script.group_size == 4 and script.lr == 3e-5  # the preset's lr
         assert script.preset_values["max_new_tokens"] == 16 and "group_size" not in script.preset_values
@@ -175,3 +182,5 @@ def test_the_api_runs_what_the_command_line_runs_for_the_same_options(trainer):
         script.no_such
     with pytest.raises(dataclasses.FrozenInstanceError):
         script.seed = 1
+    with pytest.raises(TypeError):
+        script.options["seed"] = 1

@@ -145,7 +145,7 @@ def test_static_decode_step_matches_nanochat(name):
     tokens one at a time; every step's logits are nanochat's at those positions. Compiled through dynamo and AOT
     autograd (the graph --compile captures, its guards and static cache) without inductor's code generation, whose
     C++ compile of this step took 38 of the test's 43 s: inductor's numerics on the decode step are test_engine's
-    test_inductor_engine_keeps_its_state_and_graph (eager's tokens, a re-forward's), on nanochat's current GPT."""
+    test_runner's test_inductor_engine_keeps_its_state_and_graph (eager's tokens, a re-forward's), on nanochat's current GPT."""
     golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
     bb = load_backbone(fixture_dir(name), vintage=vintage_of(name))
     long_row, row60 = golden["inputs"][3][0], golden["inputs"][2][0]

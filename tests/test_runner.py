@@ -21,7 +21,7 @@ from test_sampling import assert_sampled_from_reforward
 @pytest.mark.parametrize("name,temperature", [("gpt_modern", 0.0)])
 def test_inductor_engine_keeps_its_state_and_graph(assets, name, temperature):
     """--compile 1 with inductor on today's nanochat, greedy, rows stopping at different steps (the native Llama and
-    sampling run compiled in the aot_eager test above, whose graphs are the same before code generation). The
+    sampling run compiled in test_engine's aot_eager tests, whose graphs are the same before code generation). The
     compiled tokens are eager's, each a re-forward's; a second call of the same batch shape reuses the state (the
     same data_ptr for every buffer, each marked a static address for CUDA graphs) and adds no graph. (That another row
     count gets a state of its own is engine logic whatever the backend: test_grpo's

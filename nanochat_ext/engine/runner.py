@@ -122,13 +122,13 @@ class CompiledRunner:
     """A call decoded by the compiled step over kept static state (KeptStates): the prompts prefilled once
     (eagerly, into a cache of their own length), then copied into the kept state of this many rows, each prompt's
     cache, logits and mask repeated for its G samples. Token t goes to cache slot P + t, and each step reads the
-    cache's slots in use rounded up to a length bucket (scheduler.read_length). Every row's outputs end in the call's
-    state, `call`."""
+    cache's slots in use rounded up to a length bucket (scheduler.read_length). Every row's outputs end in the state
+    the call began in (LiveRows writes them back there)."""
     static = True  # the batch's row counts are the kept states'
 
     def __init__(self, kept: "KeptStates", c: Call):
         self.kept, self.c = kept, c
-        self.call = self.now = kept.prefilled(c)
+        self.now = kept.prefilled(c)
         self.held, self.start = self.now.rows, c.ids.size(1)
         self.decodes = self.row_steps = 0
 

@@ -89,7 +89,7 @@ def take_tokens(logits: torch.Tensor, u: torch.Tensor, t: torch.Tensor, out: tor
                 force: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
                 logps: torch.Tensor | None = None) -> torch.Tensor:
     """Token t (a 0-d tensor, so a compiled step serves every t) of every row: sampled from logits at the
-    row's uniform u (force(sampled, t): the tokens forced instead, and where, see tools.py), the pad for rows
+    row's uniform u (force(sampled, t): the tokens forced instead, and where, see forcing.py), the pad for rows
     already stopped. Written into out; rows whose token is any of stop_ids (a 1-d tensor of ids: its values are data, so
     another set of the same size compiles nothing) stop now, marked in done and lengths; with logps (rows,
     max_new_tokens), each token's token_logprob goes to its column t (0 for a pad). All in place, but logits."""

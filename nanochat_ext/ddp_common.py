@@ -82,6 +82,7 @@ def pick_device(device: str, local_rank: int) -> torch.device:
 
 _CPU_GROUP: Any = None  # the group CPU tensors, objects and barriers use (see the module docstring)
 _THREAD = threading.local()  # a thread's own group for them (in_group): a rollout thread's, beside the training's
+_TIMEOUT: datetime.timedelta | None = None  # the run's collectives' timeout (init_dist's)
 
 
 def cpu_group() -> Any:
@@ -93,7 +94,9 @@ def side_group() -> Any:
     """Collective: a new gloo group over every rank, for a thread whose collectives run while the main thread's do
     (one group's collectives must come in one order on every rank: two threads on one group would interleave them
     differently and hang). None without a process group."""
-    return dist.new_group(backend="gloo") if _is_dist() else None
+    if not _is_dist():
+        return None
+    return dist.new_group(backend="gloo", **({"timeout": _TIMEOUT} if _TIMEOUT is not None else {}))
 
 
 @contextlib.contextmanager
@@ -118,7 +121,7 @@ def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float
               group: bool = False) -> DistEnv:
     """Set up this process: pick the device and, when launched with world size > 1, asked for a
     backend explicitly or for a group (group=True), the process group."""
-    global _CPU_GROUP
+    global _CPU_GROUP, _TIMEOUT
     launcher, rank, local_rank, world_size = detect_launcher()
     dev = pick_device(device, local_rank)
     if world_size == 1 and backend is None and not group:
@@ -128,7 +131,7 @@ def init_dist(device: str = "auto", backend: str | None = None, timeout_s: float
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(free_port()) if world_size == 1 else "29500"
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = _TIMEOUT = datetime.timedelta(seconds=timeout_s)
     kwargs: dict[str, Any] = dict(backend=backend, rank=rank, world_size=world_size, timeout=timeout)
     if "nccl" in backend:
         kwargs["device_id"] = dev  # binds the communicator to our GPU up front

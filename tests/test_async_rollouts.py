@@ -6,11 +6,14 @@ uninterrupted run's weights bitwise; --async_rollouts is a resume flag; 0 is the
 from __future__ import annotations
 
 import json
+import threading
+import time
 
 import torch
 
 from conftest import REPO, assert_same_update, run_script
 from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.algorithms.rollouts import Rollouts
 from nanochat_ext.data.batching import encode_prompts
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.engine.engine import Engine
@@ -121,3 +124,55 @@ def test_with_weights_that_do_not_move_the_thread_samples_the_synchronous_loops_
         for name, p in load_backbone(out).model.state_dict().items():
             torch.testing.assert_close(p, init[name], atol=0, rtol=0, msg=name)
     assert logged["0"] == logged["1"] and sorted(logged["1"]) == [1, 2, 3]
+
+
+def test_a_draw_slower_than_a_step_keeps_its_weights_while_the_evaluation_runs(assets, grpo_assets, tmp_path,
+                                                                                monkeypatch):
+    """The thread's draws made slower than a step (a sleep before each decodes), no checkpoint between steps (a save
+    waits for the draw in flight) and an evaluation every step running while a draw decodes: each draw's completions
+    are what its engine's weights gave at the draw's start (the step waits for a draw before it copies new weights
+    in), those are the starting weights for the first two draws and then moved, and no draw is started after the
+    last step."""
+    snapshots, draw = [], Rollouts.draw
+
+    def refresh(self):  # the held engine's copy, as each draw starts from it
+        copy = Engine.refresh.__wrapped__(self)
+        if self.held:
+            snapshots.append({k: v.clone() for k, v in copy.state_dict().items()})
+        return copy
+
+    refresh.__wrapped__ = Engine.refresh
+    monkeypatch.setattr(Engine, "refresh", refresh)
+    monkeypatch.setattr(Rollouts, "draw", lambda self, *a, quiet=False, **k: (quiet and time.sleep(0.5), draw(
+        self, *a, quiet=quiet, **k))[1])
+    out = tmp_path / "slow"
+    argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "4", "--async_rollouts", "1", "--eval_every",
+                     "1", "--temperature", "1.0")
+    argv[argv.index("--val_ratio") + 1] = "0.2"
+    assert kat_train_grpo.main(argv) == 0
+    assert len(snapshots) == 4 and any("eval/" in k for m in read_metrics(out) for k in m)
+    init = load_backbone(assets["gpt"]).state_dict()
+    assert all(torch.equal(snapshots[k][name], init[name]) for k in (0, 1) for name in init)
+    assert not all(torch.equal(snapshots[2][name], snapshots[1][name]) for name in init)
+    tok = load_tokenizer_for(load_backbone(assets["gpt"]), str(assets["tokenizer"]))
+    rows, _ = read_prompts(str(grpo_assets["prompts"]), None, 0.2)
+    ids = encode_prompts(rows, Agent(AgentConfig(), tok).render_prompt, 512, 8, None)
+    logged = rollouts_by_step(out)
+    for step in (1, 2, 3, 4):
+        model = load_backbone(assets["gpt"])
+        model.load_state_dict(snapshots[step - 1])
+        indices = sorted({i for i, _ in logged[step]})
+        samples = Engine(model).generate([ids[i] for i in indices], 4, SamplingConfig(8, 1.0), tok.stop_ids,
+                                         tok.pad_id, [torch.Generator().manual_seed(sample_seed(3, step - 1, i))
+                                                      for i in indices])
+        want = [(i, c) for k, i in enumerate(indices) for c in samples.completions[4 * k:4 * k + 4]]
+        assert sorted(logged[step]) == sorted(want), step
+
+
+def test_a_reward_that_raises_in_the_thread_ends_the_run_in_one_line_and_the_thread_with_it(assets, grpo_assets,
+                                                                                            tmp_path, capsys):
+    argv = grpo_args(assets, grpo_assets, tmp_path / "fails", *COMMON, "--max_steps", "3", "--async_rollouts", "1")
+    argv[argv.index("rewards_for_tests:vowel_share")] = "rewards_for_tests:raises_runtime_error"
+    assert kat_train_grpo.main(argv) == 2
+    assert "reward function raises_runtime_error on prompt" in capsys.readouterr().err
+    assert not [t for t in threading.enumerate() if t.name.startswith("rollouts")]

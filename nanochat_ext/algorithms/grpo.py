@@ -254,6 +254,7 @@ class GRPO:
 
     def step(self, step: int, loop: Loop) -> None:
         t, G, micro, env = self.training, self.G, self.micro, self.training.env
+        self.rollouts.last_draw = loop.cfg.max_steps  # --async_rollouts: no draw started past the run's last step
         ro = self.rollouts.next()
         total = self.rewards.total(ro.rewards)
         if self.rollout.log_rollouts:
@@ -310,7 +311,10 @@ class GRPO:
                   f"(train/tool_timeouts, train/env_timeouts): a rollout with such a call depends on the clock, so "
                   f"this run is not exactly the same on other ranks or when resumed", flush=True)
             self.clock_noted = True
-        return window_metrics(s, self.rewards.names, self.training.env.world_size, elapsed, self.peak_bw)
+        m = window_metrics(s, self.rewards.names, self.training.env.world_size, elapsed, self.peak_bw)
+        if self.rollout.async_rollouts:  # steps between the weights a rollout came from and those it trains
+            m["train/staleness"] = s["staleness"] / s["steps"]  # both counted on every rank
+        return m
 
     def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
         """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k, decoding at most a
@@ -326,6 +330,10 @@ class GRPO:
             metrics.update(evaluate_pass_k(t.engine, held.rows, held.ids, self.rewards, t.tok, sampling,
                                            self.eval_cfg.eval_pass_k, self.seed, t.env, t.autocast, self.share))
         return metrics
+
+    def close(self) -> None:
+        """The run is over, or failed: the rollout thread (--async_rollouts) ended."""
+        self.rollouts.close()
 
     def resume_state(self) -> dict:
         """Collective with --async_rollouts: every rank's draw in flight, in global order (any world size resumes it)."""
@@ -396,8 +404,6 @@ def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: f
               # the rows the engine decoded, summed over its steps and the ranks, per GRPO step: rows x decode steps
               # but for the rows eager decoding dropped once they stopped
               "perf/decode_row_steps": s["row_steps"] / steps})
-    if s["staleness"]:  # --async_rollouts: steps between the weights a rollout came from and those it trains
-        m["train/staleness"] = s["staleness"] / steps
     if s["teacher_tokens"]:  # --advantage distill: the mean reverse KL to the teacher of the tokens sampled
         m["train/teacher_kl"] = s["teacher_kl"] / s["teacher_tokens"]
     if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding

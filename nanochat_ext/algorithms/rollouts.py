@@ -169,13 +169,13 @@ class Rollouts:
     def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
                  prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
                  env: DistEnv, autocast: Callable[[], ContextManager], window: WindowSums, progress: Progress,
-                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None):
+                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None, last_draw: int = 0):
         self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
         self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
         self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
         self.G = cfg.group_size
         self.drawn = drawn
-        self.ahead = ahead
+        self.ahead, self.last_draw = ahead, last_draw  # with ahead: no draw started past last_draw (the run's steps)
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead is not None else None
         self.group = side_group() if ahead is not None else None  # the thread's collectives (a reward's failure)
         self.pending: Future | None = None
@@ -198,16 +198,25 @@ class Rollouts:
 
     def next_ahead(self) -> Rollout:
         """--async_rollouts 1: the draw sampled while the last step trained (the first step's: sampled now), then the
-        next draw started in the thread from the weights this step starts from."""
-        self.ahead.refresh()  # the weights this step starts from (collective for a sharded policy's copy)
+        weights this step starts from copied into the held engine (only once that draw is done with them) and the
+        next draw started in the thread, but after the run's last step."""
         if self.pending is None:
+            self.ahead.refresh()  # collective for a sharded policy's copy: every rank calls it
             self.pending = self.start(self.drawn, staleness=0)
             self.drawn += 1
         ro, stats, staleness = self.pending.result()
-        self.pending = self.start(self.drawn, staleness=1)
-        self.drawn += 1
+        self.pending = None
+        if self.drawn < self.last_draw:
+            self.ahead.refresh()
+            self.pending = self.start(self.drawn, staleness=1)
+            self.drawn += 1
         self.window.add(**stats, staleness=staleness)
         return ro
+
+    def close(self) -> None:
+        """The thread ended once its draw is (a run that stops keeps no draw running behind its end)."""
+        if self.worker is not None:
+            self.worker.shutdown(wait=True, cancel_futures=True)
 
     def start(self, draw: int, staleness: int) -> Future:
         """Draw `draw` sampled and scored in the thread, by the engine holding the weights refreshed last."""
@@ -234,7 +243,8 @@ class Rollouts:
         indices = [i for mb in self.loader.micro_batches(draw) for i in mb]
         prompts, seed = [self.prompt_ids[i] for i in indices], self.seed
         t0, compiled_before = time.time(), compile_stats()[1]
-        engine.model.eval()
+        if not quiet:  # the policy decodes itself; a held engine's copy is in eval mode already, the policy trains
+            engine.model.eval()
         doing = (lambda what, hints: nullcontext()) if quiet else self.progress.doing
         with self.autocast(), doing(f"the rollout ({len(indices) * self.G} completions of up to "
                                     f"{self.sampling.max_new_tokens} tokens)",
@@ -242,7 +252,8 @@ class Rollouts:
             samples = engine.generate(prompts, self.G, self.sampling, self.tok.stop_ids, self.tok.pad_id,
                                       [torch.Generator().manual_seed(sample_seed(seed, draw, i)) for i in indices],
                                       [self.rows[i].row for i in indices])
-        t1, compile_s = time.time(), compile_stats()[1] - compiled_before  # --compile: a new shape's compile
+        # --compile: a new shape's compile (the process's count: none in the thread, which decodes eagerly)
+        t1, compile_s = time.time(), compile_stats()[1] - compiled_before if not quiet else 0.0
         decoded = engine.last
         with doing("scoring the rollout", (FEWER_COMPLETIONS,)):
             per_reward, rm_cut = self.rewards.score([self.rows[i] for i in indices], prompts, samples, self.tok,

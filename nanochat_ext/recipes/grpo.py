@@ -156,7 +156,10 @@ def train(args: RunConfig, session: Session) -> Path:
     method = GRPO(training, grpo, rollout, evaluation, rewards, Prompts(train_rows, train_ids),
                   Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress,
                   reference_model(teacher, training.dtype, temperature=rollout.temperature) if teacher else None)
-    return loop.run(method)
+    try:
+        return loop.run(method)
+    finally:
+        method.close()  # the rollout thread, where --async_rollouts runs one
 
 
 def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
@@ -174,7 +177,7 @@ def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: i
         reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
         lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
         kept_rows=kept_rows, slots=engine.reserved_slots, teacher=backbone_shape(teacher) if teacher else None,
-        rollout_copy=training.rollout_engine.kept_rows({share}) if training.rollout_engine else None)
+        rollout_copy=training.rollout_engine.kept_bytes() if training.rollout_engine else 0)
 
 
 def decode_line(training: PolicyTraining, why: str) -> str:

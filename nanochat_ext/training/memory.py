@@ -163,16 +163,15 @@ def fine_tune_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing:
 def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool, micro: int, prompt_len: int,
                 new_tokens: int, rows: int, accum: int | None = 1, reference: bool = True,
                 rm: ModelShape | None = None, device: str, lora: int = 0, kept_rows: tuple[int, ...] = (),
-                slots: int = 0, teacher: ModelShape | None = None, rollout_copy: tuple[int, ...] | None = None
-                ) -> StepMemory:
+                slots: int = 0, teacher: ModelShape | None = None, rollout_copy: int = 0) -> StepMemory:
     """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
     sequences, `accum` of them per step (None: all of them, rows // micro). lora: the adapters' parameter count under --lora_r (lora.adapter_params):
     they alone train; the base is held as the reference would be, and the reference is the base itself.
     kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
     rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
     step's logits buffers (on CUDA the graph pool's): held, not only while decoding. teacher: distillation's.
-    rollout_copy (--async_rollouts: the row counts its compiled engine keeps states for, () eager): the rollout
-    engine's whole copy of the policy in fp32, and its decoding of the next step's rollout while the training runs."""
+    rollout_copy (--async_rollouts): the bytes of the rollout engine's whole copy of the policy, held; its (eager)
+    decoding of the next step's rollout runs while the training does."""
     m = policy_memory(s, parallel, ranks, rows // micro if accum is None else accum, reference, lora)
     if rm is not None:
         m.parts["reward_model"] = 2 * (rm.params - rm.lm_head)
@@ -192,12 +191,9 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
         m.parts["decode_states"] = sum(sum(decoding(n, max(slots, T)).values()) for n in kept_rows)
     else:
         m.rollout.update(decoding(rows, T))
-    if rollout_copy is not None:
-        m.parts["rollout_copy"] = 4 * s.params
-        if rollout_copy:
-            m.parts["rollout_decode_states"] = sum(sum(decoding(n, max(slots, T)).values()) for n in rollout_copy)
-        else:
-            m.training.update({f"rollout_{k}": v for k, v in decoding(rows, T).items()})
+    if rollout_copy:
+        m.parts["rollout_copy"] = rollout_copy
+        m.training.update({f"rollout_{k}": v for k, v in decoding(rows, T).items()})
     return m
 
 

@@ -243,10 +243,11 @@ class PolicyTraining(ModelTraining):
             whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
             self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, agent=decode.agent,
                                  reserve=decode.reserve, logprobs=True)  # train/engine_ratio (grpo.py)
-        # --async_rollouts: a second engine whose whole copy of the policy (in the masters' dtype: the tokens of the
-        # weights it was given) decodes the next step's rollout while this step trains
-        self.rollout_engine = Engine(policy, compile=decode.compile, whole_in=whole_in or next(policy.parameters()).dtype,
-                                     agent=decode.agent, reserve=decode.reserve, logprobs=True, held=True) \
+        # --async_rollouts: a second engine whose whole copy of the policy (in the masters' dtype, or the dtype FSDP
+        # gathers in: the tokens of the weights it was given) decodes the next step's rollout, eagerly (torch.compile
+        # and CUDA graphs in a second thread are not tested here), while this step trains
+        self.rollout_engine = Engine(policy, whole_in=whole_in or next(policy.parameters()).dtype, agent=decode.agent,
+                                     reserve=decode.reserve, logprobs=True, held=True) \
             if decode is not None and decode.rollout_copy else None
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights

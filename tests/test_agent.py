@@ -395,15 +395,17 @@ def test_grpo_with_your_tools_on_two_ranks_is_one_rank(tmp_path, hf_tool_use):
     assert_same_update(got, want, init)
 
 
-def test_grpo_in_an_environment_on_two_ranks_resumes_to_one_ranks_run(tmp_path):
+@pytest.mark.parametrize("async_rollouts", ["0", "1"])
+def test_grpo_in_an_environment_on_two_ranks_resumes_to_one_ranks_run(tmp_path, async_rollouts):
     """GRPO in the guessing game (nanochat's tool-use model, its calculator on too), the game's reward beside a
-    reward function: 2 ranks, killed after step 1 and resumed, sample 1 rank's rollouts and end at its weights."""
+    reward function: 2 ranks, killed after step 1 and resumed, sample 1 rank's rollouts and end at its weights; also
+    with --async_rollouts 1 (the episodes played in the rollout thread, the draw in flight kept in the checkpoint)."""
     prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", make_prompts(4, seed=0, high=20))
     args = ["--policy", str(TOOL_USE / "chatsft_checkpoints" / "d2"), "--tokenizer", str(TOOL_USE / "tokenizer"),
             "--prompts", str(prompts), "--env", "nanochat_ext.tasks.guessing_game:GuessingGame", "--max_turns", "3",
             "--reward_fn", "rewards_for_tests:vowel_share", "--temperature", "2", "--batch_size", "2",
             "--group_size", "4", "--max_new_tokens", "40", "--max_steps", "2", "--lr", "1e-3", "--beta", "0",
-            "--log_rollouts", "--log_every", "1", "--device", "cpu"]
+            "--log_rollouts", "--log_every", "1", "--device", "cpu", "--async_rollouts", async_rollouts]
     one, two = tmp_path / "one", tmp_path / "two"
     assert kat_train_grpo.main([*args, "--out", str(one)]) == 0
     for extra in (["--save_every", "1"], ["--resume", "latest"]):

@@ -12,7 +12,9 @@
 #   MODEL_DIR: python -m scripts.kat_fetch_model --model smollm2 | tail -n 1
 #   TASK_DIR:  python -m scripts.kat_task_data --task word_arithmetic --out TASK_DIR --seed 0
 #
-# Knobs: SEEDS (0 1 2), METHODS (grpo rloo reinforce_pp_baseline), DISTILL_SEEDS (SEEDS; "" for none), STEPS (40),
+# The methods run in turn, their order turned by one at each seed. Knobs: SEEDS (0 1 2), METHODS (grpo rloo
+# reinforce_pp_baseline; grpo_async and grpo_async_tis: issue 82's --async_rollouts 1, without and with
+# --engine_correction token_truncate), DISTILL_SEEDS (SEEDS; "" for none), STEPS (40),
 # EVAL_EVERY (10), THREADS (2), TEACHER (where the first seed's GRPO policy is kept: $NANOCHAT_BASE_DIR/methods_teacher,
 # $NANOCHAT_BASE_DIR as speedrun.sh's).
 # Default OUT: bench/results/methods_real_model_<date>.jsonl; the runs' logs go to OUT with .log for .jsonl.
@@ -49,7 +51,12 @@ method_args() {  # each estimator with its reference implementation's defaults
         rloo) echo "--advantage rloo --scale_rewards none" ;;
         reinforce_pp_baseline) echo "--advantage reinforce_pp_baseline" ;;  # OpenRLHF: whitened over the batch
         reinforce_pp) echo "--advantage reinforce_pp" ;;
-        *) echo "error: unknown method '$1' in METHODS (grpo, rloo, reinforce_pp, reinforce_pp_baseline)" >&2
+        # issue 82: GRPO one step off-policy, the next rollout sampled in a thread while a step trains; then the same
+        # with the engine's log-probs corrected to the trainer's (TRL's truncated importance sampling, cap 3)
+        grpo_async) echo "--async_rollouts 1" ;;
+        grpo_async_tis) echo "--async_rollouts 1 --engine_correction token_truncate" ;;
+        *) echo "error: unknown method '$1' in METHODS (grpo, rloo, reinforce_pp, reinforce_pp_baseline, grpo_async," \
+                "grpo_async_tis)" >&2
            return 2 ;;
     esac
 }
@@ -81,8 +88,14 @@ if [ -n "$DISTILL_SEEDS" ] && [[ " $METHODS " != *" grpo "* ]] && ! ls "$TEACHER
     echo "error: distillation needs a teacher: METHODS must include grpo (or TEACHER a trained policy; DISTILL_SEEDS= for none)" >&2
     exit 2
 fi
+rotated() {  # the methods, their order turned by one a seed: a drift of the machine falls on every method alike
+    local -a all=($METHODS)
+    local n=${#all[@]} k
+    for k in $(seq 0 $((n - 1))); do echo "${all[$(((k + $1) % n))]}"; done
+}
+i=0
 for seed in $SEEDS; do
-    for m in $METHODS; do
+    for m in $(rotated $i); do
         keep=()
         if [ "$m" = grpo ] && [ "$seed" = "$FIRST_SEED" ]; then  # the teacher: a fresh dir, so no stale checkpoint resumes
             done_already grpo "$seed" || rm -rf "$TEACHER"
@@ -90,6 +103,7 @@ for seed in $SEEDS; do
         fi
         run "$m" "$seed" "$(method_args "$m")" "${keep[@]}"
     done
+    i=$((i + 1))
 done
 if [ -n "$DISTILL_SEEDS" ]; then
     ls "$TEACHER"/meta_*.json >/dev/null 2>&1 ||

@@ -1,6 +1,8 @@
 """The markdown tables of bench/methods_real_model.sh's JSON lines: for each method (a run's label), held-out greedy
 accuracy at every evaluated step as the mean over its seeds with the lowest and highest seed beside it, the training
-seconds to its last step and its sampled accuracy there; then each method's last greedy accuracy minus GRPO's, seed by
+seconds to its last step (evaluations left out), the whole training call's seconds (evaluations, loading and the last
+save in: what --async_rollouts, whose next rollout runs during an evaluation, is timed by too) and its sampled
+accuracy there; then each method's last greedy accuracy minus GRPO's, seed by
 seed (the same seed draws the same prompts first, so the pairs share their luck).
 
     python bench/methods_table.py bench/results/methods_real_model_<date>.jsonl [--plot PNG]
@@ -49,15 +51,18 @@ def table(rows: list[dict]) -> str:
     by_label = runs(rows)
     steps = sorted({r["step"] for seeds in by_label.values() for curve in seeds.values() for r in curve})
     lines = ["Held-out greedy accuracy, mean over seeds (lowest-highest seed)", "",
-             "| method | seeds | " + " | ".join(f"step {s}" for s in steps) + " | sampled, last step | training s |",
-             "|---|---|" + "---|" * (len(steps) + 2)]
+             "| method | seeds | " + " | ".join(f"step {s}" for s in steps) +
+             " | sampled, last step | training s | call s |",
+             "|---|---|" + "---|" * (len(steps) + 3)]
+    calls = {(r["label"], r["seed"]): r["train_call_s"] for r in rows if r.get("bench") == SUMMARY}
     for label, seeds in by_label.items():
         at = by_step(seeds)
         cells = [spread([a[s]["greedy_accuracy"] for a in at]) if all(s in a for a in at) else "-" for s in steps]
         last = [curve[-1] for curve in seeds.values()]
         lines.append(f"| {label} | {' '.join(map(str, seeds))} | " + " | ".join(cells) +
                      f" | {spread([r['sampled_accuracy'] for r in last])} | "
-                     f"{statistics.fmean(r['train_s'] for r in last):.1f} |")
+                     f"{statistics.fmean(r['train_s'] for r in last):.1f} | "
+                     f"{statistics.fmean(calls[label, s] for s in seeds):.1f} |")
     if BASELINE in by_label:
         base = {seed: curve[-1]["greedy_accuracy"] for seed, curve in by_label[BASELINE].items()}
         lines += ["", f"Last greedy accuracy minus {BASELINE}'s, seed by seed", "",

@@ -285,13 +285,15 @@ def test_calls_one_after_another_under_torchrun_each_make_and_end_their_group(as
     """#80 item 1: the documented pipeline as one user's script on 2 ranks under torchrun (its agent's store, as users
     launch it): SFT, a reward model, DPO, then GRPO on the DPO checkpoint, one call after another in one process; each
     call makes and ends its own process group (torch names every default group alike: each gets keys of its own, or
-    the second call hung); the caller's SIGTERM handler is its own after every call."""
+    the second call hung); the caller's SIGTERM handler is its own after every call. A GRPO call with
+    --async_rollouts 1 (its thread's collectives on a group of its own) comes before the last: it leaves no thread
+    and no group behind that the next call trips on."""
     rows = prompt_rows()
     prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", rows)
     tiny = {"tokenizer": str(assets["tokenizer"]), "device": "cpu", "max_steps": 1}
     mine = tmp_path / "pipeline.py"
     mine.write_text(textwrap.dedent(f"""
-        import json, os, signal
+        import json, os, signal, threading
         from nanochat_ext import api
 
         def mine(*_):
@@ -308,16 +310,21 @@ def test_calls_one_after_another_under_torchrun_each_make_and_end_their_group(as
         rm = api.train_rm(backbone={str(assets["gpt"])!r}, pairs=pairs, batch_size=4, out={str(tmp_path / "rm")!r},
                           **tiny)
         dpo = api.train_dpo(policy=str(sft), pairs=pairs, batch_size=4, out={str(tmp_path / "dpo")!r}, **tiny)
+        ahead = api.train_grpo(policy=str(dpo), prompts=prompts, rm=str(rm), batch_size=4, group_size=4,
+                               max_new_tokens=8, async_rollouts=1, out={str(tmp_path / "ahead")!r},
+                               **{{**tiny, "max_steps": 2}})
+        assert not [t for t in threading.enumerate() if t.name.startswith("rollouts")]
         grpo = api.train_grpo(policy=str(dpo), prompts=prompts, rm=str(rm), batch_size=4, group_size=4,
                               max_new_tokens=8, out={str(tmp_path / "grpo")!r}, **tiny)
         assert signal.getsignal(signal.SIGTERM) is mine
         with open(f"{tmp_path}/rank_{{os.environ['RANK']}}.txt", "w") as f:  # the ranks share one stdout pipe
-            f.write(" ".join(["pipeline", sft.parent.name, rm.parent.name, dpo.parent.name, grpo.parent.name]))
+            f.write(" ".join(["pipeline", sft.parent.name, rm.parent.name, dpo.parent.name, ahead.parent.name,
+                              grpo.parent.name]))
         """))
     proc = run_command([str(mine)], 2, None, tmp_path, 300, launcher(2, torchrun=True))
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = [(tmp_path / f"rank_{r}.txt").read_text() for r in range(2)]  # every rank's calls all returned
-    assert said == ["pipeline sft rm dpo grpo"] * 2, (said, proc.stdout[-2000:])
+    assert said == ["pipeline sft rm dpo ahead grpo"] * 2, (said, proc.stdout[-2000:])
 
 
 def test_the_callers_signal_handlers_are_its_own_after_every_call_and_a_thread_may_call(assets, tmp_path):

@@ -9,6 +9,7 @@ import json
 import threading
 import time
 
+import pytest
 import torch
 
 from conftest import REPO, assert_same_update, run_script
@@ -109,21 +110,58 @@ def test_two_ranks_sample_and_step_as_one_and_a_cut_run_resumes_to_the_same_weig
     assert "--async_rollouts is 0 but the checkpoint was trained with 1" in capsys.readouterr().err
 
 
-def test_with_weights_that_do_not_move_the_thread_samples_the_synchronous_loops_draws(assets, grpo_assets, tmp_path):
+@pytest.mark.parametrize("dynamic", [False, True], ids=["one_draw", "filter_zero_std"])
+def test_with_weights_that_do_not_move_the_thread_samples_the_synchronous_loops_draws(assets, grpo_assets, tmp_path,
+                                                                                      dynamic):
     """A reward of 0 and no KL: no gradient, so the weights never move and every draw, sampled ahead in the thread or
     in the step, comes from the same weights: the two loops log the same completions step by step (the thread takes
-    the draws in order, with their own seeds, scored) and end at the starting weights."""
-    logged, init = {}, load_backbone(assets["gpt"]).model.state_dict()
+    the draws in order, with their own seeds, scored) and end at the starting weights. With --filter_zero_std every
+    group is flat, so each step draws --max_draws batches and is topped up from the first: the thread numbers its
+    draws as the synchronous loop does (step t's first is draw 3t)."""
+    logged, draws, init = {}, {}, load_backbone(assets["gpt"]).model.state_dict()
     for k in ("0", "1"):
         out = tmp_path / f"async_{k}"
-        argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "3", "--async_rollouts", k)
+        argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "3", "--async_rollouts", k,
+                         *(("--filter_zero_std", "--max_draws", "3") if dynamic else ()))
         argv[argv.index("rewards_for_tests:vowel_share")] = "rewards_for_tests:zero"
         argv[argv.index("--beta") + 1] = "0"
         assert kat_train_grpo.main(argv) == 0
         logged[k] = rollouts_by_step(out)
+        draws[k] = [(m["train/draws"], m["train/filled_frac"]) for m in read_metrics(out) if "train/loss" in m]
         for name, p in load_backbone(out).model.state_dict().items():
             torch.testing.assert_close(p, init[name], atol=0, rtol=0, msg=name)
     assert logged["0"] == logged["1"] and sorted(logged["1"]) == [1, 2, 3]
+    assert draws["0"] == draws["1"] == [(3.0, 1.0) if dynamic else (1.0, 0.0)] * 3
+
+
+def test_dynamic_sampling_draws_ahead_on_one_or_two_ranks_and_a_cut_run_resumes(assets, grpo_assets, tmp_path):
+    """--filter_zero_std under --async_rollouts 1: the thread draws until the next step's batch holds groups with a
+    spread (about half the prompts get a constant reward), on the thread's own group across ranks. Every trained group
+    has a spread and some steps took more than one draw; 2 ranks train the groups 1 rank trains and take the same
+    update; the 2-rank run cut after step 2 (its next rollout in flight, and the draws it took, kept in the checkpoint)
+    resumes on one rank to the same groups at step 3 and the same update."""
+    args = ("--reward_fn", "rewards_for_tests:flat_for_even_prompts", "--filter_zero_std", "--max_draws", "8",
+            *COMMON[2:], "--max_steps", "3", "--async_rollouts", "1")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, one, *args)) == 0
+    proc = run_script("scripts.kat_train_grpo", grpo_args(assets, grpo_assets, two, *args, "--save_every", "1"),
+                      nproc=2, env={"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trained = [json.loads(line) for line in (one / "logs" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(trained) == 3 * 4 * 4
+    for k in range(0, len(trained), 4):
+        assert len({r["reward"] for r in trained[k:k + 4]}) > 1, trained[k:k + 4]  # a spread in every group
+    assert sum(m["train/draws"] for m in read_metrics(one) if "train/loss" in m) > 3
+    assert rollouts_by_step(one) == rollouts_by_step(two)
+    init = load_backbone(assets["gpt"]).model.state_dict()
+    want = load_backbone(one).model.state_dict()
+    assert_same_update(load_backbone(two).model.state_dict(), want, init)
+    last = checkpoints(two)[-1].stem.split("_")[1]
+    for name in (f"model_{last}.pt", f"meta_{last}.json", f"state_{last}.pt"):
+        (two / name).unlink()
+    assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *args, "--resume", "latest")) == 0
+    assert rollouts_by_step(two)[3] == rollouts_by_step(one)[3]
+    assert_same_update(load_backbone(two).model.state_dict(), want, init)
 
 
 def test_a_draw_slower_than_a_step_keeps_its_weights_while_the_evaluation_runs(assets, grpo_assets, tmp_path,
@@ -143,8 +181,8 @@ def test_a_draw_slower_than_a_step_keeps_its_weights_while_the_evaluation_runs(a
 
     refresh.__wrapped__ = Engine.refresh
     monkeypatch.setattr(Engine, "refresh", refresh)
-    monkeypatch.setattr(Rollouts, "draw", lambda self, *a, quiet=False, **k: (quiet and time.sleep(0.5), draw(
-        self, *a, quiet=quiet, **k))[1])
+    monkeypatch.setattr(Rollouts, "draw", lambda self, n, engine=None, quiet=False: (quiet and time.sleep(0.5), draw(
+        self, n, engine, quiet))[1])
     out = tmp_path / "slow"
     argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "4", "--async_rollouts", "1", "--eval_every",
                      "1", "--temperature", "1.0")

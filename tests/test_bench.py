@@ -171,14 +171,16 @@ def test_real_model_table_reads_the_last_sitting(tmp_path):
 
 def test_methods_table_averages_seeds_and_pairs_them_with_grpo(tmp_path):
     """bench/methods_table.py on methods_real_model.sh's rows: each method's accuracy at each step over its seeds
-    (mean, lowest-highest), its last step's sampled accuracy and seconds, its last accuracy minus GRPO's seed by seed;
-    a run cut short (no summary line) is left out, and a rerun's line replaces the earlier one."""
+    (mean, lowest-highest), its last step's sampled accuracy and seconds (training, and the whole call), its last
+    accuracy minus GRPO's seed by seed; a run cut short (no summary line) is left out, and a rerun's line replaces
+    the earlier one."""
     from methods_table import main
 
     def run(label, seed, points, summary=True):
         rows = [{"bench": "ours_time_to_accuracy", "label": label, "seed": seed, "step": s, "train_s": t,
                  "greedy_accuracy": a, "sampled_accuracy": a / 2} for s, t, a in points]
-        return rows + ([{"bench": "ours_time_to_accuracy_summary", "label": label, "seed": seed}] if summary else [])
+        return rows + ([{"bench": "ours_time_to_accuracy_summary", "label": label, "seed": seed,
+                         "train_call_s": 60.0 + seed}] if summary else [])
 
     rows = [*run("grpo", 0, [(0, 0.0, 0.1), (10, 40.0, 0.5)]), *run("grpo", 1, [(0, 0.0, 0.2), (10, 50.0, 0.3)]),
             *run("rloo", 0, [(0, 0.0, 0.1), (10, 40.0, 0.9)]),  # replaced below by the same run's later line
@@ -188,8 +190,8 @@ def test_methods_table_averages_seeds_and_pairs_them_with_grpo(tmp_path):
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "methods_table.py"), str(results)],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[4:6] == ["| grpo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.300-0.500) | 0.200 (0.150-0.250) | 45.0 |",
-                        "| rloo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.200-0.600) | 0.200 (0.100-0.300) | 43.0 |"]
+    assert out[4:6] == ["| grpo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.300-0.500) | 0.200 (0.150-0.250) | 45.0 | 60.5 |",
+                        "| rloo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.200-0.600) | 0.200 (0.100-0.300) | 43.0 | 60.5 |"]
     assert out[-1] == "| rloo | +0.100 (seed 0), -0.100 (seed 1) | +0.000 |"
     results.write_text("{\n")
     assert main([str(results)]) == 2

@@ -254,8 +254,7 @@ class GRPO:
 
     def step(self, step: int, loop: Loop) -> None:
         t, G, micro, env = self.training, self.G, self.micro, self.training.env
-        self.rollouts.last_draw = loop.cfg.max_steps  # --async_rollouts: no draw started past the run's last step
-        ro = self.rollouts.next()
+        ro = self.rollouts.next(step, loop.cfg.max_steps)
         total = self.rewards.total(ro.rewards)
         if self.rollout.log_rollouts:
             log_rollouts(loop.tracker, step + 1, ro, total, t.tok)
@@ -337,8 +336,8 @@ class GRPO:
 
     def resume_state(self) -> dict:
         """Collective with --async_rollouts: every rank's draw in flight, in global order (any world size resumes it)."""
-        state = {"draw": self.rollouts.drawn, "device_batch_size": self.micro}
         mine = self.rollouts.in_flight()
+        state = {"draw": self.rollouts.draws(), "device_batch_size": self.micro}
         if mine is not None:
             parts = gather_objects(mine)
             groups = in_global_order([Rollout(**p["rollout"]).groups() for p in parts])

@@ -162,79 +162,87 @@ class Rollouts:
 
     --async_rollouts 1 (`ahead`: an engine holding its own copy of the policy): step t takes the rollout sampled while
     step t-1 trained, from the weights step t-1 started from, then copies the weights step t starts from into that
-    engine and starts the next draw in a thread; the first step's rollout and the next draw both come from the
-    starting weights. A draw's tokens depend only on its seeds and the weights it was given, so the runs are the same
-    on any number of ranks and resumed (a checkpoint holds the draw in flight: `pending`)."""
+    engine and starts the next step's rollout in a thread (with --filter_zero_std, all its draws); the first step's
+    rollout and the next both come from the starting weights. A draw's tokens depend only on its seeds and the
+    weights it was given, so the runs are the same on any number of ranks and resumed (a checkpoint holds the
+    rollout in flight: `pending`)."""
 
     def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
                  prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
                  env: DistEnv, autocast: Callable[[], ContextManager], window: WindowSums, progress: Progress,
-                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None, last_draw: int = 0):
+                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None):
         self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
         self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
         self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
         self.G = cfg.group_size
         self.drawn = drawn
-        self.ahead, self.last_draw = ahead, last_draw  # with ahead: no draw started past last_draw (the run's steps)
+        self.ahead = ahead
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead is not None else None
         self.group = side_group() if ahead is not None else None  # the thread's collectives (a reward's failure)
         self.pending: Future | None = None
         if pending is not None:  # a resumed run: the draw its checkpoint had in flight
             self.pending = Future()
-            self.pending.set_result((Rollout(**pending["rollout"]), pending["stats"], pending["staleness"]))
+            self.pending.set_result((Rollout(**pending["rollout"]), pending["stats"], pending["staleness"], drawn))
 
-    def next(self) -> Rollout:
-        """This step's rollout: the next draw, or with --filter_zero_std the groups with a reward spread."""
+    def next(self, step: int, steps: int) -> Rollout:
+        """Step `step`'s rollout (of the run's `steps`): the next draw, or with --filter_zero_std the groups with a
+        reward spread."""
         if self.ahead is not None:
-            return self.next_ahead()
-        if not self.cfg.filter_zero_std:
-            self.drawn += 1
-            ro, stats = self.draw(self.drawn - 1)
-            self.window.add(**stats)
-            return ro
-        ro, filled = self.with_signal()
-        self.window.add(filled=filled / (self.batch_size * self.env.world_size))
+            return self.next_ahead(step, steps)
+        ro, stats, self.drawn = self.step_rollout(self.drawn)
+        self.window.add(**stats)
         return ro
 
-    def next_ahead(self) -> Rollout:
-        """--async_rollouts 1: the draw sampled while the last step trained (the first step's: sampled now), then the
-        weights this step starts from copied into the held engine (only once that draw is done with them) and the
-        next draw started in the thread, but after the run's last step."""
+    def next_ahead(self, step: int, steps: int) -> Rollout:
+        """--async_rollouts 1: the rollout sampled while the last step trained (the first step's: sampled now), then
+        the weights this step starts from copied into the held engine (only once that rollout is done with them) and
+        the next step's started in the thread, but after the run's last step."""
         if self.pending is None:
             self.ahead.refresh()  # collective for a sharded policy's copy: every rank calls it
             self.pending = self.start(self.drawn, staleness=0)
-            self.drawn += 1
-        ro, stats, staleness = self.pending.result()
+        ro, stats, staleness, self.drawn = self.pending.result()
         self.pending = None
-        if self.drawn < self.last_draw:
+        if step + 1 < steps:
             self.ahead.refresh()
             self.pending = self.start(self.drawn, staleness=1)
-            self.drawn += 1
         self.window.add(**stats, staleness=staleness)
         return ro
+
+    def step_rollout(self, first: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict, int]:
+        """A step's rollout from draw number `first` on (one draw, or with --filter_zero_std as many as fill the batch
+        with signal), its statistics for the log window, and the number of draws taken after it."""
+        if self.cfg.filter_zero_std:
+            return self.with_signal(first, engine, quiet)
+        return *self.draw(first, engine, quiet), first + 1
 
     def close(self) -> None:
         """The thread ended once its draw is (a run that stops keeps no draw running behind its end)."""
         if self.worker is not None:
             self.worker.shutdown(wait=True, cancel_futures=True)
 
-    def start(self, draw: int, staleness: int) -> Future:
-        """Draw `draw` sampled and scored in the thread, by the engine holding the weights refreshed last."""
-        def sample_and_score() -> tuple[Rollout, dict, int]:
+    def start(self, first: int, staleness: int) -> Future:
+        """A step's rollout from draw `first` on, sampled and scored in the thread by the engine holding the weights
+        refreshed last (--filter_zero_std's further draws too, its collectives on the thread's own group)."""
+        def sample_and_score() -> tuple[Rollout, dict, int, int]:
             if self.env.device.type == "cuda":  # a thread's current device is its own
                 torch.cuda.set_device(self.env.device)
             with in_group(self.group):
-                return (*self.draw(draw, self.ahead, quiet=True), staleness)
+                ro, stats, drawn = self.step_rollout(first, self.ahead, quiet=True)
+            return ro, stats, staleness, drawn
 
         return self.worker.submit(sample_and_score)
 
     def in_flight(self) -> dict | None:
-        """The draw started for the next step, as a checkpoint keeps it (waited for): its rollout, its statistics,
+        """The rollout started for the next step, as a checkpoint keeps it (waited for): its rollout, its statistics,
         its staleness; None where none is."""
         if self.pending is None:
             return None
-        ro, stats, staleness = self.pending.result()
+        ro, stats, staleness, _ = self.pending.result()
         return {"rollout": asdict(ro), "stats": stats, "staleness": staleness}
+
+    def draws(self) -> int:
+        """Prompt batches drawn so far, the rollout in flight's included (waited for): where a resumed run goes on."""
+        return self.pending.result()[3] if self.pending is not None else self.drawn
 
     def draw(self, draw: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict]:
         """This rank's share of draw number `draw`, sampled (by `engine`, default the policy's) and scored, and its
@@ -280,21 +288,23 @@ class Rollouts:
         return Rollout(indices, samples.completions, samples.truncated, per_reward, samples.sampled,
                        samples.logprobs), stats
 
-    def with_signal(self) -> tuple[Rollout, int]:
-        """Collective, --filter_zero_std: draw until the global batch holds batch_size groups with a reward
-        spread (at most --max_draws draws); every rank sees every group, then takes its share of the batch.
-        Returns it and how many zero-spread groups filled it up."""
-        kept = SignalFilter(self.batch_size)
+    def with_signal(self, first: int, engine: Engine | None, quiet: bool) -> tuple[Rollout, dict, int]:
+        """Collective, --filter_zero_std: draw from `first` on until the global batch holds batch_size groups with a
+        reward spread (at most --max_draws draws); every rank sees every group, then takes its share of the batch.
+        Returns it, the draws' statistics summed (train/filled_frac: the zero-spread groups that filled it up) and
+        the number of draws taken after it."""
+        kept, sums, drawn = SignalFilter(self.batch_size), {}, first
         for _ in range(self.cfg.max_draws):
-            ro, stats = self.draw(self.drawn)
-            self.window.add(**stats)
+            ro, stats = self.draw(drawn, engine, quiet)
+            sums = {k: sums.get(k, 0) + v for k, v in stats.items()}
             groups = in_global_order(gather_objects(ro.groups()))
-            self.drawn += 1
+            drawn += 1
             kept.add(groups, [bool(zero_std_groups(self.rewards.total(g.rewards), self.G)) for g in groups])
             if kept.full:
                 break
         batch, filled = kept.batch()
-        return Rollout.concat(batch[self.env.rank::self.env.world_size], len(self.rewards.names)), filled
+        sums["filled"] = filled / (self.batch_size * self.env.world_size)
+        return Rollout.concat(batch[self.env.rank::self.env.world_size], len(self.rewards.names)), sums, drawn
 
 
 def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, tok: TokenizerWrapper) -> None:

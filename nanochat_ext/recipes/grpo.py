@@ -98,9 +98,6 @@ def train(args: RunConfig, session: Session) -> Path:
                          f"which --device_batch_size {given_micro} does not divide")
     loader = GlobalBatchLoader(len(train_rows), plan, env.rank, c.batch.seed)
     grpo.check(rollout.filter_zero_std)
-    if rollout.async_rollouts and rollout.filter_zero_std:
-        raise InputError("--async_rollouts 1 with --filter_zero_std is not built yet (its extra draws would have to be "
-                         "sampled ahead too): leave one of them off")
     if (grpo.advantage == "distill") != bool(args.teacher):
         raise InputError("--advantage distill needs a --teacher" if args.teacher is None else
                          "--teacher is read by --advantage distill alone")

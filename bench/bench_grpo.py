@@ -31,6 +31,8 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--compile", default="0", choices=("0", "1"), help="kat_train_grpo --compile")
     p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"), help="kat_train_grpo --dtype")
+    p.add_argument("--async_rollouts", default="0", choices=("0", "1"),
+                   help="kat_train_grpo --async_rollouts (1: the next rollout sampled in a thread while a step trains)")
     b = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = str(b.threads)
     import torch
@@ -48,7 +50,7 @@ def main() -> None:
             "--max_new_tokens", str(b.new_tokens), "--min_new_tokens", str(b.new_tokens), "--temperature", "1.0",
             "--beta", "0.04", "--loss_agg", "token", "--clip_eps", "0.2", "--lr", "1e-6", "--max_steps", str(b.steps),
             "--log_every", str(b.warmup), "--val_ratio", "0", "--device", b.device, "--out", out,
-            "--compile", b.compile, "--dtype", b.dtype]
+            "--compile", b.compile, "--dtype", b.dtype, "--async_rollouts", b.async_rollouts]
     if b.tokenizer:
         argv += ["--tokenizer", b.tokenizer]
     args = kat_train_grpo.parse_args(argv)
@@ -70,6 +72,7 @@ def main() -> None:
         compile_s = sum(r.get("perf/compile_s", 0.0) for r in logs)  # the first step's is in the untimed warmup
         print(json.dumps({
             "bench": "nanochat_ext_grpo", "compile": b.compile, "dtype": b.dtype, "world_size": env.world_size,
+            "async_rollouts": int(b.async_rollouts),
             "threads_per_proc": torch.get_num_threads(),
             "completions_per_step_global": b.prompts_per_proc * b.group_size * world, "steps_timed": steps,
             "timed_s": round(secs, 3), "completions_per_s": round(completions / secs, 2),

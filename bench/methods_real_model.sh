@@ -88,7 +88,8 @@ if [ -n "$DISTILL_SEEDS" ] && [[ " $METHODS " != *" grpo "* ]] && ! ls "$TEACHER
     echo "error: distillation needs a teacher: METHODS must include grpo (or TEACHER a trained policy; DISTILL_SEEDS= for none)" >&2
     exit 2
 fi
-rotated() {  # the methods, their order turned by one a seed: a drift of the machine falls on every method alike
+rotated() {  # the methods, their order turned by one a seed: with as many seeds as methods (or a multiple), each
+            # method runs at every place in the order alike, so a drift of the machine falls on each the same
     local -a all=($METHODS)
     local n=${#all[@]} k
     for k in $(seq 0 $((n - 1))); do echo "${all[$(((k + $1) % n))]}"; done

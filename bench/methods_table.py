@@ -47,6 +47,11 @@ def spread(values: list[float]) -> str:
     return f"{mean:.3f}" if len(values) == 1 else f"{mean:.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def call_seconds(values: list[float | None]) -> str:
+    """The mean call seconds, or '-' where a summary predates them."""
+    return "-" if None in values else f"{statistics.fmean(values):.1f}"
+
+
 def table(rows: list[dict]) -> str:
     by_label = runs(rows)
     steps = sorted({r["step"] for seeds in by_label.values() for curve in seeds.values() for r in curve})
@@ -54,7 +59,7 @@ def table(rows: list[dict]) -> str:
              "| method | seeds | " + " | ".join(f"step {s}" for s in steps) +
              " | sampled, last step | training s | call s |",
              "|---|---|" + "---|" * (len(steps) + 3)]
-    calls = {(r["label"], r["seed"]): r["train_call_s"] for r in rows if r.get("bench") == SUMMARY}
+    calls = {(r["label"], r["seed"]): r.get("train_call_s") for r in rows if r.get("bench") == SUMMARY}
     for label, seeds in by_label.items():
         at = by_step(seeds)
         cells = [spread([a[s]["greedy_accuracy"] for a in at]) if all(s in a for a in at) else "-" for s in steps]
@@ -62,7 +67,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {label} | {' '.join(map(str, seeds))} | " + " | ".join(cells) +
                      f" | {spread([r['sampled_accuracy'] for r in last])} | "
                      f"{statistics.fmean(r['train_s'] for r in last):.1f} | "
-                     f"{statistics.fmean(calls[label, s] for s in seeds):.1f} |")
+                     f"{call_seconds([calls[label, s] for s in seeds])} |")
     if BASELINE in by_label:
         base = {seed: curve[-1]["greedy_accuracy"] for seed, curve in by_label[BASELINE].items()}
         lines += ["", f"Last greedy accuracy minus {BASELINE}'s, seed by seed", "",

@@ -43,14 +43,18 @@ def checkpoints(out) -> list:
     return sorted(out.glob("model_*.pt"), key=lambda p: int(p.stem.split("_")[1]))
 
 
-def test_a_steps_rollout_comes_from_the_weights_two_steps_before(assets, grpo_assets, tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+def test_a_steps_rollout_comes_from_the_weights_two_steps_before(assets, grpo_assets, tmp_path, device):
     """Each logged step's completions are what an engine decodes, with the run's seeds for that draw, from the weights
     after step max(0, t-2) (t counted from 1): the first two steps' from the starting policy, then the checkpoint one
     step older than the synchronous loop's. Decoding from the synchronous loop's weights instead gives other tokens:
-    the check tells the two schedules apart."""
+    the check tells the two schedules apart. On a GPU (fp32) the thread decodes on a CUDA stream of its own while the
+    training's kernels run on the default one: the same check holds there."""
     out = tmp_path / "async"
     argv = grpo_args(assets, grpo_assets, out, *COMMON, "--max_steps", "4", "--async_rollouts", "1",
-                     "--save_every", "1", "--keep_last", "0", "--temperature", "1.0")
+                     "--save_every", "1", "--keep_last", "0", "--temperature", "1.0", "--dtype", "float32")
+    argv[argv.index("--device") + 1] = device
     assert kat_train_grpo.main(argv) == 0
     logged = rollouts_by_step(out)
     metrics = [m for m in read_metrics(out) if "train/loss" in m]
@@ -62,7 +66,7 @@ def test_a_steps_rollout_comes_from_the_weights_two_steps_before(assets, grpo_as
 
     def decoded(step: int, after: int) -> list[tuple[int, list[int]]]:
         indices = sorted({i for i, _ in logged[step]})
-        engine = Engine(load_backbone(weights[after]))
+        engine = Engine(load_backbone(weights[after], torch.device(device)))
         samples = engine.generate([ids[i] for i in indices], 4, SamplingConfig(8, 1.0), tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(sample_seed(3, step - 1, i)) for i in indices])
         return [(i, c) for k, i in enumerate(indices) for c in samples.completions[4 * k:4 * k + 4]]
@@ -159,6 +163,9 @@ def test_dynamic_sampling_draws_ahead_on_one_or_two_ranks_and_a_cut_run_resumes(
     last = checkpoints(two)[-1].stem.split("_")[1]
     for name in (f"model_{last}.pt", f"meta_{last}.json", f"state_{last}.pt"):
         (two / name).unlink()
+    # where the resumed run goes on drawing: after step 3's rollout, in flight when step 2's checkpoint was written
+    state = torch.load(two / f"state_{checkpoints(two)[-1].stem.split('_')[1]}.pt", weights_only=True)
+    assert state["step"] == 2 and state["draw"] == sum(m["train/draws"] for m in read_metrics(one) if "train/loss" in m)
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, two, *args, "--resume", "latest")) == 0
     assert rollouts_by_step(two)[3] == rollouts_by_step(one)[3]
     assert_same_update(load_backbone(two).model.state_dict(), want, init)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -68,6 +68,21 @@ def left_out(total: torch.Tensor, group_size: int) -> torch.Tensor:
     """(completions,) bool: the completions of the groups the machine failed to score one of (a NaN total: a reward
     raised errors.Unscored), which GRPO leaves out of the loss."""
     return torch.isnan(total).view(-1, group_size).any(1).repeat_interleave(group_size)
+
+
+@contextmanager
+def side_stream(stream: "torch.cuda.Stream | None", device: torch.device) -> Iterator[None]:
+    """The rollout thread's GPU work on a CUDA stream of its own (None: on CPU, nothing to do), so that its kernels can
+    run beside the training's instead of queued behind them. It starts after the work the default stream holds so far
+    (the weights just copied into the held engine) and ends synchronized (the next copy overwrites what it read)."""
+    if stream is None:
+        yield
+        return
+    torch.cuda.set_device(device)  # a thread's current device is its own
+    stream.wait_stream(torch.cuda.default_stream(device))
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
 
 
 def in_global_order(parts: list[list]) -> list:
@@ -179,6 +194,7 @@ class Rollouts:
         self.ahead = ahead
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead is not None else None
         self.group = side_group() if ahead is not None else None  # the thread's collectives (a reward's failure)
+        self.stream = torch.cuda.Stream(env.device) if ahead is not None and env.device.type == "cuda" else None
         self.pending: Future | None = None
         if pending is not None:  # a resumed run: the draw its checkpoint had in flight
             self.pending = Future()
@@ -224,9 +240,7 @@ class Rollouts:
         """A step's rollout from draw `first` on, sampled and scored in the thread by the engine holding the weights
         refreshed last (--filter_zero_std's further draws too, its collectives on the thread's own group)."""
         def sample_and_score() -> tuple[Rollout, dict, int, int]:
-            if self.env.device.type == "cuda":  # a thread's current device is its own
-                torch.cuda.set_device(self.env.device)
-            with in_group(self.group):
+            with in_group(self.group), side_stream(self.stream, self.env.device):
                 ro, stats, drawn = self.step_rollout(first, self.ahead, quiet=True)
             return ro, stats, staleness, drawn
 

@@ -2,6 +2,7 @@
 import math
 
 from nanochat_ext.errors import Unscored
+from nanochat_ext.tasks.code_tests import run_tests
 
 
 def vowel_share(prompt, completion, row):
@@ -78,3 +79,9 @@ def unscored_for_even_prompts(prompt, completion, row):
     if len(prompt) % 2 == 0:
         raise Unscored("the sandbox failed to start twice (a test's stand-in)")
     return vowel_share(prompt, completion, row)
+
+
+def rows_code_passes(prompt, completion, row):
+    """The row's own code, a stand-in for what a policy wrote (hostile or a solution), run sealed against the row's
+    tests with a limit of 1 s: 1 if it passes."""
+    return float(run_tests(row["code"], row["tests"], time_limit=1.0)[0])

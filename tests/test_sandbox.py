@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -470,6 +471,43 @@ def test_a_rows_verdict_does_not_depend_on_its_neighbours():
                            timeout=2.0, text=False)
     assert [o.timed_out for o in out[8:]] == [False] * 2, [o.text for o in out]  # a looping row may overrun a
     assert [g.get_reward() for g in games] == [0.0] * 8 + [1.0] * 2, [o.text for o in out]  # loaded machine's end
+
+
+def test_the_catalog_scored_in_the_rollout_thread_while_the_policy_trains(tmp_path):
+    """--async_rollouts 1: the rewards of the next step's rollout are scored in the rollout thread while this step
+    trains (the load beside them), by 4 reward threads at once. Each row's reward runs the row's own code, hostile or
+    the solution: every sample of a solution scores 1 at every step beside looping, forking, parent-killing and
+    forging neighbours, every hostile one 0, none unscored; once the run returns no process it started is left, no
+    file outside its directory, and no rollout thread."""
+    hostile = ["a busy loop", "many children", "a child that outlives the step", "killing its parent",
+               "a forged results record", "the harness patched"]
+    rows = [{"prompt": f"Write add, attempt {k}.", "code": HOSTILE[name][0], "tests": TESTS, "case": name}
+            for k, name in enumerate(hostile)]
+    rows += [{"prompt": f"Write add, attempt {k}.", "code": SOLVED, "tests": TESTS, "case": "solved"}
+             for k in range(len(rows), len(rows) + 2)]
+    prompts = synthetic.write_jsonl(tmp_path / "prompts.jsonl", rows)
+    before = descendants()
+    out = tmp_path / "out"
+    assert kat_train_grpo.main(["--policy", str(REPO / "tests" / "fixtures" / "hf-tool-use"), "--prompts",
+                                str(prompts), "--reward_fn", "rewards_for_tests:rows_code_passes",
+                                "--reward_workers", "4", "--batch_size", "4", "--group_size", "2",
+                                "--max_new_tokens", "4", "--max_steps", "2", "--val_ratio", "0", "--log_rollouts",
+                                "--log_every", "1", "--async_rollouts", "1", "--device", "cpu",
+                                "--out", str(out)]) == 0
+    scored = [json.loads(line) for line in (out / "logs" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(scored) == 2 * 4 * 2 and {r["prompt_index"] for r in scored} == set(range(8))
+    for r in scored:
+        assert r["reward"] == (1.0 if rows[r["prompt_index"]]["case"] == "solved" else 0.0), \
+            (rows[r["prompt_index"]]["case"], r)
+    metrics = [json.loads(line) for line in (out / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["train/sandbox_failures"], m["train/staleness"]) for m in metrics if "train/loss" in m] == \
+        [(0.0, 0.0), (0.0, 1.0)]  # step 2's rollout was scored in the thread while step 1 trained
+    assert not [t for t in threading.enumerate() if t.name.startswith("rollouts")]
+    deadline = time.monotonic() + 5  # the child that outlives its step is ended with its sandbox
+    while descendants() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not descendants() - before
+    assert not leftovers()
 
 
 def test_a_sandbox_that_fails_to_start_is_tried_again(monkeypatch):

@@ -163,51 +163,89 @@ def test_an_out_dir_of_another_trainer_says_which_wrote_it_and_what_to_do(tmp_pa
 
 
 # ---- preemption -----------------------------------------------------------------------------------
-def test_sigterm_on_two_ranks_checkpoints_and_resumes_to_the_uninterrupted_result(assets, tmp_path):
-    # 20 steps: the signal comes at step 3, and steps take about 0.25 s here, so the run is still going.
+def piped(command: list[str], log) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """`COMMAND 2>&1 | tee LOG`, how most people keep a log: the command in a session of its own (a terminal's job,
+    which the signal reaches), tee's stdout read by the test."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    tee = subprocess.Popen(["tee", str(log)], stdin=proc.stdout, stdout=subprocess.PIPE, text=True)
+    proc.stdout.close()  # tee holds the pipe's only reader
+    return proc, tee
+
+
+def stop_with_the_reader_gone(proc, tee, after: str, sig: int) -> None:
+    """Once a line starting with `after` passed through tee: tee killed (the same Ctrl-C ends it), then `sig` to the
+    command's process group, whose next writes (the signal's own line first) meet a pipe with no reader."""
+    for line in tee.stdout:
+        if line.startswith(after):
+            break
+    tee.kill()
+    tee.wait()
+    os.killpg(proc.pid, sig)
+    proc.wait(timeout=120)
+
+
+def test_ctrl_c_on_two_ranks_with_the_pipe_gone_checkpoints_and_resumes_exactly(assets, tmp_path):
+    """Ctrl-C through `torchrun ... 2>&1 | tee log` (the terminal's SIGINT ends tee too; torchrun passes it on to the
+    ranks): the ranks finish the step, checkpoint and exit, their lines kept in logs/console.log, and the resumed run
+    ends with the uninterrupted run's weights. 20 steps: the signal comes at step 3, and steps take about 0.25 s
+    here. (SIGTERM, what SLURM sends, takes the same path: the one-process test below.)"""
+    sig = signal.SIGINT
     args = ("--max_steps", "20")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_script("scripts.kat_train_rm", rm_args(assets, straight, *args), nproc=2).returncode == 0
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "scripts.kat_train_rm", "--", *rm_args(assets, stopped, *args)]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    for line in proc.stdout:  # wait until training is under way
-        if line.startswith("rm step 3 "):
-            break
-    os.killpg(proc.pid, signal.SIGTERM)  # what SLURM does: the whole job gets it
-    out, err = proc.communicate(timeout=120)
-    # The ranks exit 75 (one process: the test below); torchrun's agent, signalled too, ends as it does: 1 after its
-    # SignalException's traceback, or an abort while it shuts down (seen: -6).
-    assert proc.returncode != 0 and not [x for x in err.splitlines() if x.startswith("error: ")], err[-2000:]
-    (line,) = [x for x in err.splitlines() if x.startswith("interrupted at step ")]  # rank 0's, once
+    proc, tee = piped(cmd, tmp_path / "tee.log")
+    stop_with_the_reader_gone(proc, tee, "rm step 3 ", sig)
+    # torchrun's agent, signalled too, ends as it does: 1 after its SignalException's traceback, or an abort while it
+    # shuts down (seen: -6); no rank is left running
+    assert proc.returncode != 0
+    assert subprocess.run(["pgrep", "-f", str(stopped)], capture_output=True).stdout == b""
+    log = (stopped / "logs" / "console.log").read_text()
+    assert not [x for x in log.splitlines() if x.startswith("error: ")], log[-2000:]
+    (line,) = [x for x in log.splitlines() if x.startswith("interrupted at step ")]  # rank 0's, once
     step = int(line.split()[3].rstrip(";"))
     assert 3 <= step < 20 and "resume with --resume latest" in line
+    assert f"signal: {signal.Signals(sig).name}; finishing this step" in log
     assert [m["step"] for m in metas(stopped)] == [step] and not list(stopped.glob("*.tmp"))
     resumed = run_script("scripts.kat_train_rm", rm_args(assets, stopped, *args, "--resume", "latest"), nproc=2)
     assert resumed.returncode == 0, resumed.stderr
     assert_same_weights(straight, stopped)
+    lines = (stopped / "logs" / "console.log").read_text().splitlines()  # the resumed run's appended, headed by its
+    heads = [x for x in lines if x.startswith("== ")]                     # command
+    assert len(heads) == 2 and heads[1].endswith("--resume latest") and lines[-1].startswith("checkpoint: "), lines[-5:]
 
 
-def test_sigint_on_one_process_exits_with_the_interrupted_code(assets, tmp_path):
-    cmd = [sys.executable, "-m", "scripts.kat_train_rm", *rm_args(assets, tmp_path / "int", "--max_steps", "60")]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:
-        if line.startswith("rm step 2 "):
-            break
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+@pytest.mark.parametrize("sig,pipe", [(signal.SIGTERM, False), (signal.SIGINT, True)])
+def test_a_signal_on_one_process_exits_with_the_interrupted_code(assets, tmp_path, sig, pipe):
+    """SIGTERM (SLURM's, Kubernetes'), and Ctrl-C through `| tee` with the reader gone before the signal's line: the
+    step finishes, the checkpoint is written, the run exits 75 with the line saying how to resume (in console.log
+    where no pipe is left)."""
+    out = tmp_path / "int"
+    cmd = [sys.executable, "-m", "scripts.kat_train_rm", *rm_args(assets, out, "--max_steps", "60")]
+    if pipe:
+        proc, tee = piped(cmd, tmp_path / "tee.log")
+        stop_with_the_reader_gone(proc, tee, "rm step 2 ", sig)
+        err = (out / "logs" / "console.log").read_text()
+    else:
+        env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for line in proc.stdout:
+            if line.startswith("rm step 2 "):
+                break
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == EXIT_INTERRUPTED, err
     assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("interrupted at step ")
     # #80 item 7: the same command again without --resume is refused, naming the step; the checkpoint stays whole
-    saved = sorted(p.name for p in (tmp_path / "int").iterdir())
-    step = metas(tmp_path / "int")[0]["step"]
-    again = run_script("scripts.kat_train_rm", rm_args(assets, tmp_path / "int", "--max_steps", "60"))
+    saved = sorted(p.name for p in out.iterdir())
+    step = metas(out)[0]["step"]
+    again = run_script("scripts.kat_train_rm", rm_args(assets, out, "--max_steps", "60"))
     assert again.returncode == 2 and f"unfinished run (its newest checkpoint is at step {step} of 60): add --resume " \
         f"latest" in again.stderr.strip().splitlines()[-1], again.stderr[-1000:]
-    assert sorted(p.name for p in (tmp_path / "int").iterdir()) == saved
+    assert sorted(p.name for p in out.iterdir()) == saved
 
 
 SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext.runtime import guard; guard.install_signal_handlers()\n"

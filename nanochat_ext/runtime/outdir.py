@@ -25,6 +25,7 @@ from typing import Any
 
 from nanochat_ext.ddp_common import get_rank, is_main, print0, raise_if_any
 from nanochat_ext.errors import InputError
+from nanochat_ext.runtime import console
 from nanochat_ext.runtime.checkpoint import read_json, remove_files, remove_orphans, resumable_checkpoints, stamp_digits
 
 LOCK_FILE = ".lock"
@@ -99,8 +100,8 @@ def release_out_dirs() -> None:
 
 def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None = None) -> None:
     """Collective, once the inputs are checked: rank 0 makes out_dir (and log_dir: the run's, where
-    keep_traceback writes), checks they can be written, locks out_dir for this run and removes what crashed saves left
-    there."""
+    keep_traceback writes and every rank's printed lines are kept, console.log), checks they can be written, locks
+    out_dir for this run and removes what crashed saves left there."""
     global run_log_dir
     error = None
     if log_dir is not None:
@@ -111,6 +112,8 @@ def claim_out_dir(out_dir: str | os.PathLike, log_dir: str | os.PathLike | None 
         if error is None and (removed := remove_orphans(Path(out_dir))):
             print0(f"checkpoint: removed what an interrupted save left: {', '.join(removed)}")
     raise_if_any(error)
+    if log_dir is not None:
+        console.keep_in(Path(log_dir), get_rank())
 
 
 def keep_traceback(error: BaseException) -> str:

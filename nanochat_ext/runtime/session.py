@@ -20,7 +20,7 @@ from nanochat_ext.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_LOST_RAN
                                  EXIT_UNFORESEEN, InputError, first_line)
 from nanochat_ext.runtime.guard import Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.runtime.oom import is_out_of_memory, out_of_memory_line
-from nanochat_ext.runtime import process_state
+from nanochat_ext.runtime import console, process_state
 from nanochat_ext.runtime.outdir import release_out_dirs
 from nanochat_ext.runtime.peers import FAILED, LostRanks, is_collective_failure, lost_rank_line, lost_ranks, sign_in
 from nanochat_ext.runtime.progress import Progress
@@ -68,6 +68,7 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
         return ending(*ended, again=" (torchrun's previous start ended so; not run again)")
     global last_failure, last_line
     progress, last_failure, last_line = Progress(), None, ""
+    console.start()
     try:
         with process_state.kept(), dist_session(config.device, config.backend, timeout_s, group) as env:
             result = with_roll_call(body, Session(env, progress), timeout_s)
@@ -99,6 +100,7 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
     finally:
         release_out_dirs()
         restore_signal_handlers()
+        console.end()
 
 
 def with_roll_call(body: Callable[[Session], object], session: Session, timeout_s: float) -> object:
@@ -150,15 +152,9 @@ def run_plain(body: Callable[[], object], label: str) -> int:
 def say(line: str) -> None:
     """One line on stderr in one write: ranks that share torchrun's stderr pipe then cannot interleave inside it (a
     pipe's writes of up to PIPE_BUF bytes are atomic), as print's text and newline could (seen: two ranks' lines run
-    together). A stderr with no file descriptor (pytest's capsys) takes it as one write call."""
+    together). During a run, stderr is the console's (runtime/console.py), which writes each line whole."""
+    sys.stderr.write(line + "\n")
     sys.stderr.flush()
-    try:
-        fd = sys.stderr.fileno()
-    except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is both
-        sys.stderr.write(line + "\n")
-        sys.stderr.flush()
-        return
-    os.write(fd, (line + "\n").encode())
 
 
 def record_for_torchrun(line: str) -> None:

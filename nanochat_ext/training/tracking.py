@@ -19,6 +19,7 @@ import torch
 from nanochat_ext.ddp_common import all_reduce_sum, raise_if_any
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.models.compiled import CompileLog, compile_stats
+from nanochat_ext.runtime import console
 
 JSONL_LOGS = ("metrics.jsonl", "rollouts.jsonl")
 
@@ -78,7 +79,9 @@ class Tracker:
         if sys.stderr.isatty() or in_notebook():  # a person watches: step N/M, its rate, the time left
             from tqdm.auto import tqdm  # a notebook's widget where ipywidgets is installed, else text
 
-            self.bar = tqdm(total=total_steps, initial=start_step, desc=name, dynamic_ncols=True)
+            self.bar = tqdm(total=total_steps, initial=start_step, desc=name, dynamic_ncols=True,
+                            file=console.terminal())
+            console.show_bar(self.bar)  # the run's other lines are written around it
 
     def log(self, step: int, metrics: dict[str, float], shown: tuple[str, ...] | None = None,
             echo: bool = True) -> None:
@@ -106,10 +109,7 @@ class Tracker:
             self._print(f"{self.name} step {step} | {line}")
 
     def _print(self, msg: str) -> None:
-        if self.bar is not None:
-            self.bar.write(msg)
-        else:
-            print(msg, flush=True)
+        print(msg, flush=True)  # beside the bar: runtime/console.py writes lines around it
 
     def advance(self, n: int = 1) -> None:
         if self.bar is not None:
@@ -133,6 +133,7 @@ class Tracker:
                 self._print(line)
             print(f"compile: {graphs} graphs, {seconds:.1f} s", flush=True)
         if self.bar is not None:
+            console.show_bar(None)
             self.bar.close()
         if self.writer is not None:
             self.writer.close()

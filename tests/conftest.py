@@ -135,9 +135,8 @@ def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, npro
                    every_rank: bool = False) -> None:
     """A run that stopped as docs/reliability.md promises: exit code `code` (under torchrun, its agent's
     1, its summary naming `code` and showing the line for the first rank that exited) and one `error: ` line holding
-    `line`: rank 0's for
-    an error the ranks agree on (raise_if_any), one from each rank for one each finds by itself (a flag, out of
-    memory); no traceback through our code."""
+    `line`: one for an error the ranks share (raise_if_any, or the same line each finds by itself: a flag, a bad row),
+    one from each rank (every_rank) where each says its own; no traceback through our code."""
     if nproc == 1:
         assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     else:

@@ -4,6 +4,7 @@ and its exit code (errors.py's table), and what a torchrun restart is told of ho
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import os
 import sys
@@ -132,7 +133,7 @@ class Ending:
         record_for_torchrun(f"error: {message}{again}")
         if code in ENDINGS_THAT_REPEAT:
             remember_ending(code, message, self.timeout)
-        if said and (self.rank == 0 or everyone):
+        if said and (first_to_say(f"error: {message}{again}", self.timeout) if everyone else self.rank == 0):
             say(f"error: {message}{again}")
         return code
 
@@ -155,6 +156,18 @@ def say(line: str) -> None:
     together). During a run, stderr is the console's (runtime/console.py), which writes each line whole."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+def first_to_say(line: str, timeout: datetime.timedelta) -> bool:
+    """Whether no other rank of this torchrun start has said `line` yet, counted in its agent's store: a line every
+    rank reaches alike (a bad row each of them read, a flag, an out of memory alike) is said once, one no other rank
+    has by each rank that has it. True outside torchrun, where there is no store to count in."""
+    try:
+        agent = agent_store(timeout)
+        key = f"nanochat_ext/said/{restart_attempt()}/{hashlib.sha1(line.encode()).hexdigest()}"
+        return agent is None or agent.add(key, 1) == 1
+    except dist.DistError:
+        return True
 
 
 def record_for_torchrun(line: str) -> None:

@@ -128,6 +128,12 @@ def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_rewa
     assert got == {"reward": pytest.approx(mean), "reward_vowel_share": pytest.approx(mean), "unscored": 0}
     assert api.generate(checkpoint, questions[:1], tokenizer=kw["tokenizer"], device="cpu") == \
         api.generate(checkpoint, questions[:1], max_new_tokens=8, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+    # a model no run of ours wrote (the demo's SFT model, a base model): 256 new tokens where its context has room,
+    # else what the context leaves the longest prompt (a context of 256 here)
+    kw_default = {k: v for k, v in kw.items() if k != "max_new_tokens"}
+    room = 256 - len(tok.render_prompt([{"role": "user", "content": "Tell me about tea."}]))
+    assert api.generate(assets["gpt"], questions[:1], **kw_default) == \
+        api.generate(assets["gpt"], questions[:1], max_new_tokens=room, **kw_default)
     for call, said in [(lambda: api.generate(checkpoint, questions, n=0), "n 0 is out of range"),
                        (lambda: api.generate(checkpoint, questions, n=2), "n 2 at temperature 0 gives 2 equal replies"),
                        (lambda: api.generate(checkpoint, questions, max_new_token=4),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import warnings
 
 import pytest
 
@@ -45,3 +46,12 @@ def test_it_runs_in_threads():
     for t in threads:
         t.join()
     assert results == {i: str(i * 3) for i in range(8)}
+
+
+def test_the_models_text_parses_without_a_warning_for_the_user():
+    """A reply's expression such as `'ab'.count('a') if 1else 0` makes Python's parser warn (invalid decimal
+    literal) where the user reads warnings: the calculator parses it quietly, and answers as Python does."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert calculate("'ab'.count('a') if 1else 0") == "1"
+    assert not seen, [str(w.message) for w in seen]

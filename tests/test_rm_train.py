@@ -152,7 +152,9 @@ GOOD = '{"prompt": "Hi?", "chosen": "Sure, gladly.", "rejected": "No."}\n'
 
 @pytest.mark.parametrize("name,content,expected", [
     ("empty", "", "no preference pairs in file"),
-    ("not_json", GOOD + "{oops\n", ":2: not valid JSON"),
+    ("not_json", GOOD + "{oops\n", ":2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ("raw_tab", GOOD + '{"prompt": "Hi\tthere", "chosen": "Yes", "rejected": "No"}\n',
+     ":2: not valid JSON (Invalid control character at column 15; a tab or newline inside a string is written \\t or"),
     ("no_chosen", GOOD + '{"prompt": "Hi?", "rejected": "No."}\n', ":2: field 'chosen': missing"),
     ("empty_chosen", GOOD + '{"prompt": "Hi?", "chosen": "  ", "rejected": "No."}\n', ":2: field 'chosen': missing or empty"),
     ("int_rejected", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": 3}\n', ":2: field 'rejected'"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import warnings
 
 ARITHMETIC_CHARS = set("0123456789*+-/.() ")
 STRING_CHARS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789'\"()._ ")
@@ -54,7 +55,10 @@ def calculate(expr: str) -> str | None:
     else:
         return None
     try:
-        value = Evaluator(string_ops).visit(ast.parse(expr, mode="eval").body)
+        with warnings.catch_warnings():  # the model's text ('1if') parses with a SyntaxWarning: not the user's to read
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(expr, mode="eval")
+        value = Evaluator(string_ops).visit(tree.body)
         text = None if value is None else str(value)
     except Exception:  # any failure of a whitelisted node (an int's .lower, a bad literal): refused, as nanochat's
         return None  # eval_with_timeout returns None for any exception

@@ -29,14 +29,15 @@ from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json, resolve_
 from nanochat_ext.runtime.precision import compute_dtype, precision
 
 ANSWERS_DRAW = -3  # the sample_seed draw of answers (a run's steps are 0.., its evaluation -1, kat_eval's -2)
-MAX_NEW_TOKENS = 256  # where neither the call nor the checkpoint's run says
+MAX_NEW_TOKENS = 256  # where neither the call nor the checkpoint's run says (less where the model's context ends)
 
 
 @dataclass(frozen=True)
 class AnswerOptions:
     """How generate() and evaluate() answer (api.generate's keywords)."""
     n: int = 1  # replies to each prompt
-    max_new_tokens: int | None = None  # None: the checkpoint's run's --max_new_tokens, else MAX_NEW_TOKENS
+    max_new_tokens: int | None = None  # None: the checkpoint's run's --max_new_tokens, else MAX_NEW_TOKENS or the
+    # room the model's context leaves the longest prompt, whichever is less
     temperature: float = 0.0  # 0: greedy (a run's eval/*_greedy); n > 1 needs a temperature
     top_k: int = 0  # 0: off
     top_p: float = 1.0  # 1: off
@@ -80,8 +81,7 @@ def replies(checkpoint: str | os.PathLike, rows: list[PromptRow], o: AnswerOptio
     o.check()
     flags = recorded_flags(checkpoint)
     tools = AgentConfig(tools=o.tools) if isinstance(o.tools, str) else o.tools or recorded_tools(flags)
-    cfg = SamplingConfig(o.max_new_tokens or flags.get("max_new_tokens") or MAX_NEW_TOKENS, o.temperature, o.top_k,
-                         o.top_p)
+    asked = o.max_new_tokens or flags.get("max_new_tokens")  # None: MAX_NEW_TOKENS, or less where the context ends
     with process_state.kept():
         device = pick_device(o.device, detect_launcher()[2])
         dtype = compute_dtype(o.dtype, device)
@@ -89,8 +89,9 @@ def replies(checkpoint: str | os.PathLike, rows: list[PromptRow], o: AnswerOptio
         tok = load_tokenizer_for(policy, o.tokenizer)
         agent = Agent(tools, tok)
         engine, autocast = Engine(policy, agent=agent), precision(dtype, device)
-        ids = encode_prompts(rows, agent.render_prompt, policy.max_seq_len, cfg.max_new_tokens, rows[0].path,
-                             "max_new_tokens")
+        ids = encode_prompts(rows, agent.render_prompt, policy.max_seq_len, asked or 1, rows[0].path, "max_new_tokens")
+        room = policy.max_seq_len - max(map(len, ids))  # what the model's context leaves the longest prompt
+        cfg = SamplingConfig(asked or min(MAX_NEW_TOKENS, room), o.temperature, o.top_k, o.top_p)
         out: list[list[str]] = []
         for start in range(0, len(rows), o.batch_size):
             chunk = range(start, min(start + o.batch_size, len(rows)))

@@ -76,7 +76,10 @@ def _json_object(line: str, path: str, lineno: int) -> dict:
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as e:
-        raise InputError(f"not valid JSON ({e.msg})", path=path, line=lineno) from None
+        # json's msg can end mid-phrase ('Invalid control character at'): the column completes it
+        hint = "; a tab or newline inside a string is written \\t or \\n" if "control character" in e.msg else ""
+        raise InputError(f"not valid JSON ({e.msg.removesuffix(' at')} at column {e.colno}{hint})", path=path,
+                         line=lineno) from None
     if not isinstance(obj, dict):
         raise InputError("expected a JSON object", path=path, line=lineno)
     return obj

@@ -253,7 +253,7 @@ density() {
     local name=$1 backbone=$2 pairs=$3 out=$4 s=$SECONDS; shift 4
     if skip "$out"; then echo "== $name: skipped (done: $out)"; return; fi
     echo "== $name ($NPROC_PER_NODE ranks)"
-    mkdir -p "$(dirname "$out")"
+    mkdir -p "$(dirname "$out")" && rm -f "$out"  # FORCE=1: made again (the script refuses to overwrite)
     launch "$name" "a backbone ($backbone) and pairs ($pairs)" scripts.kat_compute_density --backbone "$backbone" \
         --pairs "$pairs" --out "$out" "$@"
     record_time "$name" $((SECONDS - s))

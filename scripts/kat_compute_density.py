@@ -94,6 +94,9 @@ def compute(args: argparse.Namespace, session: Session) -> Path:
     env = session.env
     base = Path(os.environ.get("NANOCHAT_BASE_DIR", Path.home() / ".cache" / "nanochat"))
     out = Path(args.out) if args.out else base / "density" / "weights.jsonl"
+    if out.exists():  # another run's weights (the demo's?): never replaced unasked
+        raise InputError(f"{out} exists (an earlier run's weights): give another --out, or delete it to compute it "
+                         f"again")
     if args.pairs:
         rows = [(r.prefix_id, r.prompt) for r in load_pairs(args.pairs)[0]]
     else:

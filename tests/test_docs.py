@@ -1,5 +1,5 @@
 """Docs that cannot rot: every script command in README.md and docs/ uses only flags its script has, every variable
-speedrun.sh reads is in the pipeline page's table of knobs, and the README's hand-run stage resumes as it says."""
+speedrun.sh reads is in the pipeline page's table of knobs, and the README's hand-run stages run as it says."""
 from __future__ import annotations
 
 import importlib
@@ -85,34 +85,63 @@ def test_every_link_between_the_docs_resolves():
     assert not broken, broken
 
 
-def readme_command(module: str) -> list[str]:
-    """The flags the README's hand-run stage `module` is given (after torchrun's `--`), its lines joined."""
-    text = re.sub(r"\\\n\s*", " ", (REPO / "README.md").read_text())
-    line = next(line for line in text.splitlines() if f"-m scripts.{module} -- " in line)
-    return shlex.split(line.split(f"-m scripts.{module} -- ", 1)[1])
+def readme_by_hand() -> tuple[dict[str, str], dict[str, list[str]]]:
+    """The README's by-hand block: its settings line (B=... MODEL=... as written) and each stage's flags after
+    torchrun's `--`, by module, its lines joined."""
+    section = readme_section("Your model on 8 GPUs")
+    block = re.sub(r"\\\n\s*", " ", section.split("```bash\n")[2].split("```")[0])
+    settings = next(line for line in block.splitlines() if line.startswith("B="))
+    stages = {m.group(1): shlex.split(m.group(2)) for m in re.finditer(r"-m scripts\.(\w+) -- (.*)", block)}
+    return dict(w.split("=", 1) for w in shlex.split(settings.split("#")[0])), stages
 
 
-def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_command(assets, tmp_path):
-    """The README's stage 2 as written (`--backbone sft:d20` from a nanochat base dir, its density weights, --unfreeze_last
-    2, no --save_every), at 60 steps of 8 pairs where it says 500 of 256 and on one process where it says 8: SIGKILLed
-    in step 40 (tests/workers/die_at.py: no cleanup), it has its step-25 checkpoint (the default --save_every, a tenth of
-    the run but at least 25 steps); the same command resumes there and finishes; run again, it trains nothing."""
-    base = tmp_path / "base"
-    shutil.copytree(assets["gpt"], base / "chatsft_checkpoints" / "d20")
+def as_set(args: list[str], values: dict[str, str], **sizes: str) -> list[str]:
+    """A stage's flags with the block's variables set to `values` and the flags in `sizes` (--batch_size ...) given
+    smaller values."""
+    args = [re.sub(r"\$(\w+)", lambda m: values[m.group(1)], a) for a in args]
+    for flag, value in sizes.items():
+        args[args.index(f"--{flag}") + 1] = value
+    return args
+
+
+def test_the_readmes_by_hand_block_runs_after_the_demo_and_leaves_its_outputs_alone(assets, tmp_path):
+    """#89: the README's stages by hand, run after the demo as its prose says (MODEL `sft:default`, DATA `$B/demo`,
+    its TAG): at 60 RM steps of 8 pairs, 2 GRPO and DPO steps of 2, and one process, where it says 500 of 256 and 8.
+    Every output lands beside the demo's (the demo's density weights, its RM trained with --unfreeze_last 1, its
+    report: untouched, where stage 1 once replaced the weights and stage 2 refused to resume the demo's RM). The RM
+    stage as written (its density weights, --unfreeze_last 2, no --save_every), SIGKILLed in step 40
+    (tests/workers/die_at.py: no cleanup), has its step-25 checkpoint (the default --save_every, a tenth of the run
+    but at least 25 steps); the same command resumes there and finishes; run again, it trains nothing."""
+    base, env = tmp_path / "base", {"NANOCHAT_BASE_DIR": str(tmp_path / "base")}
+    shutil.copytree(assets["gpt"], base / "chatsft_checkpoints" / "default")  # what the demo leaves, in its places
     shutil.copytree(assets["tokenizer"], base / "tokenizer")
-    shutil.copy(assets["pairs"], tmp_path / "pairs.jsonl")
+    (base / "demo").mkdir()
+    for name in ("pairs", "prompts", "eval_pairs", "eval_prompts"):
+        shutil.copy(assets["pairs"], base / "demo" / f"{name}.jsonl")
+    prompts = sorted({row.prefix_id for row in read_pairs(str(assets["pairs"]), None, 0.0)[0]})
     (base / "density").mkdir()
-    prompts = {row.prefix_id for row in read_pairs(str(assets["pairs"]), None, 0.0)[0]}
     (base / "density" / "weights.jsonl").write_text("".join(json.dumps({"prefix_id": p, "weight": 1.0 + i % 3}) + "\n"
-                                                            for i, p in enumerate(sorted(prompts))))
-    args = [a.replace("$B", str(base)) for a in readme_command("kat_train_rm")]
-    assert "--save_every" not in args and args[args.index("--backbone") + 1] == "sft:d20"
+                                                            for i, p in enumerate(prompts)))
+    demo_rm = run_script("scripts.kat_train_rm", ["--backbone", "sft:default", "--pairs", str(base / "demo" / "pairs.jsonl"),
+                                                  "--density", str(base / "density" / "weights.jsonl"), "--unfreeze_last",
+                                                  "1", "--batch_size", "8", "--max_steps", "2"], env=env)
+    assert demo_rm.returncode == 0 and (base / "rm_checkpoints" / "density").is_dir(), demo_rm.stderr[-2000:]
+    (base / "report.md").write_text("the demo's report\n")
+    demo = {p: p.read_bytes() for p in base.rglob("*") if p.is_file()}
+
+    prose = readme_section("Your model on 8 GPUs")
+    model, data = re.search(r"after the demo, its model is `([^`]+)` and its data `([^`]+)`", " ".join(prose.split())).groups()
+    settings, stages = readme_by_hand()
+    assert settings["B"] == "$NANOCHAT_BASE_DIR" and settings["MODEL"] == "sft:d20" and model == "sft:default"
+    values = {**settings, "B": str(base), "MODEL": model, "DATA": data.replace("$B", str(base))}
+    assert list(stages) == ["kat_compute_density", "kat_train_rm", "kat_train_grpo", "kat_train_dpo", "kat_eval"]
     for stage in ("kat_train_rm", "kat_train_grpo", "kat_train_dpo"):  # every hand-run training stage resumes
-        flags = readme_command(stage)
-        assert flags[flags.index("--resume") + 1] == "latest", stage
-    args[args.index("--batch_size") + 1], args[args.index("--max_steps") + 1] = "8", "60"
-    args[args.index("--pairs") + 1] = str(tmp_path / "pairs.jsonl")
-    env = {"NANOCHAT_BASE_DIR": str(base)}
+        assert stages[stage][stages[stage].index("--resume") + 1] == "latest", stage
+    ran = run_script("scripts.kat_compute_density", as_set(stages["kat_compute_density"], values), env=env)
+    assert ran.returncode == 0, ran.stderr[-2000:]
+
+    args = as_set(stages["kat_train_rm"], values, batch_size="8", max_steps="60")
+    assert "--save_every" not in args and args[args.index("--backbone") + 1] == "sft:default"
     # a fresh interpreter, not a fork of the warm one: die_at patches the step before the trainer's modules import it
     killed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "die_at.py"), "kat_train_rm",
                              "0:step:40", *args], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
@@ -123,12 +152,23 @@ def test_the_readmes_reward_model_stage_killed_mid_run_resumes_with_its_own_comm
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert re.search(r"resume: from \S+ at step 25\n", resumed.stdout), resumed.stdout
     final = resumed.stdout.strip().splitlines()[-1]
-    model = base / "rm_checkpoints" / "density" / final.rsplit("/", 1)[-1]
-    assert final == f"checkpoint: {model}"
-    assert json.loads(model.with_name(model.name.replace("model_", "meta_")[:-3] + ".json").read_text())["step"] == 60
+    model_file = base / "rm_checkpoints" / values["TAG"] / final.rsplit("/", 1)[-1]
+    assert final == f"checkpoint: {model_file}"
+    assert json.loads(model_file.with_name(model_file.name.replace("model_", "meta_")[:-3] + ".json").read_text())["step"] == 60
     again = run_script("scripts.kat_train_rm", args, env=env)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
     assert again.stdout.strip().splitlines()[-1] == final
+
+    small = {"batch_size": "2", "max_new_tokens": "8"}
+    for stage, sizes in [("kat_train_grpo", {**small, "group_size": "2", "max_steps": "2"}),
+                         ("kat_train_dpo", {"batch_size": "2"}), ("kat_eval", {"max_new_tokens": "8"})]:
+        extra = ["--max_steps", "2"] if stage == "kat_train_dpo" else []  # its --num_epochs 1, cut short
+        ran = run_script(f"scripts.{stage}", as_set(stages[stage], values, **sizes) + extra, env=env)
+        assert ran.returncode == 0, (stage, ran.stderr[-2000:])
+    report = json.loads((base / "reports" / values["TAG"] / "report.json").read_text())
+    assert set(report["policies"]) >= {"GRPO", "DPO"} and list(report["reward_models"]) == [
+        str(base / "rm_checkpoints" / values["TAG"])]
+    assert {p: p.read_bytes() for p in demo} == demo  # the demo's outputs, every byte as it left them
 
 
 def readme_section(title: str) -> str:

@@ -13,7 +13,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
 from nanochat_ext.tasks.word_arithmetic import (GAP_SKEW, KINDS, SKEW, in_words, kinds_in_shares, make_gap_questions,
                                                 make_pairs, make_questions, make_skewed_pairs, make_skewed_questions)
-from scripts import kat_task_data
+from scripts import kat_compute_density, kat_task_data
 from scripts.kat_compute_density import knn_distances
 
 
@@ -153,3 +153,16 @@ def test_isolated_points_are_farther_from_their_neighbours():
     assert d[3] > 3 * d[:3].max()
     # Any subset of rows (one rank's share) gives the same values as the whole.
     torch.testing.assert_close(knn_distances(emb, [3, 1], k=2), d[[3, 1]])
+
+
+def test_the_density_stage_never_replaces_weights_it_finds(assets, tmp_path, capsys):
+    """Run after the demo with the demo's --out, the stage would replace the demo's weights (an RM trained on them
+    stays, now on weights it was not trained with): it refuses in one line and leaves the file as it was."""
+    out = tmp_path / "weights.jsonl"
+    out.write_text('{"prefix_id": "a", "weight": 1.0}\n')
+    args = ["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--pairs", str(assets["pairs"]),
+            "--out", str(out), "--device", "cpu"]
+    assert kat_compute_density.main(args) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {out} exists (an earlier run's weights): give another --out, "
+                                                f"or delete it to compute it again")
+    assert out.read_text() == '{"prefix_id": "a", "weight": 1.0}\n'

@@ -34,7 +34,8 @@ def check_resume_args(saved: dict, flags: dict, keys: tuple[str, ...], path: Pat
         if was != flags[key]:
             hint = " or add --resume_extend" if key in SCHEDULE_KEYS else ""
             raise InputError(f"--{key} is {flags[key]!r} but the checkpoint was trained with "
-                             f"{was!r}; resume with the same setting{hint}", path=str(path))
+                             f"{was!r}; resume with the same setting{hint}, or train anew beside it with another "
+                             f"--tag or --out", path=str(path))
 
 
 def check_kind(meta: dict, trainer: TrainerSpec, meta_path: Path, in_out: bool, writers: Mapping[str, str]) -> None:

@@ -180,7 +180,7 @@ if [ "$DEMO" = 1 ]; then
     RM_STEPS="${RM_STEPS:-150}" GRPO_STEPS="${GRPO_STEPS:-200}" DPO_STEPS="${DPO_STEPS:-100}"
     EVAL_SAMPLES="${EVAL_SAMPLES:-4}"
     RECIPE_SFT=(--batch_size 32 --lr 3e-3)
-    RECIPE_RM=(--batch_size 32 --unfreeze_last 1 --eval_every 50)
+    RECIPE_RM=(--batch_size 32 --unfreeze_last 1 --lr 3e-3 --eval_every 50)
     RECIPE_GRPO=(--batch_size 8 --group_size 8 --max_new_tokens 16 --lr 1e-4 --beta 0.02 --eval_every 50)
     RECIPE_DPO=(--batch_size 32 --lr 1e-4 --beta 0.1 --eval_every 50)
 else

@@ -467,3 +467,20 @@ def test_the_ab_table_gives_each_trees_median_and_range_and_their_ratio():
     assert table(runs, "abc", "def").splitlines()[2:] == [
         "| grpo (completions_per_s) | 30.00 [28.00-32.00] (n=3) | 33.00 [30.00-36.00] (n=3) | 1.100 |",
         "| rm (pairs_per_s) | 100.00 [100.00-100.00] (n=1) | 90.00 [90.00-90.00] (n=1) | 0.900 |"]
+
+
+def test_the_demo_check_holds_each_seed_against_the_ranges_the_docs_state():
+    """bench/demo_check.py reads its ranges from docs/pipeline.md's demo paragraph (so a figure the docs state is the
+    one it checks), takes a report's figures as kat_eval writes them, and names a seed's figure below its range."""
+    import demo_check
+
+    ranges = demo_check.documented_ranges(demo_check.DOCS.read_text())
+    assert ranges == {"rm_accuracy": (0.93, 0.98), "grpo_sampled": (0.85, 0.89)}
+    report = {"reward_models": {"a/uniform": {"overall": {"accuracy": 0.94}}, "a/density": {"overall": {"accuracy": 0.92}}},
+              "policies": {"before (SFT)": {"task_accuracy_sampled": 0.5},
+                           "GRPO uniform": {"task_accuracy_sampled": 0.54, "tool_use": {"accuracy_with_tools": 0.7}}}}
+    found = demo_check.figures(report)
+    assert found == {"rm_accuracy": 0.92, "sft_sampled": 0.5, "grpo_sampled": 0.54, "grpo_calculator": 0.7}
+    assert demo_check.shortfalls(found, ranges, slack=0.02) == ["grpo_sampled 0.540 < 0.850 - 0.02 (docs: 0.85-0.89)"]
+    with pytest.raises(SystemExit, match="no longer says"):
+        demo_check.documented_ranges("the demo learns")

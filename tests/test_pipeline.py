@@ -37,7 +37,7 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
     # to a group that serves CPU: on 2 CPU ranks this holds the pipeline to NCCL's device rule.
     env = dict(EXPERIMENT="density", REGIME="collapse", SEEDS="0", ARMS="uniform density kl_0.1",
-               EXPERIMENT_RM_STEPS="4", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
+               EXPERIMENT_RM_STEPS="40", BACKEND="cuda:gloo", GRPO_ARGS="--lr 5e-4")
     first = speedrun(base, **env)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     root = base / "experiment_collapse"
@@ -51,6 +51,10 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     assert {"task_accuracy_sampled_rare", "duplicate_share", "topic_accuracy_spread", "mode_share",
             "top_completion_share", "task_accuracy_gap_dense_rare"} <= set(report["policies"]["GRPO density"])
     assert {d.rsplit("/", 1)[-1] for d in report["reward_models"]} == {"uniform", "density"}
+    # The demo's RM recipe learns (#89: the script's default lr for trained blocks, which the tiny model was never run
+    # at, left these RMs at 0.56 held-out accuracy and a margin of 0.03 after 40 steps; the recipe's 3e-3: 0.84, 7.6)
+    for rm in report["reward_models"].values():
+        assert rm["overall"]["accuracy"] >= 0.75 and rm["overall"]["margin"] > 3, rm["overall"]
     assert "rare topics" in report["reward_models"][str(seed / "rm_checkpoints" / "uniform")]
     assert report["stage_args"]["REGIME"] == "collapse"
 

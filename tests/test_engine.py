@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch._dynamo.utils import counters
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
@@ -14,9 +15,11 @@ from nanochat_ext.engine import scheduler
 from nanochat_ext.engine.cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
-from nanochat_ext.models.backbone import matmul_params
+from nanochat_ext.engine.packed import PackedLinear, packs
+from nanochat_ext.models.backbone import hold_frozen_in, matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats
 from nanochat_ext.models.loader import load_backbone
+from nanochat_ext.tasks.synthetic import make_tiny_gpt
 from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 from test_sampling import assert_sampled_from_reforward, is_tie
 
@@ -288,3 +291,55 @@ def test_static_cache_takes_bf16_autocast_values_on_value_embedding_vintages(nam
         compiled = Engine(bb, compile=True).generate(PROMPTS, 2, cfg, -1, 0, seeds())
     assert static == compiled
     assert [c[0] for c in static.completions] == [c[0] for c in eager.completions]
+
+
+def test_a_packed_linear_is_torchs_linear_up_to_rounding_row_by_row():
+    """The oracle is torch's own F.linear: the packed layer (oneDNN's GEMM over the weight packed once) gives its
+    output to fp32 rounding on ragged row counts and a 3-d input, with and without a bias, each row's output its own
+    input's alone (the rows a batch holds change none)."""
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 40, generator=g), torch.randn(96, generator=g)
+    for b in (None, bias):
+        layer = PackedLinear(weight, b)
+        layer.pack(8)
+        for shape in [(1, 40), (3, 40), (8, 40), (2, 5, 40)]:
+            x = torch.randn(*shape, generator=g)
+            got, want = layer(x), F.linear(x, weight, b)
+            assert got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(layer(x[:1]), got[:1])
+
+
+@pytest.mark.parametrize("name", ["gpt_modern", "hf"])
+def test_decoding_from_packed_weights_takes_the_plain_engines_tokens_and_follows_the_policy(assets, name, aot_eager):
+    """An engine that packs (forced here: packed.packs leaves the tests' small models plain) samples the plain
+    engine's tokens, each what a re-forward gives, eager and compiled alike (the compiled step calls the same packed
+    op); after the policy moves, the next call repacks and decodes from the new weights, with no new graph."""
+    bb = load_backbone(assets[name])
+    cfg = SamplingConfig(10, 1.0)
+    plain = Engine(bb, pack=False).generate(PROMPTS, 2, cfg, (), 0, seeds())
+    packed_eager, packed_compiled = Engine(bb, pack=True), Engine(bb, compile=True, reserve=40, pack=True)
+    for engine in (packed_eager, packed_compiled):
+        got = engine.generate(PROMPTS, 2, cfg, (), 0, seeds())
+        assert_same_but_a_tie(got, plain)
+        assert_sampled_from_reforward(bb, PROMPTS, 2, cfg, (), seeds(), got)
+        assert engine.kept_bytes() >= engine._packed.packed_bytes() == engine.last.weight_bytes  # every matrix, held
+    graphs = compile_stats()[0]
+    with torch.no_grad():
+        for p in matmul_params(bb):
+            p.mul_(-1.3)
+    moved = Engine(bb, pack=False).generate(PROMPTS, 2, cfg, (), 0, seeds())
+    assert moved.completions != plain.completions
+    for engine in (packed_eager, packed_compiled):
+        assert_same_but_a_tie(engine.generate(PROMPTS, 2, cfg, (), 0, seeds()), moved)
+    assert compile_stats()[0] == graphs
+
+
+def test_weights_are_packed_where_a_step_streams_them_from_memory(tmp_path):
+    """packed.packs: a CPU step over fp32 weights of PACK_FROM_BYTES or more (SmolLM2-135M's 538 MB) packs; the tests'
+    small models, a bf16 copy and a GPU decode from plain weights."""
+    big = load_backbone(make_tiny_gpt(tmp_path / "big", 512, n_layer=4, n_embd=512, n_head=4, n_kv_head=4))
+    small = load_backbone(make_tiny_gpt(tmp_path / "small", 512))
+    cpu = torch.device("cpu")
+    assert packs(big, cpu) and not packs(small, cpu) and not packs(big, torch.device("cuda"))
+    assert not packs(hold_frozen_in(big.requires_grad_(False), torch.bfloat16), cpu)
+    assert Engine(small)._packed_over(small, 8, cpu) is small

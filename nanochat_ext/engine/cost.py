@@ -8,8 +8,10 @@ import shutil
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
-from nanochat_ext.models.backbone import Backbone, matmul_params
+from nanochat_ext.engine.packed import PackedLinear
+from nanochat_ext.models.backbone import Backbone
 
 # Peak memory bandwidth in bytes/s by device name, the most specific first (nanochat's figures, common.py). A
 # GH200 is not an H200 (its memory varies by model): unknown.
@@ -50,8 +52,16 @@ class DecodeStats:
 
 
 def weight_bytes(decoder: Backbone) -> int:
-    """Bytes of matmul weights a decode step reads (embeddings are read by the row, and not counted)."""
-    return sum(p.numel() * p.element_size() for p in matmul_params(decoder))
+    """Bytes of the matrices a decode step multiplies: every linear layer's (packed or not), and an LM head tied to the
+    embedding, which the logits read whole (an embedding read by the row is not counted)."""
+    held = {}
+    for m in decoder.model.modules():
+        if isinstance(m, (nn.Linear, PackedLinear)):
+            held.update((id(p), p) for p in (m.weight, m.bias) if p is not None)
+    model = decoder.model
+    if decoder.native and getattr(model, "lm_head", False) is None and hasattr(model, "embed"):
+        held[id(model.embed.weight)] = model.embed.weight
+    return sum(p.numel() * p.element_size() for p in held.values())
 
 
 def kv_bytes(decoder: Backbone, context: float) -> float:

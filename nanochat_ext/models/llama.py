@@ -161,8 +161,9 @@ class Llama(nn.Module):
         return self.logits(F.rms_norm(x, (x.size(-1),), self.norm, self.config.rms_norm_eps)[:, -1])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is not None:  # (a decoding copy gives a tied model one too: engine/packed.py)
+            return self.lm_head(hidden).float()
+        return F.linear(hidden, self.embed.weight).float()
 
     def forward(self, idx: torch.Tensor, key_mask: torch.Tensor | None = None,
                 kv_cache: KVCache | None = None) -> torch.Tensor:

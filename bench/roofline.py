@@ -83,12 +83,14 @@ def matmul_ways(rows: int):
 def decode_matmuls(model, rows: int, dtype_name: str, repeats: int) -> list[dict]:
     """Each distinct matmul shape of the model's decode step, its every layer's weight read in turn (out of cache)."""
     import torch
-
-    from nanochat_ext.models.backbone import matmul_params
+    import torch.nn as nn
 
     dtype = getattr(torch, dtype_name)
+    matrices = [m.weight for m in model.model.modules() if isinstance(m, nn.Linear)]
+    if getattr(model.model, "lm_head", False) is None:  # an LM head tied to the embedding: the logits read it whole
+        matrices.append(model.model.embed.weight)
     by_shape: dict[tuple, list] = {}
-    for p in matmul_params(model):
+    for p in matrices:
         by_shape.setdefault(tuple(p.shape), []).append(p.detach().to(dtype).contiguous())
     lines = []
     for shape, weights in by_shape.items():

@@ -10,7 +10,7 @@ tool calls a step closed answered, the turns it ended followed by the next; agen
 as rows stop (scheduler.py).
 
 On a CPU, a step that streams its weights from memory decodes from a copy of them packed for oneDNN's GEMM, packed
-again at every call (packed.py): up to 4x the GB/s of F.linear at a few rows.
+again at every call (packed.py): up to 2.5x the GB/s of F.linear at a few rows.
 
 Under a lower-precision autocast (bf16 on CUDA) the engine decodes from its own copy of the policy's matmul
 weights in that dtype, refreshed from the fp32 masters at every call (a rollout, an evaluation). Autocast would

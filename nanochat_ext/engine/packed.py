@@ -1,8 +1,8 @@
 """A decode step's matmuls at the memory's pace on a CPU: the engine decodes from a copy of the policy whose linear
 layers hold their weights packed into oneDNN's blocked layout, packed again from the policy's current weights at every
 generate call. At a few rows a decode step is the weights streamed from memory once; F.linear reads the plain weights
-through a GEMM made for many rows, and oneDNN's GEMM reads its packed layout 1.4-4x faster (SmolLM2-135M's matmuls at 8
-rows on 2 AVX2 cores: the LM head 2.6 -> 10.4 GB/s, gate/up 5.1 -> 8.9; bench/roofline.py, bench/RESULTS.md).
+through a GEMM made for many rows, and oneDNN's GEMM reads its packed layout up to 2.5x faster (SmolLM2-135M's matmuls
+at 8 rows on 2 AVX2 cores: the LM head 3.2 -> 8.0 GB/s, gate/up 4.8 -> 7.8; bench/roofline.py, bench/RESULTS.md).
 
 The packed matmul is the same function as F.linear up to the GEMM's rounding (a row's output depends on its own input
 alone, as F.linear's does), so the tokens are the plain engine's up to float ties, and the engine's log-probs differ

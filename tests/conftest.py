@@ -131,12 +131,11 @@ def assert_same_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tenso
         assert gap <= rel, f"{k}: the runs differ by {gap:.2e} of the update (allowed {rel:.0e})"
 
 
-def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, nproc: int = 1,
-                   every_rank: bool = False) -> None:
+def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, nproc: int = 1) -> None:
     """A run that stopped as docs/reliability.md promises: exit code `code` (under torchrun, its agent's
     1, its summary naming `code` and showing the line for the first rank that exited) and one `error: ` line holding
-    `line`: one for an error the ranks share (raise_if_any, or the same line each finds by itself: a flag, a bad row),
-    one from each rank (every_rank) where each says its own; no traceback through our code."""
+    `line`, said once also where every rank finds it by itself (a flag, a bad row, the same out of memory); no
+    traceback through our code."""
     if nproc == 1:
         assert proc.returncode == code, (proc.returncode, proc.stderr[-2000:])
     else:
@@ -144,7 +143,7 @@ def assert_stopped(proc: subprocess.CompletedProcess, code: int, line: str, npro
         root_cause = proc.stderr.split("Root Cause (first observed failure):")[1]  # the line, not <N/A>
         assert "traceback : error: " in root_cause and line.removeprefix("error: ") in root_cause, root_cause
     errors = [x for x in proc.stderr.splitlines() if x.startswith("error: ")]
-    assert len(errors) == (nproc if every_rank else 1) and all(line in e for e in errors), errors
+    assert len(errors) == 1 and line in errors[0], errors
     assert not [x for x in proc.stderr.splitlines() if 'File "' in x and ("nanochat_ext" in x or "scripts" in x)]
 
 

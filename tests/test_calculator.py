@@ -3,8 +3,10 @@ by nanochat 92d63d4): the same text for every expression nanochat accepts, a ref
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
-import warnings
 
 import pytest
 
@@ -50,8 +52,15 @@ def test_it_runs_in_threads():
 
 def test_the_models_text_parses_without_a_warning_for_the_user():
     """A reply's expression such as `'ab'.count('a') if 1else 0` makes Python's parser warn (invalid decimal
-    literal) where the user reads warnings: the calculator parses it quietly, and answers as Python does."""
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        assert calculate("'ab'.count('a') if 1else 0") == "1"
-    assert not seen, [str(w.message) for w in seen]
+    literal) where the user reads warnings: the calculator parses it quietly, and answers as Python does; the same
+    text parsed elsewhere still warns. In a fresh interpreter, with the filters a run has (pytest's own override
+    every filter in a test)."""
+    code = ("import warnings\n"
+            "from nanochat_ext.agent.calculator import calculate\n"
+            "with warnings.catch_warnings(record=True) as seen:\n"
+            "    print(calculate(\"'ab'.count('a') if 1else 0\"))\n"
+            "    compile('1if 1 else 0', '<elsewhere>', 'eval')\n"
+            "print([(str(w.message), w.filename) for w in seen])\n")
+    ran = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert ran.stdout.splitlines() == ["1", "[('invalid decimal literal', '<elsewhere>')]"], ran.stderr[-2000:]

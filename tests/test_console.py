@@ -68,3 +68,48 @@ def test_a_pipe_whose_reader_is_gone_takes_the_runs_lines_without_a_word(tmp_pat
     stream.flush()
     stream.close()
     assert (tmp_path / "console.log").read_text() == "signal: SIGINT; finishing this step\ninterrupted at step 7\n"
+
+
+class HandlerFiresInWrite:
+    """A stream over a pipe whose first write is interrupted by a signal handler that prints a line (guard.py's), as
+    SIGINT can land while the run is writing one; a write that cannot encode raises as a real stream would."""
+
+    def __init__(self, fd: int):
+        self.fd, self.fired = fd, False
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def write(self, text: str) -> int:
+        if "\udcff" in text:
+            raise UnicodeEncodeError("utf-8", text, 0, 1, "surrogates not allowed")
+        if not self.fired:
+            self.fired = True
+            print("signal: SIGINT; finishing this step", file=sys.stderr, flush=True)
+        return os.write(self.fd, text.encode())
+
+    def flush(self) -> None:
+        pass
+
+
+def test_a_signal_handlers_line_amid_a_write_goes_out_whole_and_an_encoding_error_is_not_a_closed_pipe(tmp_path,
+                                                                                                       monkeypatch):
+    read, write = os.pipe()
+    monkeypatch.setattr(sys, "stderr", HandlerFiresInWrite(write))
+    console.start()
+    try:
+        console.keep_in(tmp_path, rank=1)
+        print("grpo step 3 | train/reward 0.5", file=sys.stderr, flush=True)
+        try:
+            print("a reply \udcff", file=sys.stderr, flush=True)
+        except UnicodeEncodeError:
+            pass
+        else:
+            raise AssertionError("an encoding error was taken for a closed pipe")
+        print("grpo step 4 | train/reward 0.6", file=sys.stderr, flush=True)
+    finally:
+        console.end()
+    os.close(write)
+    with os.fdopen(read) as f:  # the descriptor still the pipe's: nothing pointed at /dev/null
+        assert f.read() == "signal: SIGINT; finishing this step\ngrpo step 3 | train/reward 0.5\n" \
+                           "grpo step 4 | train/reward 0.6\n"

@@ -38,6 +38,13 @@ COMPARE_OPS = {ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b, 
                ast.IsNot: operator.is_not}
 
 
+# The model's text ('1else') parses with a SyntaxWarning, not the user's to read: the warnings of what the calculator
+# parses, and only those, are ignored (one filter for the process: catch_warnings is not thread-safe, and the
+# rollout thread calculates)
+PARSED_AS = "<calculator>"
+warnings.filterwarnings("ignore", category=SyntaxWarning, module=PARSED_AS)
+
+
 class Refused(Exception):
     """The expression is outside what the calculator evaluates (nanochat: use_calculator returned None)."""
 
@@ -55,10 +62,7 @@ def calculate(expr: str) -> str | None:
     else:
         return None
     try:
-        with warnings.catch_warnings():  # the model's text ('1if') parses with a SyntaxWarning: not the user's to read
-            warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(expr, mode="eval")
-        value = Evaluator(string_ops).visit(tree.body)
+        value = Evaluator(string_ops).visit(ast.parse(expr, PARSED_AS, mode="eval").body)
         text = None if value is None else str(value)
     except Exception:  # any failure of a whitelisted node (an int's .lower, a bad literal): refused, as nanochat's
         return None  # eval_with_timeout returns None for any exception

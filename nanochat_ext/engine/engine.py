@@ -25,7 +25,6 @@ reads plain tensors that stay where they are.
 """
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
@@ -40,7 +39,7 @@ from nanochat_ext.engine.packed import PackedCopy, packs
 from nanochat_ext.engine.runner import Call, CompiledRunner, EagerRunner, KeptStates
 from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.engine.scheduler import LiveRows, shrunk_rows
-from nanochat_ext.models.backbone import Backbone, matmul_params
+from nanochat_ext.models.backbone import Backbone, matmul_params, shared_copy
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -167,11 +166,15 @@ class Engine:
         episodes = self.agent.episodes(rows if rows is not None else [{}] * n, G) if self.agent else None
         sync(device)
         t0, compiling = time.perf_counter(), compile_stats()[1]
-        run = CompiledRunner(self.kept, call) if self.compiled else EagerRunner(call)
-        sync(device)
-        t1 = time.perf_counter()
-        out, lengths, done, logps, tools = self._decode(run, cfg.max_new_tokens, episodes)
-        sync(device)
+        try:
+            run = CompiledRunner(self.kept, call) if self.compiled else EagerRunner(call)
+            sync(device)
+            t1 = time.perf_counter()
+            out, lengths, done, logps, tools = self._decode(run, cfg.max_new_tokens, episodes)
+            sync(device)
+        finally:
+            if self._packed is not None:  # a call's own: training never holds them
+                self._packed.release()
         t2 = time.perf_counter()
         compiled_s = compile_stats()[1] - compiling  # a new shape's compile, in the first step: not decoding
         context = P + run.decodes / 2  # a step's average context, as nanochat's infer_bench takes the middle one
@@ -230,6 +233,7 @@ class Engine:
         """The decoder, or where its matmuls run faster from packed weights (pack; None: packed.packs decides) its
         packed copy, repacked from its weights now."""
         if not (packs(decoder, device) if self.pack is None else self.pack):
+            self._packed = None
             return decoder
         if self._packed is None or self._packed.source is not decoder:
             self._packed = PackedCopy(decoder)
@@ -265,27 +269,21 @@ class Engine:
         return self.kept.kept_rows(calls, self.drop_finished) if self.kept is not None else ()
 
     def kept_bytes(self) -> int:
-        """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights."""
+        """Bytes the engine holds between calls: the compiled decode states and the lower-precision weights (packed
+        weights live through a call only)."""
         held = self.kept.tensors() if self.kept is not None else []
         if self._lowered is not None:
             held += [low for _, low in self._lowered[1]]
-        packed = self._packed.packed_bytes() if self._packed is not None else 0
-        return sum(t.numel() * t.element_size() for t in held) + packed
+        return sum(t.numel() * t.element_size() for t in held)
 
 
 def lowered_copy(model: Backbone, masters: list[nn.Parameter], dtype: torch.dtype
                  ) -> tuple[Backbone, list[tuple[str, torch.Tensor]]]:
     """A copy of model sharing every tensor but `masters`, which it holds in dtype; with (master's name, copy)
     pairs."""
-    lowering = {id(p) for p in masters}
-    memo = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in lowering}
     # a copy of its own also in the masters' dtype (a held engine decodes while the masters train)
-    memo.update({id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in masters})
-    lowered = copy.deepcopy(model, memo=memo)
-    for m in lowered.modules():  # a forward set on the instance (compiled, checkpointed) calls the original's
-        if getattr(m.__dict__.get("forward"), "wraps_block", False):
-            del m.forward
-    return lowered.eval(), [(name, memo[id(p)]) for name, p in model.named_parameters() if id(p) in lowering]
+    own = {id(p): nn.Parameter(p.detach().to(dtype, copy=True), requires_grad=False) for p in masters}
+    return shared_copy(model, own), [(name, own[id(p)]) for name, p in model.named_parameters() if id(p) in own]
 
 
 def sync(device: torch.device) -> None:

@@ -12,12 +12,10 @@ bandwidth already.
 """
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn as nn
 
-from nanochat_ext.models.backbone import Backbone
+from nanochat_ext.models.backbone import Backbone, shared_copy
 
 # A step whose matmul weights are smaller than this stays in the caches between steps: nothing to stream, and packing
 # measured no faster there (the tests' 4-layer models; bench/RESULTS.md)
@@ -69,12 +67,11 @@ def packs(decoder: Backbone, device: torch.device) -> bool:
 class PackedCopy:
     """A decoder's copy whose linear layers are PackedLinear over its own weights (every other tensor shared), and the
     LM head of a model whose head is its embedding packed too (it is the step's largest matmul). `packed(rows)`
-    repacks every weight from the decoder's current values and returns the copy."""
+    packs every weight from the decoder's current values and returns the copy; `release()` frees the packed weights
+    once the call has decoded."""
 
     def __init__(self, decoder: Backbone):
-        self.source = decoder
-        memo = {id(t): t for t in [*decoder.parameters(), *decoder.buffers()]}
-        self.copy = copy.deepcopy(decoder, memo=memo)
+        self.source, self.copy = decoder, shared_copy(decoder)
         self.layers: list[PackedLinear] = []
         for parent in list(self.copy.modules()):
             for name, child in list(parent.named_children()):
@@ -92,6 +89,12 @@ class PackedCopy:
             layer.pack(rows)
         return self.copy
 
+    def release(self) -> None:
+        """Free the packed weights (a call's own: the next call packs its own again), so training never holds them."""
+        for layer in self.layers:
+            layer.packed = None
+
     def packed_bytes(self) -> int:
+        """The packed weights held now (during a call)."""
         return sum(layer.weight.numel() * layer.weight.element_size() for layer in self.layers
                    if layer.packed is not None)

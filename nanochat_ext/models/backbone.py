@@ -5,6 +5,8 @@ logits, blocks, freezing, KV-cache decoding, save.
 """
 from __future__ import annotations
 
+import copy
+
 import os
 from pathlib import Path
 
@@ -268,6 +270,19 @@ def hold_frozen_in(module: nn.Module, dtype: torch.dtype, matmuls_only: bool = F
         if not p.requires_grad and p.is_floating_point() and p.dtype != dtype:
             p.data = p.data.to(dtype)
     return module
+
+
+def shared_copy(model: nn.Module, own: dict[int, torch.Tensor] | None = None) -> nn.Module:
+    """A copy of model (in eval mode) sharing every parameter and buffer but those in `own` (by id: the copy's tensor
+    for that one), running its own modules: a forward set on an instance (--compile's, activation checkpointing's)
+    calls the original module's, and is dropped from the copy."""
+    memo = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    memo.update(own or {})
+    made = copy.deepcopy(model, memo=memo)
+    for m in made.modules():
+        if getattr(m.__dict__.get("forward"), "wraps_block", False):
+            del m.forward
+    return made.eval()
 
 
 def matmul_params(module: nn.Module) -> list[nn.Parameter]:

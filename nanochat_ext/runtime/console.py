@@ -73,37 +73,54 @@ class RunOutput(io.TextIOBase):
 
     def __init__(self, inner: TextIO, console: Console):
         self.inner, self.console, self.pending = inner, console, ""
+        self.busy: int | None = None  # the thread in write or flush (a signal handler's line in it: written directly)
 
     def write(self, text: str) -> int:
+        if self.busy == threading.get_ident():  # a signal handler's print amid this thread's write: its line, now
+            self.console.keep(text)
+            self._guarded(lambda: os.write(self.inner.fileno(), text.encode("utf-8", "replace")))
+            return len(text)
         with self.console.lock:
-            self.pending += text
-            if "\n" in self.pending:
-                cut = self.pending.rindex("\n") + 1
-                lines, self.pending = self.pending[:cut], self.pending[cut:]
-                self._out(lines)
+            self.busy = threading.get_ident()
+            try:
+                self.pending += text
+                if "\n" in self.pending:
+                    cut = self.pending.rindex("\n") + 1
+                    lines, self.pending = self.pending[:cut], self.pending[cut:]
+                    self._out(lines)
+            finally:
+                self.busy = None
         return len(text)
 
     def flush(self) -> None:
+        if self.busy == threading.get_ident():
+            return
         with self.console.lock:
-            if self.pending:
-                text, self.pending = self.pending, ""
-                self._out(text)
-            self._guarded(self.inner.flush)
+            self.busy = threading.get_ident()
+            try:
+                if self.pending:
+                    text, self.pending = self.pending, ""
+                    self._out(text)
+                self._guarded(self.inner.flush)
+            finally:
+                self.busy = None
 
     def _out(self, text: str) -> None:
         self.console.keep(text)
         bar = self.console.bar
-        if bar is not None:
-            self._guarded(lambda: bar.clear(nolock=True))
+        _drawn(bar, "clear")
         self._guarded(lambda: (self.inner.write(text), self.inner.flush()))
-        if bar is not None:
-            self._guarded(lambda: bar.refresh(nolock=True))
+        _drawn(bar, "refresh")
 
     def _guarded(self, write) -> None:
         """write(), or where the stream's reader is gone, its descriptor pointed at /dev/null and the text dropped."""
         try:
             write()
-        except (BrokenPipeError, ValueError):  # ValueError: the stream object was closed
+        except BrokenPipeError:
+            self._reader_gone()
+        except ValueError:  # the stream object closed; anything else (an encoding error) is the caller's
+            if not getattr(self.inner, "closed", False):
+                raise
             self._reader_gone()
         except OSError as e:
             if e.errno not in (errno.EPIPE, errno.EBADF):
@@ -138,6 +155,16 @@ class RunOutput(io.TextIOBase):
     @property
     def encoding(self) -> str:  # type: ignore[override]
         return getattr(self.inner, "encoding", "utf-8")
+
+
+def _drawn(bar: Any, how: str) -> None:
+    """The bar cleared or drawn again around a line; a bar that cannot draw (its terminal gone) is not the line's
+    stream's concern."""
+    if bar is not None:
+        try:
+            getattr(bar, how)(nolock=True)
+        except (OSError, ValueError):
+            pass
 
 
 _current: Console | None = None
@@ -182,10 +209,13 @@ def end() -> None:
         return
     console, _current = _current, None
     out, err = console.streams
-    for stream in (out, err):
-        stream.flush()
-    console.close_log()
-    if sys.stdout is out:
-        sys.stdout = out.inner
-    if sys.stderr is err:
-        sys.stderr = err.inner
+    try:
+        for stream in (out, err):
+            stream.flush()
+    finally:  # a stream that cannot flush (a full disk under `> file`) still goes back, the log still closes
+        with console.lock:
+            console.close_log()
+        if sys.stdout is out:
+            sys.stdout = out.inner
+        if sys.stderr is err:
+            sys.stderr = err.inner

@@ -52,13 +52,18 @@ last_failure: BaseException | None = None  # what ended the last run() of this p
 last_line = ""  # the line the last run() of this process ended with ('' on success), for nanochat_ext.api's message
 # Endings a restart would meet again (torchrun restarts after any failure): the next start ends at once with the line.
 ENDINGS_THAT_REPEAT = (EXIT_BAD_INPUT, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY)
+# Endings whose line every rank may reach alike, said once (first_to_say); an unforeseen error's line follows each
+# rank's own traceback, and a lost rank's line is said by one rank already.
+SAID_ONCE = (EXIT_BAD_INPUT, EXIT_OUT_OF_MEMORY)
+_runs = 0  # the runs this process has started (first_to_say's key: a second run's same line is said again)
 
 
 def run(config: SessionConfig, body: Callable[[Session], object], label: str, *, group: bool = False,
         given: dict | None = None) -> int:
     """Run body(session) inside a process-group session that is always torn down (group: make one even for one rank,
     as FSDP needs); rank 0 prints `<label>: <what body returned>` as the last line. A failure ends with one
-    `error: ...` line, the last on stderr (of rank 0 for an error every rank shares, else of each failing rank), and
+    `error: ...` line, the last on stderr (said once under torchrun for bad input or an out of memory the ranks share,
+    else by rank 0 for an error they agree on, or by each failing rank), and
     an exit code: EXIT_BAD_INPUT for bad input, EXIT_NONFINITE, EXIT_INTERRUPTED (SIGTERM/SIGINT, checkpointed),
     EXIT_OUT_OF_MEMORY (one line on every rank that ran out, saying which of the `given` flags to change),
     EXIT_LOST_RANK (a rank stopped answering: one line naming it) or EXIT_UNFORESEEN (after its traceback). Under
@@ -67,8 +72,8 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
     ending = Ending(rank, datetime.timedelta(seconds=timeout_s))
     if (ended := previous_ending(ending.timeout)) is not None:
         return ending(*ended, again=" (torchrun's previous start ended so; not run again)")
-    global last_failure, last_line
-    progress, last_failure, last_line = Progress(), None, ""
+    global last_failure, last_line, _runs
+    progress, last_failure, last_line, _runs = Progress(), None, "", _runs + 1
     console.start()
     try:
         with process_state.kept(), dist_session(config.device, config.backend, timeout_s, group) as env:
@@ -99,9 +104,11 @@ def run(config: SessionConfig, body: Callable[[Session], object], label: str, *,
         return ending(EXIT_UNFORESEEN, first_line(e.__cause__ if isinstance(e, LostRanks) else e, 300),
                       everyone=True)
     finally:
-        release_out_dirs()
-        restore_signal_handlers()
-        console.end()
+        try:
+            release_out_dirs()
+            restore_signal_handlers()
+        finally:
+            console.end()
 
 
 def with_roll_call(body: Callable[[Session], object], session: Session, timeout_s: float) -> object:
@@ -133,7 +140,9 @@ class Ending:
         record_for_torchrun(f"error: {message}{again}")
         if code in ENDINGS_THAT_REPEAT:
             remember_ending(code, message, self.timeout)
-        if said and (first_to_say(f"error: {message}{again}", self.timeout) if everyone else self.rank == 0):
+        shared = everyone and code in SAID_ONCE  # each rank may have it, and if so alike: said by one
+        says = first_to_say(f"error: {message}{again}", self.timeout) if shared else self.rank == 0 or everyone
+        if said and says:
             say(f"error: {message}{again}")
         return code
 
@@ -159,12 +168,13 @@ def say(line: str) -> None:
 
 
 def first_to_say(line: str, timeout: datetime.timedelta) -> bool:
-    """Whether no other rank of this torchrun start has said `line` yet, counted in its agent's store: a line every
-    rank reaches alike (a bad row each of them read, a flag, an out of memory alike) is said once, one no other rank
-    has by each rank that has it. True outside torchrun, where there is no store to count in."""
+    """Whether no other rank of this run has said `line` yet, counted in torchrun's agent store (the run: this torchrun
+    start's, and its runs in this process so far, as every rank makes the same calls): a line every rank reaches alike
+    (a bad row each of them read, a flag, an out of memory alike) is said once, one no other rank has by each rank
+    that has it. True where there is no store to count in (outside torchrun) or it does not answer."""
     try:
         agent = agent_store(timeout)
-        key = f"nanochat_ext/said/{restart_attempt()}/{hashlib.sha1(line.encode()).hexdigest()}"
+        key = f"nanochat_ext/said/{restart_attempt()}/{_runs}/{hashlib.sha1(line.encode()).hexdigest()}"
         return agent is None or agent.add(key, 1) == 1
     except dist.DistError:
         return True

@@ -13,7 +13,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -70,7 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                   flush=True)
     scheduler.READ_BUCKET = shipped
     print(json.dumps({"bench": "decode_length",
-                      "long_over_short_before": round(results["whole cache", b.long] / results["whole cache", b.short], 2),
+                      "long_over_short_before": round(results["whole cache", b.long]
+                                                      / results["whole cache", b.short], 2),
                       "long_over_short_after": round(results["length buckets", b.long]
                                                      / results["length buckets", b.short], 2),
                       "short_speedup": round(results["whole cache", b.short] / results["length buckets", b.short], 2),

@@ -1,10 +1,10 @@
 """Decoding with and without dropping the rows that stopped (#67 item 2), on a real model's own completions:
 GRPO's generation phase as it runs on CPU (eager, no --compile; with --compile, the compiled step, whose live rows
-move into a state of half the rows while they fit in it, after a first call that compiles), prompts of the word-arithmetic task in the model's
-chat template, group_size samples each at temperature 1, up to --new_tokens, rows ending at the model's own stop
-tokens (a long tail: most replies are short, a few run on). Both ways sample the same rows from the same uniforms;
-they alternate, --repeats times each, and the line per way reports the fastest call, the tokens the rows hold and
-the row-steps decoded.
+move into a state of half the rows while they fit in it, after a first call that compiles), prompts of the
+word-arithmetic task in the model's chat template, group_size samples each at temperature 1, up to --new_tokens, rows
+ending at the model's own stop tokens (a long tail: most replies are short, a few run on). Both ways sample the same
+rows from the same uniforms; they alternate, --repeats times each, and the line per way reports the fastest call, the
+tokens the rows hold and the row-steps decoded.
 
     python bench/bench_decode_tail.py --model /path/to/SmolLM2-135M-Instruct --threads 2
 """
@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({"bench": "decode_tail", "model": Path(b.model).name, "drop_finished": drop,
                           "logprobs": b.logprobs, "compiled": b.compile,
                           "rows": stats.rows, "new_tokens": b.new_tokens, "steps": stats.steps,
-                          "row_steps": stats.row_steps, "tokens": sum(lengths), "median_len": lengths[len(lengths) // 2],
+                          "row_steps": stats.row_steps, "tokens": sum(lengths),
+                          "median_len": lengths[len(lengths) // 2],
                           "truncated": sum(samples.truncated), "s": round(s, 3), "threads": b.threads,
                           "tokens_per_s": round(sum(lengths) / s, 1)}), flush=True)
     kept, dropped = best[False][1].completions, best[True][1].completions

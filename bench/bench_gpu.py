@@ -20,9 +20,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_measure import (Clock, autocast_for, block_fwd_flops, decode_figures, make_backbone,  # noqa: F401
-                         nanochat_dims, shape_config)
+from gpu_measure import Clock, autocast_for, block_fwd_flops, decode_figures, make_backbone, nanochat_dims, shape_config  # noqa: F401
 from gpu_trainers import bench_dpo, bench_grpo, bench_rm
+
 from nanochat_ext.ddp_common import init_dist
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
@@ -157,7 +157,8 @@ def bench_optimizer(shape: str, b: argparse.Namespace, device: torch.device) -> 
             optimizer.zero_grad(set_to_none=True)
         state = sum(t.numel() * t.element_size() for s in optimizer.state.values() for t in s.values()
                     if isinstance(t, torch.Tensor))
-        rows.append({"bench": "gpu_optimizer", "shape": shape, "optimizer": kind, "params": sum(p.numel() for p in params),
+        rows.append({"bench": "gpu_optimizer", "shape": shape, "optimizer": kind,
+                     "params": sum(p.numel() for p in params),
                      "ms_per_step": round(1e3 * sum(times) / len(times), 2), "state_gb": round(state / 2**30, 3)})
         del optimizer
     return rows
@@ -176,7 +177,8 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--run_steps", type=int, default=500,
-                   help="the GRPO run --compile auto decides the engine for (its --max_steps; the README's stages: 500)")
+                   help="the GRPO run --compile auto decides the engine for "
+                        "(its --max_steps; the README's stages: 500)")
     p.add_argument("--rm_pairs", type=int, default=32, help="pairs per RM step")
     p.add_argument("--rm_len", type=int, default=512, help="tokens per RM sequence")
     p.add_argument("--grpo_prompts", type=int, default=16, help="prompts per GRPO step (x group_size completions)")

@@ -57,7 +57,8 @@ def main() -> None:
             for _ in range(b.steps):
                 step()
             rounds.append((time.perf_counter() - t0) / b.steps * 1000)
-        print(json.dumps({"bench": "prefix_tree_group", "shape": name, "tree": backbone.shares_prefixes(batch["branches"]),
+        print(json.dumps({"bench": "prefix_tree_group", "shape": name,
+                          "tree": backbone.shares_prefixes(batch["branches"]),
                           "threads": b.threads, "ms_per_group": round(min(rounds), 2),
                           "ms_rounds": [round(r, 2) for r in rounds], "torch": torch.__version__}), flush=True)
 

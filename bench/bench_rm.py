@@ -36,7 +36,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads per process")
     p.add_argument("--unfreeze_last", default="0")
     p.add_argument("--pairs_per_proc", type=int, default=16)
-    p.add_argument("--device_batch_size", type=int, default=None, help="pairs per micro-batch (default: all of a rank's)")
+    p.add_argument("--device_batch_size", type=int, default=None,
+                   help="pairs per micro-batch (default: all of a rank's)")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=5, help="leading steps left out of the timing")
     p.add_argument("--device", default="cpu")

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from nanochat_ext.sandbox import child as sandbox_child, sandbox  # noqa: E402
+from nanochat_ext.sandbox import child as sandbox_child  # noqa: E402
+from nanochat_ext.sandbox import sandbox
 from nanochat_ext.tasks.code_checks import parse_tests  # noqa: E402
 from nanochat_ext.tasks.code_tests import verdict  # noqa: E402
 

@@ -60,7 +60,8 @@ def run_demo(base: Path, seed: int) -> tuple[dict, float]:
     env = {**os.environ, "NANOCHAT_BASE_DIR": str(base), "SEED": str(seed)}
     t0 = time.time()
     with open(base.parent / f"{base.name}.log", "w") as log:
-        code = subprocess.run(["bash", str(REPO / "speedrun.sh")], env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(["bash", str(REPO / "speedrun.sh")], env=env,
+                              stdout=log, stderr=subprocess.STDOUT).returncode
     if code != 0:
         raise SystemExit(f"demo_check: speedrun.sh failed for seed {seed} (exit {code}; log {log.name})")
     return json.loads((base / "report.json").read_text()), time.time() - t0

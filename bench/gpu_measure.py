@@ -1,7 +1,8 @@
 """What bench_gpu.py's measurements share: nanochat's shapes as random models, their FLOPs, and clocks.
 
 Shapes: dN = nanochat's depth-N model: N layers, width 64*N rounded up to a multiple of 128, heads of
-128, vocab 65536 (dN:V for another: d24:32768 is nanochat's speedrun model), context 2048. Peak memory without a GPU: bench/memory_estimate.py.
+128, vocab 65536 (dN:V for another: d24:32768 is nanochat's speedrun model), context 2048.
+Peak memory without a GPU: bench/memory_estimate.py.
 
 FLOPs, in nanochat's convention (a (m x k)(k x n) matmul is 2mkn; attention counts its full key
 range, no causal halving, a windowed layer its window). Per token of a T-token sequence, one forward

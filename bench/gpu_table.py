@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 HEADER = ("| shape | RM frozen pairs/s (MFU) | RM last 2 | RM full (peak GB) | GRPO completions/s ours / TRL | "
-          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | DPO pairs/s ours (MFU) / TRL | decode tok/s ours eager / +tools / "
-          "compiled / +tools / nanochat (MBU) | optimizer step ms adamw / muon |")
+          "GRPO s/step gen / score / ref / train | GRPO train MFU; peak GB | DPO pairs/s ours (MFU) / TRL | "
+          "decode tok/s ours eager / +tools / compiled / +tools / nanochat (MBU) | optimizer step ms adamw / muon |")
 
 
 def pct(x: float | None) -> str:
@@ -63,7 +63,8 @@ def table(rows: list[dict]) -> str:
         decode = {r["engine"]: r for r in rows if r.get("bench") == "gpu_decode" and label(r) == shape}
         decodes = " / ".join(decode_cell(decode.get(e)) for e in ("ours eager", "ours eager +tools", "ours compiled",
                                                                   "ours compiled +tools", "nanochat"))
-        steps = {r["optimizer"]: r["ms_per_step"] for r in rows if r.get("bench") == "gpu_optimizer" and label(r) == shape}
+        steps = {r["optimizer"]: r["ms_per_step"]
+                 for r in rows if r.get("bench") == "gpu_optimizer" and label(r) == shape}
         optim = " / ".join(str(steps.get(k, "-")) for k in ("adamw", "muon"))
         lines.append(f"| {shape} | {rms} | {grpo} | {phases} | {train} | {dpos} | {decodes} | {optim} |")
     return "\n".join(lines)

@@ -12,8 +12,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_measure import (Clock, autocast_for, block_fwd_flops, decode_figures, make_backbone, peak_tflops,
-                         shape_config)
+from gpu_measure import Clock, autocast_for, block_fwd_flops, decode_figures, make_backbone, peak_tflops, shape_config
+
 from nanochat_ext.algorithms.advantages import group_advantages
 from nanochat_ext.algorithms.dpo import DPOConfig, dpo_backward, pair_sequences, reference_logps
 from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, per_token, policy_backward
@@ -58,7 +58,8 @@ def bench_rm(shape: str, unfreeze: str, b: argparse.Namespace, device: torch.dev
     trainable_blocks = [blk for blk in backbone.blocks if any(p.requires_grad for p in blk.parameters())]
     flops = 2 * n * T * (block_fwd_flops(cfg, list(backbone.blocks), T) + 2 * block_fwd_flops(cfg, trainable_blocks, T))
     peak = peak_tflops(device, b.peak_tflops)
-    return {"bench": "gpu_rm", "shape": shape, "vintage": b.vintage, "unfreeze_last": unfreeze, "pairs_per_step": n, "seq_len": T,
+    return {"bench": "gpu_rm", "shape": shape, "vintage": b.vintage, "unfreeze_last": unfreeze,
+            "pairs_per_step": n, "seq_len": T,
             "params": sum(p.numel() for p in model.parameters()), "trainable": sum(p.numel() for p in trainable),
             "ms_per_step": round(1000 * s, 2), "pairs_per_s": round(n / s, 2), "tokens_per_s": round(2 * n * T / s, 1),
             "tflops": round(flops / s / 1e12, 3), "mfu": round(flops / s / 1e12 / peak, 4) if peak else None,
@@ -82,7 +83,8 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     hold_frozen_in(rm_model.backbone, torch.bfloat16)
     scorer = RewardScorer(rm_model, types.SimpleNamespace(pad_id=0), cfg.sequence_len, {}, torch.bfloat16)
     compiled = compile_models(b.compile, device, policy, None if b.lora_r else reference.backbone, rm_model.backbone)
-    # --compile auto decides the engine for a run of --run_steps steps (what a training run decodes), not the bench's few
+    # --compile auto decides the engine for a run of --run_steps steps (what a training run decodes),
+    # not the bench's few
     engine = Engine(policy, compile=decode_compiled(b.compile, device, b.run_steps, L)[0], logprobs=True,
                     end_check_every=b.end_check_every, whole_in=(b.par.gathers_in or torch.float32) if b.par else None)
     shard(model, policy, b)
@@ -106,7 +108,8 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
             samples = engine.generate(step_prompts, G, sampling, stop, 0,
                                       [torch.Generator().manual_seed(1000 * step + i) for i in range(n)])
         with Clock(device) as clocks["scoring"]:
-            rewards = torch.tensor(scorer.score_ids([step_prompts[i // G] + c for i, c in enumerate(samples.completions)],
+            rewards = torch.tensor(scorer.score_ids([step_prompts[i // G] + c
+                                                     for i, c in enumerate(samples.completions)],
                                                     batch_size=b.micro, group=G), dtype=torch.float64)
         # As the trainer batches them: a group's prompt shared (prefix-tree rows) where micro-batches hold whole groups
         batch = make_sequences(step_prompts, samples.completions, G, 0, share_prompt=b.micro % G == 0)
@@ -133,7 +136,8 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
                    + completions * L * 6 * cfg.n_embd * cfg.vocab_size)
     peak = peak_tflops(device, b.peak_tflops)
     step_s = sum(s.values())
-    return {"bench": "gpu_grpo", "shape": shape, "vintage": b.vintage, "prompts": n, "group_size": G, "prompt_len": P, "new_tokens": L,
+    return {"bench": "gpu_grpo", "shape": shape, "vintage": b.vintage, "prompts": n, "group_size": G,
+            "prompt_len": P, "new_tokens": L,
             "micro_batch": b.micro, "params": sum(p.numel() for p in trainable),
             "s_per_step": round(step_s, 3), **{f"s_{k}": round(v, 3) for k, v in s.items()},
             "completions_per_s": round(completions / step_s, 2),
@@ -182,7 +186,8 @@ def bench_dpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
 
     s, peak_gb = timed_steps(step, trainable, optimizer, b, device)
     computed = float(batch["computed"].sum())
-    flops = computed * 4 * block_fwd_flops(cfg, list(policy.blocks), P + R) + 2 * n * R * 8 * cfg.n_embd * cfg.vocab_size
+    flops = (computed * 4 * block_fwd_flops(cfg, list(policy.blocks), P + R)
+             + 2 * n * R * 8 * cfg.n_embd * cfg.vocab_size)
     peak = peak_tflops(device, b.peak_tflops)
     return {"bench": "gpu_dpo", "shape": shape, "vintage": b.vintage, "pairs_per_step": n, "prompt_len": P,
             "response_len": R, "micro_pairs": b.dpo_micro, "params": sum(p.numel() for p in trainable),

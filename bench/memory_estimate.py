@@ -8,10 +8,10 @@ a few percent. "before" is the code before the GPU work (frozen weights fp32, KV
 head's log-softmax over the whole batch at once); "after" is today's.
 
 Beside each fake-tensor GRPO run (today's code, with and without --activation_checkpointing) it prints the
-arithmetic of nanochat_ext/training/memory.py for the same run (one rank, ddp): the check that the arithmetic holds. With
---model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing, with
---lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table docs/scaling.md's "which setting for
-which model and GPUs" table.
+arithmetic of nanochat_ext/training/memory.py for the same run (one rank, ddp): the check that the arithmetic holds.
+With --model the arithmetic alone, for any shape, --parallel ddp|fsdp over --ranks, with --activation_checkpointing,
+with --lora_r (LoRA on every linear layer of the blocks, arithmetic only); with --table docs/scaling.md's "which setting
+for which model and GPUs" table.
 
     python bench/memory_estimate.py            # one JSON line per configuration
     python bench/memory_estimate.py --model d32:32768 --parallel fsdp --ranks 8 --activation_checkpointing
@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gpu_measure import shape_config  # noqa: E402
+
 from nanochat_ext.algorithms.grpo import LossConfig, grpo_loss
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.gpt import GPT
@@ -215,7 +216,8 @@ def _fp32_cache(model: GPT):
 
 
 def shape_of(name: str):
-    """nanochat_ext.training.memory's ModelShape of nanochat shape `name` (gpu_measure.shape_config), built on the meta device."""
+    """nanochat_ext.training.memory's ModelShape of nanochat shape `name` (gpu_measure.shape_config),
+    built on the meta device."""
     with torch.device("meta"):
         return model_shape(GPT(shape_config(name)))
 
@@ -246,8 +248,8 @@ def arithmetic(name: str, parallel: str, ranks: int, ac: bool, b, lora_r: int = 
              **{f"gb_{k}": v for k, v in rm.gib().items()}}]
 
 
-# docs/scaling.md's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its rule
-# (gpu_measure.nanochat_dims), and the settings that reach them.
+# docs/scaling.md's table: nanochat's shapes at its tokenizer's 32768 vocabulary (scripts/tok_train.py), widths by its
+# rule (gpu_measure.nanochat_dims), and the settings that reach them.
 TABLE_SHAPES = ("d20:32768", "d24:32768", "d26:32768", "d32:32768")
 TABLE_SETTINGS = (("ddp", 1, False, 0), ("ddp", 1, False, 16), ("ddp", 1, True, 16), ("fsdp", 1, True, 0),
                   ("fsdp", 2, False, 0), ("fsdp", 2, True, 0), ("fsdp", 8, False, 0), ("fsdp", 8, True, 0))
@@ -299,13 +301,15 @@ def main() -> None:
         params = sum(q.numel() for q in GPT(cfg).parameters())
     for when in ("before", "after"):
         for unfreeze in ("0", "2", "all"):
-            print(json.dumps({"bench": "memory_rm", "shape": b.shape, "vintage": b.vintage, "params": params, "code": when,
+            print(json.dumps({"bench": "memory_rm", "shape": b.shape, "vintage": b.vintage,
+                              "params": params, "code": when,
                               "unfreeze_last": unfreeze, "pairs": b.rm_pairs, "seq_len": b.rm_len,
                               "peak_gb": round(rm_step(cfg, unfreeze, when == "after", b.rm_pairs, b.rm_len), 2)}),
                   flush=True)
         phases = grpo_step(cfg, when == "after", b.prompts, b.group_size, b.prompt_len, b.new_tokens, b.micro, False,
                            "cpu")
-        print(json.dumps({"bench": "memory_grpo", "shape": b.shape, "vintage": b.vintage, "params": params, "code": when,
+        print(json.dumps({"bench": "memory_grpo", "shape": b.shape, "vintage": b.vintage,
+                          "params": params, "code": when,
                           "completions": b.prompts * b.group_size, "prompt_len": b.prompt_len,
                           "new_tokens": b.new_tokens, "micro": b.micro,
                           **{f"peak_gb_{k}": round(v, 2) for k, v in phases.items()},

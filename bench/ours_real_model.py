@@ -63,14 +63,14 @@ def train_args(args: argparse.Namespace, out: str) -> list[str]:
 def step0(gargs: argparse.Namespace, env) -> dict:
     """The starting model's eval/<reward>_{greedy,sampled} as kat_train_grpo's evaluate() measures them after a step:
     its engine on the policy, --eval_prompts encoded for its --max_new_tokens, a rollout's rows per generate call."""
+    from nanochat_ext.algorithms.evaluation import evaluate_rewards
+    from nanochat_ext.algorithms.rewards import Rewards
     from nanochat_ext.data.batching import encode_prompts
     from nanochat_ext.data.rows import load_prompts
-    from nanochat_ext.runtime.precision import compute_dtype, precision
     from nanochat_ext.engine.engine import Engine
-    from nanochat_ext.algorithms.evaluation import evaluate_rewards
-    from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
-    from nanochat_ext.algorithms.rewards import Rewards
     from nanochat_ext.engine.sampling import SamplingConfig
+    from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
+    from nanochat_ext.runtime.precision import compute_dtype, precision
 
     policy = load_backbone(gargs.policy, env.device)
     tok = load_tokenizer_for(policy, gargs.tokenizer)

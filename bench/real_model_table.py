@@ -81,7 +81,8 @@ def table(all_rows: list[dict], thresholds: list[float]) -> str:
     rm, rm_ratio = medians(rm_rows, RM, "pairs_per_s")
     dtype = next((r.get("dtype") for r in rm_rows if r.get("bench") == RM["ours"]), None) or "float32"
     if rm["ours"] or rm["TRL"]:
-        lines += ["", f"Reward model, full fine-tune on the task's pairs ({dtype}, max length 128), median over repeats", "",
+        lines += ["", f"Reward model, full fine-tune on the task's pairs ({dtype}, "
+                  "max length 128), median over repeats", "",
                   "| pairs/s | ours | TRL | ours / TRL |", "|---|---|---|---|",
                   f"| median | {cell(rm['ours'])} | {cell(rm['TRL'])} | {rm_ratio} |"]
     return "\n".join(lines)

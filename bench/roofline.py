@@ -131,8 +131,9 @@ def engine_line(model, rows: int, new_tokens: int, prompt_len: int, compile: boo
     tok_s = s.row_steps / s.decode_s
     weight_gb_s = s.steps * s.weight_bytes / s.decode_s / 1e9
     roofline_tok_s = rows * read_gb_s * 1e9 / s.weight_bytes
-    return {"bench": "engine", "compiled": compile, "packed": pack, "rows": rows, "new_tokens": new_tokens, "prompt": prompt_len,
-            "decode_tok_s": tok_s, "call_s": call_s, "decode_s": s.decode_s, "ms_per_step": 1e3 * s.decode_s / s.steps, "weight_mb": s.weight_bytes / 1e6,
+    return {"bench": "engine", "compiled": compile, "packed": pack, "rows": rows, "new_tokens": new_tokens,
+            "prompt": prompt_len, "decode_tok_s": tok_s, "call_s": call_s, "decode_s": s.decode_s,
+            "ms_per_step": 1e3 * s.decode_s / s.steps, "weight_mb": s.weight_bytes / 1e6,
             "weight_gb_s": weight_gb_s, "fraction_of_read_bw": weight_gb_s / read_gb_s,
             "roofline_tok_s": roofline_tok_s, "fraction_of_roofline_tok_s": tok_s / roofline_tok_s}
 
@@ -155,8 +156,8 @@ def profile_line(model, rows: int, new_tokens: int, prompt_len: int, pack: bool,
     events = sorted(prof.key_averages(group_by_input_shape=True), key=lambda e: -e.self_cpu_time_total)
     total = sum(e.self_cpu_time_total for e in events)
     return {"bench": "profile", "packed": pack, "rows": rows, "total_ms": total / 1e3,
-            "top": [{"op": e.key, "shapes": str(e.input_shapes)[:80], "calls": e.count, "ms": e.self_cpu_time_total / 1e3,
-                     "share": e.self_cpu_time_total / total} for e in events[:top]]}
+            "top": [{"op": e.key, "shapes": str(e.input_shapes)[:80], "calls": e.count,
+                     "ms": e.self_cpu_time_total / 1e3, "share": e.self_cpu_time_total / total} for e in events[:top]]}
 
 
 def load_model(path: str | None, workdir: Path):

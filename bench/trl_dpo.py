@@ -17,7 +17,18 @@ import tempfile
 import time
 
 sys.path.insert(0, os.getcwd())  # the anchor bench's benchlib
-from benchlib import ASSETS, all_max, all_sum, finish, make_step_timer, parse_and_set_threads, peak_rss_mb, read_jsonl, versions, world  # noqa: E402
+from benchlib import (  # noqa: E402
+    ASSETS,
+    all_max,
+    all_sum,
+    finish,
+    make_step_timer,
+    parse_and_set_threads,
+    peak_rss_mb,
+    read_jsonl,
+    versions,
+    world,
+)
 
 args = parse_and_set_threads(steps=60, warmup=5)
 

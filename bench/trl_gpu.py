@@ -5,7 +5,8 @@ Same as bench_gpu.py's GRPO: 16 prompts of 128 random tokens x 16 completions of
 (min_new_tokens), a reward model of the policy's size (random), beta 0.04 (reference model), micro-
 batches of 64 sequences (TRL: per_device_train_batch_size 64, 4 accumulation steps = one generation
 batch of 256), bf16 on CUDA, transformers' generate (no vLLM). The Llama has nanochat dN's width, depth,
-heads, 4x MLP and vocabulary (gpu_measure.nanochat_dims). It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
+heads, 4x MLP and vocabulary (gpu_measure.nanochat_dims).
+It needs trl, transformers, accelerate and datasets (bench/run_gpu.sh).
 
 DPO as bench_gpu.py's: 32 pairs a step of a 128-token prompt and two 256-token responses (random words; TRL appends
 an EOS to each), sigmoid loss, beta 0.1, the reference's log-probs in the step, 8 pairs a forward (4 accumulation
@@ -28,12 +29,17 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,  # noqa: E402
-                          PreTrainedTokenizerFast, TrainerCallback, set_seed)
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
-
 from gpu_measure import nanochat_dims  # noqa: E402  (bench/ is on the path: run as a script)
+from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
+from transformers import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+    PreTrainedTokenizerFast,
+    TrainerCallback,
+    set_seed,
+)
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer  # noqa: E402
 
 
 def llama_config(shape: str) -> LlamaConfig:
@@ -113,7 +119,8 @@ def main() -> None:
     # TRL builds its reference model from the policy's path: save the random models, load them back.
     models_dir = tempfile.mkdtemp(prefix="trl_gpu_models_")
     LlamaForCausalLM(cfg).save_pretrained(f"{models_dir}/policy")
-    LlamaForSequenceClassification(LlamaConfig(**{**cfg.to_dict(), "num_labels": 1})).save_pretrained(f"{models_dir}/rm")
+    LlamaForSequenceClassification(LlamaConfig(**{**cfg.to_dict(),
+                                                  "num_labels": 1})).save_pretrained(f"{models_dir}/rm")
     policy = LlamaForCausalLM.from_pretrained(f"{models_dir}/policy")
     rm = LlamaForSequenceClassification.from_pretrained(f"{models_dir}/rm")
     g = torch.Generator().manual_seed(0)

@@ -34,8 +34,8 @@ GROUP = 8  # completions per prompt in both modes
 # time_to_accuracy: kat_train_grpo --batch_size 4 --group_size 8 --max_new_tokens 16 --lr 3e-5 --beta 0 in TRL's
 # words. Our defaults it matches: loss_agg token (TRL's "dapo": over the batch's completion tokens), scale_rewards
 # group with the sample std, clip_eps 0.2 both sides, one update per rollout, temperature 1, top_k/top_p off;
-# AdamW (fused on CPU) betas (0.9, 0.95), eps 1e-8, weight decay 0, grad clip 1.0 (nanochat_ext/training/optim.py); no warmup,
-# cosine from the peak lr to 0.1x at the last step (optim.lr_multiplier: transformers' cosine_with_min_lr with
+# AdamW (fused on CPU) betas (0.9, 0.95), eps 1e-8, weight decay 0, grad clip 1.0 (nanochat_ext/training/optim.py); no
+# warmup, cosine from the peak lr to 0.1x at the last step (optim.lr_multiplier: transformers' cosine_with_min_lr with
 # min_lr_rate 0.1 computes the same multiplier at every step when warmup is 0).
 SETTINGS = dict(per_device_train_batch_size=4 * GROUP, num_generations=GROUP, gradient_accumulation_steps=1,
                 max_completion_length=16, temperature=1.0, top_p=1.0, top_k=0, beta=0.0, learning_rate=3e-5,
@@ -96,11 +96,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import datasets  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback,  # noqa: E402
-                          set_seed)
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, TrainerCallback, set_seed  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-from nanochat_ext.tasks.reward_fns import last_number
+from nanochat_ext.tasks.reward_fns import last_number  # noqa: E402
 
 torch.set_num_threads(ARGS.threads)
 datasets.disable_progress_bars()

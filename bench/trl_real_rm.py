@@ -69,7 +69,8 @@ def main() -> None:
     w = args.warmup
     secs = timer.ends[-1] - timer.ends[w - 1] if w else timer.ends[-1] - timer.begin
     n = args.steps - w
-    print(json.dumps({"bench": "trl_real_rm", "model": args.model, "pairs_per_step": args.pairs, "bf16": args.bf16, "steps_timed": n,
+    print(json.dumps({"bench": "trl_real_rm", "model": args.model, "pairs_per_step": args.pairs,
+                      "bf16": args.bf16, "steps_timed": n,
                       "pairs_per_s": round(n * args.pairs / secs, 3), "ms_per_step": round(1000 * secs / n, 1),
                       "threads": args.threads,
                       "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),

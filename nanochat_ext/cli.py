@@ -10,9 +10,10 @@ import argparse
 import copy
 import dataclasses
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from nanochat_ext.algorithms.rewards import function_name
 from nanochat_ext.algorithms.trainers import SPECS

@@ -3,10 +3,9 @@ exit non-zero."""
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
-
 
 # Every way a script ends but success (0), each with its one line (runtime/session.py says it).
 EXIT_UNFORESEEN = 1  # a bug or an environment failure: its traceback, then the line

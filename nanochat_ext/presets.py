@@ -37,9 +37,9 @@ PRESETS = {"chat_rl": {"beta": 0.0, "num_iterations": 1, "scale_rewards": "none"
                               "max_steps": 16}}
 
 
-PRESET_HELP = ("a recipe of flag values in one flag: chat_rl, nanochat's RL recipe (scripts/chat_rl.py); word_arithmetic, "
-               "the real model's (MODEL=smollm2 bash speedrun.sh); multiplication, the real model's with a tool "
-               "(TASK=multiplication); code_functions, the real model writing code that runs against tests "
+PRESET_HELP = ("a recipe of flag values in one flag: chat_rl, nanochat's RL recipe (scripts/chat_rl.py); "
+               "word_arithmetic, the real model's (MODEL=smollm2 bash speedrun.sh); multiplication, the real model's "
+               "with a tool (TASK=multiplication); code_functions, the real model writing code that runs against tests "
                "(TASK=code_functions); every value it sets is printed at start, and a flag given explicitly overrides "
                "it (docs/nanochat.md)")
 

@@ -11,8 +11,8 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from nanochat_ext.errors import InputError, first_line, from_outside
 
@@ -138,7 +138,7 @@ class TokenizerWrapper:
 
     # ---- loading / training ------------------------------------------------------------------
     @classmethod
-    def load(cls, path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> "TokenizerWrapper":
+    def load(cls, path: str | os.PathLike, model_dir: str | os.PathLike | None = None) -> TokenizerWrapper:
         """A nanochat tokenizer dir (tokenizer.pkl) first, else a Hugging Face dir (tokenizer.json), whose stop ids
         take in the generation config of model_dir (the model's own, where the tokenizer comes from elsewhere),
         else the one beside the tokenizer, where there is one."""
@@ -160,7 +160,7 @@ class TokenizerWrapper:
                          f"and {hf_dir / 'tokenizer.json'} (Hugging Face)", path=str(p))
 
     @classmethod
-    def train_rustbpe(cls, texts: Iterable[str], vocab_size: int) -> "TokenizerWrapper":
+    def train_rustbpe(cls, texts: Iterable[str], vocab_size: int) -> TokenizerWrapper:
         """Train a nanochat-style tokenizer: rustbpe merges, tiktoken encoding, nanochat special tokens."""
         import rustbpe
         import tiktoken
@@ -369,7 +369,7 @@ PROBE = "Hello there! 12 + 30 = 42, isn't it?"
 PROBE_TURNS = [{"role": "user", "content": "What is 12 + 30?"}, {"role": "assistant", "content": "42."}]
 
 
-def same_ids(a: "TokenizerWrapper", b: "TokenizerWrapper") -> bool:
+def same_ids(a: TokenizerWrapper, b: TokenizerWrapper) -> bool:
     """Whether two tokenizers give the same ids (a reward model or a teacher scores the policy's ids directly): their
     size, a probe's ids, the end id, and a conversation as each renders it (the chat template's special tokens, the
     turns' markers: what the scorer reads of every prompt)."""
@@ -377,7 +377,7 @@ def same_ids(a: "TokenizerWrapper", b: "TokenizerWrapper") -> bool:
         rendered_probe(a) == rendered_probe(b)
 
 
-def rendered_probe(tok: "TokenizerWrapper") -> list[int] | str:
+def rendered_probe(tok: TokenizerWrapper) -> list[int] | str:
     """A short conversation with a reply as the tokenizer renders it (a prompt and its generation prompt, then the
     reply's turn), or why it cannot render one (a tokenizer without a chat template: the same why is the same)."""
     try:

@@ -6,9 +6,10 @@ import argparse
 from typing import Any
 
 REQUIRED_FLAG = "required"  # in SCRIPT_FLAGS: the script's flag has no default
-# The flags more than one script takes beside the configs' options (a trainer's are its recipe's), declared once: each flag's argparse keywords,
-# and each script's default and what the flag is there ("(default: ...)" appended where the help does not say it).
-# kat_fetch_model declares its own --out: it imports nothing beyond the standard library before it has to.
+# The flags more than one script takes beside the configs' options (a trainer's are its recipe's), declared once: each
+# flag's argparse keywords, and each script's default and what the flag is there ("(default: ...)" appended where the
+# help does not say it). kat_fetch_model declares its own --out: it imports nothing beyond the standard library before
+# it has to.
 SCRIPT_FLAGS: dict[str, tuple[dict, dict[str, tuple[Any, str]]]] = {
     "base_dir": ({}, {
         "kat_demo_data": (None, "where to write (default: $NANOCHAT_BASE_DIR)"),

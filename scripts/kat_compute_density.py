@@ -33,7 +33,6 @@ from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.training.setup import ModelConfig
 from scripts.flags import add_flag
 
-
 WEIGHTINGS = ("inverse_density", "fork")
 
 
@@ -130,8 +129,8 @@ def compute(args: argparse.Namespace, session: Session) -> Path:
     weights = raw / raw.mean()
     if args.cap is not None:
         weights = weights.clamp(max=args.cap)
-    print0(f"density: {len(ids)} prompts, k={min(args.k, len(ids) - 1)}, {args.weighting} weights min {weights.min():.3f} "
-           f"mean {weights.mean():.3f} max {weights.max():.3f}")
+    print0(f"density: {len(ids)} prompts, k={min(args.k, len(ids) - 1)}, {args.weighting} weights "
+           f"min {weights.min():.3f} mean {weights.mean():.3f} max {weights.max():.3f}")
     if env.is_main:
         tmp = out.with_name(out.name + ".tmp")
         with open(tmp, "w") as f:

@@ -15,7 +15,8 @@ from nanochat_ext.cli import reference
 ROOT = Path(__file__).resolve().parent.parent
 # In the order a newcomer meets them: the pipeline's stages, then the tools around them.
 SCRIPTS = ("kat_sft", "kat_compute_density", "kat_train_rm", "kat_train_grpo", "kat_train_dpo", "kat_eval",
-           "kat_experiment_report", "kat_export_rm", "kat_fetch_model", "kat_task_data", "kat_own_pairs", "kat_demo_data")
+           "kat_experiment_report", "kat_export_rm", "kat_fetch_model", "kat_task_data",
+           "kat_own_pairs", "kat_demo_data")
 
 
 def generate() -> str:

@@ -23,22 +23,20 @@ from pathlib import Path
 
 import torch
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.evaluation import evaluate_pass_k, evaluate_tool_use
 from nanochat_ext.algorithms.rewards import Rewards, check_references
 from nanochat_ext.cli import add_config, config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts, truncate
 from nanochat_ext.data.rows import is_val_prefix, load_pairs, load_prompts
 from nanochat_ext.ddp_common import DistEnv, gather_objects, print0
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.compiled import compile_models
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
-from nanochat_ext.models.reward_model import load_reward_model
-from nanochat_ext.models.reward_model import RewardScorer
-from nanochat_ext.runtime.checkpoint import base_dir
-from nanochat_ext.runtime.checkpoint import find_checkpoint, resolve_model_path
+from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
+from nanochat_ext.runtime.checkpoint import base_dir, find_checkpoint, resolve_model_path
 from nanochat_ext.runtime.precision import compute_dtype, precision
 from nanochat_ext.runtime.session import Session, SessionConfig
 from nanochat_ext.tasks.report import all_judgeable, eval_rm, fmt, plot_curves, policy_measures, topics_of, write_report
@@ -122,7 +120,7 @@ def check_inputs(args: argparse.Namespace) -> tuple[list, list, list]:
     for flag, path in [("rm", d) for d in args.rm] + [("score_rm", args.score_rm)]:
         if flag in args.given and not Path(path).exists():
             raise InputError(f"--{flag}: not found", path=path)
-    for k, (name, path) in enumerate([(args.before_name, args.policy_before)] + named_policies(args)):
+    for k, (_, path) in enumerate([(args.before_name, args.policy_before)] + named_policies(args)):
         flag = "policy_before" if k == 0 else "policy" if args.policy else "policy_after"
         if flag in args.given and not is_policy(path):
             raise InputError(f"--{flag}: no model checkpoint or Hugging Face model here", path=path)
@@ -159,7 +157,8 @@ def named_policies(args: argparse.Namespace) -> list[tuple[str, str]]:
     return [tuple(spec.split("=", 1)) for spec in args.policy]
 
 
-def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, env: DistEnv, dtype: torch.dtype) -> dict:
+def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args,
+                env: DistEnv, dtype: torch.dtype) -> dict:
     policy = load_backbone(path, env.device, vintage=args.nanochat_vintage, frozen=dtype)
     autocast = precision(dtype, env.device)
     tok = load_tokenizer_for(policy, None)
@@ -179,7 +178,8 @@ def eval_policy(path: str, rows, tool_rows, scorer: RewardScorer | None, args, e
                                   [rows[i].row for i in mine]) if mine else None
         comps = out.completions if out else []
         scores = scorer.score_ids([truncate(prompt_ids[k // n], tok.reply_ids(c), scorer.max_len, tok.bos_id)
-                                   for k, c in enumerate(comps)], group=n) if scorer and comps else [math.nan] * len(comps)
+                                   for k, c in enumerate(comps)],
+                                  group=n) if scorer and comps else [math.nan] * len(comps)
         texts = out.replies(tok) if out else []
         results.append([(mine[k // n], texts[k], scores[k], len(comps[k])) for k in range(len(comps))])
     greedy, sampled = ([x for part in gather_objects(r) for x in part] for r in results)

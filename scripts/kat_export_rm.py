@@ -25,8 +25,8 @@ def flags() -> argparse.ArgumentParser:
     add_flag(p, "kat_export_rm", "out")
     add_flag(p, "kat_export_rm", "rm_backbone")
     p.add_argument("--format", choices=("native", "hf"), default="native",
-                   help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face backbones) "
-                        "(default: %(default)s)")
+                   help="native: this project's layout; hf: a transformers sequence classifier (Hugging Face "
+                        "backbones) (default: %(default)s)")
     return p
 
 

@@ -85,8 +85,8 @@ def flags() -> argparse.ArgumentParser:
     p.add_argument("--model", choices=sorted(MODELS), default="smollm2", help="which model (default: %(default)s)")
     p.add_argument("--out", default=None, help="the dir to write (default: $NANOCHAT_BASE_DIR/models/<its name>)")
     p.add_argument("--gguf", default=None, metavar="PATH",
-                   help="convert this GGUF file instead of downloading --model's (e.g. with no network); with --out, any GGUF "
-                        "transformers reads and our loader matches (tested on SmolLM2 and a tiny Llama)")
+                   help="convert this GGUF file instead of downloading --model's (e.g. with no network); with --out, "
+                        "any GGUF transformers reads and our loader matches (tested on SmolLM2 and a tiny Llama)")
     return p
 
 

@@ -16,16 +16,16 @@ import math
 import sys
 from pathlib import Path
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.own_pairs import own_words_pairs
 from nanochat_ext.algorithms.rewards import Rewards, check_references
-from nanochat_ext.cli import add_config, config, parse, parser, run_script
+from nanochat_ext.cli import add_config, parse, parser, run_script
 from nanochat_ext.data.batching import encode_prompts
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.ddp_common import raise_if_any
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.runtime.checkpoint import write_text_atomic
 from nanochat_ext.runtime.outdir import check_writable

@@ -20,8 +20,7 @@ import argparse
 from pathlib import Path
 
 from nanochat_ext.cli import parse, parser
-from nanochat_ext.errors import EXIT_BAD_INPUT
-from nanochat_ext.errors import InputError
+from nanochat_ext.errors import EXIT_BAD_INPUT, InputError
 from nanochat_ext.runtime.checkpoint import base_dir
 from nanochat_ext.runtime.session import say
 from nanochat_ext.tasks import code_functions, multiplication, word_arithmetic

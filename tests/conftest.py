@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from forked import run_python
 from torch._inductor import config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-from forked import run_python
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.tasks import synthetic
@@ -47,7 +47,7 @@ LONGEST_FIRST = (
     "tests/test_fsdp.py::test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill",  # 38
     "tests/test_compiled.py::test_compiled_llama_trains_at_new_lengths_as_eager",  # 36 (inductor)
     "tests/test_pipeline.py::test_your_model_runs_with_the_scripts_defaults_and_is_judged_on_held_out_prompts",  # 28
-    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 27
+    "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[grpo]",  # 27  # noqa: E501
     "tests/test_pipeline.py::test_the_density_experiment_on_a_model_runs_both_dpo_arms_on_its_own_words",  # ~30
     "tests/test_healing.py::test_a_group_that_loses_a_rank_restarts_and_resumes_to_the_uninterrupted_result[rm]",  # 25
     "tests/test_reliability.py::test_ctrl_c_on_two_ranks_with_the_pipe_gone_checkpoints_and_resumes_exactly",  # 22

@@ -9,28 +9,28 @@ import threading
 import time
 
 import pytest
+import tools_for_tests
 import torch
+from conftest import REPO, assert_same_update, run_script
+from test_engine import aot_eager  # noqa: F401  (a fixture)
+from test_tools import TOOL_USE
 from torch._dynamo.utils import counters
 
-from conftest import REPO, assert_same_update, run_script
+from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.agent.formats import Call, block_call, hermes_calls, llama3_calls
+from nanochat_ext.agent.toolbox import LATE, call_all
 from nanochat_ext.algorithms.sft import sft_examples
 from nanochat_ext.data.conversations import Conversation, conversation
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine import scheduler
 from nanochat_ext.engine.engine import Engine
-from nanochat_ext.agent.formats import Call, block_call, hermes_calls, llama3_calls
 from nanochat_ext.engine.sampling import SamplingConfig
-from nanochat_ext.agent.toolbox import LATE, call_all
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.guessing_game import make_prompts
 from nanochat_ext.tasks.multiplication import make_demonstrations, make_questions
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_train_grpo
-from test_engine import aot_eager  # noqa: F401  (a fixture)
-import tools_for_tests
-from test_tools import TOOL_USE
 
 HF_TOOL_USE = REPO / "tests" / "fixtures" / "hf-tool-use"
 MULTIPLY = "nanochat_ext.tasks.multiplication:multiply"

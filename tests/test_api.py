@@ -20,9 +20,10 @@ import traceback
 import numpy as np
 import pytest
 import torch
-from datasets import Dataset
-
 from conftest import REPO, assert_bitwise, assert_same_update, launcher, run_command
+from datasets import Dataset
+from rewards_for_tests import vowel_share
+
 from nanochat_ext import api
 from nanochat_ext.algorithms import answers
 from nanochat_ext.algorithms.advantages import AdvantageInputs, Estimator, register_estimator, unregister_estimator
@@ -36,7 +37,6 @@ from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import TokenizerWrapper
-from rewards_for_tests import vowel_share
 from scripts import kat_train_grpo
 
 
@@ -127,7 +127,8 @@ def test_generate_and_evaluate_answer_as_training_rendered_and_score_as_the_rewa
     mean = sum(vowel_share("", r, {}) for r in greedy) / len(greedy)
     assert got == {"reward": pytest.approx(mean), "reward_vowel_share": pytest.approx(mean), "unscored": 0}
     assert api.generate(checkpoint, questions[:1], tokenizer=kw["tokenizer"], device="cpu") == \
-        api.generate(checkpoint, questions[:1], max_new_tokens=8, **{k: v for k, v in kw.items() if k != "max_new_tokens"})
+        api.generate(checkpoint, questions[:1], max_new_tokens=8,
+                     **{k: v for k, v in kw.items() if k != "max_new_tokens"})
     # a model no run of ours wrote (the demo's SFT model, a base model): 256 new tokens where its context has room,
     # else what the context leaves the longest prompt (a context of 256 here)
     kw_default = {k: v for k, v in kw.items() if k != "max_new_tokens"}

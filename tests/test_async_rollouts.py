@@ -11,8 +11,9 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, assert_same_update, run_script
+from test_grpo import grpo_args, grpo_assets, read_metrics  # noqa: F401 (a fixture)
+
 from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.rollouts import Rollouts
 from nanochat_ext.data.batching import encode_prompts
@@ -21,7 +22,6 @@ from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from scripts import kat_train_grpo
-from test_grpo import grpo_args, grpo_assets, read_metrics  # noqa: F401 (a fixture)
 
 COMMON = ("--reward_fn", "rewards_for_tests:vowel_share", "--batch_size", "4", "--group_size", "4", "--beta", "0.04",
           "--log_rollouts", "--log_every", "1", "--val_ratio", "0", "--seed", "3", "--lr", "3e-2")

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from conftest import REPO
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 sys.path.insert(0, str(REPO / "bench"))
 
@@ -50,7 +49,8 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert all(r["ms"] > 0 for r in head)
     optim, fsdp = rows[8:10], rows[10:14]
     assert [r["optimizer"] for r in optim] == ["adamw", "muon"] and all(r["ms_per_step"] > 0 for r in optim)
-    assert [(r["parallel"], r["activation_checkpointing"]) for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
+    assert [(r["parallel"], r["activation_checkpointing"])
+            for r in fsdp] == [("fsdp", False)] * 2 + [("fsdp", True)] * 2
     assert all(r["unfreeze_last"] == "all" and r["pairs_per_s"] > 0 for r in fsdp[::2])
     assert all(r["train_tokens_per_s"] > 0 and r["decode_tok_per_s"] > 0 for r in fsdp[1::2])
     assert "skipped" in rows[0]["summary"] and "failed" not in rows[0]["summary"]  # no GPU here
@@ -66,7 +66,8 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
     assert tools["engine"] == "ours eager +tools" and tools["decode_tok_per_s"] > 0
     assert dpo["pairs_per_step"] == 2 and dpo["pairs_per_s"] > 0 and dpo["tflops"] > 0
     assert f"| {dpo['pairs_per_s']} (-) / - |" in proc.stdout
-    assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"] for k in ("generation", "scoring", "reference", "training"))) < 0.01
+    assert abs(grpo["s_per_step"] - sum(grpo[f"s_{k}"]
+                                        for k in ("generation", "scoring", "reference", "training"))) < 0.01
     assert f"| tiny | {rm[0]['pairs_per_s']} (-) |" in proc.stdout and "trl does not import here" in proc.stderr
     assert "| tiny fsdp | - | - | " in proc.stdout and "| tiny fsdp +AC | - | - | " in proc.stdout
     assert f"| {optim[0]['ms_per_step']} / {optim[1]['ms_per_step']} |" in proc.stdout
@@ -75,7 +76,8 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
 
 def test_every_pinned_requirement_reaches_the_gpu_machine():
     """Each pin of requirements.txt is carried as a wheel by bench/fetch_gpu_wheels.sh at the pinned version, or named
-    there as in the GPU image or not needed: a new pin left out stopped the CUDA tests at collection (gguf, 2026-11-27)."""
+    there as in the GPU image or not needed: a new pin left out stopped the CUDA tests at collection
+    (gguf, 2026-11-27)."""
     script = (REPO / "bench" / "fetch_gpu_wheels.sh").read_text()
     fetched = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", script.split("pip download", 1)[1]))
     named = set()
@@ -92,10 +94,8 @@ def test_every_pinned_requirement_reaches_the_gpu_machine():
 def test_the_gpu_bench_runs_grpo_with_lora_as_the_trainer_does():
     """bench_gpu.py --lora_r (run_gpu.sh's LORA_SHAPES rows), in this process at a tiny shape: only the adapters
     train, and the table gives the row its own label."""
-    from bench_gpu import bench_grpo
+    from bench_gpu import bench_grpo, options
     from gpu_table import label
-
-    from bench_gpu import options
 
     small = "--group_size 4 --grpo_prompts 2 --prompt_len 8 --new_tokens 8 --micro 4 --compile 0 --warmup 0 --steps 1"
     full, lora = (bench_grpo("tiny", options([*small.split(), "--lora_r", str(r)]), torch.device("cpu"))
@@ -190,8 +190,10 @@ def test_methods_table_averages_seeds_and_pairs_them_with_grpo(tmp_path):
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = subprocess.run([sys.executable, str(REPO / "bench" / "methods_table.py"), str(results)],
                          capture_output=True, text=True, check=True).stdout.splitlines()
-    assert out[4:6] == ["| grpo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.300-0.500) | 0.200 (0.150-0.250) | 45.0 | 60.5 |",
-                        "| rloo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.200-0.600) | 0.200 (0.100-0.300) | 43.0 | 60.5 |"]
+    assert out[4:6] == ["| grpo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.300-0.500) | 0.200 (0.150-0.250) | "
+                        "45.0 | 60.5 |",
+                        "| rloo | 0 1 | 0.150 (0.100-0.200) | 0.400 (0.200-0.600) | 0.200 (0.100-0.300) | "
+                        "43.0 | 60.5 |"]
     assert out[-1] == "| rloo | +0.100 (seed 0), -0.100 (seed 1) | +0.000 |"
     results.write_text("{\n")
     assert main([str(results)]) == 2
@@ -224,7 +226,8 @@ def test_the_lr_sweep_reads_each_runs_metrics_and_its_evaluation(tmp_path):
     assert grpo["eval_greedy"] == [[0, 0.1], [2, 0.5], [2, 0.3]] and grpo["grad_norm_max"] == 9.0
     assert (grpo["entropy_first"], grpo["entropy_last5"]) == (2.0, 1.5)
     rm = row("rm", str(run), "1e-4", "2", "30", "8")
-    assert (rm["unfreeze_last"], rm["val_accuracy"], rm["train_loss_first"], rm["train_loss_last"]) == ("2", 0.7, 0.7, 0.4)
+    assert (rm["unfreeze_last"], rm["val_accuracy"],
+            rm["train_loss_first"], rm["train_loss_last"]) == ("2", 0.7, 0.7, 0.4)
     dpo = row("dpo", str(run), "1e-05", str(report))
     assert (dpo["task_accuracy_greedy"], dpo["before_task_accuracy_greedy"]) == (0.4, 0.1)
     assert (dpo["margin_last"], dpo["pair_accuracy_last"], dpo["train_loss_last"]) == (0.8, 1.0, 0.4)
@@ -272,6 +275,7 @@ def test_shapes_follow_nanochats_rule():
 
 def test_block_flops_follow_the_written_formula():
     from bench_gpu import block_fwd_flops, shape_config
+
     from nanochat_ext.models.gpt import GPT
 
     cfg = shape_config("d20", "dec2025")
@@ -322,11 +326,11 @@ def test_prefix_tree_bench_runs_and_says_which_layout_ran(assets):
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_the_memory_arithmetic_holds_against_fake_tensors(checkpointing, device):
-    """nanochat_ext.training.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256 completions of
-    128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own modules, whose
-    live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing, by CPU's autocast
-    rules and by CUDA's (pow and rms_norm in fp32: 13.2 GiB against CPU's 11.8 without checkpointing, which the
-    CPU-calibrated arithmetic put at 11.65)."""
+    """nanochat_ext.training.memory's training phase of a GRPO step (nanochat d12 at its 32768 vocabulary, 256
+    completions of 128 + 512 tokens, micro-batches of 16) against the same step run on fake tensors through our own
+    modules, whose live bytes torch's dispatcher reports: within 10%, with and without activation checkpointing, by
+    CPU's autocast rules and by CUDA's (pow and rms_norm in fp32: 13.2 GiB against CPU's 11.8 without checkpointing,
+    which the CPU-calibrated arithmetic put at 11.65)."""
     import memory_estimate
     from bench_gpu import shape_config
 
@@ -374,9 +378,9 @@ def test_cuda_autocast_rules_are_torchs_own(assets):
     tensors (no GPU needed): every op our models run under autocast (recorded from a nanochat GPT's and the native
     Llama's forward and LM head) and every op in CUDA_FP32_OPS gives CUDA's dtype, for bf16 inputs and fp32, and the
     listed ones are those where CPU's autocast gives another."""
+    from memory_estimate import CUDA_FP32_OPS, CudaAutocastRules
     from torch.overrides import TorchFunctionMode
 
-    from memory_estimate import CUDA_FP32_OPS, CudaAutocastRules
     from nanochat_ext.models.loader import load_backbone
 
     class Record(TorchFunctionMode):
@@ -476,7 +480,8 @@ def test_the_demo_check_holds_each_seed_against_the_ranges_the_docs_state():
 
     ranges = demo_check.documented_ranges(demo_check.DOCS.read_text())
     assert ranges == {"rm_accuracy": (0.93, 0.98), "grpo_sampled": (0.85, 0.89)}
-    report = {"reward_models": {"a/uniform": {"overall": {"accuracy": 0.94}}, "a/density": {"overall": {"accuracy": 0.92}}},
+    report = {"reward_models": {"a/uniform": {"overall": {"accuracy": 0.94}},
+                                "a/density": {"overall": {"accuracy": 0.92}}},
               "policies": {"before (SFT)": {"task_accuracy_sampled": 0.5},
                            "GRPO uniform": {"task_accuracy_sampled": 0.54, "tool_use": {"accuracy_with_tools": 0.7}}}}
     found = demo_check.figures(report)

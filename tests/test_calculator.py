@@ -9,8 +9,8 @@ import sys
 import threading
 
 import pytest
-
 from conftest import REPO
+
 from nanochat_ext.agent.calculator import calculate
 
 ENTRIES = json.loads((REPO / "tests/fixtures/nanochat-tool-use/calculator.json").read_text())["entries"]

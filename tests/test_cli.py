@@ -12,9 +12,9 @@ import pkgutil
 
 import numpy as np
 import pytest
+from conftest import REPO
 
 import nanochat_ext
-from conftest import REPO
 from nanochat_ext.algorithms.trainers import SPECS
 from nanochat_ext.api import python_run
 from nanochat_ext.cli import TRAINERS, recorded
@@ -61,8 +61,8 @@ def test_a_flag_is_declared_once():
 
 
 def test_no_two_scripts_declare_one_flag():
-    """Beside the configs' options, a flag two scripts take is declared once, in scripts/flags.py's SCRIPT_FLAGS, and each script
-    named there takes it with the default the table gives."""
+    """Beside the configs' options, a flag two scripts take is declared once, in scripts/flags.py's SCRIPT_FLAGS, and
+    each script named there takes it with the default the table gives."""
     where: dict[str, list[str]] = {}
     for path in sorted((REPO / "scripts").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -9,9 +9,10 @@ import re
 
 import pytest
 import torch
+from conftest import REPO, run_worker
+from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 from torch._dynamo.utils import counters
 
-from conftest import REPO, run_worker
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
@@ -19,7 +20,6 @@ from nanochat_ext.models.compiled import blocks_compiled, compile_blocks
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
-from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
 CPU = torch.device("cpu")
@@ -77,8 +77,9 @@ def test_ragged_steps_add_no_graphs_after_warm_up():
     """Two warm-up steps of everything a GRPO run with an RM computes (RM training and scoring on pair trees,
     the policy's update and the reference's log-probs on group trees, ragged throughout), then four more
     steps of new lengths and batch sizes: torch compiles no new graph, breaks none, and every block call
-    and LM-head log-prob chain runs a compiled graph (the chain failed this while its inputs were views). It fails with SDPA's is_causal given `T > 1` (a symbol once lengths vary: a graph
-    break in every causal block) and with torch's default recompile limit of 8 (blocks fall back to eager)."""
+    and LM-head log-prob chain runs a compiled graph (the chain failed this while its inputs were views). It fails with
+    SDPA's is_causal given `T > 1` (a symbol once lengths vary: a graph break in every causal block) and with torch's
+    default recompile limit of 8 (blocks fall back to eager)."""
     torch.manual_seed(0)
     backend = CountingBackend()
     policy, reference, rm_backbone = fixture_backbone(), fixture_backbone(), fixture_backbone()

@@ -6,7 +6,6 @@ import json
 
 import pytest
 import torch
-
 from test_pipeline import speedrun
 
 pytestmark = [pytest.mark.cuda,
@@ -58,10 +57,10 @@ def test_compiled_engine_replays_cuda_graphs_at_a_real_vocabulary(monkeypatch):
     weights) compiles and runs too."""
     import sys
 
+    from conftest import REPO
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    from conftest import REPO
     from nanochat_ext.engine.engine import Engine
     from nanochat_ext.engine.sampling import SamplingConfig
 
@@ -109,9 +108,8 @@ def test_compiled_blocks_train_at_a_real_vocabulary():
     compiled and none broken."""
     import sys
 
-    from torch._dynamo.utils import counters
-
     from conftest import REPO
+    from torch._dynamo.utils import counters
 
     sys.path.insert(0, str(REPO / "bench"))
     import bench_gpu
@@ -136,8 +134,9 @@ def test_grpo_lora_on_the_gpu_starts_at_its_reference_and_merges(assets, tmp_pat
     rounding of a training graph and an inference graph that inductor fuses differently (the CPU twin:
     test_lora.test_grpo_lora_in_bf16_compiled_starts_at_its_reference_and_merges); the merged final checkpoint loads
     as a model."""
-    from nanochat_ext.models.loader import load_backbone
     from test_lora import starts_at_its_reference_and_merges_onto_the_source
+
+    from nanochat_ext.models.loader import load_backbone
 
     starts_at_its_reference_and_merges_onto_the_source(assets["gpt_modern"], assets["pairs"], tmp_path / "lora",
                                                        "--device", "cuda")

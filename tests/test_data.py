@@ -18,7 +18,8 @@ USER = [{"role": "user", "content": "What is  rain?"}]
     {"prompt": USER, "chosen": [{"role": "assistant", "content": "Water."}], "rejected": "Go away."},
     {"chosen": USER + [{"role": "assistant", "content": "Water."}],
      "rejected": USER + [{"role": "assistant", "content": "Go away."}]},
-    {"chosen": "\n\nHuman: What is  rain?\n\nAssistant: Water.", "rejected": "\n\nHuman: What is  rain?\n\nAssistant: Go away."},
+    {"chosen": "\n\nHuman: What is  rain?\n\nAssistant: Water.",
+     "rejected": "\n\nHuman: What is  rain?\n\nAssistant: Go away."},
     {"id": 7, "prefix": {"messages": USER}, "chosen": "Water.", "rejected": "Go away.", "src": "x", "prefix_id": None},
 ])
 def test_every_format_parses_to_the_same_pair(row):

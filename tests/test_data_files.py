@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import REPO
+
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.checkpoint import find_checkpoint, torch_load
@@ -27,7 +27,8 @@ def test_a_table_gives_the_jsonls_pairs(table):
 
 def test_chat_prompts_in_parquet_are_the_jsonls():
     want, got = load_prompts(FIX / "prompts_chat.jsonl"), load_prompts(FIX / "prompts_chat.parquet")
-    assert [(r.messages, r.prefix_id, r.row, r.line) for r in got] == [(r.messages, r.prefix_id, r.row, r.line) for r in want]
+    assert [(r.messages, r.prefix_id, r.row, r.line) for r in got] == [(r.messages, r.prefix_id, r.row, r.line)
+                                                                       for r in want]
 
 
 def test_a_bad_row_is_named_by_its_row_number_and_field():

@@ -9,12 +9,18 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO, ulps
-from nanochat_ext.algorithms.advantages import advantages
-from nanochat_ext.ddp_common import (all_reduce_sum, broadcast_object, destroy_dist, detect_launcher, free_port,
-                                     init_dist)
 from workers.dist_worker import REWARDS, TOKENS
+
+from nanochat_ext.algorithms.advantages import advantages
+from nanochat_ext.ddp_common import (
+    all_reduce_sum,
+    broadcast_object,
+    destroy_dist,
+    detect_launcher,
+    free_port,
+    init_dist,
+)
 
 LAUNCHER_ENVS = {
     "torchrun": lambda r: {"RANK": r, "LOCAL_RANK": r, "WORLD_SIZE": "2"},
@@ -76,7 +82,8 @@ def test_collectives_obey_nccls_device_rule():
         assert r["stamp"] == 1000 and r["gathered"] == [{"rank": 0}, {"rank": 1}] and r["in_sync"]
         assert r["ddp_grad"] == [[1.5, 1.5]]  # mean of the ranks' inputs 1 and 2
         assert r["raw_error"] == "No backend type associated with device type cpu"
-    for key in results[0]["batch_advantages"]:  # --scale_rewards batch: 2 ranks' halves = the whole batch in one process
+    # --scale_rewards batch: 2 ranks' halves = the whole batch in one process
+    for key in results[0]["batch_advantages"]:
         estimator, std_mode = key.split("/")
         got = torch.tensor(results[0]["batch_advantages"][key] + results[1]["batch_advantages"][key])
         want = advantages(estimator, REWARDS, 4, "batch", std_mode, TOKENS, 0.05, "k2")

@@ -10,13 +10,13 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import REPO, assert_bitwise, assert_same_update, assert_stopped, run_script
+from test_grpo import grpo_args, read_metrics
+
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import PROBE, TokenizerWrapper, same_ids
 from scripts import kat_train_grpo
-from test_grpo import grpo_args, read_metrics
 
 DISTILL = ("--advantage", "distill", "--batch_size", "4", "--group_size", "4", "--log_every", "1")
 

@@ -1,5 +1,5 @@
-"""DPO (scripts/kat_train_dpo.py, nanochat_ext/algorithms/dpo.py): its losses and their gradients against TRL 1.16's own code
-(tests/fixtures/trl-golden/make_dpo_golden.py) on ragged pairs, and the metrics TRL's DPOTrainer logs."""
+"""DPO (scripts/kat_train_dpo.py, nanochat_ext/algorithms/dpo.py): its losses and their gradients against TRL 1.16's own
+code (tests/fixtures/trl-golden/make_dpo_golden.py) on ragged pairs, and the metrics TRL's DPOTrainer logs."""
 from __future__ import annotations
 
 import contextlib
@@ -10,10 +10,18 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_bitwise, assert_same_update, run_script, ulps
-from nanochat_ext.algorithms.dpo import (DPO_STATS, DPOConfig, dpo_backward, dpo_losses, dpo_metrics, pair_sequences,
-                                         pair_stats, sequence_logps)
+
+from nanochat_ext.algorithms.dpo import (
+    DPO_STATS,
+    DPOConfig,
+    dpo_backward,
+    dpo_losses,
+    dpo_metrics,
+    pair_sequences,
+    pair_stats,
+    sequence_logps,
+)
 from nanochat_ext.data.batching import tokenize_pairs
 from nanochat_ext.data.rows import load_pairs
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
@@ -218,7 +226,8 @@ def test_resume_continues_exactly_and_lora_starts_at_log_2(assets, tmp_path, cap
 ])
 def test_bad_input_is_one_line_and_writes_nothing(assets, tmp_path, capsys, extra, line):
     no_chosen = tmp_path / "pairs.jsonl"
-    no_chosen.write_text('{"prompt": "Hi?", "chosen": "Yes.", "rejected": "No."}\n{"prompt": "Hi?", "rejected": "No."}\n')
+    no_chosen.write_text('{"prompt": "Hi?", "chosen": "Yes.", "rejected": "No."}\n'
+                         '{"prompt": "Hi?", "rejected": "No."}\n')
     names = {"SMALL": assets["gpt_small_vocab"], "GPT": assets["gpt"], "HF": assets["hf"], "NO_CHOSEN": no_chosen}
     args = dpo_args(assets, tmp_path / "out", "--max_steps", "1", *(str(names.get(x, x)) for x in extra))
     assert kat_train_dpo.main(args) == 2

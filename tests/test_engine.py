@@ -7,22 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
+from test_sampling import assert_sampled_from_reforward, is_tie
 from torch._dynamo.utils import counters
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from nanochat_ext.engine import runner
-from nanochat_ext.engine import scheduler
+from nanochat_ext.engine import runner, scheduler
 from nanochat_ext.engine.cost import COMPILE_PAYS_AFTER, COMPILE_PAYS_AFTER_CUDA, decode_compiled
 from nanochat_ext.engine.engine import Engine
-from nanochat_ext.engine.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.engine.packed import PackedLinear, packs
+from nanochat_ext.engine.sampling import SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.backbone import hold_frozen_in, matmul_params
 from nanochat_ext.models.compiled import allow_recompiles, compile_blocks, compile_stats
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.tasks.synthetic import make_tiny_gpt
-from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
-from test_sampling import assert_sampled_from_reforward, is_tie
 
 PROMPTS = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55))]  # ragged: left padding in play
 
@@ -74,9 +73,10 @@ def test_compiled_engine_samples_eagers_tokens_for_every_vintage(assets, name, a
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_checking_for_the_end_every_few_steps_samples_the_same(compile, aot_eager, monkeypatch):
-    """end_check_every=8 (the default but for eager decoding on CPU, #42 item 4): the host reads whether every row stopped at one step in 8, the
-    rows that stopped take pads meanwhile, and the samples are those of a read every step, eager and compiled. Ragged
-    prompts whose rows stop at different steps (greedy, a stop token each row reaches before the last token)."""
+    """end_check_every=8 (the default but for eager decoding on CPU, #42 item 4): the host reads whether every row
+    stopped at one step in 8, the rows that stopped take pads meanwhile, and the samples are those of a read every step,
+    eager and compiled. Ragged prompts whose rows stop at different steps (greedy, a stop token each row reaches before
+    the last token)."""
     bb = load_backbone(fixture_dir("current"), vintage=vintage_of("current"))
     cfg = SamplingConfig(40, 0.0)
     free = Engine(bb).generate(PROMPTS, 1, cfg, -1, 0, seeds()).completions

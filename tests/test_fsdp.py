@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script
+
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.models.reward_model import load_reward_model
 from nanochat_ext.runtime.checkpoint import find_checkpoint
@@ -67,7 +67,8 @@ def test_rm_on_fsdp_trains_as_ddp_and_one_rank_and_resumes_exactly_after_a_kill(
     assert fsdp.returncode == 0, fsdp.stderr
     assert "batch: 8 global = 2 ranks x 2 micro-batches x 2 pairs" in fsdp.stdout
     assert "parallel: fsdp over 2 ranks: " in fsdp.stdout and "ddp: trainable" not in fsdp.stdout
-    # The memory model before step 1: the sharded state, what FSDP gathers, the activations (nanochat_ext.training.memory).
+    # The memory model before step 1: the sharded state, what FSDP gathers, the activations
+    # (nanochat_ext.training.memory).
     model_line = next(line for line in fsdp.stdout.splitlines() if line.startswith("memory: per rank"))
     assert all(f" {part} " in model_line for part in ("weights", "optimizer", "gradients", "gathered", "activations"))
     # Rank 0 owns I/O: one line per checkpoint, the last naming the final one. The step-2 and -4 checkpoints are

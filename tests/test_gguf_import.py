@@ -1,6 +1,7 @@
-"""GGUF files converted into Hugging Face dirs (nanochat_ext.models.gguf_import, scripts/kat_fetch_model), with no download: a
-tiny Llama GGUF is written here by the gguf package's own GGUFWriter (F32 tensors, a byte-level BPE vocabulary with
-merges, control tokens, a chat template, bos/eos/pad ids), and transformers' own reading of it is the oracle."""
+"""GGUF files converted into Hugging Face dirs (nanochat_ext.models.gguf_import, scripts/kat_fetch_model), with no
+download: a tiny Llama GGUF is written here by the gguf package's own GGUFWriter (F32 tensors, a byte-level BPE
+vocabulary with merges, control tokens, a chat template, bos/eos/pad ids), and transformers' own reading of it is the
+oracle."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from conftest import REPO
 from nanochat_ext.errors import InputError
 from nanochat_ext.models import gguf_import
 from nanochat_ext.models.converted import MARKER

@@ -9,24 +9,25 @@ import re
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
 from conftest import REPO, assert_same_update, run_script, run_worker, ulps
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_engine import aot_eager  # noqa: F401  (a fixture)
+
 from nanochat_ext.algorithms import grpo
 from nanochat_ext.algorithms.evaluation import eval_decode_rows, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.grpo import PRE_DAPO_DEFAULTS
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import load_prompts
-from nanochat_ext.errors import InputError
-from nanochat_ext.engine import cost as decode_cost, engine
+from nanochat_ext.engine import cost as decode_cost
+from nanochat_ext.engine import engine
 from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.resume import check_resume_args
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.training import memory
 from scripts import kat_train_grpo, kat_train_rm
-from test_engine import aot_eager  # noqa: F401  (a fixture)
 
 
 # ---- loss invariance ------------------------------------------------------------------------------
@@ -43,7 +44,8 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
             assert run[cfg]["loss"] == pytest.approx(base[rows]["loss"], rel=1e-5, abs=1e-7), (cfg, key)
             assert run[cfg]["grads"].keys() == base[rows]["grads"].keys()
             for name, want in base[rows]["grads"].items():
-                torch.testing.assert_close(run[cfg]["grads"][name], want, atol=1e-6, rtol=1e-4, msg=f"{cfg} {key} {name}")
+                torch.testing.assert_close(run[cfg]["grads"][name], want, atol=1e-6, rtol=1e-4,
+                                           msg=f"{cfg} {key} {name}")
     # The configurations really differ, so the invariance above is not one number checked nine times.
     losses = [base[cfg]["loss"] for cfg in base if cfg.endswith("/rows")]
     assert len({round(x, 6) for x in losses}) == 9
@@ -59,8 +61,8 @@ def grpo_assets(assets, tmp_path_factory):
     rm_dir = d / "rm"
     assert kat_train_rm.main(["--backbone", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]),
                               "--pairs", str(assets["pairs"]), "--max_steps", "30", "--batch_size", "16",
-                              "--unfreeze_last", "1", "--lr", "3e-3", "--max_len", "64", "--eval_every", "0", "--out", str(rm_dir),
-                              "--device", "cpu"]) == 0
+                              "--unfreeze_last", "1", "--lr", "3e-3", "--max_len", "64", "--eval_every", "0",
+                              "--out", str(rm_dir), "--device", "cpu"]) == 0
     return {"prompts": prompts, "rm": rm_dir}
 
 
@@ -101,7 +103,8 @@ def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     wall_per_step = 8 * 8 / last["perf/completions_per_s"]  # --batch_size 8 x --group_size 8
     phases = sum(last[f"perf/{p}_s_per_step"] for p in ("gen", "score", "ref", "train"))
     # beta 0: no reference model, no time spent on it (a reference forward costs a share of the step as the
-    # policy's; a bound relative to the step holds on a loaded machine, where a fixed 1 ms did not: 1.008 ms, 2026-11-29)
+    # policy's; a bound relative to the step holds on a loaded machine, where a fixed 1 ms did not:
+    # 1.008 ms, 2026-11-29)
     assert last["perf/ref_s_per_step"] < 0.05 * wall_per_step  # with --beta 0.04: 13% (5.8 of 45.6 ms)
     assert phases < wall_per_step < 1.5 * phases
     rollout = last["perf/gen_s_per_step"] + last["perf/score_s_per_step"]
@@ -439,7 +442,8 @@ def _fails(args, capsys, expected, out):
     ([], "no reward: give --rm, --reward_fn, --reward_url and/or an --env with get_reward()"),
     (["--reward_fn", "rewards_for_tests:not_a_number", "--max_steps", "1"], "reward function not_a_number on prompt "),
     (["--rm", "/nonexistent/rm"], "no reward-model checkpoint"),
-    (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"], "exceeds the policy's context of 256"),
+    (["--reward_fn", "rewards_for_tests:vowel_share", "--max_new_tokens", "250"],
+     "exceeds the policy's context of 256"),
     (["--reward_fn", "gsm8k"], "prompts.jsonl:1: field 'answer': has no '#### <number>' line"),  # scored 1 for all
 ])
 def test_bad_input(assets, grpo_assets, tmp_path, capsys, extra, expected):
@@ -468,7 +472,8 @@ def test_an_out_holding_a_reward_model_is_refused_naming_its_trainer(assets, grp
     ("", "no prompts in file"),
     ('{"prompt": "ok"}\n{"nope": 1}\n', ":2: field 'prompt': missing"),
     ('{"prompt": "ok"}\n[1, 2]\n', ":2: expected a JSON object"),
-    ('{"prompt": [{"role": "assistant", "content": "x"}]}\n', ":1: field 'prompt': the prompt must end with a user turn"),
+    ('{"prompt": [{"role": "assistant", "content": "x"}]}\n',
+     ":1: field 'prompt': the prompt must end with a user turn"),
 ])
 def test_bad_prompt_files(assets, grpo_assets, tmp_path, capsys, content, expected):
     prompts = tmp_path / "prompts.jsonl"

@@ -50,9 +50,9 @@ def test_masked_completions_keep_their_place_in_the_denominator(agg):
 
 
 def test_a_long_pair_keeps_the_same_prompt_window_on_both_sides_or_is_dropped(assets, tmp_path):
-    from nanochat_ext.tasks import synthetic
-    from nanochat_ext.data.rows import load_pairs
     from nanochat_ext.data.batching import tokenize_pairs
+    from nanochat_ext.data.rows import load_pairs
+    from nanochat_ext.tasks import synthetic
     from nanochat_ext.tokenizer import TokenizerWrapper
 
     tok = TokenizerWrapper.load(assets["tokenizer"])
@@ -139,7 +139,8 @@ def test_trl_loss_types_are_aliases():
 
 def test_dynamic_sampling_keeps_groups_with_a_spread_in_global_order_then_fills():
     def group(i, rewards):
-        return Rollout([i], [[i]] * len(rewards), [False] * len(rewards), torch.tensor(rewards, dtype=torch.float64)[:, None])
+        return Rollout([i], [[i]] * len(rewards), [False] * len(rewards),
+                       torch.tensor(rewards, dtype=torch.float64)[:, None])
 
     # Two ranks, two prompts each: rank r's j-th group is global position r + 2j.
     parts = [[group(0, [1, 1]), group(2, [0, 1])], [group(1, [0, 2]), group(3, [5, 5])]]

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import REPO
+
 from nanochat_ext.algorithms.rewards import load_reward_fn
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.data.gsm8k import answer_parts, extract_answer, reference_answer

@@ -14,15 +14,15 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-
 from conftest import REPO, run_script
+from test_reliability import assert_same_weights, metas, rm_args
+
 from nanochat_ext import ddp_common
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.errors import EXIT_LOST_RANK
 from nanochat_ext.runtime.checkpoint import resumable_checkpoints, save_checkpoint
 from nanochat_ext.runtime.resume import saved_by_this_job
 from scripts import kat_train_rm
-from test_reliability import assert_same_weights, metas, rm_args
 
 ENV = {"PYTHONPATH": f"{REPO}:{REPO / 'tests'}"}
 

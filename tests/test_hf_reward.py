@@ -71,7 +71,13 @@ def test_a_nanochat_rm_keeps_its_format(assets, tmp_path, capsys):
 
 def classifier_dir(assets, tmp_path, arch: str, pad_is_eos: bool = False):
     """A random classifier of one label that transformers itself builds and saves, with the tiny tokenizer."""
-    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification
+    from transformers import (
+        AutoTokenizer,
+        GPT2Config,
+        GPT2ForSequenceClassification,
+        LlamaConfig,
+        LlamaForSequenceClassification,
+    )
 
     tok = AutoTokenizer.from_pretrained(str(assets["hf"]))
     pad = tok.eos_token_id if pad_is_eos else tok.pad_token_id

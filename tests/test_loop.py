@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from nanochat_ext.errors import InputError
-from nanochat_ext.training.loop import (DEFAULT_MAX_STEPS, SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST, LoopConfig, due,
-                                        save_every)
+from nanochat_ext.training.loop import (
+    DEFAULT_MAX_STEPS,
+    SAVE_EVERY_AT_LEAST,
+    SAVE_EVERY_AT_MOST,
+    LoopConfig,
+    due,
+    save_every,
+)
 from nanochat_ext.training.optim import lr_multiplier
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script, ulps
 from safetensors.torch import load_file
 
-from conftest import REPO, assert_bitwise, assert_same_update, rm_init, run_script, ulps
 from nanochat_ext.data.batching import right_pad
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.compiled import compile_blocks
@@ -136,7 +136,8 @@ def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
             assert not counters["graph_break"] and counters["stats"]["unique_graphs"] > 0, dict(counters["graph_break"])
     (eager, eager_grads), (comp, comp_grads) = runs
     assert all(torch.equal(a, b) for a, b in zip(eager, comp)) and len(eager) == 2
-    assert eager_grads.keys() == comp_grads.keys() and all(torch.equal(eager_grads[k], comp_grads[k]) for k in eager_grads)
+    assert eager_grads.keys() == comp_grads.keys() and all(torch.equal(eager_grads[k], comp_grads[k])
+                                                           for k in eager_grads)
     assert not torch.equal(eager[0], eager[1])  # the reference is not the policy
 
 

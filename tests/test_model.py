@@ -250,7 +250,8 @@ def test_pair_rows_equal_separate_rows(vintage, layers, assets, tmp_path, monkey
         model.zero_grad()
         rewards = model(rows, lengths)
         (rewards * weights).sum().backward()
-        results.append((rewards.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+        results.append((rewards.detach(),
+                        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
     (want, want_grads), (got, got_grads) = results
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert got_grads.keys() == want_grads.keys() and len(got_grads) > 10

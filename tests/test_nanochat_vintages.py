@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import REPO, assert_same_update, run_script
+
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.attention import PrefixTree
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
@@ -145,7 +145,8 @@ def test_static_decode_step_matches_nanochat(name):
     tokens one at a time; every step's logits are nanochat's at those positions. Compiled through dynamo and AOT
     autograd (the graph --compile captures, its guards and static cache) without inductor's code generation, whose
     C++ compile of this step took 38 of the test's 43 s: inductor's numerics on the decode step are test_engine's
-    test_runner's test_inductor_engine_keeps_its_state_and_graph (eager's tokens, a re-forward's), on nanochat's current GPT."""
+    test_runner's test_inductor_engine_keeps_its_state_and_graph (eager's tokens, a re-forward's),
+    on nanochat's current GPT."""
     golden = torch.load(GOLDEN / name / "golden.pt", weights_only=True)
     bb = load_backbone(fixture_dir(name), vintage=vintage_of(name))
     long_row, row60 = golden["inputs"][3][0], golden["inputs"][2][0]
@@ -247,7 +248,8 @@ def test_short_forms_and_checkpoint_roots(base_dir):
 
 def test_bad_checkpoints_are_one_clear_line(base_dir, tmp_path):
     sft = base_dir / "chatsft_checkpoints"
-    with pytest.raises(InputError, match=r"no checkpoint tag 'd99' under .*chatsft_checkpoints \(tags there: d12, d2\)"):
+    with pytest.raises(InputError,
+                       match=r"no checkpoint tag 'd99' under .*chatsft_checkpoints \(tags there: d12, d2\)"):
         load_backbone("sft:d99")
     only_model, only_meta = tmp_path / "only_model", tmp_path / "only_meta"
     only_model.mkdir(), only_meta.mkdir()
@@ -279,7 +281,8 @@ def test_bad_checkpoints_are_one_clear_line(base_dir, tmp_path):
     # A tokenizer whose vocabulary is not the checkpoint's.
     small = tmp_path / "small_tok"
     synthetic.make_tokenizer(small, vocab_size=400)
-    with pytest.raises(InputError, match=r"tokenizer has 400 ids but the backbone's vocab_size is 500 \(512 embedding rows\)"):
+    with pytest.raises(InputError,
+                       match=r"tokenizer has 400 ids but the backbone's vocab_size is 500 \(512 embedding rows\)"):
         load_tokenizer_for(load_backbone("sft:d2"), small)
 
 

@@ -6,15 +6,15 @@ import re
 
 import pytest
 import torch
-
 from conftest import REPO, assert_same_update, run_script
-from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
+from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
+
 from nanochat_ext import api
 from nanochat_ext.algorithms.trainers import SPECS
+from nanochat_ext.tasks.synthetic import make_pairs, write_jsonl
 from nanochat_ext.training import optim
 from nanochat_ext.training.optim import LR_CLIFF_PARAMS, OptimConfig, lr_multiplier, lr_warning, make_adamw
 from scripts import kat_train_grpo
-from test_nanochat_vintages import FIXTURES, fixture_dir, vintage_of
 
 
 def test_cpu_adamw_is_fused_and_steps_like_the_reference():

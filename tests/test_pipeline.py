@@ -29,9 +29,9 @@ def speedrun(base, **env) -> subprocess.CompletedProcess:
 def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     """EXPERIMENT=density REGIME=collapse, shortened: one seed on 2 ranks with three GRPO arms (a KL control too),
     each seed's report and the experiment's (the DPO arms: test_the_density_experiment_on_a_model_runs_both_dpo_arms,
-    on 1 rank, and test_dpo's 2 ranks under cuda:gloo; their report: test_experiment_report); a re-run skips every finished
-    stage; an interrupted GRPO stage resumes, with flags passed through to it (GRPO_ARGS); the fork's arm computes its
-    weights, and a bad flag passed to its RM stage (RM_ARGS) fails it in one line."""
+    on 1 rank, and test_dpo's 2 ranks under cuda:gloo; their report: test_experiment_report); a re-run skips every
+    finished stage; an interrupted GRPO stage resumes, with flags passed through to it (GRPO_ARGS); the fork's arm
+    computes its weights, and a bad flag passed to its RM stage (RM_ARGS) fails it in one line."""
     base = tmp_path / "base"
     # BACKEND=cuda:gloo: a default process group that serves only CUDA tensors, as NCCL does. Every stage's
     # real collective sequence (losses, metrics, eval sums, objects, DDP) must then route each CPU tensor
@@ -107,7 +107,8 @@ def test_density_experiment_end_to_end_skips_and_resumes(tmp_path):
     bad = speedrun(base, **{**env, "NPROC_PER_NODE": "1", "ARMS": "uniform fork"}, RM_ARGS="--weight_cap 0")
     assert bad.returncode == 1 and "== density_fork (1 ranks)" in bad.stdout  # speedrun's code for a failed stage
     assert "speedrun: stage rm_fork failed: --weight_cap must be > 0" in bad.stderr, bad.stderr[-2000:]
-    weights = [json.loads(line)["weight"] for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
+    weights = [json.loads(line)["weight"]
+               for line in (seed / "density" / "fork_weights.jsonl").read_text().splitlines()]
     assert abs(sum(weights) / len(weights) - 1) < 1e-3
 
 
@@ -214,7 +215,8 @@ def test_the_density_experiment_on_a_model_runs_both_dpo_arms_on_its_own_words(t
     args = json.loads(meta.read_text())["args"]
     assert (args["density"], args["pairs"]) == (str(seed / "density" / "weights.jsonl"),
                                                 str(seed / "own_pairs" / "pairs.jsonl"))
-    assert "--max_new_tokens 16" in dict(line.split("\t", 1) for line in (seed / "stages.tsv").read_text().splitlines())["eval"]
+    assert "--max_new_tokens 16" in dict(line.split("\t", 1)
+                                         for line in (seed / "stages.tsv").read_text().splitlines())["eval"]
     experiment = json.loads((root / "experiment.json").read_text())
     assert set(experiment["arms"]) == {"dpo_density"} and experiment["model"] == "smollm2"
     assert {kind for kind, w in experiment["weights_by_topic"].items()} <= {"sum", "difference", "product", "story"}

@@ -15,14 +15,13 @@ import sys
 
 import pytest
 import torch
-
 from conftest import REPO, assert_bitwise, assert_stopped, run_script
 from forked import run_python
-from nanochat_ext.ddp_common import free_port
-from nanochat_ext.errors import InputError
-from nanochat_ext.errors import EXIT_INTERRUPTED, EXIT_NONFINITE
-from nanochat_ext.runtime import checkpoint
+
 from nanochat_ext.algorithms.trainers import SPECS, WRITERS
+from nanochat_ext.ddp_common import free_port
+from nanochat_ext.errors import EXIT_INTERRUPTED, EXIT_NONFINITE, InputError
+from nanochat_ext.runtime import checkpoint
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.tokenizer import TokenizerWrapper
 from scripts import kat_eval, kat_train_grpo, kat_train_rm
@@ -74,7 +73,8 @@ def test_a_non_finite_rm_score_stops_grpo_naming_the_prompt(assets, tmp_path, ca
     capsys.readouterr()
     rc = kat_train_grpo.main(["--policy", str(assets["gpt"]), "--tokenizer", str(assets["tokenizer"]), "--rm", str(rm),
                               "--prompts", str(assets["pairs"]), "--batch_size", "2", "--group_size", "2",
-                              "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu", "--out", str(tmp_path / "g")])
+                              "--max_new_tokens", "4", "--max_steps", "1", "--device", "cpu",
+                              "--out", str(tmp_path / "g")])
     assert rc == 2
     assert "the reward model scored nan on prompt" in capsys.readouterr().err
 
@@ -143,8 +143,8 @@ def _checkpoints(out, kind: str, steps: tuple[int, ...]) -> list:
 
 
 def test_a_corrupt_newest_meta_falls_back_to_the_previous_checkpoint(tmp_path, capsys):
-    """As docs/reliability.md says of a checkpoint that no longer loads: the previous one, with a warning (the corrupt meta
-    was taken before, its state read as if whole)."""
+    """As docs/reliability.md says of a checkpoint that no longer loads: the previous one, with a warning (the corrupt
+    meta was taken before, its state read as if whole)."""
     older, newest = _checkpoints(tmp_path, "reward_model", (2, 4))
     (tmp_path / "meta_1004.json").write_text('{"kind": "rew')  # truncated
     model, meta, state = resolve_resume("latest", tmp_path, SPECS["rm"], WRITERS)
@@ -248,8 +248,10 @@ def test_a_signal_on_one_process_exits_with_the_interrupted_code(assets, tmp_pat
     assert sorted(p.name for p in out.iterdir()) == saved
 
 
-SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext.runtime import guard; guard.install_signal_handlers()\n"
-                "os.kill(os.getpid(), signal.SIGINT); time.sleep(float(sys.argv[1])); os.kill(os.getpid(), signal.SIGINT)\n"
+SIGNAL_TWICE = ("import os, signal, sys, time; from nanochat_ext.runtime import guard; "
+                "guard.install_signal_handlers()\n"
+                "os.kill(os.getpid(), signal.SIGINT); time.sleep(float(sys.argv[1])); "
+                "os.kill(os.getpid(), signal.SIGINT)\n"
                 "time.sleep(0.2); print('still running', flush=True)")
 
 
@@ -379,7 +381,8 @@ def test_out_of_memory_in_a_step_on_two_ranks_is_one_line_on_each_and_resumes(as
     (["--lora_r", "4", "--lora_dropout", "1"], "--lora_dropout must be in [0, 1), got 1.0"),
     (["--merge_lora"], "--merge_lora is for LoRA: give --lora_r too"),
     (["--lora_r", "4", "--unfreeze_last", "1"], "--unfreeze_last trains whole blocks and --lora_r adapters"),
-    (["--lora_r", "4", "--unfreeze_last", "0", "--lora_targets", "c_q,nope"], "--lora_targets: no module named 'nope' in this GPT (its linear layers: c_fc,c_k,c_proj,c_q,c_v,lm_head)"),
+    (["--lora_r", "4", "--unfreeze_last", "0", "--lora_targets", "c_q,nope"],
+     "--lora_targets: no module named 'nope' in this GPT (its linear layers: c_fc,c_k,c_proj,c_q,c_v,lm_head)"),
 ])
 def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "out", *extra)) == 2
@@ -395,7 +398,8 @@ def test_flags_out_of_range(assets, tmp_path, capsys, extra, expected):
     (["--reward_clip", "0"], "--reward_clip must be a finite number > 0"),
     (["--num_epochs", "0"], "--num_epochs must be >= 1"),
     (["--parallel", "fsdp", "--optimizer", "muon"], "--optimizer muon orthogonalises whole matrices"),
-    (["--consolidate", "somewhere"], "--consolidate DIR writes a checkpoint whole: give the one to write with --resume"),
+    (["--consolidate", "somewhere"],
+     "--consolidate DIR writes a checkpoint whole: give the one to write with --resume"),
     (["--lora_r", "8", "--parallel", "fsdp"], "train LoRA with --parallel ddp"),
     (["--lora_r", "8", "--optimizer", "muon"], "LoRA's adapters train with --optimizer adamw"),
 ])
@@ -591,7 +595,8 @@ def test_a_tokenizer_pickle_that_would_run_code_is_refused_in_one_line(assets, t
     assert kat_train_rm.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"error: {tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer: UnpicklingError: {expected}" \
-        if payload == "command" else err == f"error: {tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer: {expected}"
+        if payload == "command" \
+        else err == f"error: {tokenizer / 'tokenizer.pkl'}: cannot read the tokenizer: {expected}"
     assert not marker.exists() and not (tmp_path / "out").exists()
 
 

@@ -7,11 +7,11 @@ import sys
 import types
 
 import pytest
-
 from conftest import run_script
+from test_reliability import rm_args
+
 from nanochat_ext.training.tracking import Tracker, in_notebook
 from scripts import kat_train_rm
-from test_reliability import rm_args
 
 
 def wandb_history(run_file) -> dict[int, dict]:
@@ -87,7 +87,8 @@ def test_wandb_dir_is_honoured(assets, tmp_path):
 
 def test_an_unknown_target_or_a_missing_wandb_is_one_line(assets, tmp_path, capsys, monkeypatch):
     assert kat_train_rm.main(rm_args(assets, tmp_path / "a", "--max_steps", "1", "--report_to", "mlflow")) == 2
-    assert "--report_to must be tensorboard, wandb, both comma-separated, or none; got 'mlflow'" in capsys.readouterr().err
+    assert "--report_to must be tensorboard, wandb, both comma-separated, or none; got 'mlflow'" \
+        in capsys.readouterr().err
     import importlib.util
 
     real = importlib.util.find_spec

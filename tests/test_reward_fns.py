@@ -11,8 +11,18 @@ from nanochat_ext.algorithms.rewards import check_references
 from nanochat_ext.data.rows import load_pairs, load_prompts
 from nanochat_ext.errors import InputError
 from nanochat_ext.tasks.reward_fns import BUILT_IN, contains_answer, exact_match, gsm8k, last_number
-from nanochat_ext.tasks.word_arithmetic import (GAP_SKEW, KINDS, SKEW, in_words, kinds_in_shares, make_gap_questions,
-                                                make_pairs, make_questions, make_skewed_pairs, make_skewed_questions)
+from nanochat_ext.tasks.word_arithmetic import (
+    GAP_SKEW,
+    KINDS,
+    SKEW,
+    in_words,
+    kinds_in_shares,
+    make_gap_questions,
+    make_pairs,
+    make_questions,
+    make_skewed_pairs,
+    make_skewed_questions,
+)
 from scripts import kat_compute_density, kat_task_data
 from scripts.kat_compute_density import knn_distances
 

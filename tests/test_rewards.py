@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-
 from conftest import REPO, assert_same_update, run_script
+from rewards_for_tests import echoes
+from test_grpo import grpo_args, grpo_assets  # noqa: F401  (a fixture)
+
 from nanochat_ext.ddp_common import free_port
 from nanochat_ext.models.loader import load_backbone
-from rewards_for_tests import echoes
 from scripts import kat_train_grpo
-from test_grpo import grpo_args, grpo_assets  # noqa: F401  (a fixture)
 
 
 class RewardService:
@@ -96,7 +96,8 @@ def test_a_reward_service_on_two_ranks_gives_one_ranks_plain_rewards(assets, grp
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert service.calls == 4  # each rank, each step
     rollouts = [json.loads(line) for line in (out / "logs" / "rollouts.jsonl").read_text().splitlines()]
-    assert [(r["completion_ids"], r["reward"]) for r in rollouts] == [(r["completion_ids"], r["reward"]) for r in plain[0]]
+    assert [(r["completion_ids"], r["reward"]) for r in rollouts] == [(r["completion_ids"], r["reward"])
+                                                                      for r in plain[0]]
     assert_same_update(load_backbone(out).model.state_dict(), plain[1], load_backbone(assets["gpt"]).model.state_dict())
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_stopped, rm_init, run_script, run_worker
+
 from nanochat_ext.data.batching import collate_pairs, tokenize_pairs
 from nanochat_ext.data.rows import load_pairs
 from nanochat_ext.models.loader import load_backbone
@@ -51,7 +51,8 @@ def test_loss_and_grads_invariant_to_ranks_and_micro_batches(assets, tmp_path):
             assert run[mode]["loss"] == pytest.approx(base["loss"], rel=1e-6), (mode, key)
             assert run[mode]["grads"].keys() == base["grads"].keys()
             for name, g in base["grads"].items():
-                torch.testing.assert_close(run[mode]["grads"][name], g, atol=1e-6, rtol=1e-5, msg=f"{mode} {key} {name}")
+                torch.testing.assert_close(run[mode]["grads"][name], g, atol=1e-6, rtol=1e-5,
+                                           msg=f"{mode} {key} {name}")
     # The modes really differ (the weights matter), so the invariance above is not vacuous.
     assert runs[(1, 1)]["mean"]["loss"] != pytest.approx(runs[(1, 1)]["none"]["loss"], rel=1e-3)
 

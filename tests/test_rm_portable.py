@@ -22,7 +22,8 @@ def trained(assets, tmp_path, monkeypatch):
     shutil.copytree(assets["tokenizer"], base / "tokenizer")
     monkeypatch.setenv("NANOCHAT_BASE_DIR", str(base))
     rm = base / "rm_checkpoints" / "uniform"
-    assert kat_train_rm.main(["--backbone", str(base / "chatsft_checkpoints" / "default"), "--pairs", str(assets["pairs"]),
+    assert kat_train_rm.main(["--backbone", str(base / "chatsft_checkpoints" / "default"),
+                              "--pairs", str(assets["pairs"]),
                               "--max_steps", "3", "--batch_size", "8", "--max_len", "64", "--unfreeze_last", "1",
                               "--device", "cpu", "--out", str(rm)]) == 0
     fresh = synthetic.make_pairs(8, seed=3)
@@ -58,7 +59,8 @@ def test_a_replaced_backbone_is_refused_and_an_old_meta_warns(trained, tmp_path,
     shutil.copyfile(original, kept)
     other = synthetic.make_tiny_gpt(tmp_path / "other", 512, seed=7)  # same shape, other weights
     shutil.copyfile(find_checkpoint(other)[0], original)
-    with pytest.raises(InputError, match=f"the backbone {original} is not the one this RM was trained on .*fingerprint"):
+    with pytest.raises(InputError,
+                       match=f"the backbone {original} is not the one this RM was trained on .*fingerprint"):
         load_reward_model(rm)
     shutil.copyfile(kept, original)
     meta_path = find_checkpoint(rm)[1]

@@ -7,16 +7,16 @@ import re
 import numpy as np
 import pytest
 import torch
-
 from conftest import run_script
+
+from nanochat_ext.algorithms.rm import RM_LRS
 from nanochat_ext.data.rows import load_pairs
 from nanochat_ext.models.reward_model import load_reward_model
-from nanochat_ext.runtime.checkpoint import find_checkpoint
 from nanochat_ext.runtime import oom
+from nanochat_ext.runtime.checkpoint import find_checkpoint
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.training import memory
-from nanochat_ext.algorithms.rm import RM_LRS
 from scripts import kat_train_rm
 
 
@@ -34,7 +34,8 @@ def test_learns_a_preference_and_scores_it(assets, tmp_path):
     out = tmp_path / "rm"
     # 3e-3: the tiny random backbone learns at the head's rate (the default for blocks is set for a real model)
     assert kat_train_rm.main(base_args(assets, out, "--max_steps", "40", "--unfreeze_last", "1", "--lr", "3e-3")) == 0
-    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
+    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_")
+                                            .replace(".pt", ".json")).read_text())
     assert meta["kind"] == "reward_model" and meta["step"] == 40
     assert meta["metrics"]["val/accuracy"] >= 0.9, meta["metrics"]
     # The saved RM reloads by itself (backbone + tokenizer found from its meta) and scores new pairs.
@@ -49,10 +50,11 @@ def test_learns_a_preference_and_scores_it(assets, tmp_path):
 
 
 def test_the_default_lr_follows_what_trains_and_a_far_higher_one_is_warned_about(assets, tmp_path, capsys):
-    """--lr where not given: the head's rate for the head alone and LoRA, lower ones for blocks and for all (RM_LRS, from
-    bench/lr_sweep.sh rm); the checkpoint records the rate the run used. A given --lr 10x or more above the rate for
-    what trains is one warning line; one below it, none."""
-    runs = {"head": (), "lora": ("--lora_r", "4"), "blocks": ("--unfreeze_last", "1"), "all": ("--unfreeze_last", "all")}
+    """--lr where not given: the head's rate for the head alone and LoRA, lower ones for blocks and for all (RM_LRS,
+    from bench/lr_sweep.sh rm); the checkpoint records the rate the run used. A given --lr 10x or more above the rate
+    for what trains is one warning line; one below it, none."""
+    runs = {"head": (), "lora": ("--lora_r", "4"), "blocks": ("--unfreeze_last", "1"),
+            "all": ("--unfreeze_last", "all")}
     for mode, flags in runs.items():
         out = tmp_path / mode
         assert kat_train_rm.main(base_args(assets, out, "--max_steps", "1", *flags)) == 0
@@ -152,16 +154,22 @@ GOOD = '{"prompt": "Hi?", "chosen": "Sure, gladly.", "rejected": "No."}\n'
 
 @pytest.mark.parametrize("name,content,expected", [
     ("empty", "", "no preference pairs in file"),
-    ("not_json", GOOD + "{oops\n", ":2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
+    ("not_json", GOOD + "{oops\n",
+     ":2: not valid JSON (Expecting property name enclosed in double quotes at column 2)"),
     ("raw_tab", GOOD + '{"prompt": "Hi\tthere", "chosen": "Yes", "rejected": "No"}\n',
      ":2: not valid JSON (Invalid control character at column 15; a tab or newline inside a string is written \\t or"),
     ("no_chosen", GOOD + '{"prompt": "Hi?", "rejected": "No."}\n', ":2: field 'chosen': missing"),
-    ("empty_chosen", GOOD + '{"prompt": "Hi?", "chosen": "  ", "rejected": "No."}\n', ":2: field 'chosen': missing or empty"),
+    ("empty_chosen", GOOD + '{"prompt": "Hi?", "chosen": "  ", "rejected": "No."}\n',
+     ":2: field 'chosen': missing or empty"),
     ("int_rejected", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": 3}\n', ":2: field 'rejected'"),
-    ("neg_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": -1}\n', ":2: field 'weight': must be a positive"),
-    ("nan_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": NaN}\n', ":2: field 'weight'"),
-    ("str_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": "2"}\n', ":2: field 'weight'"),
-    ("bad_role", GOOD + '{"prompt": [{"role": "bot", "content": "x"}], "chosen": "Yes", "rejected": "No"}\n', ":2: field 'prompt'"),
+    ("neg_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": -1}\n',
+     ":2: field 'weight': must be a positive"),
+    ("nan_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": NaN}\n',
+     ":2: field 'weight'"),
+    ("str_weight", GOOD + '{"prompt": "Hi?", "chosen": "Yes", "rejected": "No", "weight": "2"}\n',
+     ":2: field 'weight'"),
+    ("bad_role", GOOD + '{"prompt": [{"role": "bot", "content": "x"}], "chosen": "Yes", "rejected": "No"}\n',
+     ":2: field 'prompt'"),
 ])
 def test_bad_pairs_file(assets, tmp_path, capsys, name, content, expected):
     pairs = _write(tmp_path / f"{name}.jsonl", content)
@@ -195,10 +203,12 @@ def test_density_that_does_not_line_up(assets, tmp_path, capsys):
     prefix_ids = sorted({r.prefix_id for r in rows})
     first_line = next(r.line for r in rows if r.prefix_id == prefix_ids[0])
     # 1) a JSONL that misses one prompt
-    partial = synthetic.write_jsonl(tmp_path / "density.jsonl", [{"prefix_id": p, "weight": 1.0} for p in prefix_ids[1:]])
+    partial = synthetic.write_jsonl(tmp_path / "density.jsonl",
+                                    [{"prefix_id": p, "weight": 1.0} for p in prefix_ids[1:]])
     args = base_args(assets, tmp_path / "out", "--max_steps", "1", "--density", str(partial))
     assert kat_train_rm.main(args) == 2
-    assert f"row on line {first_line} has prefix_id '{prefix_ids[0]}', which has no density weight" in capsys.readouterr().err
+    assert f"row on line {first_line} has prefix_id '{prefix_ids[0]}', which has no density weight" \
+        in capsys.readouterr().err
     # 2) the fork's prefixes_all.jsonl + density_weights.npy with one weight too few
     fork = tmp_path / "fork"
     synthetic.write_jsonl(fork / "prefixes_all.jsonl", [{"prefix_id": p} for p in prefix_ids])
@@ -252,7 +262,8 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     args = base_args(assets, out, "--max_steps", "20", "--unfreeze_last", "1", "--dtype", "bfloat16",
                      "--val_ratio", "0.1")
     assert kat_train_rm.main(args) == 0
-    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
+    meta = json.loads(newest(out).with_name(newest(out).name.replace("model_", "meta_")
+                                            .replace(".pt", ".json")).read_text())
     assert meta["dtype"] == "bfloat16"
     scorer = load_reward_model(out)
     assert scorer.dtype == torch.bfloat16
@@ -264,8 +275,8 @@ def test_bf16_run_holds_frozen_weights_in_bf16_and_scores_as_validated(assets, t
     assert params["head.weight"].dtype == torch.float32
     # Score the validation pairs as the run did (same batches of 16 pairs: in bf16 the matmul shapes
     # change the rounding), through the reloaded RM and its own precision: the logged numbers come back.
-    from nanochat_ext.data.rows import split_by_prefix
     from nanochat_ext.data.batching import collate_pairs, tokenize_pairs
+    from nanochat_ext.data.rows import split_by_prefix
     from nanochat_ext.runtime.precision import precision
     _, val_rows = split_by_prefix(load_pairs(assets["pairs"])[0], 0.1)
     val, _ = tokenize_pairs(val_rows, scorer.tokenizer, 64)
@@ -297,7 +308,8 @@ def test_auto_micro_batch_picks_what_fits_and_trains_as_that_size_given_by_hand(
     monkeypatch.setenv(memory.FREE_BYTES_ENV, str(int(free)))
     assert kat_train_rm.main([*args, "--out", str(tmp_path / "auto"), "--device_batch_size", "auto"]) == 0
     out = capsys.readouterr().out
-    assert "micro-batch: auto: 2 of 8 per rank" in out and "batch: 8 global = 1 ranks x 4 micro-batches x 2 pairs" in out
+    assert "micro-batch: auto: 2 of 8 per rank" in out \
+        and "batch: 8 global = 1 ranks x 4 micro-batches x 2 pairs" in out
     monkeypatch.delenv(memory.FREE_BYTES_ENV)
     assert kat_train_rm.main([*args, "--out", str(tmp_path / "by_hand"), "--device_batch_size", "2"]) == 0
     auto, by_hand = (torch.load(find_checkpoint(tmp_path / d)[0], weights_only=True) for d in ("auto", "by_hand"))

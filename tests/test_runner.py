@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import PROMPTS, aot_eager, assert_same_but_a_tie, greedy_stop, seeds  # noqa: F401 (a fixture)
+from test_nanochat_vintages import fixture_dir, vintage_of
+from test_sampling import assert_sampled_from_reforward
 from torch._dynamo.utils import counters
 
 from nanochat_ext.engine import runner, scheduler
@@ -13,9 +16,6 @@ from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
 from nanochat_ext.models.compiled import allow_recompiles, compile_stats
 from nanochat_ext.models.loader import load_backbone
-from test_engine import PROMPTS, aot_eager, assert_same_but_a_tie, greedy_stop, seeds  # noqa: F401 (a fixture)
-from test_nanochat_vintages import fixture_dir, vintage_of
-from test_sampling import assert_sampled_from_reforward
 
 
 @pytest.mark.parametrize("name,temperature", [("gpt_modern", 0.0)])
@@ -78,7 +78,8 @@ def test_compiled_steps_read_the_cache_in_use_by_length_buckets(assets, name, mo
     assert_sampled_from_reforward(bb, prompts, 2, cfg, (), seeds(), got)
     shorter = [p[4:] for p in prompts]
     again = engine.generate(shorter, 2, cfg, (), 0, seeds())
-    assert compile_stats()[0] == graphs and len(read) == 2 and not counters["graph_break"], dict(counters["graph_break"])
+    assert compile_stats()[0] == graphs and len(read) == 2 and not counters["graph_break"], \
+        dict(counters["graph_break"])
     assert_sampled_from_reforward(bb, shorter, 2, cfg, (), seeds(), again)
 
 

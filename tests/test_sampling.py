@@ -9,7 +9,6 @@ from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SCAN_CHUNK, SamplingConfig, cumsum_in_chunks, filter_logits, sample_token
 from nanochat_ext.models.loader import load_backbone
 
-
 # Two computations of the same logits (cached or re-forward, compiled or eager, another batch) agree to a
 # few ulps, not bitwise, and which pairs are bitwise equal depends on the CPU's kernels. A token can then
 # differ only where its uniform falls that close to a CDF boundary (greedy: where the top two logits are

@@ -19,12 +19,13 @@ from pathlib import Path
 
 import pyseccomp
 import pytest
-
 from conftest import REPO
+
+from nanochat_ext.agent import toolbox
 from nanochat_ext.algorithms.rewards import call_reward_fn
 from nanochat_ext.errors import InputError, Unscored
-from nanochat_ext.agent import toolbox
-from nanochat_ext.sandbox import child as sandbox_child, sandbox, seccomp
+from nanochat_ext.sandbox import child as sandbox_child
+from nanochat_ext.sandbox import sandbox, seccomp
 from nanochat_ext.tasks import code_functions, synthetic
 from nanochat_ext.tasks.code_checks import parse_tests
 from nanochat_ext.tasks.code_tests import CodeTests, passes, run_tests, verdict
@@ -156,7 +157,8 @@ def test_the_solution_passes_and_each_failure_says_what_the_code_gave():
     assert run_tests("def add(a, b):\n    retrun a", TESTS)[1].startswith("the code raised SyntaxError")
     assert run_tests("import time\ntime.sleep(5)", TESTS, time_limit=1) == (
         False, "the code's process ended (timed out after 1 s) before test 1 of 3 gave its value")
-    assert run_tests("def add(a, b):\n    return 10 ** 5000", TESTS)[1] == "test 1 of 3: add(2, 3) gave an int of 16610 bits"
+    assert run_tests("def add(a, b):\n    return 10 ** 5000", TESTS)[1] == \
+        "test 1 of 3: add(2, 3) gave an int of 16610 bits"
     # code that passes, then would burn the CPU to the limit (its harness's exit rebound): ended once it has answered
     hog = "import sys\nsys.modules['__main__']._exit = lambda code: [0 for _ in iter(int, 1)]\n" + SOLVED
     t0 = time.monotonic()

@@ -5,13 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
-
 from conftest import assert_bitwise, assert_same_update, run_script
+from test_nanochat_vintages import fixture_dir
+
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.checkpoint import find_checkpoint
 from nanochat_ext.tasks import synthetic
 from scripts import kat_sft
-from test_nanochat_vintages import fixture_dir
 
 NANOCHAT = fixture_dir("current-d4")
 

@@ -12,23 +12,23 @@ import shutil
 
 import pytest
 import torch
+from test_engine import aot_eager, seeds  # noqa: F401  (a fixture)
+from test_sampling import assert_sampled_from_reforward
 from torch._dynamo.utils import counters
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.rows import PromptRow
-from nanochat_ext.errors import InputError
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
-from nanochat_ext.agent.agent import Agent, AgentConfig
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.models.reward_model import RewardModel, RewardScorer
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.training.logprobs import make_sequences
-from test_engine import aot_eager, seeds  # noqa: F401  (a fixture)
-from test_sampling import assert_sampled_from_reforward
 
 PROMPTS = [list(range(5, 29)), list(range(7, 12)), list(range(40, 55)), list(range(60, 70)), [90, 91, 92]]
 MAX_NEW = 16

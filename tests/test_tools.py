@@ -11,24 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, assert_same_update, run_script
+from test_engine import aot_eager  # noqa: F401  (a fixture)
 from torch._dynamo.utils import counters
 
-from conftest import REPO, assert_same_update, run_script
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.evaluation import pass_at_k
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.data.rows import load_prompts
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.tasks import synthetic
 from nanochat_ext.tasks.reward_fns import contains_answer
 from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences
 from nanochat_ext.training.loop import LoopConfig
 from scripts import kat_eval, kat_train_grpo
-from test_engine import aot_eager  # noqa: F401  (a fixture)
 
 TOOL_USE = REPO / "tests" / "fixtures" / "nanochat-tool-use"
 GOLDEN = torch.load(TOOL_USE / "golden.pt", weights_only=True)
@@ -222,7 +222,8 @@ def test_the_demos_arithmetic_calls_the_calculator_in_nanochats_format(tmp_path)
         reply = c.turns[0]["content"]
         ids, mask = tok.render_reply(reply)
         assert [p["type"] for p in reply] == ["text", "python", "python_output", "text"]
-        assert ids.count(tok.special("<|python_start|>")) == 1 and mask.count(0) == len(tok.encode(reply[2]["text"])) + 2
+        assert ids.count(tok.special("<|python_start|>")) == 1 \
+            and mask.count(0) == len(tok.encode(reply[2]["text"])) + 2
     row = synthetic.make_arithmetic_prompts(1, seed=2)[0]
     forced = f"<|python_start|>x<|python_end|><|output_start|>{row['answer']}<|output_end|>"
     assert synthetic.judge("arithmetic", f"{forced} The answer is {row['answer']}.", row["answer"])
@@ -276,7 +277,8 @@ def test_preset_chat_rl_sets_nanochats_recipe_and_given_flags_override(tmp_path,
     assert lrs == pytest.approx([lrs[0], lrs[0] * 2 / 3, lrs[0] / 3])  # linear to 0 over the 3 steps
     assert [r["step"] for r in logs if "eval/pass@1" in r] == [3]  # every 60 steps and at the end: at 3
     final = Path(re.findall(r"^checkpoint: (.*)$", out, re.M)[-1])
-    assert final.parent == tmp_path / "base" / "chatrl_checkpoints" / "d2" and len(list(final.parent.glob("model_*.pt"))) == 3
+    assert final.parent == tmp_path / "base" / "chatrl_checkpoints" / "d2" \
+        and len(list(final.parent.glob("model_*.pt"))) == 3
     assert nanochat_finds(tmp_path / "base" / "chatrl_checkpoints") == final
     meta = json.loads(final.with_name(final.name.replace("model_", "meta_").replace(".pt", ".json")).read_text())
     assert meta["step"] == 3 and "model_config" in meta

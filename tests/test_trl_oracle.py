@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_ext.algorithms.advantages import (advantages, distill_advantages, group_advantages,
-                                                reinforce_pp_advantages, rloo_advantages, sequence_kl)
+from nanochat_ext.algorithms.advantages import (
+    advantages,
+    distill_advantages,
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    sequence_kl,
+)
 from nanochat_ext.algorithms.grpo import LossConfig, engine_weights, grpo_loss, loss_normaliser
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES
 from nanochat_ext.training.logprobs import token_logprobs_chunked
@@ -54,9 +60,9 @@ LINES = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "lines_go
 
 @pytest.mark.parametrize("key", list(LINES["weights"]))
 def test_engine_correction_equals_trls_vllm_importance_sampling(key):
-    """--engine_correction against TRL's vllm_importance_sampling_mode (its own lines, make_lines_golden.py): the weights of
-    every mode and bounds (ratios past them both ways, per token and per completion, a fully masked completion), and
-    the loss and gradient they give under TRL's dapo and grpo loss types."""
+    """--engine_correction against TRL's vllm_importance_sampling_mode (its own lines, make_lines_golden.py): the
+    weights of every mode and bounds (ratios past them both ways, per token and per completion, a fully masked
+    completion), and the loss and gradient they give under TRL's dapo and grpo loss types."""
     mode, low, high = key.split("/")
     g, w = GOLDEN, LINES["weights"][key]
     cfg = LossConfig(engine_correction=mode, engine_clip_min=None if low == "None" else float(low),

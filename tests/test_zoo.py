@@ -14,9 +14,9 @@ import transformers
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
-from nanochat_ext.errors import InputError
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.heads import HeadTransform, probe
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
@@ -154,7 +154,8 @@ def test_a_head_transform_is_read_from_the_forward_or_refused():
     config = transformers.LlamaConfig(**LLAMA_LIKE, vocab_size=50)
     assert probe(transformers.LlamaForCausalLM(config), "llama").identity
     assert probe(HeadAfterScaledStates(config), "scaled") == HeadTransform(scale=0.5)
-    refused = "NormalisedLogits's forward transforms its LM head's output in a way this trainer cannot reproduce per chunk"
+    refused = ("NormalisedLogits's forward transforms its LM head's output in a way this trainer cannot reproduce "
+               "per chunk")
     with pytest.raises(InputError, match=refused):
         probe(NormalisedLogits(config), "normalised")
     bb = Backbone("hf", NormalisedLogits(config), "normalised")  # a reward model reads its hidden states alone

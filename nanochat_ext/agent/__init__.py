@@ -1,1 +1,2 @@
-"""Rollouts as conversations: nanochat's calculator, your tools and environments, the episodes the engine hands each step."""
+"""Rollouts as conversations: nanochat's calculator, your tools and environments,
+the episodes the engine hands each step."""

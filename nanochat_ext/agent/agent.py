@@ -11,19 +11,37 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
-from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.agent.calculator import calculate
-from nanochat_ext.agent.formats import (FORMATS, Call, block_call, hermes_calls, llama3_calls, renders_tools,
-                                             template_format, tools_system_prompt, write_call)
-from nanochat_ext.agent.toolbox import (MAX_LATE_CALLS, LateCalls, Outcome, Tool, argument_problem, call_all,
-                                            load_env_factory, load_tools)
+from nanochat_ext.agent.formats import (
+    FORMATS,
+    Call,
+    block_call,
+    hermes_calls,
+    llama3_calls,
+    renders_tools,
+    template_format,
+    tools_system_prompt,
+    write_call,
+)
+from nanochat_ext.agent.toolbox import (
+    MAX_LATE_CALLS,
+    LateCalls,
+    Outcome,
+    Tool,
+    argument_problem,
+    call_all,
+    load_env_factory,
+    load_tools,
+)
+from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.engine.forcing import ToolState, ToolTokens
+from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.tokenizer import Message, TokenizerWrapper
 
 BUILT_IN = ("calculator", "none")
@@ -44,9 +62,9 @@ class AgentConfig:
     tool_timeout: float = option(10.0, "seconds a tool or environment call may take; past it the row reads an error "
                                        "(and an environment's episode ends, reward 0)", type=float,
                                  check=FINITE_POSITIVE)
-    max_late_calls: int = option(MAX_LATE_CALLS, "tool and environment calls still running past --tool_timeout that a rank "
-                                     "keeps (Python cannot stop a thread); once this many are, new calls are refused, "
-                                     "an error the row reads", type=int, check=POSITIVE)
+    max_late_calls: int = option(MAX_LATE_CALLS, "tool and environment calls still running past --tool_timeout that a "
+                                     "rank keeps (Python cannot stop a thread); once this many are, new calls are "
+                                     "refused, an error the row reads", type=int, check=POSITIVE)
     max_tool_calls: int = option(8, "tool calls an assistant turn may make (python blocks, or calls in a chat "
                                     "format's turn); the rest are refused, an error the row reads", type=int,
                                  check=POSITIVE)
@@ -177,7 +195,7 @@ class Agent:
     def followup(self, messages: list[Message]) -> list[int]:
         return self.tok.render_followup(messages, self.template_tools)
 
-    def episodes(self, rows: list[dict], group: int) -> "Episodes":
+    def episodes(self, rows: list[dict], group: int) -> Episodes:
         return Episodes(self, rows, group)
 
     def call(self, calls: list[Call]) -> list[Outcome]:

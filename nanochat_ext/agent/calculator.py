@@ -1,9 +1,10 @@
 """The calculator tool nanochat's models call inside a reply (`<|python_start|>expr<|python_end|>`): the text
 nanochat's `use_calculator` (engine.py at 92d63d4) gives for every arithmetic and string-count expression it
 accepts, and a refusal (None) wherever it refuses; it refuses a little more (string methods outside `METHODS`, such
-as `zfill` or `rjust`, which nanochat's eval would run). It never calls `eval`: the expression is parsed with `ast` and only a whitelist of nodes is
-evaluated (numbers and arithmetic; string literals, a few pure string methods, and/or/not/in), with numbers and
-strings bounded in size, so nothing an expression says can run code, and it runs in any thread.
+as `zfill` or `rjust`, which nanochat's eval would run). It never calls `eval`: the expression is parsed with `ast` and
+only a whitelist of nodes is evaluated (numbers and arithmetic; string literals, a few pure string methods,
+and/or/not/in), with numbers and strings bounded in size, so nothing an expression says can run code, and it runs in any
+thread.
 
 nanochat's rules, kept: every comma is removed first (`1,200` is 1200, `1,2` is 12). An expression of the
 characters `0-9*+-/.() ` is arithmetic, refused if it holds `**`. Anything else may use only letters, digits,

@@ -1,9 +1,9 @@
 """How a model writes a tool call, and how one is read back out of a finished assistant turn.
 
 - `nanochat`: nanochat's python blocks, inside the turn: `<|python_start|>expr<|python_end|>`, answered at once with
-  `<|output_start|>answer<|output_end|>` forced into the same turn (engine/forcing.py). A block that reads `name(arguments)`,
-  a call of one of your tools with literal arguments (`multiply(12, 34)`, `search(query="cats")`), calls it;
-  anything else goes to the calculator where it is on, as in nanochat.
+  `<|output_start|>answer<|output_end|>` forced into the same turn (engine/forcing.py). A block that reads
+  `name(arguments)`, a call of one of your tools with literal arguments (`multiply(12, 34)`, `search(query="cats")`),
+  calls it; anything else goes to the calculator where it is on, as in nanochat.
 - `hermes`: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call, then the end of the turn
   (Qwen2.5, Hermes, and the format given to a model whose template knows no tools). The results come
   back as `tool` turns rendered by the chat template, then the assistant's next turn opens.

@@ -22,8 +22,9 @@ import inspect
 import json
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from nanochat_ext.errors import InputError, first_line
 from nanochat_ext.runtime.waits import Waits
@@ -199,7 +200,7 @@ def call_all(calls: list[tuple[str, Callable[[], Any]]], timeout: float, text: b
             box["error"] = e
 
     threads: list[threading.Thread | None] = []
-    for (what, thunk), box in zip(calls, results):
+    for (_, thunk), box in zip(calls, results):
         th = threading.Thread(target=run, args=(thunk, box), daemon=True)
         try:
             th.start()

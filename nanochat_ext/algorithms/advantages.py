@@ -5,8 +5,8 @@ the reward, whitened over the global batch's tokens; on-policy distillation's pe
 Tinker cookbook's). The same rewards give the same advantages on any number of ranks."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

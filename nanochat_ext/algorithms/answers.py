@@ -15,14 +15,14 @@ from typing import Any
 
 import torch
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.data.batching import encode_prompts
 from nanochat_ext.data.rows import InMemoryRows, PromptRow, load_prompts
 from nanochat_ext.ddp_common import detect_launcher, pick_device
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.loader import load_backbone, load_tokenizer_for
 from nanochat_ext.runtime import process_state
 from nanochat_ext.runtime.checkpoint import find_checkpoint, read_json, resolve_model_path

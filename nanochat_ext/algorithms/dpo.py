@@ -7,8 +7,8 @@ them against its own code).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 import torch.nn as nn
@@ -232,7 +232,8 @@ class DPO:
     precomputed: `reference` None) and the policy's forward and backward over them in micro-batches, shortest rows
     together; the evaluation scores the held-out pairs."""
     name = SPEC.name
-    headline = ("train/loss", "rewards/accuracies", "rewards/margins", "perf/pairs_per_s")  # its step line (--log_line short)
+    headline = ("train/loss", "rewards/accuracies", "rewards/margins",
+                "perf/pairs_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: PolicyTraining, cfg: DPOConfig, reference: nn.Module | None,
                  train: list[TokenizedPair], held_out: list[TokenizedPair], loader: GlobalBatchLoader,

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
 from dataclasses import dataclass
-from typing import ContextManager, Iterator
 
 import torch
 
@@ -40,7 +41,8 @@ def calls_of(mine: list[int], n_prompts: int, world: int, per_call: int) -> list
     """This rank's prompts in generate calls of at most per_call, as many calls as the rank with the most: an
     empty one takes part in the others' collectives (a sharded policy's weights are gathered from every rank)."""
     per_call = max(per_call, 1)
-    calls = -(-(-(-n_prompts // world)) // per_call)
+    most = -(-n_prompts // world)  # the most prompts a rank holds: ceil(n_prompts / world)
+    calls = -(-most // per_call)
     return [mine[i * per_call:(i + 1) * per_call] for i in range(calls)]
 
 

@@ -19,8 +19,16 @@ from nanochat_ext.algorithms.advantages import advantages, sequence_kl
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.grpo_config import GRPOConfig, LossConfig
 from nanochat_ext.algorithms.rewards import Rewards
-from nanochat_ext.algorithms.rollouts import (FEWER_COMPLETIONS, ZERO_STD, Rollout, RolloutConfig, Rollouts,
-                                             in_global_order, left_out, log_rollouts)
+from nanochat_ext.algorithms.rollouts import (
+    FEWER_COMPLETIONS,
+    ZERO_STD,
+    Rollout,
+    RolloutConfig,
+    Rollouts,
+    in_global_order,
+    left_out,
+    log_rollouts,
+)
 from nanochat_ext.config import NO, TrainerSpec
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
@@ -132,8 +140,8 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor
     return loss, stats.double().cpu()
 
 
-# policy_backward's, in order; the engine's are sums over the scored tokens of pi_old's log-prob minus the engine's (exp,
-# |.|, the tokens where that ratio is past 2x either way): the first update's log-probs, whichever update
+# policy_backward's, in order; the engine's are sums over the scored tokens of pi_old's log-prob minus the engine's
+# (exp, |.|, the tokens where that ratio is past 2x either way): the first update's log-probs, whichever update
 def per_token(values: list[list[float]], shape: torch.Size) -> torch.Tensor:
     """Each completion's per-token values (the engine's log-probs) in a batch's (completions, tokens) layout."""
     out = torch.zeros(shape)
@@ -229,8 +237,8 @@ class GRPO:
     micro-batches of `micro` sequences; the evaluation decodes the held-out prompts greedy and sampled (pass@k with
     --eval_pass_k)."""
     name = SPEC.name
-    headline = ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/completion_len", "train/zero_std_groups",
-                "perf/completions_per_s")  # its step line (--log_line short)
+    headline = ("train/reward", "train/reward_std", "train/loss", "train/kl", "train/completion_len",
+                "train/zero_std_groups", "perf/completions_per_s")  # its step line (--log_line short)
 
     def __init__(self, training: PolicyTraining, cfg: GRPOConfig, rollout: RolloutConfig, evaluation: EvalConfig,
                  rewards: Rewards, train: Prompts, held_out: Prompts, loader: GlobalBatchLoader, seed: int,
@@ -250,7 +258,8 @@ class GRPO:
         self.peak_bw = peak_bandwidth(env.device)
         # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
-                                f"a time)", (FEWER_COMPLETIONS, "a smaller --max_new_tokens")) if rewards.names else None
+                                f"a time)",
+                                (FEWER_COMPLETIONS, "a smaller --max_new_tokens")) if rewards.names else None
 
     def step(self, step: int, loop: Loop) -> None:
         t, G, micro, env = self.training, self.G, self.micro, self.training.env
@@ -335,7 +344,8 @@ class GRPO:
         self.rollouts.close()
 
     def resume_state(self) -> dict:
-        """Collective with --async_rollouts: every rank's draw in flight, in global order (any world size resumes it)."""
+        """Collective with --async_rollouts: every rank's draw in flight,
+        in global order (any world size resumes it)."""
         mine = self.rollouts.in_flight()
         state = {"draw": self.rollouts.draws(), "device_batch_size": self.micro}
         if mine is not None:

@@ -36,9 +36,9 @@ class GRPOConfig:
     teacher_discount: float = option(0.0, "--advantage distill: a token's advantage sums the reverse KL of the tokens "
                                           "after it, discounted by this (0: its own alone; the cookbook's "
                                           "kl_discount_factor)", check=(lambda v: 0 <= v <= 1, "in [0, 1]"))
-    kl_estimator: str = option("k1", "--advantage rloo and reinforce_pp*: the per-token KL in the reward, from pi_old's "
-                                     "and the reference's log-probs: k1 = their difference (TRL's RLOO), k2 = its "
-                                     "square / 2, k3 (OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
+    kl_estimator: str = option("k1", "--advantage rloo and reinforce_pp*: the per-token KL in the reward, from "
+                                     "pi_old's and the reference's log-probs: k1 = their difference (TRL's RLOO), k2 = "
+                                     "its square / 2, k3 (OpenRLHF's --kl_estimator)", choices=KL_ESTIMATORS)
     scale_rewards: str | None = option(None, "advantage = (r - baseline) / std of the group, of the batch, or "
                                              "unscaled; default: the estimator's reference's, group for grpo (TRL's "
                                              "GRPOTrainer), none for rloo (TRL's RLOOTrainer, normalize_advantages="
@@ -113,8 +113,9 @@ class GRPOConfig:
                              f"non-zero advantages ({why}): leave it off" + (", or --beta 0" if est.centred_in_group
                                                                             else ""))
 
-    def loss(self, max_new_tokens: int) -> "LossConfig":
-        """The loss's settings; RLOO's and REINFORCE++'s KL is in the reward, not the loss, and distillation has none."""
+    def loss(self, max_new_tokens: int) -> LossConfig:
+        """The loss's settings; RLOO's and REINFORCE++'s KL is in the reward, not the loss,
+        and distillation has none."""
         beta = 0.0 if self.kl_in_reward or self.advantage == "distill" else self.beta
         return LossConfig(self.loss_agg, self.clip_eps, self.clip_eps_high, beta, max_new_tokens,
                           self.importance_level, self.engine_correction, self.engine_clip_max, self.engine_clip_min)

@@ -7,8 +7,7 @@ generator (sampling.sample_seed), so which pairs come out does not depend on the
 from __future__ import annotations
 
 import math
-
-from typing import ContextManager
+from contextlib import AbstractContextManager as ContextManager
 
 import torch
 

@@ -24,20 +24,20 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from nanochat_ext.agent.agent import Episodes
+from nanochat_ext.agent.toolbox import load_attribute
 from nanochat_ext.config import FINITE_POSITIVE, POSITIVE, option
 from nanochat_ext.data.batching import truncate
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import raise_if_any
-from nanochat_ext.errors import InputError, Unscored, first_line
-from nanochat_ext.agent.agent import Episodes
 from nanochat_ext.engine.engine import Samples
-from nanochat_ext.agent.toolbox import load_attribute
+from nanochat_ext.errors import InputError, Unscored, first_line
 from nanochat_ext.models.reward_model import RewardScorer, load_reward_model
 from nanochat_ext.runtime.outdir import keep_traceback
 from nanochat_ext.tasks import reward_fns
@@ -352,7 +352,8 @@ class Rewards:
                 raise InputError(f"{where} raised {first_line(e)}{keep_traceback(e)}") from e  # api chains it too
             if not hasattr(values, "__len__") or isinstance(values, (str, bytes)) or len(values) != len(texts):
                 raise InputError(f"{where} returned {type(values).__name__} of "
-                                 f"{len(values) if hasattr(values, '__len__') else '?'} values for {len(texts)} completions")
+                                 f"{len(values) if hasattr(values, '__len__') else '?'} values for "
+                                 f"{len(texts)} completions")
             return [checked(v, f"reward function {name} on prompt {places[i // G]}", self.clip)
                     for i, v in enumerate(values)]
         one = lambda i: call_reward_fn(name, fn, prompts[i], texts[i], rows[i], places[i // G], self.clip)  # noqa: E731

@@ -11,12 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from nanochat_ext.config import NO, TrainerSpec, option
-from nanochat_ext.data.batching import (GlobalBatchLoader, TokenizedPair, by_length, collate_pairs,
-                                        rank_chunks)
+from nanochat_ext.data.batching import GlobalBatchLoader, TokenizedPair, by_length, collate_pairs, rank_chunks
 from nanochat_ext.ddp_common import DistEnv, all_reduce_sum, get_world_size
 from nanochat_ext.errors import InputError
-from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.models.loader import RM_KIND
+from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.models.reward_model import RewardModel
 from nanochat_ext.runtime.oom import smaller_micro
 from nanochat_ext.runtime.parallel import no_sync
@@ -26,7 +25,6 @@ from nanochat_ext.training.memory import StepMemory
 from nanochat_ext.training.optim import ADAMW_ONLY
 from nanochat_ext.training.setup import RewardModelTraining
 from nanochat_ext.training.tracking import Tracker, WindowSums
-
 
 # The RM's AdamW --lr where not given, by what trains (`bench/lr_sweep.sh rm` on SmolLM2-135M-Instruct, the sweep in
 # docs/reward_models.md#learning-rate): the head alone learned best at 3e-3, which makes trained blocks diverge.
@@ -76,8 +74,8 @@ class RMConfig:
             return None
         blocks = f"the last {self.unfreeze_last} block" + ("" if self.unfreeze_last == "1" else "s")
         return (f"warning: --lr {lr:g} trains {'every block' if trains == 'all' else blocks} "
-                f"at {lr / RM_LRS[trains]:.0f}x the default for them ({RM_LRS[trains]:g}); on SmolLM2 held-out accuracy fell "
-                f"to chance or below at 10x (docs/reward_models.md#learning-rate)")
+                f"at {lr / RM_LRS[trains]:.0f}x the default for them ({RM_LRS[trains]:g}); on SmolLM2 held-out "
+                f"accuracy fell to chance or below at 10x (docs/reward_models.md#learning-rate)")
 
 RM_STATS = ("loss", "correct", "margin", "pairs", "tokens", "computed")  # what rm_backward returns, in order
 

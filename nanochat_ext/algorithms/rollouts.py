@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
-from typing import Callable, ContextManager, Iterator
 
 import torch
 
@@ -17,9 +18,9 @@ from nanochat_ext.config import FINITE_NON_NEGATIVE, NON_NEGATIVE, POSITIVE, opt
 from nanochat_ext.data.batching import GlobalBatchLoader
 from nanochat_ext.data.rows import PromptRow
 from nanochat_ext.ddp_common import DistEnv, gather_objects, in_group, side_group
-from nanochat_ext.errors import InputError
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -38,7 +39,7 @@ class Rollout:
     sampled: list[list[int]] | None = None  # with tools: per completion token, 1 sampled, 0 forced (no loss)
     logprobs: list[list[float]] | None = None  # per completion token, its log-prob as the engine computed it
 
-    def groups(self) -> list["Rollout"]:
+    def groups(self) -> list[Rollout]:
         """One Rollout per prompt."""
         G = len(self.completions) // max(len(self.indices), 1)
         return [Rollout([i], self.completions[j * G:(j + 1) * G], self.truncated[j * G:(j + 1) * G],
@@ -47,12 +48,13 @@ class Rollout:
                 for j, i in enumerate(self.indices)]
 
     @staticmethod
-    def concat(parts: list["Rollout"], n_rewards: int) -> "Rollout":
+    def concat(parts: list[Rollout], n_rewards: int) -> Rollout:
         with_tools = any(p.sampled is not None for p in parts)
         with_logprobs = bool(parts) and all(p.logprobs is not None for p in parts)
         return Rollout([i for p in parts for i in p.indices], [c for p in parts for c in p.completions],
                        [t for p in parts for t in p.truncated],
-                       torch.cat([p.rewards for p in parts]) if parts else torch.zeros(0, n_rewards, dtype=torch.float64),
+                       torch.cat([p.rewards for p in parts]) if parts
+                       else torch.zeros(0, n_rewards, dtype=torch.float64),
                        [m for p in parts for m in p.sampled] if with_tools else None,
                        [lp for p in parts for lp in p.logprobs] if with_logprobs else None)
 
@@ -71,7 +73,7 @@ def left_out(total: torch.Tensor, group_size: int) -> torch.Tensor:
 
 
 @contextmanager
-def side_stream(stream: "torch.cuda.Stream | None", device: torch.device) -> Iterator[None]:
+def side_stream(stream: torch.cuda.Stream | None, device: torch.device) -> Iterator[None]:
     """The rollout thread's GPU work on a CUDA stream of its own (None: on CPU, nothing to do), so that its kernels can
     run beside the training's instead of queued behind them. It starts after the work the default stream holds so far
     (the weights just copied into the held engine) and ends synchronized (the next copy overwrites what it read)."""
@@ -146,8 +148,8 @@ class RolloutConfig:
                                   type=int)
     overlong_penalty: float = option(1.0, "the penalty at max_new_tokens, with --overlong_buffer", type=float,
                                      check=FINITE_NON_NEGATIVE)
-    async_rollouts: int = option(0, "1: the next step's rollout is sampled and scored in a thread, from the weights this "
-                                    "step started from, while this step trains (one step off-policy, as TRL's "
+    async_rollouts: int = option(0, "1: the next step's rollout is sampled and scored in a thread, from the weights "
+                                    "this step started from, while this step trains (one step off-policy, as TRL's "
                                     "AsyncGRPO max_staleness 1; the schedule is fixed: step t's rollout comes from the "
                                     "weights after step t-2, whatever finishes first); 0: each step's from its own "
                                     "weights", type=int, choices=(0, 1))

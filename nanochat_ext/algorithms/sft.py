@@ -3,11 +3,11 @@ left out), averaged over the learnt tokens of the global batch (logprobs.sft_bac
 """
 from __future__ import annotations
 
+from nanochat_ext.agent.agent import Agent
 from nanochat_ext.config import NO, TrainerSpec
 from nanochat_ext.data.batching import GlobalBatchLoader, cut_to_fit
 from nanochat_ext.data.conversations import Conversation
 from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent
 from nanochat_ext.tokenizer import TokenizerWrapper
 from nanochat_ext.training.logprobs import make_sequences, sft_backward
 from nanochat_ext.training.loop import Loop

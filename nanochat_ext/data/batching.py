@@ -4,8 +4,8 @@ and packed (a pair's prompt once, as a prefix tree, with its two responses as br
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -30,13 +30,13 @@ class BatchConfig:
               "same on every rank (logged with its figures). Default on CPU: the rank's whole share", type=micro_batch)
     seed: int = option(0, "data order{seeds}", type=int)
 
-    def plan(self, world: int, micro: int | None = None) -> "BatchPlan":
+    def plan(self, world: int, micro: int | None = None) -> BatchPlan:
         """The global batch over `world` ranks in micro-batches of `micro` (None: --device_batch_size as given, else the
         rank's whole share); one line where it does not split."""
         given = None if self.device_batch_size in (None, "auto") else self.device_batch_size
         return BatchPlan.make(self.batch_size, world, micro or given)
 
-    def loader(self, n: int, world: int, rank: int, micro: int | None = None) -> "GlobalBatchLoader":
+    def loader(self, n: int, world: int, rank: int, micro: int | None = None) -> GlobalBatchLoader:
         """Rank `rank`'s batches of n examples (`plan`'s); one line where the examples make no batch."""
         return GlobalBatchLoader(n, self.plan(world, micro), rank, self.seed)
 
@@ -173,7 +173,7 @@ class BatchPlan:
     device_batch_size: int
 
     @classmethod
-    def make(cls, batch_size: int, world_size: int, device_batch_size: int | None) -> "BatchPlan":
+    def make(cls, batch_size: int, world_size: int, device_batch_size: int | None) -> BatchPlan:
         if batch_size <= 0:
             raise InputError(f"--batch_size must be positive, got {batch_size}")
         if batch_size % world_size:

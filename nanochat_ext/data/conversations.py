@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 
 from nanochat_ext.data.gsm8k import answer_parts, is_gsm8k_row
-from nanochat_ext.data.rows import ROLES as CHAT_ROLES, answer_text, read_rows
+from nanochat_ext.data.rows import ROLES as CHAT_ROLES
+from nanochat_ext.data.rows import answer_text, read_rows
 from nanochat_ext.errors import InputError
 
 ROLES = (*CHAT_ROLES, "tool")  # a conversation to learn may hold tool turns

@@ -15,9 +15,10 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 from nanochat_ext.config import option
 from nanochat_ext.data.gsm8k import is_gsm8k_row
@@ -98,7 +99,8 @@ TABLE_SUFFIXES = (".parquet", ".arrow")
 def is_table(path: str | os.PathLike) -> bool:
     """A parquet or Arrow file, or a directory written by datasets' save_to_disk."""
     p = Path(path)
-    return p.suffix.lower() in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file() or (p / "dataset_dict.json").is_file()))
+    return p.suffix.lower() in TABLE_SUFFIXES or (p.is_dir() and ((p / "state.json").is_file()
+                                                                  or (p / "dataset_dict.json").is_file()))
 
 
 class InMemoryRows:
@@ -404,7 +406,8 @@ def split_by_prefix(rows: list, val_ratio: float) -> tuple[list, list]:
 def read_prompts(path: str, density: str | None, val_ratio: float, eval_path: str | None = None,
                  eval_examples: int = 0) -> tuple[list[PromptRow], list[PromptRow]]:
     """--prompts read and checked, --density's weights attached, and split: (train, held out), the held-out rows
-    --eval_path's where given, else --val_ratio of the prompts by prefix_id; the first eval_examples of them (0: all)."""
+    --eval_path's where given, else --val_ratio of the prompts by prefix_id; the first eval_examples of
+    them (0: all)."""
     prompts = load_prompts(path)
     if density:
         attach_density(prompts, load_density(density), density)

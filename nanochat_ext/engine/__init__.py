@@ -1,1 +1,2 @@
-"""The rollout engine: sampling rules, tokens forced into rows, the runners (eager, compiled) and the one decode loop."""
+"""The rollout engine: sampling rules, tokens forced into rows,
+the runners (eager, compiled) and the one decode loop."""

@@ -33,10 +33,10 @@ class DecodeStats:
     """One generate call, as nanochat's scripts/infer_bench.py reports decoding: decode steps after the prefill,
     the bytes each step must read (every matmul weight in the dtype decoded from, and each row's keys and values
     at its context, sliding windows counted by their width; a compiled step reads its length bucket, up to twice
-    that: scheduler.read_length), and the seconds they took. steps: forward passes after the prefill (the compiled path counts the one after a
-    token that stopped every row, which eager skips). row_steps: the rows each step decoded, summed (rows x steps
-    but where eager decoding dropped the rows that had stopped, or compiled decoding moved the live ones into a
-    smaller state)."""
+    that: scheduler.read_length), and the seconds they took. steps: forward passes after the prefill (the compiled path
+    counts the one after a token that stopped every row, which eager skips). row_steps: the rows each step decoded,
+    summed (rows x steps but where eager decoding dropped the rows that had stopped, or compiled decoding moved the live
+    ones into a smaller state)."""
     rows: int
     steps: int
     prefill_s: float

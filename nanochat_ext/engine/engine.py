@@ -26,8 +26,9 @@ reads plain tensors that stay where they are.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -93,7 +94,7 @@ class Samples:
 
     @classmethod
     def of(cls, completions: list[list[int]], truncated: list[bool], sampled: list[list[int]] | None,
-           episodes: StepHook | None, logprobs: list[list[float]] | None = None) -> "Samples":
+           episodes: StepHook | None, logprobs: list[list[float]] | None = None) -> Samples:
         if episodes is None:
             return cls(completions, truncated, sampled, logprobs=logprobs)
         return cls(completions, truncated, sampled, episodes.tool_calls, episodes.tool_errors, episodes.tool_timeouts,

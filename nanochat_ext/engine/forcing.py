@@ -30,7 +30,7 @@ class ToolTokens:
     tok: TokenizerWrapper
 
     @classmethod
-    def of(cls, tok: TokenizerWrapper) -> "ToolTokens | None":
+    def of(cls, tok: TokenizerWrapper) -> ToolTokens | None:
         """The protocol's tokens, where the tokenizer has nanochat's python tokens; else None."""
         try:
             return cls(*(tok.special(f"<|{name}|>") for name in ("python_start", "python_end", "output_start",
@@ -51,7 +51,7 @@ class ToolState:
     sampled: torch.Tensor  # (rows, max_new_tokens) 1 where the row's token t was sampled, 0 where forced
 
     @classmethod
-    def empty(cls, rows: int, max_new: int, device: torch.device) -> "ToolState":
+    def empty(cls, rows: int, max_new: int, device: torch.device) -> ToolState:
         long = dict(dtype=torch.long, device=device)
         flag = dict(dtype=torch.bool, device=device)
         return cls(torch.zeros(rows, max_new, **long), torch.zeros(rows, **long), torch.zeros(rows, **long),
@@ -61,7 +61,7 @@ class ToolState:
     def tensors(self) -> list[torch.Tensor]:
         return [getattr(self, f.name) for f in fields(self)]
 
-    def select(self, rows: torch.Tensor) -> "ToolState":
+    def select(self, rows: torch.Tensor) -> ToolState:
         """Rows `rows` (a 1-d index) alone: eager decoding goes on without the rows that stopped."""
         return ToolState(*(t.index_select(0, rows) for t in self.tensors()))
 

@@ -13,8 +13,8 @@ engine's loop, engine.py, drives either runner the same way).
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -126,7 +126,7 @@ class CompiledRunner:
     the call began in (LiveRows writes them back there)."""
     static = True  # the batch's row counts are the kept states'
 
-    def __init__(self, kept: "KeptStates", c: Call):
+    def __init__(self, kept: KeptStates, c: Call):
         self.kept, self.c = kept, c
         self.now = kept.prefilled(c)
         self.held, self.start = self.now.rows, c.ids.size(1)
@@ -192,7 +192,7 @@ class KeptStates:
         """The cache positions of a state made for the reserve (and any call that fits it)."""
         return -(-self.reserve // SLOT_BUCKET) * SLOT_BUCKET
 
-    def prefilled(self, c: Call) -> "DecodeState":
+    def prefilled(self, c: Call) -> DecodeState:
         n, P = c.ids.shape
         G = c.group
         logits, prompt_cache = c.decoder.prefill(c.ids, c.key_mask, P)
@@ -222,7 +222,7 @@ class KeptStates:
         return s
 
     def state(self, rows: int, needed: int, max_new: int, like: KVCache, logits: torch.Tensor, stops: int,
-              exact: bool = False) -> "DecodeState":
+              exact: bool = False) -> DecodeState:
         """The kept state for `rows` rows, made (again) when there is none or it is too short for `needed` slots
         (exact: has other than `needed` slots)."""
         s = self.states.get(rows)

@@ -8,8 +8,8 @@ what the uninterrupted run drew. The engine (engine.py) runs these rules, eagerl
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-
 NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
 
 
@@ -65,7 +64,7 @@ class PrefixTree:
     real_tokens: torch.Tensor | None  # (N,) the (B * T) positions that are not pads, for add_mlp; None: too few
 
     @classmethod
-    def from_lengths(cls, lengths: torch.Tensor, device: torch.device | str = "cpu") -> "PrefixTree":
+    def from_lengths(cls, lengths: torch.Tensor, device: torch.device | str = "cpu") -> PrefixTree:
         """lengths (B, 1 + K): each row's prefix length, then its K branch lengths (each >= 1). The tree is
         built on the CPU (a handful of small ops) and moved to `device`."""
         lengths = lengths.cpu()

@@ -6,7 +6,6 @@ logits, blocks, freezing, KV-cache decoding, save.
 from __future__ import annotations
 
 import copy
-
 import os
 from pathlib import Path
 
@@ -188,7 +187,7 @@ class Backbone(nn.Module):
             cache.batch_select_indices(rows)
 
     @torch.no_grad()
-    def restore(self, train_state: dict, saved: "Backbone | None" = None) -> None:
+    def restore(self, train_state: dict, saved: Backbone | None = None) -> None:
         """For --resume: take a saved checkpoint's weights (if given), then the fp32 masters its
         train state holds where the layout stored a lower precision."""
         if saved is not None:

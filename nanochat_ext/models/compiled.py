@@ -78,8 +78,8 @@ COMPILE_HELP = ("1: torch.compile each transformer block of our models (nanochat
                 "train or score, and the LM head's log-prob chain; the log says how many graphs and seconds that took. "
                 "GRPO also decodes with a compiled static-shape step, sampling included (the same tokens as eager; "
                 "~10-19 s to compile on a 2-core CPU, then ~1.6x faster there). auto: blocks compiled on CUDA, eager "
-                "on CPU; GRPO's decode step compiled when a run's steps x new tokens a completion pay back its compile: >= "
-                "100000 on CPU, >= 10000 on CUDA (CUDA graphs: 5.9x eager's tokens/s at d12 on an H200)")
+                "on CPU; GRPO's decode step compiled when a run's steps x new tokens a completion pay back its "
+                "compile: >= 100000 on CPU, >= 10000 on CUDA (CUDA graphs: 5.9x eager's tokens/s at d12 on an H200)")
 
 
 def compile_models(flag: str, device: torch.device, *backbones: Backbone | None) -> str:

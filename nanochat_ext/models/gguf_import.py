@@ -95,12 +95,12 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> Pa
     return out
 
 
-def plain_weights(model: "PreTrainedModel") -> dict[str, "torch.Tensor"]:
+def plain_weights(model: PreTrainedModel) -> dict[str, torch.Tensor]:
     """The GGUF-loaded model's weights as plain fp32 tensors (transformers dequantized them on reading)."""
     return {k: v.detach().float().contiguous() for k, v in model.state_dict().items()}
 
 
-def write_hf_dir(gguf_model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", staging: Path) -> None:
+def write_hf_dir(gguf_model: PreTrainedModel, tok: PreTrainedTokenizerBase, staging: Path) -> None:
     """Save the GGUF-loaded model as a plain fp32 Hugging Face dir. transformers refuses save_pretrained on a
     GGUF-loaded model, so its weights go into a fresh model of the same config, less the quantization_config that
     would make every later load read them as GGUF again."""
@@ -115,7 +115,7 @@ def write_hf_dir(gguf_model: "PreTrainedModel", tok: "PreTrainedTokenizerBase", 
     tok.save_pretrained(str(staging))
 
 
-def check_tokenizer(tok: "PreTrainedTokenizerBase", staging: Path, src: Path) -> list[list[int]]:
+def check_tokenizer(tok: PreTrainedTokenizerBase, staging: Path, src: Path) -> list[list[int]]:
     """Our tokenizer on the converted dir renders CONVERSATIONS' prompts to the ids the GGUF's own tokenizer gives
     (through its chat template; without one, the plain texts): one line naming the GGUF otherwise. Returns those
     ids (the logit check's rows)."""
@@ -139,7 +139,7 @@ def check_tokenizer(tok: "PreTrainedTokenizerBase", staging: Path, src: Path) ->
     return rows
 
 
-def check_logits(gguf_model: "PreTrainedModel", staging: Path, prompts: list[list[int]], pad_id: int,
+def check_logits(gguf_model: PreTrainedModel, staging: Path, prompts: list[list[int]], pad_id: int,
                  src: Path) -> dict[str, float]:
     """Our loader's logits on the converted dir against transformers' GGUF-loaded model, on the prompts as one
     right-padded batch (as our Backbone takes rows; transformers with the attention mask), at every real token:

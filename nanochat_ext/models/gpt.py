@@ -17,8 +17,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanochat_ext.errors import InputError
-from nanochat_ext.models.attention import (NO_WINDOW, KVCache, PrefixTree, add_mlp, attend, forward_span, rotary_slice,
-                                           rows_at, static_masks)
+from nanochat_ext.models.attention import (
+    NO_WINDOW,
+    KVCache,
+    PrefixTree,
+    add_mlp,
+    attend,
+    forward_span,
+    rotary_slice,
+    rows_at,
+    static_masks,
+)
 from nanochat_ext.models.vintages import SMEAR_CHANNELS, VINTAGES, Vintage, pick_vintage
 
 
@@ -35,7 +44,7 @@ class GPTConfig:
     padded_vocab_size: int = 0  # rows of wte/lm_head; 0 -> vocab_size
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
@@ -365,7 +374,7 @@ def gpt_from_checkpoint(state: dict[str, torch.Tensor], meta: dict, requested_vi
     try:
         model = GPT(cfg)
     except (ValueError, TypeError) as e:
-        raise InputError(f"model_config does not describe a nanochat GPT: {e}", path=path, field="model_config")
+        raise InputError(f"model_config does not describe a nanochat GPT: {e}", path=path, field="model_config") from e
     check_layout(model, state, path)
     model.load_state_dict(state, strict=True)
     return model

@@ -15,8 +15,16 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanochat_ext.models.attention import (KVCache, PrefixTree, add_mlp, attend, forward_span, rotary_slice, rows_at,
-                                           static_masks)
+from nanochat_ext.models.attention import (
+    KVCache,
+    PrefixTree,
+    add_mlp,
+    attend,
+    forward_span,
+    rotary_slice,
+    rows_at,
+    static_masks,
+)
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2")
 
@@ -171,7 +179,7 @@ class Llama(nn.Module):
 
     # ---- Hugging Face names <-> ours --------------------------------------------------------------
     @classmethod
-    def from_hf_state_dict(cls, c: LlamaConfig, sd: dict[str, torch.Tensor]) -> "Llama":
+    def from_hf_state_dict(cls, c: LlamaConfig, sd: dict[str, torch.Tensor]) -> Llama:
         L = "model.layers.{}."
         has = lambda key: key.format(0) in sd  # noqa: E731
         model = cls(c, qkv_bias=has(L + "self_attn.q_proj.bias"), o_bias=has(L + "self_attn.o_proj.bias"),

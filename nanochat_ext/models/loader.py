@@ -26,14 +26,21 @@ import torch
 
 from nanochat_ext.errors import InputError, first_line, from_outside
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
-from nanochat_ext.models.gpt import (GPT, config_from_hf as gpt_config_from_hf, gpt_from_checkpoint,
-                                     gpt_from_hf_state_dict)
+from nanochat_ext.models.gpt import GPT, gpt_from_checkpoint, gpt_from_hf_state_dict
+from nanochat_ext.models.gpt import config_from_hf as gpt_config_from_hf
 from nanochat_ext.models.llama import Llama, config_from_hf
 from nanochat_ext.models.lora import is_adapter_dir
-from nanochat_ext.runtime.checkpoint import (find_checkpoint, fingerprint, first_loadable, incomplete_reason, locate,
-                                             read_json, resolve_model_path, torch_load)
+from nanochat_ext.runtime.checkpoint import (
+    find_checkpoint,
+    fingerprint,
+    first_loadable,
+    incomplete_reason,
+    locate,
+    read_json,
+    resolve_model_path,
+    torch_load,
+)
 from nanochat_ext.tokenizer import TokenizerWrapper
-
 
 
 # ---- models and tokenizers --------------------------------------------------------------------------
@@ -137,9 +144,11 @@ def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | N
     tok = TokenizerWrapper.load(path, model_dir=backbone.source if backbone.kind == "hf" else None)
     # nanochat asserts equality (its padded embedding rows beyond vocab_size are never produced);
     # HF models often embed more rows than their tokenizer uses.
-    fits = tok.vocab_size == backbone.vocab_size if backbone.kind == "nanochat" else tok.vocab_size <= backbone.vocab_size
+    fits = (tok.vocab_size == backbone.vocab_size if backbone.kind == "nanochat"
+            else tok.vocab_size <= backbone.vocab_size)
     if not fits:
-        rows = backbone.model.transformer.wte.weight.shape[0] if isinstance(backbone.model, GPT) else backbone.vocab_size
+        rows = (backbone.model.transformer.wte.weight.shape[0] if isinstance(backbone.model, GPT)
+                else backbone.vocab_size)
         raise InputError(f"tokenizer has {tok.vocab_size} ids but the backbone's vocab_size is {backbone.vocab_size} "
                          f"({rows} embedding rows): they do not belong together", path=tok.source)
     beyond = [i for i in tok.stop_ids if i >= backbone.vocab_size]
@@ -152,7 +161,7 @@ def load_tokenizer_for(backbone: Backbone, tokenizer_path: str | os.PathLike | N
 
 # ---- LoRA checkpoints -----------------------------------------------------------------------------
 def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device: torch.device | str,
-                 vintage: str | None) -> "Backbone":
+                 vintage: str | None) -> Backbone:
     """A LoRA checkpoint as a model: its base (found by the meta's portable paths, refused if its fingerprint changed;
     in the nanochat vintage it was trained as) with the adapters loaded by peft (PeftModel.from_pretrained) and
     merged into it (merge_and_unload)."""
@@ -164,7 +173,8 @@ def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device: torch.d
         raise InputError("an adapter directory whose meta names no base model ('lora.base')", path=str(meta_path))
     where = locate(ref, adapter_dir.parent)
     if where is None:
-        raise InputError(f"the base model of these adapters is not at {adapter_dir.parent / ref['relative_to_checkpoint']}"
+        raise InputError("the base model of these adapters is not at "
+                         f"{adapter_dir.parent / ref['relative_to_checkpoint']}"
                          f", nor under $NANOCHAT_BASE_DIR/{ref['relative_to_base_dir']}, nor at {ref['path']}: put it "
                          f"back, or merge the adapters where it is (--merge_lora, --consolidate)", path=str(meta_path))
     backbone = load_backbone(where, device, vintage=vintage or ref.get("vintage"))
@@ -180,7 +190,7 @@ def load_adapted(adapter_dir: Path, meta: dict, meta_path: Path, device: torch.d
     return backbone
 
 
-def merged_weights(backbone: "Backbone", adapted_only: bool = False) -> dict[str, torch.Tensor]:
+def merged_weights(backbone: Backbone, adapted_only: bool = False) -> dict[str, torch.Tensor]:
     """backbone.model's state dict in its own names (no peft layers) with every adapter merged into its base weight,
     fp32 on CPU: the base as loaded from its source again (not the copy held in bf16 while training) plus each LoRA
     layer's delta as peft computes it (get_delta_weight). adapted_only: the merged weights alone. backbone itself is

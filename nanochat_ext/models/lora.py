@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -48,7 +49,7 @@ class LoraSpec:
     targets: tuple[str, ...] | None = None
 
     @classmethod
-    def from_meta(cls, meta: dict | None) -> "LoraSpec | None":
+    def from_meta(cls, meta: dict | None) -> LoraSpec | None:
         """The adapters a checkpoint's meta says to put on its model: None for none, or for adapters merged into its
         weights (--merge_lora)."""
         if not meta or meta.get("merged"):
@@ -79,7 +80,7 @@ class LoraConfig:
                               "and every stage load; without it checkpoints hold the adapters (peft's adapter dir)",
                               action="store_true")
 
-    def resolved(self, parallel: str) -> "LoraConfig":
+    def resolved(self, parallel: str) -> LoraConfig:
         """This config with its defaults written in (so a resume compares what the run trains with, given or not), or
         one line for a flag that needs --lora_r, or LoRA beside --parallel fsdp."""
         if not self.lora_r:
@@ -120,7 +121,7 @@ def targeted(name: str, targets: tuple[str, ...] | str) -> bool:
     return "lm_head" not in name if isinstance(targets, str) else name.rsplit(".", 1)[-1] in targets
 
 
-def apply_lora(backbone: Backbone, spec: LoraSpec) -> "PeftModel":
+def apply_lora(backbone: Backbone, spec: LoraSpec) -> PeftModel:
     """Inject peft's LoRA layers into backbone.model in place and freeze every base weight; returns the PeftModel,
     also kept as backbone.adapters (not a submodule: its parameters are backbone.model's)."""
     from peft import LoraConfig, get_peft_model
@@ -130,7 +131,8 @@ def apply_lora(backbone: Backbone, spec: LoraSpec) -> "PeftModel":
         names = [n for n, _ in backbone.model.named_modules()]
         unknown = [t for t in targets if not any(targeted(n, (t,)) for n in names)]
         if unknown:
-            linear = sorted({n.rsplit(".", 1)[-1] for n, m in backbone.model.named_modules() if isinstance(m, nn.Linear)})
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in backbone.model.named_modules()
+                             if isinstance(m, nn.Linear)})
             raise InputError(f"--lora_targets: no module named {unknown[0]!r} in this {type(backbone.model).__name__} "
                              f"(its linear layers: {','.join(linear)})")
     config = LoraConfig(r=spec.r, lora_alpha=spec.alpha, lora_dropout=spec.dropout, bias="none",
@@ -148,7 +150,8 @@ def apply_lora(backbone: Backbone, spec: LoraSpec) -> "PeftModel":
 def describe(backbone: Backbone) -> str:
     """The log line of a run's LoRA: its settings, where peft put adapters, and their size."""
     config = backbone.adapters.peft_config["default"]
-    targets = config.target_modules if isinstance(config.target_modules, str) else ",".join(sorted(config.target_modules))
+    targets = (config.target_modules if isinstance(config.target_modules, str)
+               else ",".join(sorted(config.target_modules)))
     n = sum(p.numel() for p in backbone.parameters() if p.requires_grad)
     total = sum(p.numel() for p in backbone.parameters())
     return (f"lora: r {config.r}, alpha {config.lora_alpha:g}, dropout {config.lora_dropout:g} on {targets} (peft): "
@@ -180,8 +183,8 @@ def dropout_active(backbone: Backbone) -> Iterator[None]:
 
 
 class WithoutAdapters(nn.Module):
-    """GRPO's and DPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's disable_adapter),
-    that is the base model's, from the policy's own weights and code."""
+    """GRPO's and DPO's reference under LoRA: the policy's log-probs with its adapters switched off (peft's
+    disable_adapter), that is the base model's, from the policy's own weights and code."""
 
     def __init__(self, logprobs: nn.Module, backbone: Backbone):
         super().__init__()
@@ -197,7 +200,8 @@ def adapter_state(backbone: Backbone) -> dict[str, torch.Tensor]:
     """The adapters' tensors as peft saves them (get_peft_model_state_dict), on CPU: for the resume state."""
     from peft import get_peft_model_state_dict
 
-    return {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(backbone.adapters, save_embedding_layers=False).items()}
+    return {k: v.detach().cpu().clone()
+            for k, v in get_peft_model_state_dict(backbone.adapters, save_embedding_layers=False).items()}
 
 
 def load_adapter_state(backbone: Backbone, state: dict[str, torch.Tensor], path: Path) -> None:

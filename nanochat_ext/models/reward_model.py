@@ -20,11 +20,25 @@ from nanochat_ext.ddp_common import print0
 from nanochat_ext.errors import InputError, from_outside
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.llama import Llama, config_from_hf
-from nanochat_ext.models.loader import (RM_KIND, is_hf_classifier, load_backbone, load_tokenizer_for, merged_weights,
-                                        quiet_transformers)
+from nanochat_ext.models.loader import (
+    RM_KIND,
+    is_hf_classifier,
+    load_backbone,
+    load_tokenizer_for,
+    merged_weights,
+    quiet_transformers,
+)
 from nanochat_ext.models.lora import LoraSpec, apply_lora, is_adapter_dir
-from nanochat_ext.runtime.checkpoint import (complete_checkpoints, fingerprint, first_loadable, locate, read_json,
-                                             save_checkpoint, stamp_digits, torch_load)
+from nanochat_ext.runtime.checkpoint import (
+    complete_checkpoints,
+    fingerprint,
+    first_loadable,
+    locate,
+    read_json,
+    save_checkpoint,
+    stamp_digits,
+    torch_load,
+)
 from nanochat_ext.runtime.precision import precision
 from nanochat_ext.tokenizer import TokenizerWrapper
 
@@ -235,7 +249,8 @@ def export_reward_model(path: str | os.PathLike, out_dir: str | os.PathLike,
     final_bb = out / bb.relative_to(staging)
     stamp = int(stamp_digits(model_path))
     meta.update({"backbone": str(final_bb.resolve()), "tokenizer": str((out / "tokenizer").resolve()),
-                 "backbone_ref": {"path": str(final_bb.resolve()), "relative_to_checkpoint": str(bb.relative_to(staging)),
+                 "backbone_ref": {"path": str(final_bb.resolve()),
+                                  "relative_to_checkpoint": str(bb.relative_to(staging)),
                                   "relative_to_base_dir": None, "fingerprint": fingerprint(bb)},
                  "tokenizer_ref": {"path": str((out / "tokenizer").resolve()), "relative_to_checkpoint": "tokenizer",
                                    "relative_to_base_dir": None},
@@ -262,7 +277,8 @@ def load_hf_classifier(path: str | os.PathLike, device: torch.device | str = "cp
         hf = AutoModelForSequenceClassification.from_pretrained(str(d), local_files_only=True, dtype=torch.float32)
     state, architecture = hf.state_dict(), type(hf).__name__
     if "score.weight" not in state or "score.bias" in state:
-        raise InputError("no bias-free `score` head of one output, as transformers' reward classifiers have", path=str(d))
+        raise InputError("no bias-free `score` head of one output, as transformers' reward classifiers have",
+                         path=str(d))
     native = config_from_hf(hf.config)
     if native is not None:  # the LM head is not needed to score: tie it to the embedding rather than invent one
         body = Llama.from_hf_state_dict(dataclasses.replace(native, tie_word_embeddings=True), state)

@@ -61,7 +61,8 @@ VINTAGES: dict[str, Vintage] = {v.name: v for v in [
             round128=True, value_embeds=True, ve_gate_channels=12, ve_gate_scale=3.0, rotary_base=100000.0,
             rotary_bf16=False, qk_scale=1.2, smear=True, backout=True),
     # transformers' port of nanochat (model_type "nanochat", NanoChatForCausalLM): oct2025's forward pass with its
-    # rms-norms at epsilon 1e-6 and the rotary table in fp32 on every device. Hugging Face dirs only (gpt.config_from_hf).
+    # rms-norms at epsilon 1e-6 and the rotary table in fp32 on every device. Hugging Face dirs only
+    # (gpt.config_from_hf).
     Vintage("transformers", "transformers' NanoChatForCausalLM (Hugging Face dirs of model_type nanochat)",
             pads_vocab=False, rotary_bf16=False, norm_eps=1e-6, rotary_bf16_on_cuda=False),
 ]}

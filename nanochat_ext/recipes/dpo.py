@@ -17,8 +17,17 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.dpo import DPO, RESUME_FLAGS, SPEC, DPOConfig, precompute_reference
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
-                              run_script, trainer_parser)
+from nanochat_ext.cli import (
+    RunConfig,
+    add_config,
+    add_training,
+    command_line_run,
+    config,
+    configs,
+    recorded,
+    run_script,
+    trainer_parser,
+)
 from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything

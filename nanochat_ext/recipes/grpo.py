@@ -14,25 +14,35 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
 from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, SPEC, Prompts
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
 from nanochat_ext.algorithms.rollouts import RolloutConfig
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (Configs, RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
-                              run_script, trainer_parser)
+from nanochat_ext.cli import (
+    Configs,
+    RunConfig,
+    add_config,
+    add_training,
+    command_line_run,
+    config,
+    configs,
+    recorded,
+    run_script,
+    trainer_parser,
+)
 from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prompts
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.engine.cost import decode_compiled
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
 from nanochat_ext.presets import PRESET_HELP, PRESETS, apply_preset, preset_tag, print_preset
@@ -40,9 +50,9 @@ from nanochat_ext.runtime.checkpoint import read_json
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session
+from nanochat_ext.training.logprobs import reference_model
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory, micro_batch_for
-from nanochat_ext.training.logprobs import reference_model
 from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy, load_teacher
 
 

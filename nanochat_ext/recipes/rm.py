@@ -16,8 +16,17 @@ from pathlib import Path
 
 from nanochat_ext.algorithms.rm import RESUME_FLAGS, SPEC, RewardModelMethod, RMConfig
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
-                              run_script, trainer_parser)
+from nanochat_ext.cli import (
+    RunConfig,
+    add_config,
+    add_training,
+    command_line_run,
+    config,
+    configs,
+    recorded,
+    run_script,
+    trainer_parser,
+)
 from nanochat_ext.data.batching import PairsConfig, fit_max_len, read_pairs, tokenize_splits
 from nanochat_ext.data.rows import DataConfig
 from nanochat_ext.ddp_common import print0, seed_everything

@@ -15,14 +15,23 @@ import argparse
 import functools
 from pathlib import Path
 
+from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.sft import SFT, SPEC, sft_examples
 from nanochat_ext.algorithms.trainers import WRITERS
-from nanochat_ext.cli import (RunConfig, add_config, add_training, command_line_run, config, configs, recorded,
-                              run_script, trainer_parser)
+from nanochat_ext.cli import (
+    RunConfig,
+    add_config,
+    add_training,
+    command_line_run,
+    config,
+    configs,
+    recorded,
+    run_script,
+    trainer_parser,
+)
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.runtime.outdir import claim_out_dir
 from nanochat_ext.runtime.resume import resolve_resume
 from nanochat_ext.runtime.session import Session

@@ -17,13 +17,22 @@ import re
 import shutil
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from nanochat_ext.ddp_common import (broadcast_object, check_params_in_sync, gather_objects, get_world_size, is_main,
-                                     is_sharded, print0, raise_if_any)
+from nanochat_ext.ddp_common import (
+    broadcast_object,
+    check_params_in_sync,
+    gather_objects,
+    get_world_size,
+    is_main,
+    is_sharded,
+    print0,
+    raise_if_any,
+)
 from nanochat_ext.errors import InputError, first_line
 
 _MODEL_RE = re.compile(r"^model_(\d+)(\.pt)?$")  # a file, or a Hugging Face save_pretrained dir
@@ -127,7 +136,8 @@ def incomplete_reason(path: str | os.PathLike) -> str | None:
     names = [f.name for f in p.iterdir()]
     models = sorted((int(m.group(1)), n) for n in names if (m := _MODEL_RE.match(n)))
     metas = sorted((int(m.group(1)), n) for n in names if (m := _META_RE.match(n)))
-    shards = sorted((int(m.group(1)), n) for n in names if (m := _SHARDS_RE.match(n)) and f"meta_{m.group(1)}.json" in names)
+    shards = sorted((int(m.group(1)), n) for n in names
+                    if (m := _SHARDS_RE.match(n)) and f"meta_{m.group(1)}.json" in names)
     if shards and (not models or shards[-1][0] > models[-1][0]):
         return (f"{shards[-1][1]} is a sharded training checkpoint (--parallel fsdp), not a model: write one from it "
                 f"with the run's own command and --resume {p} --consolidate DIR")
@@ -162,7 +172,8 @@ def resolve_model_path(spec: str | os.PathLike) -> Path:
                 raise InputError(f"'{spec}': no model tags under {root} ($NANOCHAT_BASE_DIR/{SOURCE_DIRS[m.group(1)]})")
         if not (root / tag).is_dir():
             have = sorted(d.name for d in root.iterdir() if d.is_dir()) if root.is_dir() else []
-            raise InputError(f"'{spec}': no checkpoint tag {tag!r} under {root} (tags there: {', '.join(have) or 'none'})")
+            raise InputError(f"'{spec}': no checkpoint tag {tag!r} under {root} "
+                             f"(tags there: {', '.join(have) or 'none'})")
         return root / tag
     if p.is_dir() and find_checkpoint(p) is None and incomplete_reason(p) is None \
             and not (p / "config.json").is_file():
@@ -208,7 +219,11 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 
 # Called after each file a save writes and each file removed (remove_files), for fault-injection tests only (a crash
 # in the save window, or while old checkpoints are removed).
-_SAVE_HOOK: Callable[[str], None] = lambda file_written: None
+def _no_hook(file_written: str) -> None:
+    pass
+
+
+_SAVE_HOOK: Callable[[str], None] = _no_hook
 
 
 def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None] | None,

@@ -25,6 +25,7 @@ import torch
 
 from nanochat_ext.ddp_common import all_reduce_sum, detect_launcher, print0
 
+
 class NonFiniteError(Exception):
     """A step's loss or gradient was not finite on some rank (more often than --skip_nonfinite allows)."""
 

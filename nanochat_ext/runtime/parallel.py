@@ -19,8 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -84,8 +84,9 @@ class Parallel:
 
     def _accumulate_unsharded(self, model: nn.Module) -> bool:
         """Whether micro-batches may accumulate with every weight gathered and every gradient unsharded (bf16 weights
-        and fp32 gradients: 6 bytes a trained parameter, nanochat_ext.training.memory): on CUDA while that takes at most half
-        the memory free once the model is placed, else each micro-batch's gradients are reduce-scattered at once."""
+        and fp32 gradients: 6 bytes a trained parameter, nanochat_ext.training.memory): on CUDA while that takes at most
+        half the memory free once the model is placed, else each micro-batch's gradients are reduce-scattered at
+        once."""
         if self.env.device.type != "cuda":
             return True
         extra = UNSHARDED_ACCUM_BYTES * sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -121,7 +122,8 @@ class Parallel:
         weights = self.whole_state_dict(module) if self.sharded and whole_now else None
         shards = None if consolidate or not self.sharded else functools.partial(self.save_shards, model=model,
                                                                                  optimizer=optimizer)
-        train_state = None if consolidate else {**state, **({} if self.sharded else {"optimizer": optimizer.state_dict()})}
+        train_state = None if consolidate else {**state,
+                                                **({} if self.sharded else {"optimizer": optimizer.state_dict()})}
         return save_synced(into, [p for p in model.parameters() if p.requires_grad],
                            functools.partial(write_stamped, into, meta, train_state, weights,
                                              write_whole if whole_now else None), shards)

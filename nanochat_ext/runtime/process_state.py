@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import random
 import sys
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch

@@ -5,9 +5,10 @@ One Progress per run, made by the session (runtime/session.py) and handed to wha
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 
 class Phase(NamedTuple):

@@ -13,9 +13,16 @@ import torch.distributed as dist
 from nanochat_ext.config import TrainerSpec
 from nanochat_ext.ddp_common import agent_store, broadcast_object, is_main, print0, raise_if_any, restart_attempt
 from nanochat_ext.errors import InputError
-from nanochat_ext.runtime.checkpoint import (check_zip, first_loadable, is_shards, missing_shards, read_json,
-                                             resumable_checkpoints, stamp_digits, torch_load)
-
+from nanochat_ext.runtime.checkpoint import (
+    check_zip,
+    first_loadable,
+    is_shards,
+    missing_shards,
+    read_json,
+    resumable_checkpoints,
+    stamp_digits,
+    torch_load,
+)
 
 SCHEDULE_KEYS = ("max_steps", "lr", "warmup_steps", "lr_decay")  # may change on resume with --resume_extend only
 BEFORE_SCHEDULE_FLAGS = {"lr_decay": "cosine"}  # what a checkpoint written before such a flag existed ran with
@@ -164,8 +171,8 @@ def _choose_resume(resume: str, target: str | os.PathLike, found: list[tuple[Pat
 
 def started_lr(optim, lr_given: bool, resume: tuple[Path, Path, dict] | None):
     """The optimizer config (OptimConfig) a resumed run goes on with: where --lr was not given, the lr its checkpoint's
-    train state records (the run's own), so a default changed since (the RM's by what trains, 9a5485a) does not change a run
-    halfway; rank 0 says so where they differ."""
+    train state records (the run's own), so a default changed since (the RM's by what trains, 9a5485a) does not change a
+    run halfway; rank 0 says so where they differ."""
     if resume is None or lr_given:
         return optim
     started = resume[2].get("args", {}).get("lr")  # the train state's flags, which the resume checks read

@@ -10,18 +10,26 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch.distributed as dist
 
 from nanochat_ext.config import option
 from nanochat_ext.ddp_common import DistEnv, agent_store, detect_launcher, dist_session, restart_attempt
-from nanochat_ext.errors import (EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_LOST_RANK, EXIT_NONFINITE, EXIT_OUT_OF_MEMORY,
-                                 EXIT_UNFORESEEN, InputError, first_line)
+from nanochat_ext.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_LOST_RANK,
+    EXIT_NONFINITE,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_UNFORESEEN,
+    InputError,
+    first_line,
+)
+from nanochat_ext.runtime import console, process_state
 from nanochat_ext.runtime.guard import Interrupted, NonFiniteError, restore_signal_handlers
 from nanochat_ext.runtime.oom import is_out_of_memory, out_of_memory_line
-from nanochat_ext.runtime import console, process_state
 from nanochat_ext.runtime.outdir import release_out_dirs
 from nanochat_ext.runtime.peers import FAILED, LostRanks, is_collective_failure, lost_rank_line, lost_ranks, sign_in
 from nanochat_ext.runtime.progress import Progress

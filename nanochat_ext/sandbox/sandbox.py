@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from nanochat_ext.runtime.waits import not_counted
 from nanochat_ext.sandbox import cgroups, seccomp
 from nanochat_ext.sandbox.child import TIMED_OUT
 from nanochat_ext.sandbox.code_process import MAX_DEPTH, MAX_VALUE, cpu_seconds
-from nanochat_ext.runtime.waits import not_counted
 
 ROOT = str(Path(__file__).resolve().parents[2])  # the directory nanochat_ext lies in: the child imports from it
 BOOT = f"import sys; sys.path.insert(0, {ROOT!r}); from nanochat_ext.sandbox.child import main; main()"

@@ -202,7 +202,8 @@ CHATML = ("{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_st
 CHATML_TOOLS = (
     "{%- if tools -%}{{- '<|im_start|>system\\n' -}}"
     "{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\\n\\n' -}}{%- endif -%}"
-    "{{- 'You can call these functions:\\n<tools>\\n' -}}{%- for t in tools -%}{{- (t | tojson) + '\\n' -}}{%- endfor -%}"
+    "{{- 'You can call these functions:\\n<tools>\\n' -}}"
+    "{%- for t in tools -%}{{- (t | tojson) + '\\n' -}}{%- endfor -%}"
     "{{- '</tools>\\nTo call one: <tool_call>\\n{\"name\": ..., \"arguments\": {...}}\\n</tool_call><|im_end|>\\n' -}}"
     "{%- elif messages[0].role == 'system' -%}{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}"
     "{%- endif -%}"
@@ -223,7 +224,8 @@ LLAMA3_TOOLS = (
     "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- generation -%}{%- if m.tool_calls -%}"
     "{{- {'name': m.tool_calls[0].function.name, 'parameters': m.tool_calls[0].function.arguments} | tojson -}}"
     "{%- else -%}{{- m.content -}}{%- endif -%}{{- '<|eot_id|>' -}}{%- endgeneration -%}"
-    "{%- elif m.role == 'tool' -%}{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' -}}"
     "{%- else -%}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content + '<|eot_id|>' -}}"
     "{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}")

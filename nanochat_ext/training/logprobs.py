@@ -86,7 +86,7 @@ class CompletionLogprobs(nn.Module):
         super().__init__()
         if not temperature > 0:
             raise ValueError(f"log-probs need a temperature > 0, got {temperature}")
-        backbone.head_transform  # a model whose logits cannot be computed per chunk stops here, before training
+        _ = backbone.head_transform  # a model whose logits cannot be computed per chunk stops here, before training
         self.backbone = backbone
         self.chunk_tokens = chunk_tokens  # LM-head rows computed at once (see token_logprobs_chunked)
         self.temperature = temperature
@@ -125,7 +125,8 @@ def chunk_logprobs_fn(backend: str | None):
     """_chunk_logprobs eager (None) or under torch.compile with that backend. Compiled, the LM head's chain (matmul,
     softcap, cast, temperature, log-softmax, gather, entropy: ~8 passes over a chunk's vocabulary-sized logits)
     fuses into a few kernels: forward 2.1x and forward + backward 1.45x faster on CPU for 2048 rows, a 65536
-    vocabulary and 768 hidden (bench/bench_lm_head.py, bench/RESULTS.md). Symbolic sizes: chunks and micro-batches of any row count share one graph."""
+    vocabulary and 768 hidden (bench/bench_lm_head.py, bench/RESULTS.md). Symbolic sizes: chunks and micro-batches of
+    any row count share one graph."""
     if backend is None:
         return _chunk_logprobs
     if backend not in _compiled_chunks:
@@ -149,7 +150,8 @@ def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chu
     B, L, H = h.shape
     flat_h, flat_t = h.reshape(B * L, H), target.reshape(B * L)
     chunk = chunk_logprobs_fn(compiled)
-    if compiled is not None:  # a view's guards include its base's sizes: fresh tensors (H columns: cheap) share one graph
+    # a view's guards include its base's sizes: fresh tensors (H columns: cheap) share one graph
+    if compiled is not None:
         chunk = functools.partial(_fresh_inputs, chunk)
     if B * L <= chunk_tokens:
         token_logp, entropy = chunk(logits_fn, flat_h, flat_t, temperature)

@@ -32,7 +32,8 @@ SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST = 25, 500
 
 
 def save_every(given: int | None, max_steps: int) -> int:
-    """--save_every: as given, else a tenth of max_steps (rounded up) within [SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST]."""
+    """--save_every: as given, else a tenth of max_steps (rounded up)
+    within [SAVE_EVERY_AT_LEAST, SAVE_EVERY_AT_MOST]."""
     if given is not None:
         return given
     return min(SAVE_EVERY_AT_MOST, max(SAVE_EVERY_AT_LEAST, -(-max_steps // 10)))
@@ -49,7 +50,7 @@ class LoopConfig:
     eval_every: int = option(50, "evaluate on the held-out data every N steps, and at the end (0: only at the end)",
                              check=(EVERY[0], ">= 0 (0: only at the end)"), type=int)
 
-    def with_steps(self, n_train: int, per_step: int, unit: str) -> "LoopConfig":
+    def with_steps(self, n_train: int, per_step: int, unit: str) -> LoopConfig:
         """--max_steps where it is not given: n_train // per_step x --num_epochs (nanochat's chat_rl counts its steps
         so; the lr schedule and the evaluation cadence follow), else DEFAULT_MAX_STEPS. With --num_epochs, rank 0 prints
         the line saying which. `unit`: what is counted (prompts, pairs)."""
@@ -85,8 +86,8 @@ class OutputConfig:
     skip_nonfinite: int = option(0, "skip up to N steps whose loss or gradient is NaN/inf, logged (0: stop at the "
                                     "first, with nothing saved)", type=int, check=NON_NEGATIVE)
     log_dir: str | None = option(None, "TensorBoard + metrics.jsonl dir (default: <out>/logs)")
-    log_line: str = option("short", "the step line printed every --log_every steps: short (the method's headline: loss, "
-                                    "reward, ..., lr) or full (every metric, as metrics.jsonl has them)",
+    log_line: str = option("short", "the step line printed every --log_every steps: short (the method's headline: "
+                                    "loss, reward, ..., lr) or full (every metric, as metrics.jsonl has them)",
                            choices=("short", "full"))
     report_to: str = option("tensorboard", "where rank 0 sends the scalars besides <log_dir>/metrics.jsonl: "
                                            "tensorboard, wandb (requirements.txt pins it; WANDB_MODE=offline works), "
@@ -116,7 +117,7 @@ class Method(Protocol):
     evaluation: Phase | None  # what the held-out evaluation runs (the out-of-memory line names it); None: there is none
     estimate: StepMemory | None  # the memory model's figures for a step, set beside the measured peak at the end
 
-    def step(self, step: int, loop: "Loop") -> None:
+    def step(self, step: int, loop: Loop) -> None:
         """One training step: its forward and backward passes, each followed by loop.update(loss), the guarded
         optimizer step (GRPO takes --num_iterations of them); its phases named in loop.progress (the line of a failure
         in them)."""

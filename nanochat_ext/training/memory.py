@@ -1,6 +1,6 @@
-"""What a training step holds on each rank, by arithmetic (the memory model of bench/memory_estimate.py, docs/scaling.md's
-"which setting for which model and GPUs" table and the trainers' log), and the micro-batch it picks where
---device_batch_size is auto (the line of a run that does not fit: runtime/oom.py).
+"""What a training step holds on each rank, by arithmetic (the memory model of bench/memory_estimate.py,
+docs/scaling.md's "which setting for which model and GPUs" table and the trainers' log), and the micro-batch it picks
+where --device_batch_size is auto (the line of a run that does not fit: runtime/oom.py).
 
 Per trained parameter: fp32 weights (4 bytes), fp32 gradients (4) and AdamW's two fp32 moments (8): 16 bytes on every
 rank under ddp, 16 / N under fsdp, which adds the weights FSDP gathers in bf16 while they compute (the root's
@@ -15,17 +15,17 @@ where memory allows: parallel.Parallel) hold every trained weight gathered and e
 Activations of a training micro-batch, calibrated on fake-tensor runs of our own nanochat blocks under bf16 autocast
 (bench/memory_estimate.py prints the calibration beside its fake-tensor measurement): per token and block, 71 bytes
 per unit of width on CUDA without activation checkpointing (what a block saves for its backward; CUDA's autocast runs
-pow and rms_norm in fp32), 55 under CPU's autocast, 11 with it on either (its input and the residual stream's); per completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at
-most 4096 tokens at once (logprobs.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves
-for the backward (the LM head's, and the blocks' without activation checkpointing; under fsdp they are the gathered
-weights). Checked against fake-tensor runs of a one-rank GRPO step (tests/test_bench.py); the fsdp terms are
-arithmetic only.
+pow and rms_norm in fp32), 55 under CPU's autocast, 11 with it on either (its input and the residual stream's); per
+completion token the LM head's fp32 logits and log-softmax over the vocabulary, for at most 4096 tokens at once
+(logprobs.token_logprobs_chunked); and under ddp the bf16 casts of the weights that autocast saves for the backward (the
+LM head's, and the blocks' without activation checkpointing; under fsdp they are the gathered weights). Checked against
+fake-tensor runs of a one-rank GRPO step (tests/test_bench.py); the fsdp terms are arithmetic only.
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -75,7 +75,8 @@ def backbone_shape(backbone) -> ModelShape:
     heads = getattr(c, "n_head", None) or c.num_attention_heads
     kv = getattr(c, "n_kv_head", None) or getattr(c, "num_key_value_heads", None) or heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-    return ModelShape(len(blocks), c.hidden_size, c.vocab_size, kv, head_dim, sum(p.numel() for p in backbone.parameters()),
+    return ModelShape(len(blocks), c.hidden_size, c.vocab_size, kv, head_dim,
+                      sum(p.numel() for p in backbone.parameters()),
                       max(sum(p.numel() for p in b.parameters()) for b in blocks),
                       sum(p.numel() for p in backbone.output_head_params()))
 
@@ -85,8 +86,8 @@ def describe(m: StepMemory, micro: int) -> str:
     names = {**m.parts, **m.training, **{f"rollout {k}": v for k, v in m.rollout.items()}}
     parts = ", ".join(f"{k.replace('_', ' ')} {v / GiB:.3g}" for k, v in names.items())
     phase = "training" if m.phase("training") >= m.phase("rollout") else "rollout"
-    return (f"memory: per rank by nanochat_ext/training/memory.py (bf16 on CUDA; GiB): {parts} (activations at micro-batches of "
-            f"{micro}); peak {m.peak() / GiB:.3g} in {phase}")
+    return (f"memory: per rank by nanochat_ext/training/memory.py (bf16 on CUDA; GiB): {parts} (activations at "
+            f"micro-batches of {micro}); peak {m.peak() / GiB:.3g} in {phase}")
 
 
 @dataclass
@@ -165,11 +166,11 @@ def grpo_memory(s: ModelShape, *, parallel: str, ranks: int, checkpointing: bool
                 rm: ModelShape | None = None, device: str, lora: int = 0, kept_rows: tuple[int, ...] = (),
                 slots: int = 0, teacher: ModelShape | None = None, rollout_copy: int = 0) -> StepMemory:
     """GRPO's fine-tune of a policy of shape s: `rows` sequences decoded at once per rank, micro-batches of `micro`
-    sequences, `accum` of them per step (None: all of them, rows // micro). lora: the adapters' parameter count under --lora_r (lora.adapter_params):
-    they alone train; the base is held as the reference would be, and the reference is the base itself.
-    kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row count: the
-    rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions and the
-    step's logits buffers (on CUDA the graph pool's): held, not only while decoding. teacher: distillation's.
+    sequences, `accum` of them per step (None: all of them, rows // micro). lora: the adapters' parameter count under
+    --lora_r (lora.adapter_params): they alone train; the base is held as the reference would be, and the reference is
+    the base itself. kept_rows: the row counts of the decode states a compiled engine keeps through the run (one per row
+    count: the rollouts', the evaluation's calls', evaluation.eval_decode_rows), each a KV cache of `slots` positions
+    and the step's logits buffers (on CUDA the graph pool's): held, not only while decoding. teacher: distillation's.
     rollout_copy (--async_rollouts): the bytes of the rollout engine's whole copy of the policy, held; its (eager)
     decoding of the next step's rollout runs while the training does."""
     m = policy_memory(s, parallel, ranks, rows // micro if accum is None else accum, reference, lora)

@@ -52,7 +52,7 @@ class OptimConfig:
     grad_clip: float = option(1.0, "clip the global grad norm to this (0: off)", type=float,
                               check=(FINITE_NON_NEGATIVE[0], "a finite number >= 0 (0: off)"))
 
-    def with_lr(self, adamw_lr: float) -> "OptimConfig":
+    def with_lr(self, adamw_lr: float) -> OptimConfig:
         """This config with --lr given where it was not: `adamw_lr` (the trainer's), or MUON_LR under muon."""
         if self.lr is not None:
             return self

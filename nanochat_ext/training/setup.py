@@ -13,16 +13,23 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from nanochat_ext.agent.agent import Agent
 from nanochat_ext.config import TrainerSpec, option
 from nanochat_ext.ddp_common import DistEnv, print0
-from nanochat_ext.errors import InputError
-from nanochat_ext.agent.agent import Agent
 from nanochat_ext.engine.engine import Engine
+from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import COMPILE_HELP, compile_models
 from nanochat_ext.models.loader import RM_KIND, load_backbone, load_tokenizer_for, merged_weights
-from nanochat_ext.models.lora import (LoraSpec, WithoutAdapters, adapter_state, apply_lora, describe as describe_lora,
-                                      load_adapter_state, save_adapters)
+from nanochat_ext.models.lora import (
+    LoraSpec,
+    WithoutAdapters,
+    adapter_state,
+    apply_lora,
+    load_adapter_state,
+    save_adapters,
+)
+from nanochat_ext.models.lora import describe as describe_lora
 from nanochat_ext.models.reward_model import RewardModel, trainable_state
 from nanochat_ext.models.vintages import NANOCHAT_WRITTEN
 from nanochat_ext.runtime.checkpoint import fingerprint, portable_paths, save_checkpoint, torch_load

@@ -13,9 +13,8 @@ import os
 import signal
 import sys
 
-from nanochat_ext.runtime import checkpoint
-
 from nanochat_ext.ddp_common import detect_launcher, restart_attempt
+from nanochat_ext.runtime import checkpoint
 from nanochat_ext.training import optim
 
 module, faults = sys.argv[1], [f.split(":") for f in sys.argv[2].split(",")]

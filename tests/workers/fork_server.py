@@ -27,12 +27,11 @@ import socket
 import sys
 import threading
 
+import launch
 import numpy
 import peft  # noqa: F401
 import torch._inductor.compile_fx  # noqa: F401
 from transformers import AutoTokenizer, LlamaForCausalLM, PreTrainedModel  # noqa: F401
-
-import launch
 
 # What the commands import, which every fork then has for free: torch and the trainers (~1.2 s of CPU a process),
 # transformers' models, peft and dynamo (~2.4 s more where a run loads a Hugging Face model), inductor (~0.9 s where

@@ -7,10 +7,10 @@ COMPILE_BACKEND): rank 0 saves {worker: {n_micro: results}}. A launch costs more
 import sys
 from pathlib import Path
 
-import torch
-
 import grpo_grad_worker
 import rm_grad_worker
+import torch
+
 from nanochat_ext.ddp_common import dist_session
 
 WORKERS = {"rm_grad_worker": rm_grad_worker, "grpo_grad_worker": grpo_grad_worker}

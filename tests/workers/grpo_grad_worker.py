@@ -72,7 +72,8 @@ def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
     with torch.no_grad():
         for i, p in enumerate(reference.parameters()):
             p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
-    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference, temperature=TEMPERATURE), batch, 64, env.device, contextlib.nullcontext())
+    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference, temperature=TEMPERATURE),
+                                       batch, 64, env.device, contextlib.nullcontext())
     # Old log-probs 0.3 nats off in a pattern fixed by (global row, token): ratios leave [0.8, 1.2] and
     # the clip is exercised, identically whatever the split.
     n, L = batch["ref_logp"].shape

@@ -85,7 +85,7 @@ def main(n: int, command: list[str]) -> int:
                 raise
             except BaseException:
                 traceback.print_exc()
-                raise SystemExit(1)  # flushes and runs atexit, as python does after an uncaught exception
+                raise SystemExit(1) from None  # flushes and runs atexit, as python does after an uncaught exception
         ranks.append(pid)
     codes: dict[int, int] = {}
     failed = []

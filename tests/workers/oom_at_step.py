@@ -7,6 +7,7 @@ import sys
 import torch
 
 from nanochat_ext.algorithms import rm as reward
+
 module, n = sys.argv[1], int(sys.argv[2])
 calls = [0]
 real_loss = reward.bradley_terry_loss

@@ -1,5 +1,6 @@
 """Docs that cannot rot: every script command in README.md and docs/ uses only flags its script has, every variable
-speedrun.sh reads is in the pipeline page's table of knobs, and the README's hand-run stages run as it says."""
+speedrun.sh and pipelines/*.sh read is in the pipeline page's table of knobs, and the README's hand-run stages run as it
+says."""
 from __future__ import annotations
 
 import importlib
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from conftest import REPO, run_script
 from forked import run_python
-from scripts.kat_docs import SCRIPTS
+
 from nanochat_ext.data.batching import read_pairs
 from nanochat_ext.tasks.synthetic import make_tiny_hf_llama
+from scripts.kat_docs import SCRIPTS
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 STAGE_ARGS = {"SFT_ARGS": "kat_sft", "RM_ARGS": "kat_train_rm", "GRPO_ARGS": "kat_train_grpo",
@@ -65,14 +67,14 @@ def test_the_check_finds_a_flag_a_script_does_not_have():
 
 
 def test_every_variable_speedrun_reads_is_in_the_pipeline_page():
-    reads = {m for f in ("speedrun.sh", "scripts/setup_env.sh")
-             for m in re.findall(r"\$\{([A-Z_][A-Z0-9_]*):?-", (REPO / f).read_text())}
+    scripts = [REPO / "speedrun.sh", REPO / "scripts" / "setup_env.sh", *sorted((REPO / "pipelines").glob("*.sh"))]
+    reads = {m for f in scripts for m in re.findall(r"\$\{([A-Z_][A-Z0-9_]*):?-", f.read_text())}
     page = (REPO / "docs" / "pipeline.md").read_text()
     table = page[page.index("## Knobs"):].split("\n## ")[0]
     listed = {name for row in table.splitlines() if row.startswith("| `")
               for name in re.findall(r"`([A-Z_][A-Z0-9_]*)`", row.split(" | ")[0])}
     assert {"NPROC_PER_NODE", "GRPO_ARGS", "SAVE_EVERY"} <= reads
-    assert reads - listed == set(), f"speedrun.sh reads these, docs/pipeline.md's table lacks them: {reads - listed}"
+    assert reads - listed == set(), f"the pipeline reads these, docs/pipeline.md's table lacks them: {reads - listed}"
 
 
 def test_every_link_between_the_docs_resolves():
@@ -122,15 +124,18 @@ def test_the_readmes_by_hand_block_runs_after_the_demo_and_leaves_its_outputs_al
     (base / "density").mkdir()
     (base / "density" / "weights.jsonl").write_text("".join(json.dumps({"prefix_id": p, "weight": 1.0 + i % 3}) + "\n"
                                                             for i, p in enumerate(prompts)))
-    demo_rm = run_script("scripts.kat_train_rm", ["--backbone", "sft:default", "--pairs", str(base / "demo" / "pairs.jsonl"),
-                                                  "--density", str(base / "density" / "weights.jsonl"), "--unfreeze_last",
-                                                  "1", "--batch_size", "8", "--max_steps", "2"], env=env)
+    demo_rm = run_script("scripts.kat_train_rm", ["--backbone", "sft:default",
+                                                  "--pairs", str(base / "demo" / "pairs.jsonl"),
+                                                  "--density", str(base / "density" / "weights.jsonl"),
+                                                  "--unfreeze_last", "1", "--batch_size", "8", "--max_steps", "2"],
+                         env=env)
     assert demo_rm.returncode == 0 and (base / "rm_checkpoints" / "density").is_dir(), demo_rm.stderr[-2000:]
     (base / "report.md").write_text("the demo's report\n")
     demo = {p: p.read_bytes() for p in base.rglob("*") if p.is_file()}
 
     prose = readme_section("Your model on 8 GPUs")
-    model, data = re.search(r"after the demo, its model is `([^`]+)` and its data `([^`]+)`", " ".join(prose.split())).groups()
+    model, data = re.search(r"after the demo, its model is `([^`]+)` and its data `([^`]+)`",
+                            " ".join(prose.split())).groups()
     settings, stages = readme_by_hand()
     assert settings["B"] == "$NANOCHAT_BASE_DIR" and settings["MODEL"] == "sft:d20" and model == "sft:default"
     values = {**settings, "B": str(base), "MODEL": model, "DATA": data.replace("$B", str(base))}
@@ -144,7 +149,8 @@ def test_the_readmes_by_hand_block_runs_after_the_demo_and_leaves_its_outputs_al
     assert "--save_every" not in args and args[args.index("--backbone") + 1] == "sft:default"
     # a fresh interpreter, not a fork of the warm one: die_at patches the step before the trainer's modules import it
     killed = subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "die_at.py"), "kat_train_rm",
-                             "0:step:40", *args], env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
+                             "0:step:40", *args],
+                            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **env},
                             capture_output=True, text=True, timeout=300)
     assert killed.returncode == -9, killed.stderr[-2000:]
     assert "save_every: 25 steps, and the end" in killed.stdout
@@ -154,7 +160,8 @@ def test_the_readmes_by_hand_block_runs_after_the_demo_and_leaves_its_outputs_al
     final = resumed.stdout.strip().splitlines()[-1]
     model_file = base / "rm_checkpoints" / values["TAG"] / final.rsplit("/", 1)[-1]
     assert final == f"checkpoint: {model_file}"
-    assert json.loads(model_file.with_name(model_file.name.replace("model_", "meta_")[:-3] + ".json").read_text())["step"] == 60
+    assert json.loads(model_file.with_name(model_file.name.replace("model_", "meta_")[:-3]
+                                           + ".json").read_text())["step"] == 60
     again = run_script("scripts.kat_train_rm", args, env=env)
     assert again.returncode == 0 and "nothing to train" in again.stdout, again.stdout
     assert again.stdout.strip().splitlines()[-1] == final
@@ -221,7 +228,8 @@ def test_the_readmes_hugging_face_section_runs_with_a_tiny_model_standing_in(tmp
     (tmp_path / "notebook.py").write_text(notebook)
     ran = run_python([str(tmp_path / "notebook.py")], 1, env, tmp_path, 300)
     assert ran.returncode == 0, ran.stderr[-3000:]
-    rows = [json.loads(r) for r in (tmp_path / "runs" / "grpo_python" / "logs" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(r)
+            for r in (tmp_path / "runs" / "grpo_python" / "logs" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward_reward" in r and "train/tool_calls" in r] == [1, 2]
     printed = tmp_path / ran.stdout.strip().splitlines()[-1]  # the checkpoint, where the call was told to write it
     assert printed == sorted((tmp_path / "runs" / "grpo_python").glob("model_*[0-9]"))[-1]

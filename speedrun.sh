@@ -10,8 +10,8 @@
 #   DENSITY=1 bash speedrun.sh                             # GRPO against the density-weighted RM
 #   ARMS="uniform density" bash speedrun.sh                # GRPO against each RM, both policies evaluated
 #   ARMS="uniform dpo dpo_density" bash speedrun.sh        # RM + GRPO beside DPO on the same pairs (DPO: off by default)
-#   MODEL=smollm2 bash speedrun.sh                         # a real pretrained model on a verifiable task: pipelines/model.sh
-#   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment, every seed: pipelines/experiment.sh
+#   MODEL=smollm2 bash speedrun.sh                         # a real pretrained model: pipelines/model.sh
+#   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment: pipelines/experiment.sh
 # ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM with the
 # fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform RM with
 # --beta <beta>, a control that fights collapse with the KL term instead of the RM; dpo: DPO of the SFT policy on the

@@ -21,7 +21,8 @@ stage read and wrote), and each policy's dense-minus-rare gap.
     EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh        # runs this at the end
     EXPERIMENT=density REGIME=collapse SEEDS="0 1 2 3 4 5 6 7 8 9" bash speedrun.sh
     EXPERIMENT=density MODEL=smollm2 SEEDS="0 1 2 3 4" bash speedrun.sh
-    python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4 [--arms uniform density]
+    python -m scripts.kat_experiment_report --root $NANOCHAT_BASE_DIR/experiment --seeds 0 1 2 3 4
+        [--arms uniform density]
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from nanochat_ext.cli import parse, parser
 from nanochat_ext.data.rows import load_pairs, read_rows
 from nanochat_ext.errors import InputError
 from nanochat_ext.runtime.session import run_plain
-from nanochat_ext.tasks.report import per_topic_rows, topic_of
+from nanochat_ext.tasks.report import per_topic_rows, save_png, topic_of
 from nanochat_ext.tasks.stats import paired_difference
 
 # (metric name, where it comes from, better when higher? None: neither way is better)
@@ -49,8 +50,8 @@ NEUTRAL = ("policy_rm_score", "task_accuracy_gap_dense_rare")
 POLICY_METRICS = [("policy_rm_score", ("policy", "rm_score_sampled"), None)] + [
     (m, ("policy", m), None if m in NEUTRAL else m not in LOWER_IS_BETTER)
     for m in (*(f"task_accuracy_{how}{where}" for how in ("greedy", "sampled") for where in ("", "_dense", "_rare")),
-              "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2", "bigram_entropy_bits",
-              "duplicate_share", "mode_share", "top_completion_share")]
+              "task_accuracy_gap_dense_rare", "topic_accuracy_spread", "distinct_1", "distinct_2",
+              "bigram_entropy_bits", "duplicate_share", "mode_share", "top_completion_share")]
 HEADLINE = ["rm_accuracy_rare", "task_accuracy_sampled_rare", "distinct_2", "duplicate_share", "mode_share",
             "top_completion_share"]
 # a real model's (one sample a question: no diversity to speak of): the rare kinds' gain, the dense kinds' cost
@@ -61,8 +62,8 @@ REGIMES = {"default": "the demo's GRPO settings, where GRPO does not collapse",
            "collapse": "GRPO with a 10x larger step and no KL term (`--lr 1e-3 --beta 0` before GRPO_ARGS), where the "
                        "demo's GRPO collapses onto one answer its RM likes"}
 # reward hacking: the RM's score rises while ground-truth accuracy and diversity fall
-COLLAPSE = ["rm_score_sampled", "task_accuracy_sampled", "task_accuracy_sampled_rare", "distinct_2", "bigram_entropy_bits",
-            "mode_share", "top_completion_share"]
+COLLAPSE = ["rm_score_sampled", "task_accuracy_sampled", "task_accuracy_sampled_rare", "distinct_2",
+            "bigram_entropy_bits", "mode_share", "top_completion_share"]
 
 
 DPO_ARMS = {"dpo": "DPO uniform", "dpo_density": "DPO density"}  # arm -> its policy's name in kat_eval's report
@@ -115,7 +116,8 @@ def load_reports(root: Path, seeds: list[int]) -> dict[int, dict]:
     for s in seeds:
         path = root / f"seed_{s}" / "report.json"
         if not path.is_file():
-            raise InputError(f"no report for seed {s} (run EXPERIMENT=density SEEDS=... bash speedrun.sh)", path=str(path))
+            raise InputError(f"no report for seed {s} (run EXPERIMENT=density SEEDS=... bash speedrun.sh)",
+                             path=str(path))
         reports[s] = json.loads(path.read_text())
     return reports
 
@@ -150,7 +152,8 @@ def analyse(reports: dict[int, dict], arms: list[str], per_kind: bool = False) -
                 continue
             d = paired_difference(mine, base)
             rows[name] = {baseline(arm): base, arm: mine, "higher_is_better": higher,
-                          "diff": {k: getattr(d, k) for k in ("diffs", "mean", "low", "high", "half_width", "detectable")}}
+                          "diff": {k: getattr(d, k)
+                                   for k in ("diffs", "mean", "low", "high", "half_width", "detectable")}}
         out[arm] = rows
     return out
 
@@ -224,7 +227,7 @@ def plot(root: Path, analysis: dict, seeds: list[int], headline: list[str]) -> l
         ax.legend(fontsize=7, loc="best")
         fig.tight_layout()
         path = root / f"experiment_{name}.png"
-        fig.savefig(path, dpi=110)
+        save_png(fig, path, dpi=110)
         plt.close(fig)
         paths.append(path)
     return paths
@@ -249,8 +252,8 @@ def intro(seeds: list[int], analysis: dict, settings: dict[str, str]) -> list[st
             words = (" in the model's own words (its samples, judged by the task's reward: the best chosen over the "
                      "worst)" if settings.get("OWN_PAIRS") == "1" else "")
             trained = (f"{model} trained by DPO on preference pairs{words} of skewed questions of its task (two dense "
-                       "kinds, two rare), once with every pair weighted alike (dpo) and once with each pair weighted by "
-                       "its prompt's inverse density in the model's own embeddings (dpo_density), on the same pairs "
+                       "kinds, two rare), once with every pair weighted alike (dpo) and once with each pair weighted "
+                       "by its prompt's inverse density in the model's own embeddings (dpo_density), on the same pairs "
                        "with the same budget and seed.")
         return [f"# The density experiment on a real model ({model})", "", trained + shown, "",
                 f"Seeds {', '.join(map(str, seeds))}; every seed makes its own training and held-out questions "
@@ -285,25 +288,33 @@ def arm_table(arm: str, rows: dict, headline: list[str]) -> list[str]:
     return lines + ["", verdict(arm, rows, headline), ""]
 
 
+def seed_weights(report: dict) -> dict[str, tuple[float, float]] | None:
+    """One seed's {topic (or kind): (its share of the pairs, its pairs' mean density weight)}: as the seed's report
+    keeps them (`density_weights`: where its pairs and weights are not kept beside it, docs/density_experiment/), else
+    from the pairs and weights its density stage read and wrote (its command in the report, its paths as it ran).
+    None where it ran none, or its files are gone (the report rebuilt elsewhere from the seeds' report.json alone)."""
+    if "density_weights" in report:
+        return {t: tuple(v) for t, v in report["density_weights"].items()}
+    command = report.get("stages", {}).get("density")
+    if not command:
+        return None
+    words = shlex.split(command)
+    pairs, weights = (Path(words[words.index(flag) + 1]) for flag in ("--pairs", "--out"))
+    if not (pairs.is_file() and weights.is_file()):  # absolute, or relative to where speedrun.sh ran (here)
+        return None
+    weight = {w["prefix_id"]: w["weight"] for w in map(json.loads, weights.read_text().splitlines())}
+    topic = {n: topic_of(row) for n, row in read_rows(str(pairs))}
+    rows = [(topic.get(r.line), weight[r.prefix_id]) for r in load_pairs(pairs)[0]]
+    by_topic = {t: [w for topic, w in rows if topic == t] for t in {t for t, _ in rows if t is not None}}
+    return {t: (len(mine) / len(rows), mean(mine)) for t, mine in by_topic.items()}
+
+
 def weights_by_topic(reports: dict[int, dict]) -> dict[str, dict[str, list[float | None]]]:
-    """{topic (or kind): {"share": [per seed], "weight": [per seed]}}: each topic's share of the pairs and its pairs'
-    mean density weight, from the pairs and weights each seed's density stage read and wrote (its command in the
-    report, its paths as it ran); a topic with no pair in a seed has share 0 and weight None there. {} where a seed
-    ran none, or its files are gone (the report rebuilt elsewhere from the seeds' report.json alone)."""
-    seen: list[dict[str, tuple[float, float]]] = []  # per seed: topic -> (share, mean weight)
-    for r in reports.values():
-        command = r.get("stages", {}).get("density")
-        if not command:
-            return {}
-        words = shlex.split(command)
-        pairs, weights = (Path(words[words.index(flag) + 1]) for flag in ("--pairs", "--out"))
-        if not (pairs.is_file() and weights.is_file()):  # absolute, or relative to where speedrun.sh ran (here)
-            return {}
-        weight = {w["prefix_id"]: w["weight"] for w in map(json.loads, weights.read_text().splitlines())}
-        topic = {n: topic_of(row) for n, row in read_rows(str(pairs))}
-        rows = [(topic.get(r.line), weight[r.prefix_id]) for r in load_pairs(pairs)[0]]
-        by_topic = {t: [w for topic, w in rows if topic == t] for t in {t for t, _ in rows if t is not None}}
-        seen.append({t: (len(mine) / len(rows), mean(mine)) for t, mine in by_topic.items()})
+    """{topic (or kind): {"share": [per seed], "weight": [per seed]}} (seed_weights); a topic with no pair in a seed
+    has share 0 and weight None there. {} where a seed has none."""
+    seen = [seed_weights(r) for r in reports.values()]
+    if any(seed is None for seed in seen):
+        return {}
     return {t: {"share": [seed.get(t, (0.0, None))[0] for seed in seen],
                 "weight": [seed.get(t, (0.0, None))[1] for seed in seen]}
             for t in sorted({t for seed in seen for t in seed})}

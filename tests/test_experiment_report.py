@@ -1,6 +1,9 @@
 """kat_experiment_report on hand-made per-seed reports: paired differences, intervals, the verdict."""
 import json
 import math
+import shutil
+
+from conftest import REPO
 
 from nanochat_ext.data.rows import PromptRow, load_pairs, prefix_id_of, read_rows
 from nanochat_ext.tasks import synthetic
@@ -17,7 +20,8 @@ def fake_report(seed: int, rare_uniform: float, rare_density: float) -> dict:
 
     policy = {"rm_score_sampled": 0.1 * seed, "task_accuracy_sampled_rare": 0.5, "distinct_2": 0.9,
               "duplicate_share": 0.1}
-    return {"reward_models": {"/x/rm_checkpoints/uniform": rm(rare_uniform), "/x/rm_checkpoints/density": rm(rare_density)},
+    return {"reward_models": {"/x/rm_checkpoints/uniform": rm(rare_uniform),
+                              "/x/rm_checkpoints/density": rm(rare_density)},
             "policies": {"GRPO uniform": policy, "GRPO density": {**policy, "distinct_2": 0.9 + 0.01 * seed}}}
 
 
@@ -74,9 +78,11 @@ def test_report_names_the_regime_and_compares_a_kl_arm_on_its_policy(tmp_path, c
     assert (tmp_path / "experiment_mode_share.png").is_file()
 
     # only the arms asked for, and each must be in every seed's report
-    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.1"]) == 0
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1",
+                                       "--arms", "uniform", "kl_0.1"]) == 0
     assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"kl_0.1"}
-    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1", "--arms", "uniform", "kl_0.2"]) == 2
+    assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", "0", "1",
+                                       "--arms", "uniform", "kl_0.2"]) == 2
     assert "policy_rm_score (neither way is better)" in (tmp_path / "experiment.md").read_text()
     # every seed needs the uniform arm, which every arm is compared with
     no_uniform = seed_report(1)
@@ -219,3 +225,19 @@ def test_the_real_models_experiment_reports_weights_and_accuracy_by_kind(tmp_pat
     # the default arms: those whose baseline ran (dpo's, GRPO's uniform arm, did not)
     assert kat_experiment_report.main(["--root", str(tmp_path), "--seeds", *seeds]) == 0
     assert set(json.loads((tmp_path / "experiment.json").read_text())["arms"]) == {"dpo_density"}
+
+
+def test_the_registered_verdict_rebuilds_from_the_seeds_kept_summaries(tmp_path):
+    """docs/ keeps each registered seed's report.json (its density weights by kind inside it) and not the pairs and
+    weights a seed and the commit regenerate: the registered report and its verdict rebuild from those alone."""
+    kept = REPO / "docs" / "density_experiment" / "smollm2_grpo" / "registered"
+    seeds = sorted(int(d.name.split("_")[1]) for d in kept.glob("seed_*"))
+    assert seeds == list(range(20, 35))
+    for s in seeds:
+        (tmp_path / f"seed_{s}").mkdir()
+        shutil.copy(kept / f"seed_{s}" / "report.json", tmp_path / f"seed_{s}" / "report.json")
+    args = ["--root", str(tmp_path), "--seeds", *map(str, seeds), "--arms", "uniform", "density"]
+    assert kat_experiment_report.main(args) == 0
+    for name in ("experiment.md", "experiment.json"):
+        assert (tmp_path / name).read_text() == (kept / name).read_text(), name
+    assert "## Do the density weights find the rare kinds?" in (tmp_path / "experiment.md").read_text()

@@ -24,8 +24,8 @@ from conftest import REPO
 from nanochat_ext.agent import toolbox
 from nanochat_ext.algorithms.rewards import call_reward_fn
 from nanochat_ext.errors import InputError, Unscored
+from nanochat_ext.sandbox import cgroups, sandbox, seccomp
 from nanochat_ext.sandbox import child as sandbox_child
-from nanochat_ext.sandbox import sandbox, seccomp
 from nanochat_ext.tasks import code_functions, synthetic
 from nanochat_ext.tasks.code_checks import parse_tests
 from nanochat_ext.tasks.code_tests import CodeTests, passes, run_tests, verdict
@@ -553,3 +553,40 @@ def test_the_sandboxs_processes_share_one_memory_bound():
            "    done += os.waitstatus_to_exitcode(os.waitpid(kid, 0)[1]) == 0\n")
     run = sandbox.run(hog, [("value", "done", "done")], sandbox.Limits(seconds=LIMIT, total_memory_mb=128))
     assert run.values.get(1, 0) < 3, run
+
+
+def own_cgroups(pid: int) -> list[str]:
+    """The cgroup directories named after process pid beside this process's own, in every hierarchy sandboxes use."""
+    where, own = cgroups.mounts(), cgroups.own_paths()
+    parents = {os.path.join(where[h], own[h].lstrip("/")) for h in ("2", "memory", "pids") if h in where and h in own}
+    return sorted(str(p) for parent in parents for p in Path(parent).glob(f"nanochat-sandbox-{pid}-*"))
+
+
+@pytest.mark.skipif("cgroup v" not in sandbox.isolation(), reason=f"no cgroup here: {sandbox.isolation()}")
+def test_a_run_that_ends_while_its_code_still_runs_leaves_no_cgroup():
+    """A process that exits while a sandbox's thread still waits on looping code (a tool call past its timeout when
+    the run ended): its exit kills the code and removes the cgroup, which the sandbox's own end never reached."""
+    script = ("import os, sys, threading, time\nfrom nanochat_ext.sandbox import sandbox\n"
+              "print(os.getpid(), flush=True)\n"
+              "loop = 'while True:\\n    pass\\n'\n"
+              "threading.Thread(target=sandbox.run, args=(loop, [], sandbox.Limits(seconds=60)), daemon=True).start()\n"
+              "time.sleep(3)\nsys.exit(0)\n")
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert own_cgroups(int(proc.stdout.split()[0])) == []
+
+
+def test_the_exit_sweep_removes_this_processs_cgroups_only_and_then_makes_none(tmp_path, monkeypatch):
+    """remove_all on a hierarchy laid out in a tmp dir: this process's cgroups that a sandbox left are removed, one a
+    forked parent named is not, and no cgroup is made after the sweep began."""
+    monkeypatch.setattr(cgroups, "_live", set())
+    monkeypatch.setattr(cgroups, "_closing", False)
+    mine = [tmp_path / h / f"nanochat-sandbox-{os.getpid()}-7" for h in ("memory", "pids")]
+    parents = [tmp_path / "memory" / "nanochat-sandbox-1-3"]  # another pid's: a parent this process was forked from
+    for d in mine + parents:
+        d.mkdir(parents=True)
+    cgroups._live.update({tuple(map(str, mine)), (str(parents[0]),)})
+    cgroups.remove_all()
+    assert not any(d.exists() for d in mine) and parents[0].is_dir()
+    assert cgroups.make(64 << 20, 8) == (None, "no cgroup: the process is exiting")

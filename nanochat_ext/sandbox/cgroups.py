@@ -7,16 +7,26 @@ systemd's Delegate=yes, a container runtime's; enabling them is left to the host
 cgroup that holds processes), else the v1 memory and pids hierarchies where they are mounted and writable (the
 caller root, as in most containers). Where neither is, `make` says why and the sandbox's memory is bounded per
 process only (RLIMIT_AS).
+
+Nothing made here outlives the process that made it: each cgroup is removed when its sandbox ends, and at the
+process's exit `remove_all` kills and removes any still there (a sandbox whose thread the run left behind: a tool call
+past its timeout when the run ended). Its cgroups are named after its pid, and it only ever removes its own.
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 
 _names = itertools.count()
+REMOVE_WAIT_S = 5.0  # how long a removal waits for the kernel to let a just-emptied cgroup go (then: at exit, again)
+_lock = threading.RLock()  # make holds it while a failed v1 cgroup is removed
+_live: set[tuple[str, ...]] = set()  # this process's cgroups not yet removed
+_closing = False  # set at exit: no new cgroup after the sweep began
 
 
 def mounts() -> dict[str, str]:
@@ -63,7 +73,8 @@ class Cgroup:
             write(os.path.join(d, "cgroup.procs"), str(pid))
 
     def kill(self) -> None:
-        """Kill every process in it until none is left (v2's cgroup.kill where there is one)."""
+        """Kill every process in it until none is left (v2's cgroup.kill where there is one, and its
+        cgroup.events' `populated 0` as the sign that none is: v1's an empty cgroup.procs)."""
         for _ in range(200):
             pids = set()
             for d in self.dirs:
@@ -72,7 +83,7 @@ class Cgroup:
                         pids |= {int(p) for p in f.read().split()}
                 except OSError:
                     continue
-            if not pids:
+            if not pids and not any(map(populated, self.dirs)):
                 return
             if os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
                 write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
@@ -84,16 +95,48 @@ class Cgroup:
             time.sleep(0.005)
 
     def remove(self) -> None:
+        """Kill what is in it and remove its directories, waiting up to REMOVE_WAIT_S for the kernel to let each go
+        (a killed process leaves its cgroup once it is reaped); one it still holds is left to remove_all."""
         self.kill()
+        gone = True
         for d in self.dirs:
-            for _ in range(100):  # a killed process leaves its cgroup once it is reaped
+            deadline, pause = time.monotonic() + REMOVE_WAIT_S, 0.005
+            while True:
                 try:
                     os.rmdir(d)
                     break
                 except FileNotFoundError:
                     break
                 except OSError:
-                    time.sleep(0.01)
+                    if time.monotonic() > deadline:
+                        gone = False
+                        break
+                    time.sleep(pause)
+                    pause = min(2 * pause, 0.2)
+        if gone:
+            with _lock:
+                _live.discard(tuple(self.dirs))
+
+
+def populated(d: str) -> bool:
+    """cgroup v2's own word on whether any process is left in d or below (False where there is no cgroup.events)."""
+    try:
+        with open(os.path.join(d, "cgroup.events")) as f:
+            return "populated 1" in f.read().splitlines()
+    except OSError:
+        return False
+
+
+@atexit.register
+def remove_all() -> None:
+    """Kill and remove every cgroup this process made that is still there; no cgroup is made after it began."""
+    global _closing
+    with _lock:
+        _closing = True
+        mine = f"nanochat-sandbox-{os.getpid()}-"  # a forked child that exits normally holds its parent's list
+        left = [dirs for dirs in _live if os.path.basename(dirs[0]).startswith(mine)]
+    for dirs in left:
+        Cgroup(list(dirs)).remove()
 
 
 def write(path: str, text: str) -> None:
@@ -104,6 +147,16 @@ def write(path: str, text: str) -> None:
 def make(memory_bytes: int, pids: int) -> tuple[Cgroup | None, str]:
     """A new cgroup bounding memory and processes, and what bounds them ("cgroup v2", "cgroup v1"), or (None, why
     not)."""
+    with _lock:  # made and registered at once: remove_all sees every cgroup made before it began
+        if _closing:
+            return None, "no cgroup: the process is exiting"
+        made, why = make_unregistered(memory_bytes, pids)
+        if made:
+            _live.add(tuple(made.dirs))
+        return made, why
+
+
+def make_unregistered(memory_bytes: int, pids: int) -> tuple[Cgroup | None, str]:
     try:
         where, own = mounts(), own_paths()
     except OSError as e:

@@ -10,6 +10,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -172,6 +173,15 @@ class RolloutConfig:
 FEWER_COMPLETIONS = "fewer completions per rank (--batch_size, --group_size, or more ranks)"
 
 
+class Sampled(NamedTuple):
+    """A rollout in flight's result (--async_rollouts): the rollout, its statistics for the log window, its
+    staleness (the updates its weights are behind) and the draws taken once it was sampled."""
+    rollout: Rollout
+    stats: dict
+    staleness: int
+    drawn: int
+
+
 class Rollouts:
     """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with
     --filter_zero_std), each sampled G times from prompt_ids with its own seeds and scored; statistics go to
@@ -200,7 +210,8 @@ class Rollouts:
         self.pending: Future | None = None
         if pending is not None:  # a resumed run: the draw its checkpoint had in flight
             self.pending = Future()
-            self.pending.set_result((Rollout(**pending["rollout"]), pending["stats"], pending["staleness"], drawn))
+            self.pending.set_result(Sampled(Rollout(**pending["rollout"]), pending["stats"], pending["staleness"],
+                                            drawn))
 
     def next(self, step: int, steps: int) -> Rollout:
         """Step `step`'s rollout (of the run's `steps`): the next draw, or with --filter_zero_std the groups with a
@@ -241,10 +252,10 @@ class Rollouts:
     def start(self, first: int, staleness: int) -> Future:
         """A step's rollout from draw `first` on, sampled and scored in the thread by the engine holding the weights
         refreshed last (--filter_zero_std's further draws too, its collectives on the thread's own group)."""
-        def sample_and_score() -> tuple[Rollout, dict, int, int]:
+        def sample_and_score() -> Sampled:
             with in_group(self.group), side_stream(self.stream, self.env.device):
                 ro, stats, drawn = self.step_rollout(first, self.ahead, quiet=True)
-            return ro, stats, staleness, drawn
+            return Sampled(ro, stats, staleness, drawn)
 
         return self.worker.submit(sample_and_score)
 
@@ -253,12 +264,12 @@ class Rollouts:
         its staleness; None where none is."""
         if self.pending is None:
             return None
-        ro, stats, staleness, _ = self.pending.result()
-        return {"rollout": asdict(ro), "stats": stats, "staleness": staleness}
+        done = self.pending.result()
+        return {"rollout": asdict(done.rollout), "stats": done.stats, "staleness": done.staleness}
 
     def draws(self) -> int:
         """Prompt batches drawn so far, the rollout in flight's included (waited for): where a resumed run goes on."""
-        return self.pending.result()[3] if self.pending is not None else self.drawn
+        return self.pending.result().drawn if self.pending is not None else self.drawn
 
     def draw(self, draw: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict]:
         """This rank's share of draw number `draw`, sampled (by `engine`, default the policy's) and scored, and its

@@ -12,12 +12,8 @@
 #   ARMS="uniform dpo dpo_density" bash speedrun.sh        # RM + GRPO beside DPO on the same pairs (DPO: off by default)
 #   MODEL=smollm2 bash speedrun.sh                         # a real pretrained model: pipelines/model.sh
 #   EXPERIMENT=density SEEDS="0 1 2 3 4" bash speedrun.sh  # the density experiment: pipelines/experiment.sh
-# ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM with the
-# fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform RM with
-# --beta <beta>, a control that fights collapse with the KL term instead of the RM; dpo: DPO of the SFT policy on the
-# pairs themselves, no RM; dpo_density: the same with each pair's density weight (as the density RM's); default:
-# uniform, or density with DENSITY=1. EVAL_PAIRS / EVAL_PROMPTS: held-out sets for your own assets; DEMO_ARGS: extra
-# flags for scripts.kat_demo_data. The knobs every variant takes (ranks, steps, *_ARGS, REGIME): pipelines/stages.sh.
+# EVAL_PAIRS / EVAL_PROMPTS: held-out sets for your own assets; DEMO_ARGS: extra flags for scripts.kat_demo_data.
+# ARMS and the knobs every variant takes (ranks, steps, *_ARGS, REGIME): pipelines/stages.sh.
 set -euo pipefail
 cd "$(dirname "$0")"
 case ${EXPERIMENT:-} in  # before anything is made
@@ -98,14 +94,7 @@ for arm in $ARMS; do
 done
 
 # ---- evaluation report ---------------------------------------------------------------------------
-eval_tokens() {  # the first GRPO arm's --max_new_tokens (the demo's 16 where no arm is GRPO)
-    local arm
-    for arm in $ARMS; do case $arm in dpo*) ;; *) max_new_tokens "$(arm_dir "$arm")"; return ;; esac; done
-    [ "$DEMO" = 1 ] && echo "--max_new_tokens 16"
-    true
-}
-TRAINED=()
-for arm in $ARMS; do TRAINED+=("$(arm_dir "$arm")"); done
+TRAINED=(); for arm in $ARMS; do TRAINED+=("$(arm_dir "$arm")"); done
 if eval_fresh "${TRAINED[@]}"; then
     echo "== eval: skipped (done: $B/report.md)"
 else

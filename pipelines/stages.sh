@@ -57,6 +57,11 @@ model_arms() {  # with MODEL: GRPO with the task's reward (uniform, the default;
 fetch_model() {  # the converted model's dir (MODEL_DIR, else $NANOCHAT_BASE_DIR/models/<name>), made on the first run
     python -m scripts.kat_fetch_model --model "$MODEL" ${MODEL_DIR:+--out "$MODEL_DIR"} | tee /dev/stderr | tail -n 1
 }
+# ARMS: GRPO arms, each against its RM: uniform, density (the inverse-density-weighted RM) and fork (an RM with the
+# fork's 1/kNN-distance weighting, which favours dense prompts); kl_<beta> (e.g. kl_0.05): the uniform RM with
+# --beta <beta>, a control that fights collapse with the KL term instead of the RM; dpo: DPO of the SFT policy on the
+# pairs themselves, no RM; dpo_density: the same with each pair's density weight (as the density RM's); default:
+# uniform, or density with DENSITY=1. With MODEL: uniform and/or density (GRPO with the task's reward), or DPO arms.
 check_arms() {  # before any stage runs: a bad arm would otherwise stop the pipeline after SFT and the RMs
     for arm in $1; do
         [[ $arm =~ ^(uniform|density|fork|dpo|dpo_density|kl_[0-9]*\.?[0-9]+([eE][-+]?[0-9]+)?)$ ]] ||
@@ -171,3 +176,9 @@ eval_fresh() {  # eval_fresh DIR...: the report is newer than the policy trained
 }
 
 max_new_tokens() { python -m scripts.kat_pipeline max_new_tokens "$1"; }  # "--max_new_tokens N" trained in DIR $1
+eval_tokens() {  # the first GRPO arm's --max_new_tokens (the demo's 16 where no arm is GRPO)
+    local arm
+    for arm in $ARMS; do case $arm in dpo*) ;; *) max_new_tokens "$(arm_dir "$arm")"; return ;; esac; done
+    [ "$DEMO" = 1 ] && echo "--max_new_tokens 16"
+    true
+}

@@ -14,16 +14,18 @@ set -euo pipefail
 source "$(dirname "$0")/stages.sh"
 ARMS="${ARMS:-$([ "${DENSITY:-0}" = 1 ] && echo density || echo uniform)}"
 check_arms "$ARMS"
-DEMO=0 RECIPE_SFT=() RECIPE_GRPO=()  # a real model runs with the scripts' defaults (and a task's --preset)
-stage_flags
-
-[ "$MODEL" = smollm2 ] || { echo "speedrun: unknown MODEL '$MODEL' (smollm2)" >&2; exit 2; }
-TASK="${TASK:-word_arithmetic}"
-case "$TASK" in word_arithmetic|word_arithmetic_skewed|word_arithmetic_gap|multiplication) TASK_REWARD=last_number ;;
+[ "${MODEL:-}" = smollm2 ] || { echo "speedrun: unknown MODEL '${MODEL:-}' (smollm2)" >&2; exit 2; }
+case "${TASK:-word_arithmetic}" in
+    word_arithmetic|word_arithmetic_skewed|word_arithmetic_gap|multiplication) TASK_REWARD=last_number ;;
     code_functions) TASK_REWARD=nanochat_ext.tasks.code_tests:passes ;;  # its tests, run sealed: one attempt
-    *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, word_arithmetic_gap, multiplication, code_functions)" >&2
+    *) echo "speedrun: unknown TASK '$TASK' (word_arithmetic, word_arithmetic_skewed, word_arithmetic_gap," \
+            "multiplication, code_functions)" >&2
        exit 2 ;; esac
 model_arms "$ARMS"
+# a real model runs with the scripts' defaults (and a task's --preset); the report records TASK as given
+DEMO=0 RECIPE_SFT=() RECIPE_RM=() RECIPE_GRPO=() RECIPE_DPO=()
+stage_flags
+TASK="${TASK:-word_arithmetic}"
 echo "== fetch_model"; s=$SECONDS
 MODEL_DIR=$(fetch_model)  # cached after the first run
 record_time fetch_model $((SECONDS - s))
@@ -97,4 +99,4 @@ if eval_fresh "${TRAINED[@]}"; then echo "== eval: skipped (done: $B/report.md)"
     record_time eval $((SECONDS - s))
 fi
 echo "== speedrun finished in $((SECONDS - t_start)) s; report: $B/report.md"
-python -m scripts.kat_pipeline summary "$B/report.json"
+python -m scripts.kat_pipeline summary "$B/report.json" --model

@@ -13,7 +13,7 @@
 # new NANOCHAT_BASE_DIR, or re-run with FORCE=1.
 # REGIME: default, or collapse: "--lr 1e-3 --beta 0" before GRPO_ARGS, where the demo's GRPO hacks its RM (one
 # template answer for every prompt); recorded in the report.
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+CDPATH="" cd -- "$(dirname "${BASH_SOURCE[0]}")/.."
 case ${OWN_PAIRS:-0} in
     0) ;;
     1) [ -n "${MODEL:-}" ] || { echo "speedrun: OWN_PAIRS=1 needs MODEL (pairs in a real model's own words)" >&2; exit 2; } ;;

@@ -3,7 +3,7 @@
     python -m scripts.kat_pipeline stage_args OUT NAME...  # OUT: {NAME: its environment value}
                                                              (the report's stage_args)
     python -m scripts.kat_pipeline max_new_tokens DIR      # "--max_new_tokens N" of the GRPO policy trained in DIR
-    python -m scripts.kat_pipeline summary REPORT          # a few lines of a pipeline's report.json (demo or MODEL)
+    python -m scripts.kat_pipeline summary REPORT [--model]  # a few lines of a report.json (the demo's, or MODEL's)
 """
 
 import json
@@ -24,14 +24,14 @@ def max_new_tokens(policy_dir: str) -> str:
     return f"--max_new_tokens {json.loads(newest.read_text())['args']['max_new_tokens']}"
 
 
-def summary(report_path: str) -> list[str]:
-    """The report's headline per reward model and policy: held-out accuracy, and the RM's score and distinct-2 where
-    an RM judged (the demo), greedy and sampled accuracy with an example where the task's reward did (MODEL)."""
+def summary(report_path: str, model: bool = False) -> list[str]:
+    """The report's headline per reward model and policy: held-out accuracy, and the RM's score and distinct-2 (the
+    demo's pipeline), or (model: pipelines/model.sh's) greedy and sampled accuracy with an example."""
     report = json.loads(Path(report_path).read_text())
-    lines = [f"  rm {d.rsplit('/', 1)[-1]}: held-out accuracy {m['overall']['accuracy']:.3f}"
-             for d, m in report["reward_models"].items()]
+    lines = [] if model else [f"  rm {d.rsplit('/', 1)[-1]}: held-out accuracy {m['overall']['accuracy']:.3f}"
+                              for d, m in report["reward_models"].items()]
     for name, p in report["policies"].items():
-        if not report["reward_models"]:  # MODEL: the task's reward judged, no RM
+        if model:  # the task's reward judged
             e = p["examples"][0]
             lines.append(f"  policy {name}: held-out accuracy greedy {p['task_accuracy_greedy']:.3f}, "
                          f"sampled {p['task_accuracy_sampled']:.3f}; e.g. {e['prompt']!r} -> {e['completion']!r}")
@@ -54,7 +54,9 @@ def main(argv: list[str]) -> None:
     elif command == "max_new_tokens":
         print(max_new_tokens(args[0]))
     elif command == "summary":
-        print("\n".join(summary(args[0])))
+        lines = summary(args[0], model="--model" in args[1:])
+        if lines:
+            print("\n".join(lines))
     else:
         sys.exit(f"kat_pipeline: unknown command {command!r} (stage_args, max_new_tokens, summary)")
 

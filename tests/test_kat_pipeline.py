@@ -1,6 +1,7 @@
 """scripts/kat_pipeline.py: what speedrun.sh and pipelines/*.sh read from a run's files between stages."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -10,8 +11,9 @@ from scripts import kat_pipeline
 
 
 def run(*args: str, **env: str) -> str:
-    return subprocess.run([sys.executable, "-m", "scripts.kat_pipeline", *args], cwd=REPO, env=env, check=True,
-                          capture_output=True, text=True).stdout
+    given = {k: v for k, v in os.environ.items() if k not in ("REGIME", "GRPO_ARGS", "RM_STEPS")}
+    return subprocess.run([sys.executable, "-m", "scripts.kat_pipeline", *args], cwd=REPO, env={**given, **env},
+                          check=True, capture_output=True, text=True).stdout
 
 
 def test_stage_args_records_each_setting_given_and_blank_where_unset(tmp_path):
@@ -39,9 +41,10 @@ def test_the_summary_reads_a_demo_report_and_a_model_report(tmp_path):
         "  policy GRPO uniform: arithmetic accuracy with the calculator 0.900, without 0.200; 1.00 calls per "
         "completion, 0.000 refused",
         "  policy SFT: task accuracy (sampled) -, RM score (sampled) 0.500, distinct-2 0.600"]
-    model = {"reward_models": {}, "policies": {"GRPO smollm2": {
+    model = {"reward_models": {"/b/rm_checkpoints/uniform": {}}, "policies": {"GRPO smollm2": {
         "task_accuracy_greedy": 0.5, "task_accuracy_sampled": 0.25, "rm_score_sampled": float("nan"),
         "examples": [{"prompt": "What is 2 plus 3?", "completion": "5"}]}}}
     (tmp_path / "model.json").write_text(json.dumps(model))
-    assert kat_pipeline.summary(str(tmp_path / "model.json")) == [
+    # a demo's RMs in the same base dir are scored beside a MODEL run's policies: its summary is the task's still
+    assert kat_pipeline.summary(str(tmp_path / "model.json"), model=True) == [
         "  policy GRPO smollm2: held-out accuracy greedy 0.500, sampled 0.250; e.g. 'What is 2 plus 3?' -> '5'"]

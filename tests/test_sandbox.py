@@ -566,15 +566,19 @@ def own_cgroups(pid: int) -> list[str]:
 def test_a_run_that_ends_while_its_code_still_runs_leaves_no_cgroup():
     """A process that exits while a sandbox's thread still waits on looping code (a tool call past its timeout when
     the run ended): its exit kills the code and removes the cgroup, which the sandbox's own end never reached."""
-    script = ("import os, sys, threading, time\nfrom nanochat_ext.sandbox import sandbox\n"
-              "print(os.getpid(), flush=True)\n"
+    script = ("import os, sys, threading, time\nfrom nanochat_ext.sandbox import cgroups, sandbox\n"
               "loop = 'while True:\\n    pass\\n'\n"
               "threading.Thread(target=sandbox.run, args=(loop, [], sandbox.Limits(seconds=60)), daemon=True).start()\n"
-              "time.sleep(3)\nsys.exit(0)\n")
+              "deadline = time.monotonic() + 60\n"
+              "while len(cgroups._live) < 1 and time.monotonic() < deadline:  # the looping code's cgroup is made\n"
+              "    time.sleep(0.05)\n"
+              "time.sleep(1)\nprint(os.getpid(), len(cgroups._live), flush=True)\nsys.exit(0)\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
-    assert own_cgroups(int(proc.stdout.split()[0])) == []
+    pid, live = map(int, proc.stdout.split())
+    assert live == 1  # the code ran in a cgroup of its own when the process exited
+    assert own_cgroups(pid) == []
 
 
 def test_the_exit_sweep_removes_this_processs_cgroups_only_and_then_makes_none(tmp_path, monkeypatch):

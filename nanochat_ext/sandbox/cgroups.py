@@ -23,10 +23,21 @@ import time
 from dataclasses import dataclass
 
 _names = itertools.count()
-REMOVE_WAIT_S = 5.0  # how long a removal waits for the kernel to let a just-emptied cgroup go (then: at exit, again)
+# How long a removal waits for the kernel to let a just-emptied cgroup go: briefly when a sandbox call ends (its
+# caller's clock runs), longer at exit, where what a call left is tried again.
+CALL_WAIT_S, EXIT_WAIT_S = 1.0, 5.0
 _lock = threading.RLock()  # make holds it while a failed v1 cgroup is removed
 _live: set[tuple[str, ...]] = set()  # this process's cgroups not yet removed
 _closing = False  # set at exit: no new cgroup after the sweep began
+
+
+def _forget_in_child() -> None:
+    """A forked child starts with no cgroup of its own and a free lock (another thread may have held it)."""
+    global _lock, _live, _closing
+    _lock, _live, _closing = threading.RLock(), set(), False
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def mounts() -> dict[str, str]:
@@ -85,8 +96,11 @@ class Cgroup:
                     continue
             if not pids and not any(map(populated, self.dirs)):
                 return
-            if os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
-                write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+            try:  # (another remover's rmdir may come between: at exit, the sandbox's thread and remove_all)
+                if os.path.exists(os.path.join(self.dirs[0], "cgroup.kill")):
+                    write(os.path.join(self.dirs[0], "cgroup.kill"), "1")
+            except OSError:
+                pass
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
@@ -94,13 +108,13 @@ class Cgroup:
                     pass
             time.sleep(0.005)
 
-    def remove(self) -> None:
-        """Kill what is in it and remove its directories, waiting up to REMOVE_WAIT_S for the kernel to let each go
-        (a killed process leaves its cgroup once it is reaped); one it still holds is left to remove_all."""
+    def remove(self, wait_s: float = CALL_WAIT_S) -> None:
+        """Kill what is in it and remove its directories, waiting up to wait_s for the kernel to let each go (a
+        killed process leaves its cgroup once it is reaped); one it still holds is left to remove_all."""
         self.kill()
         gone = True
         for d in self.dirs:
-            deadline, pause = time.monotonic() + REMOVE_WAIT_S, 0.005
+            deadline, pause = time.monotonic() + wait_s, 0.005
             while True:
                 try:
                     os.rmdir(d)
@@ -136,7 +150,10 @@ def remove_all() -> None:
         mine = f"nanochat-sandbox-{os.getpid()}-"  # a forked child that exits normally holds its parent's list
         left = [dirs for dirs in _live if os.path.basename(dirs[0]).startswith(mine)]
     for dirs in left:
-        Cgroup(list(dirs)).remove()
+        try:
+            Cgroup(list(dirs)).remove(EXIT_WAIT_S)
+        except OSError:  # one cgroup the kernel keeps does not keep the others
+            pass
 
 
 def write(path: str, text: str) -> None:

@@ -6,9 +6,10 @@
 # carry: [".whl"]). Every pin of requirements.txt is fetched here or named in one of the two lists below
 # (tests/test_bench.py checks it): without gguf's wheel the CUDA tests stopped at collection on 2026-11-27.
 # In the image as last read (2026-11-17), at the pinned version or one that serves:
-IMAGE_HAS="torch numpy accelerate tiktoken tensorboard pyarrow tqdm matplotlib pytest pytest-xdist execnet"
-# Not needed there: wandb is imported by --report_to wandb alone, which no CUDA test or bench uses.
-NOT_CARRIED="wandb"
+IMAGE_HAS="torch numpy accelerate tiktoken tensorboard pyarrow tqdm matplotlib pillow pytest pytest-xdist execnet"
+# Not needed there: wandb is imported by --report_to wandb alone, which no CUDA test or bench uses; ruff lints here,
+# before the suite (run_tests.sh), not on the GPU machine (bench/run_gpu.sh runs pytest itself).
+NOT_CARRIED="wandb ruff"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=${WHEELS:-.whl}

@@ -217,13 +217,9 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
     _publish(tmp, path)
 
 
-# Called after each file a save writes and each file removed (remove_files), for fault-injection tests only (a crash
-# in the save window, or while old checkpoints are removed).
-def _no_hook(file_written: str) -> None:
-    pass
-
-
-_SAVE_HOOK: Callable[[str], None] = _no_hook
+def _SAVE_HOOK(file_written: str) -> None:
+    """Called after each file a save writes and each file removed (remove_files): fault-injection tests replace it (a
+    crash in the save window, or while old checkpoints are removed)."""
 
 
 def save_checkpoint(out_dir: str | os.PathLike, stamp: int, model_state: dict | Callable[[Path], None] | None,

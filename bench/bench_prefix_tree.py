@@ -42,7 +42,7 @@ def main() -> None:
         prompt = torch.randint(2, vocab, (P,), generator=g).tolist()
         completions = [torch.randint(2, vocab, (L,), generator=g).tolist() for _ in range(G)]
         batch = make_sequences([prompt], completions, G, 0, share_prompt=True)
-        args = (batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
+        args = (batch.input_ids, batch.gather, batch.target, batch.branches)
 
         def step() -> None:
             logp, _ = model(*args)
@@ -58,7 +58,7 @@ def main() -> None:
                 step()
             rounds.append((time.perf_counter() - t0) / b.steps * 1000)
         print(json.dumps({"bench": "prefix_tree_group", "shape": name,
-                          "tree": backbone.shares_prefixes(batch["branches"]),
+                          "tree": backbone.shares_prefixes(batch.branches),
                           "threads": b.threads, "ms_per_group": round(min(rounds), 2),
                           "ms_rounds": [round(r, 2) for r in rounds], "torch": torch.__version__}), flush=True)
 

@@ -4,6 +4,7 @@ own step function on a random nanochat-shaped model (gpu_measure.py: shapes, FLO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import types
 from pathlib import Path
@@ -18,6 +19,7 @@ from nanochat_ext.algorithms.advantages import group_advantages
 from nanochat_ext.algorithms.dpo import DPOConfig, dpo_backward, pair_sequences, reference_logps
 from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, per_token, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.data.batching import TokenizedPair
 from nanochat_ext.engine.cost import decode_compiled
 from nanochat_ext.engine.engine import Engine
@@ -113,11 +115,10 @@ def bench_grpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
                                                     batch_size=b.micro, group=G), dtype=torch.float64)
         # As the trainer batches them: a group's prompt shared (prefix-tree rows) where micro-batches hold whole groups
         batch = make_sequences(step_prompts, samples.completions, G, 0, share_prompt=b.micro % G == 0)
-        batch["advantages"] = group_advantages(rewards, G, "group")
-        batch["weights"] = torch.ones(n * G)
-        batch["engine_logp"] = per_token(samples.logprobs, batch["target"].shape)  # train/engine_ratio, as GRPO logs
+        batch = RolloutBatch.of(batch, advantages=group_advantages(rewards, G, "group"), weights=torch.ones(n * G))
+        batch.engine_logp = per_token(samples.logprobs, batch.target.shape)  # train/engine_ratio, as GRPO logs
         with Clock(device) as clocks["reference"]:
-            batch["ref_logp"] = token_logprobs(reference, batch, b.micro, device, autocast_for(device))
+            batch.ref_logp = token_logprobs(reference, batch, b.micro, device, autocast_for(device))
         with Clock(device) as clocks["training"]:
             stats = policy_backward(model, batch, b.micro, loss_cfg, device, autocast_for(device))
             torch.nn.utils.clip_grad_norm_(trainable, 1.0)
@@ -180,12 +181,12 @@ def bench_dpo(shape: str, b: argparse.Namespace, device: torch.device) -> dict:
     cfg_dpo = DPOConfig()
     micro = 2 * b.dpo_micro  # sequences: a pair's two responses
     def step(warm: bool) -> None:
-        step_batch = dict(short if warm else batch)
-        step_batch["ref"] = reference_logps(reference, step_batch, micro, device, autocast_for(device))
+        step_batch = dataclasses.replace(short if warm else batch)
+        step_batch.ref = reference_logps(reference, step_batch, micro, device, autocast_for(device))
         dpo_backward(model, step_batch, micro, cfg_dpo, device, autocast_for(device))
 
     s, peak_gb = timed_steps(step, trainable, optimizer, b, device)
-    computed = float(batch["computed"].sum())
+    computed = float(batch.computed.sum())
     flops = (computed * 4 * block_fwd_flops(cfg, list(policy.blocks), P + R)
              + 2 * n * R * 8 * cfg.n_embd * cfg.vocab_size)
     peak = peak_tflops(device, b.peak_tflops)

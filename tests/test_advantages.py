@@ -12,6 +12,7 @@ import torch
 from nanochat_ext.algorithms.advantages import ESTIMATORS, advantages, group_advantages
 from nanochat_ext.algorithms.grpo import zero_advantage_groups
 from nanochat_ext.algorithms.grpo_config import GRPOConfig
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.errors import InputError
 
 
@@ -57,7 +58,7 @@ def test_estimators_declare_what_they_are_and_flags_are_checked_from_it():
     G, T = 4, 12
     mask = (torch.arange(T)[None, :] < torch.tensor([12, 9, 5, 11, 12, 3, 7, 10])[:, None]).float()  # ragged
     logp = -torch.rand(2 * G, T, generator=g)
-    batch = {"engine_logp": logp, "ref_logp": logp + 0.01 * torch.randn(2 * G, T, generator=g), "mask": mask}
+    batch = RolloutBatch(engine_logp=logp, ref_logp=logp + 0.01 * torch.randn(2 * G, T, generator=g), mask=mask)
     rewards = torch.tensor([1.0] * G + [0.0, 1.0, 1.0, 0.0])  # a group of equal rewards, a group that splits
     cfg = GRPOConfig(advantage="rloo")
     assert cfg.scaling == "none" and GRPOConfig().scaling == "group"  # each its reference's default

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import random
 import re
 
@@ -15,11 +16,12 @@ from torch._dynamo.utils import counters
 
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
 from nanochat_ext.models.compiled import blocks_compiled, compile_blocks
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.models.reward_model import RewardModel
-from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 
 GOLDEN = REPO / "tests" / "fixtures" / "nanochat-golden"
 CPU = torch.device("cpu")
@@ -61,10 +63,9 @@ def grpo_batch(rng: random.Random, prompts: int, group: int, vocab: int) -> dict
     """Ragged prompts and completions, a group's prompt shared (PrefixTree rows), with advantages."""
     prompt_ids = [[rng.randrange(vocab) for _ in range(rng.randint(3, 40))] for _ in range(prompts)]
     completions = [[rng.randrange(vocab) for _ in range(rng.randint(1, 24))] for _ in range(prompts * group)]
-    batch = make_sequences(prompt_ids, completions, group, 0, share_prompt=True)
-    batch["advantages"] = torch.tensor([rng.uniform(-1, 1) for _ in completions])
-    batch["weights"] = torch.ones(len(completions))
-    return batch
+    return RolloutBatch.of(make_sequences(prompt_ids, completions, group, 0, share_prompt=True),
+                           advantages=torch.tensor([rng.uniform(-1, 1) for _ in completions]),
+                           weights=torch.ones(len(completions)))
 
 
 def test_auto_compiles_on_cuda_only():
@@ -105,7 +106,7 @@ def test_ragged_steps_add_no_graphs_after_warm_up():
         with torch.no_grad():
             rm(**{k: v for k, v in rm_batch(rng, 3, vocab).items() if k in ("input_ids", "lengths")})
         batch = grpo_batch(rng, rng.randint(1, 3), 4, vocab)
-        batch["ref_logp"] = token_logprobs(ref, batch, 4, CPU, EAGER)
+        batch.ref_logp = token_logprobs(ref, batch, 4, CPU, EAGER)
         policy_backward(model, batch, 4, LossConfig(beta=0.04), CPU, EAGER)
     graphs_before, runs_before, calls_before = before
     assert counters["stats"]["unique_graphs"] == 0, "new graphs after warm-up"
@@ -163,9 +164,9 @@ def test_compiled_training_agrees_with_eager():
         rm_stats = rm_backward(rm, [pairs], "mean", None, CPU, EAGER)
         rm_grads = [p.grad.clone() for p in rm.parameters() if p.grad is not None]
         rm.zero_grad(set_to_none=True)
-        batch = {**grpo, "ref_logp": token_logprobs(CompletionLogprobs(reference), grpo, 8, CPU, EAGER)}
+        batch = dataclasses.replace(grpo, ref_logp=token_logprobs(CompletionLogprobs(reference), grpo, 8, CPU, EAGER))
         grpo_stats = policy_backward(CompletionLogprobs(bb), batch, 8, LossConfig(beta=0.04), CPU, EAGER)
-        results.append((rm_stats, rm_grads, batch["ref_logp"], grpo_stats, [p.grad.clone() for p in bb.parameters()]))
+        results.append((rm_stats, rm_grads, batch.ref_logp, grpo_stats, [p.grad.clone() for p in bb.parameters()]))
     (rm_e, rm_ge, ref_e, grpo_e, ge), (rm_c, rm_gc, ref_c, grpo_c, gc) = results
     assert len(rm_ge) == len(rm_gc) > 1 and len(ge) == len(gc)
     close = dict(atol=1e-5, rtol=1e-5)
@@ -218,15 +219,15 @@ def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch
     # 4 groups of 4: two micro-batches of 8 rows, 2 prompts each. (With 3 groups the last micro-batch held one prompt, a
     # size-1 dimension that dynamo specialises: four more block graphs, half this test's ~100 s of CPU on 2 cores.)
     batch = grpo_batch(random.Random(2), 4, 4, policy.vocab_size)
-    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference), batch, 8, device, autocast)
+    batch.ref_logp = token_logprobs(CompletionLogprobs(reference), batch, 8, device, autocast)
     _, kl, clipped, tokens, *_ = policy_backward(model, batch, 8, LossConfig(beta=0.04), device, autocast,
                                                  keep_old=True).tolist()
     gap = 0.0
-    for a in range(0, batch["mask"].size(0), 8):  # the second update's log-probs (before its step), micro-batched
-        b = {k: v.to(device) for k, v in slice_batch(batch, slice(a, a + 8)).items()}
+    for a in range(0, batch.mask.size(0), 8):  # the second update's log-probs (before its step), micro-batched
+        b = batch.rows(slice(a, a + 8)).to(device)
         with autocast:
-            logp, _ = model(b["input_ids"], b["gather"], b["target"], b["branches"])
-        gap = max(gap, float(((logp.detach().float().cpu() - b["old_logp"].cpu()) * b["mask"].cpu()).abs().max()))
+            logp, _ = model(b.input_ids, b.gather, b.target, b.branches)
+        gap = max(gap, float(((logp.detach().float().cpu() - b.old_logp.cpu()) * b.mask.cpu()).abs().max()))
     return gap, kl / tokens, clipped / tokens
 
 

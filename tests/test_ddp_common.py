@@ -13,6 +13,7 @@ from conftest import REPO, ulps
 from workers.dist_worker import REWARDS, TOKENS
 
 from nanochat_ext.algorithms.advantages import advantages
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.ddp_common import (
     all_reduce_sum,
     broadcast_object,
@@ -86,7 +87,7 @@ def test_collectives_obey_nccls_device_rule():
     for key in results[0]["batch_advantages"]:
         estimator, std_mode = key.split("/")
         got = torch.tensor(results[0]["batch_advantages"][key] + results[1]["batch_advantages"][key])
-        want = advantages(estimator, REWARDS, 4, "batch", std_mode, TOKENS, 0.05, "k2")
+        want = advantages(estimator, REWARDS, 4, "batch", std_mode, RolloutBatch(**TOKENS), 0.05, "k2")
         torch.testing.assert_close(got, want, atol=ulps(want), rtol=0, msg=key)
     assert len(results[0]["batch_advantages"]) == 5  # GRPO's and RLOO's (sample and population std), REINFORCE++'s
 

@@ -15,6 +15,7 @@ from conftest import assert_bitwise, assert_same_update, run_script, ulps
 from nanochat_ext.algorithms.dpo import (
     DPO_STATS,
     DPOConfig,
+    PairBatch,
     dpo_backward,
     dpo_losses,
     dpo_metrics,
@@ -59,7 +60,7 @@ def test_loss_and_gradient_equal_trls(case):
     if "rewards" in want:
         torch.testing.assert_close(rewards, want["rewards"], atol=1e-6, rtol=0)
     if "metrics" in want:  # TRL's logged means, from our summed stats
-        b = {"tokens": torch.zeros(1), "computed": torch.zeros(1)}
+        b = PairBatch(tokens=torch.zeros(1), computed=torch.zeros(1))
         stats = dict(zip(DPO_STATS[1:], pair_stats(rewards, logps, b).tolist()))
         ours = dpo_metrics(stats)
         for name, value in want["metrics"].items():
@@ -80,8 +81,8 @@ def test_pair_logps_on_a_hugging_face_llama_equal_transformers_forward(assets):
     assert len({len(p.chosen) for p in pairs}) > 2 and len({p.prompt_len for p in pairs}) > 1  # ragged
     batch = pair_sequences(pairs, tok.pad_id)
     with torch.no_grad():
-        logp, _ = CompletionLogprobs(policy)(batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
-    ours, n_tokens = sequence_logps(logp, batch["mask"])
+        logp, _ = CompletionLogprobs(policy)(batch.input_ids, batch.gather, batch.target, batch.branches)
+    ours, n_tokens = sequence_logps(logp, batch.mask)
     hf = AutoModelForCausalLM.from_pretrained(str(assets["hf"]), dtype=torch.float32).eval()
     want = []
     with torch.no_grad():
@@ -148,7 +149,7 @@ def test_weighted_loss_over_micro_batches_is_the_global_formula(assets):
         policy.set_trainable("all")
         model = CompletionLogprobs(policy)
         batch = pair_sequences(pairs, tok.pad_id)
-        batch["ref"] = torch.linspace(-60, -40, 12)
+        batch.ref = torch.linspace(-60, -40, 12)
         stats = dpo_backward(model, batch, micro, cfg, torch.device("cpu"), contextlib.nullcontext())
         losses.append(stats[0].item())
         grads.append({n: p.grad.clone() for n, p in policy.named_parameters()})
@@ -157,9 +158,9 @@ def test_weighted_loss_over_micro_batches_is_the_global_formula(assets):
         for i, p in enumerate(pairs):
             b = make_sequences([p.chosen[:p.prompt_len]], [p.chosen[p.prompt_len:], p.rejected[p.prompt_len:]], 2,
                                tok.pad_id)  # one row per response, no prefix tree
-            logp, _ = model(b["input_ids"], b["gather"], b["target"])
-            logps, n = sequence_logps(logp, b["mask"])
-            alone.append(dpo_losses(logps, batch["ref"][2 * i:2 * i + 2].view(1, 2), n, cfg)[0])
+            logp, _ = model(b.input_ids, b.gather, b.target)
+            logps, n = sequence_logps(logp, b.mask)
+            alone.append(dpo_losses(logps, batch.ref[2 * i:2 * i + 2].view(1, 2), n, cfg)[0])
     w = torch.tensor([p.weight for p in pairs])
     want = float((w * torch.cat(alone)).sum() / w.sum())
     assert losses == pytest.approx([want] * 3, abs=1e-5)

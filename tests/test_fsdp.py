@@ -165,9 +165,9 @@ def test_activation_checkpointing_gives_the_same_gradients(assets):
             if ac:
                 checkpoint_activations(policy.blocks)
             batch = make_sequences([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]], 2, 0, True)
-            logp, _ = CompletionLogprobs(policy)(batch["input_ids"], batch["gather"], batch["target"],
-                                                 batch.get("branches"))
-            (logp * batch["mask"]).sum().backward()
+            logp, _ = CompletionLogprobs(policy)(batch.input_ids, batch.gather, batch.target,
+                                                 batch.branches)
+            (logp * batch.mask).sum().backward()
             grads.append({n: p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None})
             runs.append(len(calls))
         assert runs == [1, 2]  # checkpointed: the block ran again in the backward pass

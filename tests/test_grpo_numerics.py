@@ -5,11 +5,12 @@ import pytest
 import torch
 
 from nanochat_ext.algorithms.grpo import LOSS_STATS, LossConfig, loss_normaliser, policy_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.algorithms.rollouts import Rollout, SignalFilter, in_global_order, zero_std_groups
 from nanochat_ext.engine.sampling import SamplingConfig, sample_token
 from nanochat_ext.models.attention import PrefixTree
 from nanochat_ext.models.loader import load_backbone
-from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, slice_batch, token_logprobs
+from nanochat_ext.training.logprobs import CompletionLogprobs, make_sequences, token_logprobs
 
 
 def test_logprobs_are_taken_at_the_sampling_temperature(assets):
@@ -17,11 +18,11 @@ def test_logprobs_are_taken_at_the_sampling_temperature(assets):
     bb = load_backbone(assets["gpt_modern"])
     batch = make_sequences([[5, 17, 42]], [[7, 8, 9, 10]], 1, 0)
     with torch.no_grad():
-        logits = bb(batch["input_ids"])[0, 2:6]  # positions that predict the completion's tokens
+        logits = bb(batch.input_ids)[0, 2:6]  # positions that predict the completion's tokens
         for T in (0.7, 1.0, 1.6):
-            logp, entropy = CompletionLogprobs(bb, temperature=T)(batch["input_ids"], batch["gather"], batch["target"])
+            logp, entropy = CompletionLogprobs(bb, temperature=T)(batch.input_ids, batch.gather, batch.target)
             want = torch.log_softmax(logits / T, -1)
-            torch.testing.assert_close(logp[0], want.gather(-1, batch["target"][0, :, None])[:, 0])
+            torch.testing.assert_close(logp[0], want.gather(-1, batch.target[0, :, None])[:, 0])
             torch.testing.assert_close(entropy[0], -(want.exp() * want).sum(-1))
     with pytest.raises(ValueError, match="temperature > 0"):
         CompletionLogprobs(bb, temperature=0.0)
@@ -103,12 +104,13 @@ def test_pg_objective_is_chat_rls_printed_loss_normalised_as_ours(assets, agg):
     """train/pg_objective = -sum(A logp) / N, N our loss's normaliser, aggregated as our loss (two micro-batches, a
     masked token, unequal weights); on-policy our loss is -sum(A) / N (the ratio is 1), another number."""
     model = CompletionLogprobs(load_backbone(assets["gpt_modern"]))
-    batch = make_sequences([[5, 17, 42], [9, 3]], [[7, 8, 9, 10], [11, 12], [13], [14, 15, 16]], 2, 0)
-    batch["mask"][0, 1] = 0.0
-    batch["advantages"], batch["weights"] = torch.tensor([1.0, -0.5, 0.25, -2.0]), torch.tensor([1.0, 1.0, 3.0, 3.0])
+    sequences = make_sequences([[5, 17, 42], [9, 3]], [[7, 8, 9, 10], [11, 12], [13], [14, 15, 16]], 2, 0)
+    batch = RolloutBatch.of(sequences, advantages=torch.tensor([1.0, -0.5, 0.25, -2.0]),
+                            weights=torch.tensor([1.0, 1.0, 3.0, 3.0]))
+    batch.mask[0, 1] = 0.0
     cfg = LossConfig(loss_agg=agg, beta=0.0)
     logp = token_logprobs(model, batch, 2, torch.device("cpu"), torch.autocast("cpu", enabled=False)).double()
-    mask, adv, w = batch["mask"].double(), batch["advantages"].double()[:, None], batch["weights"].double()
+    mask, adv, w = batch.mask.double(), batch.advantages.double()[:, None], batch.weights.double()
     if agg == "token":
         N = (w[:, None] * mask).sum()
         want, ours = -(adv * logp * w[:, None] * mask).sum() / N, -(adv * w[:, None] * mask).sum() / N
@@ -178,20 +180,20 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
     results = []
     for share in (False, True):
         batch = make_sequences(prompts, completions, G, 0, share)
-        assert batch["input_ids"].size(0) == (2 if share else 8)
+        assert batch.input_ids.size(0) == (2 if share else 8)
         if share:
-            assert bb.shares_prefixes(batch["branches"]) == bb.native
+            assert bb.shares_prefixes(batch.branches) == bb.native
             # Shared: the prompt less its last token (the empty completion's branch); the prompt and the first
             # common token (the completion that is only the common tokens keeps the second).
-            assert batch["branches"][:, 0].tolist() == [8, 31]
+            assert batch.branches[:, 0].tolist() == [8, 31]
         bb.zero_grad()
         logp, entropy = [], []
         for a in (0, 4):
-            b = slice_batch(batch, slice(a, a + 4))
-            lp, ent = logprobs(b["input_ids"], b["gather"], b["target"], b.get("branches"))
-            (lp * b["mask"]).sum().backward()
-            logp.append(torch.nn.functional.pad(lp * b["mask"], (0, 12 - lp.size(1))).detach())
-            entropy.append(torch.nn.functional.pad(ent * b["mask"], (0, 12 - lp.size(1))))
+            b = batch.rows(slice(a, a + 4))
+            lp, ent = logprobs(b.input_ids, b.gather, b.target, b.branches)
+            (lp * b.mask).sum().backward()
+            logp.append(torch.nn.functional.pad(lp * b.mask, (0, 12 - lp.size(1))).detach())
+            entropy.append(torch.nn.functional.pad(ent * b.mask, (0, 12 - lp.size(1))))
         results.append((torch.cat(logp), torch.cat(entropy), {n: p.grad.clone() for n, p in bb.named_parameters()
                                                                if p.grad is not None}))
     (want, want_ent, want_grads), (got, got_ent, got_grads) = results
@@ -202,7 +204,7 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
     for n, grad in want_grads.items():
         torch.testing.assert_close(got_grads[n], grad, atol=1e-5, rtol=1e-4, msg=n)
     with pytest.raises(ValueError, match="split a group of 4"):
-        slice_batch(make_sequences(prompts, completions, G, 0, True), slice(0, 2))
+        make_sequences(prompts, completions, G, 0, True).rows(slice(0, 2))
 
 
 def test_prefix_trees_are_used_where_they_cost_fewer_flops():

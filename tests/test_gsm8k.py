@@ -80,7 +80,7 @@ def test_sft_batches_leave_python_outputs_out_of_the_loss(tok):
         in_output = in_output or t == tok.special("<|output_start|>")
         expected.append(0.0 if in_output else 1.0)
         in_output = in_output and t != tok.special("<|output_end|>")
-    assert batch["mask"][0].tolist() == expected and expected.count(0.0) > len(output)
+    assert batch.mask[0].tolist() == expected and expected.count(0.0) > len(output)
 
 
 def test_sft_runs_on_gsm8k_rows(tmp_path, capsys):

@@ -76,3 +76,18 @@ def test_no_module_is_over_450_lines():
     long = {m: n for m in modules() if (n := len((PACKAGE / f"{m.replace('.', '/')}.py").read_text().splitlines()))
             > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines, a module with two jobs: {long}"
+
+
+def test_the_trainers_batches_are_typed():
+    """A completion batch crosses the modules that fill and read it as a dataclass (Sequences, GRPO's RolloutBatch,
+    DPO's PairBatch), never as a dict keyed by strings: no `batch["..."]` or `b["..."]` in the modules that make,
+    slice, score or train on it. It fails on the code before RolloutBatch (grpo.py read `batch["engine_logp"]`)."""
+    keyed = []
+    for module in ("training.logprobs", "algorithms.rollout_batch", "algorithms.advantages", "algorithms.grpo",
+                   "algorithms.dpo", "algorithms.sft"):
+        tree = ast.parse((PACKAGE / f"{module.replace('.', '/')}.py").read_text())
+        keyed += [f"{module}:{node.lineno}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+                  and isinstance(node.slice.value, str) and isinstance(node.value, ast.Name)
+                  and node.value.id in ("batch", "b", "x")]
+    assert not keyed, keyed

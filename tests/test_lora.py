@@ -125,11 +125,11 @@ def test_compiled_blocks_run_peft_layers_whole_and_as_eager():
         reference, out = WithoutAdapters(model, bb), []
         for prompts, completions in (([[1, 5, 7, 9], [1, 4]], [[3, 8], [6, 2, 5], [9], [4, 4, 4]]),):  # ragged rows
             batch = make_sequences(prompts, completions, 2, 0, share_prompt=True)
-            args = (batch["input_ids"], batch["gather"], batch["target"], batch["branches"])
+            args = (batch.input_ids, batch.gather, batch.target, batch.branches)
             with torch.no_grad():
                 out.append(reference(*args)[0])
             logp = model(*args)[0]
-            (logp * batch["mask"]).sum().backward()
+            (logp * batch.mask).sum().backward()
             out.append(logp.detach())
         runs.append((out, {n: p.grad for n, p in bb.named_parameters() if p.grad is not None}))
         if compiled:

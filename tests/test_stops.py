@@ -177,8 +177,8 @@ def test_the_loss_and_the_reward_see_the_same_whichever_stop_ended_a_row(kinds, 
     for m in (model, other):
         samples = Engine(m).generate(PROMPTS, 1, GREEDY, tok.stop_ids, tok.pad_id, seeds(len(PROMPTS)))
         batch = make_sequences(PROMPTS, samples.completions, 1, tok.pad_id)
-        batch["mask"][torch.tensor(samples.truncated)] = 0.0
-        seen.append((samples, batch["mask"], rewards.score(rows, PROMPTS, samples, tok, 1)[0]))
+        batch.mask[torch.tensor(samples.truncated)] = 0.0
+        seen.append((samples, batch.mask, rewards.score(rows, PROMPTS, samples, tok, 1)[0]))
     (first, mask, reward), (second, other_mask, other_reward) = seen
     assert [c[-1] for c, t in zip(first.completions, first.truncated) if not t] != \
         [c[-1] for c, t in zip(second.completions, second.truncated) if not t]  # the stops swapped

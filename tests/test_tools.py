@@ -18,6 +18,7 @@ from torch._dynamo.utils import counters
 from nanochat_ext.agent.agent import Agent, AgentConfig
 from nanochat_ext.algorithms.evaluation import pass_at_k
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.data.conversations import load_conversations
 from nanochat_ext.data.rows import load_prompts
 from nanochat_ext.engine.engine import Engine
@@ -98,8 +99,8 @@ def test_no_gradient_flows_through_forced_tokens(policy):
     def grads(masks, target_at_forced: int | None) -> list[torch.Tensor]:
         batch = make_sequences(prompts, completions, 1, tok.pad_id, token_mask=masks)
         if target_at_forced is not None:
-            batch["target"][0, forced] = target_at_forced
-        batch["advantages"], batch["weights"] = torch.tensor([1.0, -0.5]), torch.ones(2)
+            batch.target[0, forced] = target_at_forced
+        batch = RolloutBatch.of(batch, advantages=torch.tensor([1.0, -0.5]), weights=torch.ones(2))
         bb.zero_grad(set_to_none=True)
         policy_backward(CompletionLogprobs(bb), batch, 2, LossConfig(beta=0.0), torch.device("cpu"),
                         torch.autocast("cpu", enabled=False))

@@ -22,6 +22,7 @@ from nanochat_ext.algorithms.advantages import (
 )
 from nanochat_ext.algorithms.grpo import LossConfig, engine_weights, grpo_loss, loss_normaliser
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.training.logprobs import token_logprobs_chunked
 
 GOLDEN = torch.load(Path(__file__).parent / "fixtures" / "trl-golden" / "golden.pt", weights_only=True)
@@ -101,7 +102,7 @@ def test_rloo_kl_in_the_reward_and_loss_equal_trls():
     completions, one fully masked: TRL's loss counts that one's -A (a constant: no gradient), ours 0."""
     g, want = GOLDEN, LINES["rloo_kl"]
     mask = g["mask"]
-    batch = {"engine_logp": g["old_logp"], "ref_logp": g["ref_logp"], "mask": mask}
+    batch = RolloutBatch(engine_logp=g["old_logp"], ref_logp=g["ref_logp"], mask=mask)
     got = advantages("rloo", want["rewards"], want["group_size"], "none", batch=batch, kl_coef=want["beta"])
     torch.testing.assert_close(got, want["advantages"].float(), atol=1e-6, rtol=0)
     assert float(sequence_kl(g["old_logp"], g["ref_logp"], mask, "k1").sum() / mask.sum()) == \

@@ -13,6 +13,7 @@ import transformers
 
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
 from nanochat_ext.algorithms.rm import rm_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.data.batching import TokenizedPair, collate_pairs
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
@@ -116,9 +117,8 @@ def test_the_zoo_trains_on_its_own_logits_and_saves_back(family, assets, tmp_pat
     samples = Engine(bb).generate(prompts, 2, cfg, tok.stop_ids, tok.pad_id,
                                   [torch.Generator().manual_seed(i) for i in range(2)])
     completions = [c if c else [tok.eos_id] for c in samples.completions]
-    batch = make_sequences(prompts, completions, 2, tok.pad_id)
-    batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    batch["weights"] = torch.ones(4)
+    batch = RolloutBatch.of(make_sequences(prompts, completions, 2, tok.pad_id),
+                            advantages=torch.tensor([1.0, -1.0, 0.5, -0.5]), weights=torch.ones(4))
     before = {k: v.detach().clone() for k, v in bb.state_dict().items()}
     optimizer = torch.optim.SGD([p for p in bb.parameters() if p.requires_grad], lr=0.1)
     stats = policy_backward(CompletionLogprobs(bb), batch, 4, LossConfig(), torch.device("cpu"),

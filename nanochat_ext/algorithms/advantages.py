@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.ddp_common import all_reduce_sum
 from nanochat_ext.errors import InputError
 
@@ -20,14 +21,14 @@ SCALE_REWARDS = ("group", "batch", "none")
 @dataclass(frozen=True)
 class AdvantageInputs:
     """What an estimator reads of a step: the rewards (one per completion, prompt-major, G a prompt), --scale_rewards
-    and --std_mode, the batch (its mask, pi_old's log-probs "engine_logp", the reference's "ref_logp" or the teacher's
-    "teacher_logp"), the coefficient of a KL in the reward (or distillation's), the KL estimator, distillation's
+    and --std_mode, the batch (its mask, pi_old's log-probs engine_logp, the reference's ref_logp or the teacher's
+    teacher_logp), the coefficient of a KL in the reward (or distillation's), the KL estimator, distillation's
     discount, and the completions whose groups are in the loss (kept; None: all)."""
     rewards: torch.Tensor
     group_size: int
     scale: str = "none"
     std_mode: str = "sample"
-    batch: dict[str, torch.Tensor] | None = None
+    batch: RolloutBatch | None = None
     kl_coef: float = 0.0
     kl_estimator: str = "k1"
     discount: float = 0.0
@@ -176,12 +177,12 @@ def distill_advantages(rewards: torch.Tensor, group_size: int, student_logp: tor
 
 
 def advantages(estimator: str, rewards: torch.Tensor, group_size: int, scale: str, std_mode: str = "sample",
-               batch: dict[str, torch.Tensor] | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
+               batch: RolloutBatch | None = None, kl_coef: float = 0.0, kl_estimator: str = "k1",
                discount: float = 0.0, kept: torch.Tensor | None = None) -> torch.Tensor:
     """The advantages --advantage names (a key of ESTIMATORS): one per completion, or REINFORCE++'s and
-    distillation's per token, which read the batch's mask, pi_old's log-probs (the engine's, "engine_logp") and the
-    reference's ("ref_logp") or the teacher's ("teacher_logp"); kl_coef: the coefficient of the KL in the reward
-    (RLOO's, REINFORCE++'s; none without "ref_logp") or distillation's; kept: the completions whose groups are in the
+    distillation's per token, which read the batch's mask, pi_old's log-probs (the engine's, engine_logp) and the
+    reference's (ref_logp) or the teacher's (teacher_logp); kl_coef: the coefficient of the KL in the reward
+    (RLOO's, REINFORCE++'s; none without ref_logp) or distillation's; kept: the completions whose groups are in the
     loss (a batch-wide scaling counts only them; REINFORCE++ counts the mask's tokens)."""
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage {estimator!r}")
@@ -193,15 +194,15 @@ def _rloo(x: AdvantageInputs) -> torch.Tensor:
     """RLOO's leave-one-out advantages, of the rewards less beta x each completion's KL where the batch has the
     reference's log-probs (TRL's RLOOTrainer)."""
     rewards = x.rewards
-    if x.batch is not None and x.batch.get("ref_logp") is not None and x.kl_coef > 0:
-        rewards = rewards.double() - x.kl_coef * sequence_kl(x.batch["engine_logp"], x.batch["ref_logp"],
-                                                             x.batch["mask"], x.kl_estimator)
+    if x.batch is not None and x.batch.ref_logp is not None and x.kl_coef > 0:
+        rewards = rewards.double() - x.kl_coef * sequence_kl(x.batch.engine_logp, x.batch.ref_logp, x.batch.mask,
+                                                             x.kl_estimator)
     return rloo_advantages(rewards, x.group_size, x.scale, x.std_mode, x.kept)
 
 
 def _reinforce_pp(baseline: bool) -> Callable[[AdvantageInputs], torch.Tensor]:
-    return lambda x: reinforce_pp_advantages(x.rewards, x.group_size, x.batch["engine_logp"], x.batch.get("ref_logp"),
-                                             x.batch["mask"], x.kl_coef, x.kl_estimator, baseline)
+    return lambda x: reinforce_pp_advantages(x.rewards, x.group_size, x.batch.engine_logp, x.batch.ref_logp,
+                                             x.batch.mask, x.kl_coef, x.kl_estimator, baseline)
 
 
 # The estimators --advantage names, each declaring what it is (the flags' checks read it) and computing its own.
@@ -215,8 +216,8 @@ ESTIMATORS: dict[str, Estimator] = {
                                                               "batch, so a group of equal rewards is not zero",
                                        _reinforce_pp(True)),
     "distill": Estimator(False, False, (), None, "the Tinker cookbook: each token's reverse KL to the teacher",
-                         lambda x: distill_advantages(x.rewards, x.group_size, x.batch["engine_logp"],
-                                                      x.batch["teacher_logp"], x.batch["mask"], x.kl_coef,
+                         lambda x: distill_advantages(x.rewards, x.group_size, x.batch.engine_logp,
+                                                      x.batch.teacher_logp, x.batch.mask, x.kl_coef,
                                                       x.discount)),
 }
 

@@ -22,7 +22,7 @@ from nanochat_ext.errors import InputError
 from nanochat_ext.models.lora import dropout_active
 from nanochat_ext.runtime.oom import smaller_micro
 from nanochat_ext.runtime.progress import Phase
-from nanochat_ext.training.logprobs import accumulate_backward, make_sequences, token_logprobs
+from nanochat_ext.training.logprobs import Sequences, accumulate_backward, make_sequences, per, token_logprobs
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory
 from nanochat_ext.training.optim import SCHEDULED
@@ -118,20 +118,29 @@ def dpo_losses(logp: torch.Tensor, ref: torch.Tensor | None, n_tokens: torch.Ten
     return losses, cfg.beta * ratio.detach()
 
 
-def pair_sequences(pairs: list[TokenizedPair], pad_id: int) -> dict[str, torch.Tensor]:
+@dataclass(slots=True)
+class PairBatch(Sequences):
+    """Pairs as completions (pair_sequences), and per completion: its pair's weight, half its pair's tokens and
+    computed tokens (as collate_pairs counts them), and its summed reference log-prob (ref; None until computed)."""
+    weights: torch.Tensor | None = per("completion")
+    tokens: torch.Tensor | None = per("completion")
+    computed: torch.Tensor | None = per("completion")
+    ref: torch.Tensor | None = per("completion")
+
+
+def pair_sequences(pairs: list[TokenizedPair], pad_id: int) -> PairBatch:
     """The pairs as completion batches (make_sequences): completion 2i is pair i's chosen response, 2i + 1 its
     rejected one, both after the pair's prompt; what they share (the prompt at least) is one prefix-tree row.
     Per completion: its pair's weight, half its pair's tokens and computed tokens (as collate_pairs counts them),
     and its reference log-prob where the pairs carry them (--precompute_ref_logps)."""
     prompts = [p.chosen[:p.prompt_len] for p in pairs]
     completions = [r for p in pairs for r in (p.chosen[p.prompt_len:], p.rejected[p.prompt_len:])]
-    batch = make_sequences(prompts, completions, 2, pad_id, share_prompt=True)
-    batch["weights"] = torch.tensor([p.weight for p in pairs], dtype=torch.float32).repeat_interleave(2)
-    batch["tokens"] = torch.tensor([len(p.chosen) + len(p.rejected) for p in pairs]).repeat_interleave(2) / 2
-    batch["computed"] = batch["branches"].sum(1).repeat_interleave(2) / 2
-    if pairs[0].ref is not None:
-        batch["ref"] = torch.tensor([r for p in pairs for r in p.ref], dtype=torch.float32)
-    return batch
+    sequences = make_sequences(prompts, completions, 2, pad_id, share_prompt=True)
+    return PairBatch.of(
+        sequences, weights=torch.tensor([p.weight for p in pairs], dtype=torch.float32).repeat_interleave(2),
+        tokens=torch.tensor([len(p.chosen) + len(p.rejected) for p in pairs]).repeat_interleave(2) / 2,
+        computed=sequences.branches.sum(1).repeat_interleave(2) / 2,
+        ref=torch.tensor([r for p in pairs for r in p.ref], dtype=torch.float32) if pairs[0].ref is not None else None)
 
 
 def sequence_logps(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,27 +148,27 @@ def sequence_logps(logp: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor
     return (logp * mask).sum(1).view(-1, 2), mask.sum(1).view(-1, 2)
 
 
-def pair_stats(rewards: torch.Tensor, logps: torch.Tensor, b: dict[str, torch.Tensor]) -> torch.Tensor:
+def pair_stats(rewards: torch.Tensor, logps: torch.Tensor, b: PairBatch) -> torch.Tensor:
     """DPO_STATS after the loss: pairs, correct, rewards and log-probs summed, tokens and computed tokens."""
     r, s = rewards.detach().double().cpu(), logps.detach().double().cpu()
     return torch.tensor([r.size(0), (r[:, 0] > r[:, 1]).sum().item(), r[:, 0].sum().item(), r[:, 1].sum().item(),
-                         s[:, 0].sum().item(), s[:, 1].sum().item(), b["tokens"].sum().item(),
-                         b["computed"].sum().item()], dtype=torch.float64)
+                         s[:, 0].sum().item(), s[:, 1].sum().item(), b.tokens.sum().item(),
+                         b.computed.sum().item()], dtype=torch.float64)
 
 
-def dpo_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: DPOConfig, device: torch.device,
+def dpo_backward(model: nn.Module, batch: PairBatch, micro: int, cfg: DPOConfig, device: torch.device,
                  autocast: contextlib.AbstractContextManager) -> torch.Tensor:
-    """One optimizer step's forward + backward on this rank's pairs (pair_sequences, with "ref" unless SimPO), in
+    """One optimizer step's forward + backward on this rank's pairs (pair_sequences, with ref unless SimPO), in
     micro-batches of `micro` completions (whole pairs). The loss is sum_i w_i * loss_i over the global batch
     divided by its normaliser (the reward model's weight modes), summed over ranks before any backward, so it does
     not depend on how the batch is split. Returns this rank's DPO_STATS."""
-    weights = batch["weights"][::2]
+    weights = batch.weights[::2]
     normaliser = max(all_reduce_sum(loss_normaliser(weights, cfg.weight_mode, cfg.weight_cap)).item(), 1e-8)
 
-    def loss_fn(b, logp, entropy):
-        logps, n_tokens = sequence_logps(logp, b["mask"])
-        losses, rewards = dpo_losses(logps, b["ref"].view(-1, 2) if cfg.uses_reference else None, n_tokens, cfg)
-        w = effective_weights(b["weights"][::2], cfg.weight_mode, cfg.weight_cap)
+    def loss_fn(b: PairBatch, logp, entropy):
+        logps, n_tokens = sequence_logps(logp, b.mask)
+        losses, rewards = dpo_losses(logps, b.ref.view(-1, 2) if cfg.uses_reference else None, n_tokens, cfg)
+        w = effective_weights(b.weights[::2], cfg.weight_mode, cfg.weight_cap)
         return (w * losses).sum() / normaliser, pair_stats(rewards, logps, b)
 
     return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
@@ -168,15 +177,15 @@ def dpo_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, c
 @torch.no_grad()
 def over_ranks(model: nn.Module, pairs: list[TokenizedPair], pad_id: int, pairs_per_forward: int, world: int,
                rank: int, device: torch.device, autocast: contextlib.AbstractContextManager,
-               reference: nn.Module | None = None) -> Iterator[tuple[list[int], dict[str, torch.Tensor], torch.Tensor]]:
+               reference: nn.Module | None = None) -> Iterator[tuple[list[int], PairBatch, torch.Tensor]]:
     """Collective: yields (indices, batch, token log-probs) for this rank's share of `pairs` under `model`,
     without grad, the same number of forwards on every rank (a rank with fewer pairs runs a pair it then leaves
-    out); with `reference`, each batch's "ref" too, where the pairs do not carry it, as many forwards alike."""
+    out); with `reference`, each batch's ref too, where the pairs do not carry it, as many forwards alike."""
     for chunk in rank_chunks(len(pairs), world, rank, pairs_per_forward):
         batch = pair_sequences([pairs[i] for i in chunk or [0]], pad_id)
-        logp = token_logprobs(model, batch, batch["mask"].size(0), device, autocast)
-        if reference is not None and "ref" not in batch:
-            batch["ref"] = reference_logps(reference, batch, batch["mask"].size(0), device, autocast)
+        logp = token_logprobs(model, batch, batch.completions, device, autocast)
+        if reference is not None and batch.ref is None:
+            batch.ref = reference_logps(reference, batch, batch.completions, device, autocast)
         if chunk:
             yield chunk, batch, logp
 
@@ -187,15 +196,15 @@ def precompute_reference(reference: nn.Module, pairs: list[TokenizedPair], pad_i
     """Collective: every pair's reference log-probs (chosen, rejected) into pair.ref, each rank computing its share."""
     out = torch.zeros(len(pairs), 2, dtype=torch.float64)
     for chunk, batch, logp in over_ranks(reference, pairs, pad_id, pairs_per_forward, world, rank, device, autocast):
-        out[chunk] = sequence_logps(logp, batch["mask"])[0].double()
+        out[chunk] = sequence_logps(logp, batch.mask)[0].double()
     for p, ref in zip(pairs, all_reduce_sum(out).tolist()):
         p.ref = (ref[0], ref[1])
 
 
-def reference_logps(reference: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+def reference_logps(reference: nn.Module, batch: PairBatch, micro: int, device: torch.device,
                     autocast: contextlib.AbstractContextManager) -> torch.Tensor:
-    """Each completion's summed log-prob under the frozen reference, without grad: the batch's "ref"."""
-    return (token_logprobs(reference, batch, micro, device, autocast) * batch["mask"]).sum(1)
+    """Each completion's summed log-prob under the frozen reference, without grad: the batch's ref."""
+    return (token_logprobs(reference, batch, micro, device, autocast) * batch.mask).sum(1)
 
 
 def dpo_evaluate(model: nn.Module, reference: nn.Module | None, pairs: list[TokenizedPair], pad_id: int,
@@ -206,8 +215,8 @@ def dpo_evaluate(model: nn.Module, reference: nn.Module | None, pairs: list[Toke
     stats = torch.zeros(len(DPO_STATS), dtype=torch.float64)
     for _, batch, logp in over_ranks(model, pairs, pad_id, pairs_per_forward, world, rank, device, autocast,
                                      reference if cfg.uses_reference else None):
-        logps, n_tokens = sequence_logps(logp, batch["mask"])
-        losses, rewards = dpo_losses(logps, batch["ref"].view(-1, 2) if cfg.uses_reference else None, n_tokens, cfg)
+        logps, n_tokens = sequence_logps(logp, batch.mask)
+        losses, rewards = dpo_losses(logps, batch.ref.view(-1, 2) if cfg.uses_reference else None, n_tokens, cfg)
         stats += torch.cat([losses.sum().double().cpu().view(1), pair_stats(rewards, logps, batch)])
     s = dict(zip(DPO_STATS, all_reduce_sum(stats).tolist()))
     return {"val/loss": s["loss"] / max(s["pairs"], 1.0), **dpo_metrics(s, "val/")}
@@ -253,7 +262,7 @@ class DPO:
         if self.reference is not None:
             with loop.progress.doing(f"the reference's log-probs, {plan.device_batch_size} pairs at a time",
                                      smaller_micro(plan.device_batch_size, plan.per_rank)):
-                batch["ref"] = reference_logps(self.reference, batch, micro, env.device, t.autocast)
+                batch.ref = reference_logps(self.reference, batch, micro, env.device, t.autocast)
         with loop.progress.doing(f"a training micro-batch of {plan.device_batch_size} pairs",
                                  t.training_hints(plan.device_batch_size, plan.per_rank)), dropout_active(t.policy):
             stats = dpo_backward(t.ddp_model, batch, micro, self.cfg, env.device, t.autocast)

@@ -19,6 +19,7 @@ from nanochat_ext.algorithms.advantages import advantages, sequence_kl
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.grpo_config import GRPOConfig, LossConfig
 from nanochat_ext.algorithms.rewards import Rewards
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.algorithms.rollouts import (
     FEWER_COMPLETIONS,
     ZERO_STD,
@@ -150,14 +151,14 @@ def per_token(values: list[list[float]], shape: torch.Size) -> torch.Tensor:
     return out
 
 
-def engine_gap(b: dict[str, torch.Tensor], logp: torch.Tensor) -> torch.Tensor:
-    """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without "engine_logp"); logp: pi_old,
+def engine_gap(b: RolloutBatch, logp: torch.Tensor) -> torch.Tensor:
+    """The engine's LOSS_STATS sums over a micro-batch's scored tokens (zeros without engine_logp); logp: pi_old,
     the first update's log-probs in every update."""
-    if "engine_logp" not in b:
+    if b.engine_logp is None:
         return torch.zeros(4, dtype=torch.float64)
     with torch.no_grad():
-        scored = b["mask"] > 0
-        gap = torch.where(scored, logp.detach().double() - b["engine_logp"].double(), 0.0)
+        scored = b.mask > 0
+        gap = torch.where(scored, logp.detach().double() - b.engine_logp.double(), 0.0)
         return torch.stack([(gap.exp() * scored).sum(), gap.abs().sum(), (gap.abs() > FAR).sum(), scored.sum()]
                            ).double().cpu()
 
@@ -167,35 +168,35 @@ LOSS_STATS = ("loss", "kl", "clipped", "loss_tokens", "pg_objective", "entropy",
 FAR = math.log(2.0)  # train/engine_far: a token whose trainer/engine ratio is past 2x either way
 
 
-def policy_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, cfg: LossConfig,
+def policy_backward(model: nn.Module, batch: RolloutBatch, micro: int, cfg: LossConfig,
                     device: torch.device, autocast: contextlib.AbstractContextManager,
                     keep_old: bool = False) -> torch.Tensor:
     """One GRPO optimizer step's forward + backward on this rank, normalised over the global batch
     (denominator summed before any backward). Returns [loss, kl sum, clipped tokens, tokens, pg objective, entropy
-    sum, the engine's sums] (LOSS_STATS; the engine's where the batch has "engine_logp", the log-prob of each token
+    sum, the engine's sums] (LOSS_STATS; the engine's where the batch has engine_logp, the log-prob of each token
     as the rollout engine computed it: how far the trainer's log-probs are from those the tokens were sampled with).
-    pi_old is batch["old_logp"] where the batch has it, else this pass's own log-probs (the ratio is 1). keep_old
-    (the first of --num_iterations updates): the batch keeps them as "old_logp" for its later updates. They are the
+    pi_old is batch.old_logp where the batch has it, else this pass's own log-probs (the ratio is 1). keep_old
+    (the first of --num_iterations updates): the batch keeps them as old_logp for its later updates. They are the
     training graph's log-probs, dropout included, not a separate no-grad pass's, which compiled (inductor fuses the
     two graphs apart) and in bf16 differ from them by rounding (up to 0.06 on CPU's bf16: a first ratio off 1)."""
-    normaliser = all_reduce_sum(loss_normaliser(batch["mask"], batch["weights"], cfg)).item()
+    normaliser = all_reduce_sum(loss_normaliser(batch.mask, batch.weights, cfg)).item()
     normaliser = max(normaliser, 1e-8)  # every completion masked: the loss is 0, not NaN
-    olds = [] if keep_old and "old_logp" not in batch else None
+    olds = [] if keep_old and batch.old_logp is None else None
 
-    def loss_fn(b, logp, entropy):
-        old = b["old_logp"] if "old_logp" in b else logp.detach()
+    def loss_fn(b: RolloutBatch, logp, entropy):
+        old = b.old_logp if b.old_logp is not None else logp.detach()
         if olds is not None:
             olds.append(old.float().cpu())
-        loss, stats = grpo_loss(logp, old, b.get("ref_logp"), b["advantages"], b["mask"], b["weights"], cfg,
-                                normaliser, b.get("engine_logp"))
-        return loss, torch.cat([stats, (entropy * b["mask"]).sum().double().cpu().view(1), engine_gap(b, old)])
+        loss, stats = grpo_loss(logp, old, b.ref_logp, b.advantages, b.mask, b.weights, cfg, normaliser,
+                                b.engine_logp)
+        return loss, torch.cat([stats, (entropy * b.mask).sum().double().cpu().view(1), engine_gap(b, old)])
 
     total = accumulate_backward(model, batch, micro, device, autocast, loss_fn)
     if olds is not None:
-        batch["old_logp"] = torch.zeros(batch["target"].shape)
+        batch.old_logp = torch.zeros(batch.target.shape)
         row = 0
         for old in olds:  # micro-batches in order, each cut to its own longest completion
-            batch["old_logp"][row:row + old.size(0), :old.size(1)] = old
+            batch.old_logp[row:row + old.size(0), :old.size(1)] = old
             row += old.size(0)
     return total
 
@@ -269,36 +270,36 @@ class GRPO:
             log_rollouts(loop.tracker, step + 1, ro, total, t.tok)
         # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
         # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
-        batch = make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G, t.tok.pad_id,
-                               micro % G == 0, ro.sampled)
+        batch = RolloutBatch.of(make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G,
+                                               t.tok.pad_id, micro % G == 0, ro.sampled),
+                                weights=torch.tensor([self.train.rows[i].weight for i in ro.indices],
+                                                     dtype=torch.float32).repeat_interleave(G))
         if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
-            batch["engine_logp"] = per_token(ro.logprobs, batch["target"].shape)
-        batch["weights"] = torch.tensor([self.train.rows[i].weight for i in ro.indices],
-                                        dtype=torch.float32).repeat_interleave(G)
+            batch.engine_logp = per_token(ro.logprobs, batch.target.shape)
         if self.rollout.mask_truncated:
-            batch["mask"][torch.tensor(ro.truncated)] = 0.0
+            batch.mask[torch.tensor(ro.truncated)] = 0.0
         unscored = left_out(total, G)  # groups the machine failed to score one of (errors.Unscored)
-        batch["mask"][unscored], total = 0.0, total.masked_fill(unscored, 0.0)  # no tokens, no advantage
+        batch.mask[unscored], total = 0.0, total.masked_fill(unscored, 0.0)  # no tokens, no advantage
         t0 = time.time()
         with loop.progress.doing(f"log-probs without gradients, {micro} sequences at a time",
                                  smaller_micro(micro, self.share)):
             if t.reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
-                batch["ref_logp"] = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
+                batch.ref_logp = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
             if self.teacher is not None:
-                batch["teacher_logp"] = token_logprobs(self.teacher, batch, micro, env.device, t.autocast)
-                scored = batch["mask"] > 0  # the reverse KL of each sampled token: train/teacher_kl
-                reverse_kl = (batch["engine_logp"].double() - batch["teacher_logp"]) * scored
+                batch.teacher_logp = token_logprobs(self.teacher, batch, micro, env.device, t.autocast)
+                scored = batch.mask > 0  # the reverse KL of each sampled token: train/teacher_kl
+                reverse_kl = (batch.engine_logp.double() - batch.teacher_logp) * scored
                 self.window.add(teacher_kl=float(reverse_kl.sum()), teacher_tokens=float(scored.sum()))
-        if "ref_logp" in batch and self.cfg.kl_in_reward:  # train/kl: the reward's KL, as TRL and OpenRLHF log it
-            kl = sequence_kl(batch["engine_logp"], batch["ref_logp"], batch["mask"], self.cfg.kl_estimator)
+        if batch.ref_logp is not None and self.cfg.kl_in_reward:  # train/kl: the reward's KL, as TRL and OpenRLHF do
+            kl = sequence_kl(batch.engine_logp, batch.ref_logp, batch.mask, self.cfg.kl_estimator)
             self.window.add(kl=float(kl.sum()))  # over the loss's tokens
         # the coefficient an estimator reads: distillation's, or beta where the KL is in the reward (in the loss
         # otherwise: an estimator must not weigh it twice)
         coef = self.cfg.teacher_coef if self.cfg.advantage == "distill" else \
             self.cfg.beta if self.cfg.kl_in_reward else 0.0
-        batch["advantages"] = advantages(self.cfg.advantage, total, G, self.cfg.scaling, self.cfg.std_mode,
-                                         batch, coef, self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
-        self.window.add(zero_std=zero_advantage_groups(batch["advantages"], batch["mask"], G), groups=len(ro.indices))
+        batch.advantages = advantages(self.cfg.advantage, total, G, self.cfg.scaling, self.cfg.std_mode, batch, coef,
+                                      self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
+        self.window.add(zero_std=zero_advantage_groups(batch.advantages, batch.mask, G), groups=len(ro.indices))
         t1 = time.time()
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
         for iteration in range(self.cfg.num_iterations):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -19,15 +20,72 @@ from nanochat_ext.runtime.parallel import no_sync
 
 
 # ---- batches ------------------------------------------------------------------------------------
+def per(kind: str, default=None):
+    """A batch field's layout, which slicing reads: "row" (one per sequence row: per group with shared prompts, else
+    per completion), "completion" (one per completion), "token" (one per completion token, (n, T); or (n,) where a
+    trainer keeps one value per completion, e.g. GRPO's advantages)."""
+    return field(default=default, metadata={"per": kind})
+
+
+@dataclass(slots=True)
+class Sequences:
+    """Right-padded prompt+completion rows (make_sequences) and, per completion token, the position in its own
+    prompt+completion sequence whose logits predict it (gather), the token itself (target) and whether a loss looks
+    at it (mask). branches: with shared prompts, each group row's PrefixTree lengths (groups, 1 + G). A trainer that
+    carries more per completion or per token (GRPO's RolloutBatch, DPO's PairBatch) adds fields declared with per()."""
+    input_ids: torch.Tensor = per("row")
+    gather: torch.Tensor = per("token")
+    target: torch.Tensor = per("token")
+    mask: torch.Tensor = per("token")
+    branches: torch.Tensor | None = per("row")
+
+    @classmethod
+    def of(cls, sequences: Sequences, **extra):
+        """`sequences` with a trainer's own fields (cls's) added."""
+        return cls(**{f.name: getattr(sequences, f.name) for f in fields(Sequences)}, **extra)
+
+    def rows(self, rows: slice):
+        """Completions `rows` (whole groups when prompts are shared), cut to their own longest sequence and
+        completion."""
+        scored = self.mask[rows].gt(0).any(0).nonzero()  # token columns a completion is scored at (forced ones not)
+        n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
+        out = {}
+        for f in fields(self):
+            value, kind = getattr(self, f.name), f.metadata["per"]
+            if value is None or kind == "row":
+                continue
+            value = value[rows]
+            out[f.name] = value[:, :n_tok] if kind == "token" and value.dim() == 2 else value
+        if self.branches is not None:
+            G = self.branches.size(1) - 1
+            if rows.start % G or (rows.stop < self.mask.size(0) and rows.stop % G):
+                raise ValueError(f"completions {rows.start}..{rows.stop} split a group of {G}")
+            groups = slice(rows.start // G, -(-rows.stop // G))
+            out["branches"] = self.branches[groups]
+            T = int(out["branches"].sum(-1).max())
+        else:
+            groups = rows
+            T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
+        out["input_ids"] = self.input_ids[groups][:, :T]
+        return type(self)(**out)
+
+    def to(self, device: torch.device):
+        """Every tensor on `device`."""
+        return type(self)(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
+
+    @property
+    def completions(self) -> int:
+        return self.mask.size(0)
+
+
 def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], group_size: int,
                    pad_id: int, share_prompt: bool = False,
-                   token_mask: list[list[int]] | None = None) -> dict[str, torch.Tensor]:
-    """Right-padded prompt+completion rows and, per completion token, the position in its own
-    prompt+completion sequence whose logits predict it (gather) and the token itself (target); mask is
-    0 past each completion's end, and where token_mask is 0 (a token a tool wrote: no loss looks at it).
-    share_prompt: one PrefixTree row per group instead (what its sequences share, the prompt at least, once;
-    then the rest of each), its lengths in `branches` (groups, 1 + G); CompletionLogprobs then maps gather into
-    the group's row."""
+                   token_mask: list[list[int]] | None = None) -> Sequences:
+    """Completion r after prompt r // group_size, as Sequences: mask is 0 past each completion's end, and where
+    token_mask is 0 (a token a tool wrote: no loss looks at it). share_prompt: one PrefixTree row per group instead
+    (what its sequences share, the prompt at least, once; then the rest of each), its lengths in `branches`;
+    CompletionLogprobs then maps gather into the group's row."""
     seqs = [prompt_ids[r // group_size] + comp for r, comp in enumerate(completions)]
     n, L = len(completions), max(1, max(len(c) for c in completions))
     gather = torch.zeros((n, L), dtype=torch.long)
@@ -38,37 +96,10 @@ def make_sequences(prompt_ids: list[list[int]], completions: list[list[int]], gr
         gather[r, :k] = torch.arange(len(seq) - k - 1, len(seq) - 1)
         target[r, :k] = torch.tensor(comp, dtype=torch.long)
         mask[r, :k] = 1.0 if token_mask is None else torch.tensor(token_mask[r], dtype=torch.float32)
-    batch = {"gather": gather, "target": target, "mask": mask}
     if not share_prompt:
-        return {"input_ids": right_pad(seqs, pad_id), **batch}
+        return Sequences(right_pad(seqs, pad_id), gather, target, mask)
     rows, branches = prefix_tree_rows([seqs[j:j + group_size] for j in range(0, n, group_size)])
-    return {"input_ids": right_pad(rows, pad_id), "branches": torch.tensor(branches, dtype=torch.long), **batch}
-
-
-ROW_KEYS = ("input_ids", "branches")  # per sequence row: per group with share_prompt, else per completion
-
-
-def slice_batch(batch: dict[str, torch.Tensor], rows: slice) -> dict[str, torch.Tensor]:
-    """Completions `rows` of a sequence batch (whole groups when prompts are shared), cut to their own
-    longest sequence and completion."""
-    out = {k: v[rows] for k, v in batch.items() if k not in ROW_KEYS}
-    scored = out["mask"].gt(0).any(0).nonzero()  # token columns any completion is scored at (forced ones are not)
-    n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
-    for k in ("gather", "target", "mask", "old_logp", "ref_logp", "engine_logp", "advantages"):  # per-token tensors
-        if k in out and out[k].dim() == 2:  # advantages: per token (REINFORCE++) or per completion
-            out[k] = out[k][:, :n_tok]
-    if "branches" in batch:
-        G = batch["branches"].size(1) - 1
-        if rows.start % G or (rows.stop < batch["mask"].size(0) and rows.stop % G):
-            raise ValueError(f"completions {rows.start}..{rows.stop} split a group of {G}")
-        groups = slice(rows.start // G, -(-rows.stop // G))
-        out["branches"] = batch["branches"][groups]
-        T = int(out["branches"].sum(-1).max())
-    else:
-        groups = rows
-        T = int(out["gather"].max().item()) + 1  # hidden states are needed up to the last gathered position
-    out["input_ids"] = batch["input_ids"][groups][:, :T]
-    return out
+    return Sequences(right_pad(rows, pad_id), gather, target, mask, torch.tensor(branches, dtype=torch.long))
 
 
 CHUNK_TOKENS = 4096  # LM-head rows computed at once (token_logprobs_chunked)
@@ -168,7 +199,7 @@ def token_logprobs_chunked(logits_fn, h: torch.Tensor, target: torch.Tensor, chu
     return (torch.cat([p[0] for p in parts]).view(B, L), torch.cat([p[1] for p in parts]).view(B, L))
 
 
-def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+def accumulate_backward(model: nn.Module, batch: Sequences, micro: int, device: torch.device,
                         autocast: contextlib.AbstractContextManager, loss_fn) -> torch.Tensor:
     """Forward + backward over this rank's sequences in micro-batches of `micro` (DDP syncs on the
     last one). loss_fn(b, logp, entropy) -> (loss already divided by a global normaliser, stats); the
@@ -176,12 +207,12 @@ def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro:
     of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
     [loss, *stats]."""
     world = get_world_size()
-    starts = list(range(0, batch["mask"].size(0), micro))  # completions (input_ids may hold group rows)
+    starts = list(range(0, batch.completions, micro))  # completions (input_ids may hold group rows)
     total = None
     for k, a in enumerate(starts):
-        b = {key: v.to(device) for key, v in slice_batch(batch, slice(a, a + micro)).items()}
+        b = batch.rows(slice(a, a + micro)).to(device)
         with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
-            logp, entropy = model(b["input_ids"], b["gather"], b["target"], b.get("branches"))
+            logp, entropy = model(b.input_ids, b.gather, b.target, b.branches)
             loss, stats = loss_fn(b, logp, entropy)
             (loss * world).backward()
         row = torch.cat([loss.detach().double().cpu().view(1), stats])
@@ -189,28 +220,28 @@ def accumulate_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro:
     return total
 
 
-def sft_backward(model: nn.Module, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+def sft_backward(model: nn.Module, batch: Sequences, micro: int, device: torch.device,
                  autocast: contextlib.AbstractContextManager) -> torch.Tensor:
     """Supervised fine-tuning step: mean negative log-likelihood of the reply tokens over the global
     batch. Returns [loss, tokens]."""
-    normaliser = max(all_reduce_sum(batch["mask"].sum().double()).item(), 1.0)
+    normaliser = max(all_reduce_sum(batch.mask.sum().double()).item(), 1.0)
 
     def loss_fn(b, logp, entropy):
-        return -(logp * b["mask"]).sum() / normaliser, b["mask"].sum().double().cpu().view(1)
+        return -(logp * b.mask).sum() / normaliser, b.mask.sum().double().cpu().view(1)
 
     return accumulate_backward(model, batch, micro, device, autocast, loss_fn)
 
 
 @torch.no_grad()
-def token_logprobs(model: CompletionLogprobs, batch: dict[str, torch.Tensor], micro: int, device: torch.device,
+def token_logprobs(model: CompletionLogprobs, batch: Sequences, micro: int, device: torch.device,
                    autocast: contextlib.AbstractContextManager) -> torch.Tensor:
     """Log-probs of every completion token, without grad (reference model, or the old policy)."""
-    n, L = batch["target"].shape
+    n, L = batch.target.shape
     out = torch.zeros(n, L)
     for a in range(0, n, micro):
-        b = slice_batch(batch, slice(a, a + micro))
+        b = batch.rows(slice(a, a + micro))
         with autocast:
-            logp, _ = model(*(b[k].to(device) for k in ("input_ids", "gather", "target")), b.get("branches"))
+            logp, _ = model(b.input_ids.to(device), b.gather.to(device), b.target.to(device), b.branches)
         out[a:a + micro, :logp.size(1)] = logp.float().cpu()
     return out
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from nanochat_ext import ddp_common as dc
 from nanochat_ext.algorithms.advantages import advantages
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 
 # Two groups of 4 rewards per rank, rank 1's spread far wider than rank 0's: --scale_rewards batch divides every
 # rank's advantages by the std of the whole global batch, which neither rank's own rewards give.
@@ -46,7 +47,7 @@ def main(backend: str | None, diverge: bool) -> None:
             in_sync = False
         ddp_grad = ddp_step(env)
         half = REWARDS.view(env.world_size, -1)[env.rank]
-        tokens = {k: v.view(env.world_size, -1, v.size(1))[env.rank] for k, v in TOKENS.items()}
+        tokens = RolloutBatch(**{k: v.view(env.world_size, -1, v.size(1))[env.rank] for k, v in TOKENS.items()})
         # RLOO's with its KL in the reward (GRPO's reads no tokens)
         batch_advantages = {f"{estimator}/{mode}": advantages(estimator, half, 4, "batch", mode, batch=tokens,
                                                               kl_coef=0.05, kl_estimator="k2").tolist()

@@ -12,6 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from nanochat_ext import ddp_common as dc
 from nanochat_ext.algorithms.grpo import LossConfig, policy_backward
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.models.loader import load_backbone
 from nanochat_ext.runtime.parallel import Parallel
@@ -30,9 +31,8 @@ def main(policy_dir: str) -> None:
         rng = random.Random(env.rank)
         prompts = [[rng.randrange(policy.vocab_size) for _ in range(rng.randint(3, 12))] for _ in range(3)]
         completions = [[rng.randrange(policy.vocab_size) for _ in range(rng.randint(1, 8))] for _ in range(12)]
-        batch = make_sequences(prompts, completions, 4, 0, share_prompt=True)
-        batch["advantages"] = torch.linspace(-1, 1, 12)
-        batch["weights"] = torch.ones(12)
+        batch = RolloutBatch.of(make_sequences(prompts, completions, 4, 0, share_prompt=True),
+                                advantages=torch.linspace(-1, 1, 12), weights=torch.ones(12))
         with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as step:
             policy_backward(wrapped, batch, 4, LossConfig(), env.device, torch.autocast("cpu", enabled=False))
         gathers = [e.name for e in step.events() if e.name.startswith("FSDP::all_gather (")]

@@ -18,6 +18,7 @@ import torch
 from nanochat_ext.algorithms.advantages import group_advantages
 from nanochat_ext.algorithms.grpo import policy_backward
 from nanochat_ext.algorithms.grpo_config import IMPORTANCE_LEVELS, LOSS_AGGS, LossConfig
+from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.ddp_common import all_reduce_sum, dist_session, wrap_ddp
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig
@@ -45,11 +46,11 @@ def rollout(assets: Path, rank: int, world: int, share_prompt: bool):
     rewards = torch.tensor([float(sum(c) % 7) for c in completions])
     if rank == 0:
         rewards[:G] = 1.0  # global prompt 0: a group with zero reward spread
-    batch["advantages"] = group_advantages(rewards, G, "group")
-    batch["weights"] = torch.tensor([0.5 + i for i in mine], dtype=torch.float32).repeat_interleave(G)
+    batch = RolloutBatch.of(batch, advantages=group_advantages(rewards, G, "group"),
+                            weights=torch.tensor([0.5 + i for i in mine], dtype=torch.float32).repeat_interleave(G))
     for r in range(len(completions)):  # global rows 5 and 10 masked, as --mask_truncated masks cut completions
         if (first_row + r) in (5, 10):
-            batch["mask"][r] = 0.0
+            batch.mask[r] = 0.0
     return policy, batch
 
 
@@ -72,13 +73,13 @@ def compute_layout(assets: Path, n_micro: int, env, share_prompt: bool) -> dict:
     with torch.no_grad():
         for i, p in enumerate(reference.parameters()):
             p.add_(0.05 * torch.sin(torch.arange(p.numel(), dtype=p.dtype) + i).view_as(p))
-    batch["ref_logp"] = token_logprobs(CompletionLogprobs(reference, temperature=TEMPERATURE),
+    batch.ref_logp = token_logprobs(CompletionLogprobs(reference, temperature=TEMPERATURE),
                                        batch, 64, env.device, contextlib.nullcontext())
     # Old log-probs 0.3 nats off in a pattern fixed by (global row, token): ratios leave [0.8, 1.2] and
     # the clip is exercised, identically whatever the split.
-    n, L = batch["ref_logp"].shape
+    n, L = batch.ref_logp.shape
     rows = torch.arange(n)[:, None] + env.rank * n
-    batch["old_logp"] = batch["ref_logp"] + 0.3 * torch.cos(rows * 7.0 + torch.arange(L)[None, :])
+    batch.old_logp = batch.ref_logp + 0.3 * torch.cos(rows * 7.0 + torch.arange(L)[None, :])
     policy.set_trainable("all")
     model = CompletionLogprobs(policy, temperature=TEMPERATURE)
     ddp_model = wrap_ddp(model, env)

@@ -91,3 +91,12 @@ def test_the_trainers_batches_are_typed():
                   and isinstance(node.slice.value, str) and isinstance(node.value, ast.Name)
                   and node.value.id in ("batch", "b", "x")]
     assert not keyed, keyed
+
+
+def test_training_builds_no_rollout_engine():
+    """training/ serves SFT, DPO and GRPO alike: none of its modules imports the engine, the agent or the sandbox
+    (GRPO's engines are built in its own home, rollouts.DecodeSpec, from the whole policy PolicyTraining hands it).
+    It fails on the code before: training/setup.py built GRPO's engines and imported engine.engine and agent.agent."""
+    rollout_side = [f"{m} imports {other}" for m in modules() if m.startswith("training.")
+                    for other in sorted(imports(m)) if other.split(".")[0] in ("engine", "agent", "sandbox")]
+    assert not rollout_side, rollout_side

@@ -25,6 +25,7 @@ from nanochat_ext.algorithms.rollouts import (
     ZERO_STD,
     Rollout,
     RolloutConfig,
+    RolloutEngines,
     Rollouts,
     in_global_order,
     left_out,
@@ -243,8 +244,10 @@ class GRPO:
 
     def __init__(self, training: PolicyTraining, cfg: GRPOConfig, rollout: RolloutConfig, evaluation: EvalConfig,
                  rewards: Rewards, train: Prompts, held_out: Prompts, loader: GlobalBatchLoader, seed: int,
-                 micro: int, estimate: StepMemory, progress: Progress, teacher: CompletionLogprobs | None = None):
+                 micro: int, estimate: StepMemory, progress: Progress, engines: RolloutEngines,
+                 teacher: CompletionLogprobs | None = None):
         self.training, self.cfg, self.rollout, self.eval_cfg, self.rewards = training, cfg, rollout, evaluation, rewards
+        self.engine = engines.engine  # the rollouts' and the evaluation's
         self.teacher = teacher  # --advantage distill: the frozen teacher whose log-probs the policy learns
         self.train, self.held_out, self.seed, self.micro, self.estimate = train, held_out, seed, micro, estimate
         self.G, self.loss = rollout.group_size, cfg.loss(rollout.max_new_tokens)
@@ -252,10 +255,10 @@ class GRPO:
         self.window = WindowSums([*WINDOW, *(f"reward_{n}" for n in rewards.names)])
         self.clock_noted = False
         env = training.env
-        self.rollouts = Rollouts(training.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
+        self.rollouts = Rollouts(engines.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
                                  loader.plan.batch_size, seed, env, training.fresh_autocast, self.window, progress,
                                  drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))),
-                                 ahead=training.rollout_engine, pending=in_flight(training.resumed, env))
+                                 ahead=engines.ahead, pending=in_flight(training.resumed, env))
         self.peak_bw = peak_bandwidth(env.device)
         # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
@@ -315,7 +318,7 @@ class GRPO:
     def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
         timeouts = int(s["tool_timeouts"] + s["env_timeouts"])
         if timeouts and not self.clock_noted and self.training.env.is_main:  # once a run: what it costs exactness
-            limit = self.training.engine.agent.cfg.tool_timeout
+            limit = self.engine.agent.cfg.tool_timeout
             print(f"note: {timeouts} tool or environment calls ran past --tool_timeout {limit:g} s "
                   f"(train/tool_timeouts, train/env_timeouts): a rollout with such a call depends on the clock, so "
                   f"this run is not exactly the same on other ranks or when resumed", flush=True)
@@ -331,12 +334,12 @@ class GRPO:
         if not self.held_out.rows:
             return {}
         t, held, sampling = self.training, self.held_out, self.rollout.sampling()
-        metrics, shown = evaluate_rewards(t.engine, held.rows, held.ids, self.rewards, t.tok, sampling, self.seed,
+        metrics, shown = evaluate_rewards(self.engine, held.rows, held.ids, self.rewards, t.tok, sampling, self.seed,
                                           t.env, t.autocast, self.share)
         for i, (prompt, completion) in enumerate(shown):
             tracker.text(done, f"eval/sample_{i}", f"**prompt:** {prompt}\n\n**completion:** {completion}")
         if self.eval_cfg.eval_pass_k:
-            metrics.update(evaluate_pass_k(t.engine, held.rows, held.ids, self.rewards, t.tok, sampling,
+            metrics.update(evaluate_pass_k(self.engine, held.rows, held.ids, self.rewards, t.tok, sampling,
                                            self.eval_cfg.eval_pass_k, self.seed, t.env, t.autocast, self.share))
         return metrics
 

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from nanochat_ext.agent.agent import Agent
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.config import FINITE_NON_NEGATIVE, NON_NEGATIVE, POSITIVE, option
 from nanochat_ext.data.batching import GlobalBatchLoader
@@ -22,6 +23,7 @@ from nanochat_ext.ddp_common import DistEnv, gather_objects, in_group, side_grou
 from nanochat_ext.engine.engine import Engine
 from nanochat_ext.engine.sampling import SamplingConfig, sample_seed
 from nanochat_ext.errors import InputError
+from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.compiled import compile_stats
 from nanochat_ext.runtime.progress import Progress
 from nanochat_ext.tokenizer import TokenizerWrapper
@@ -181,6 +183,32 @@ class Sampled(NamedTuple):
     staleness: int
     drawn: int
 
+
+class RolloutEngines(NamedTuple):
+    """GRPO's engines: `engine` decodes the rollouts and the evaluation, each token's log-prob kept
+    (train/engine_ratio); `ahead` (--async_rollouts) decodes the next step's rollout while this step trains."""
+    engine: Engine
+    ahead: Engine | None
+
+
+@dataclass(frozen=True)
+class DecodeSpec:
+    """GRPO's rollout engines, built from the policy before it is sharded (PolicyTraining's from_whole: under fsdp
+    they decode from a whole copy, in `whole_in`)."""
+    compile: bool
+    agent: Agent | None  # the tools and environment the rollouts run with
+    reserve: int  # positions: the longest prompt plus --max_new_tokens
+    rollout_copy: bool = False  # --async_rollouts: the rollouts decode from a copy of the policy, refreshed when told
+
+    def engines(self, policy: Backbone, whole_in: torch.dtype | None) -> RolloutEngines:
+        engine = Engine(policy, compile=self.compile, whole_in=whole_in, agent=self.agent, reserve=self.reserve,
+                        logprobs=True)
+        # --async_rollouts: a second engine whose whole copy of the policy (in the masters' dtype, or the dtype FSDP
+        # gathers in: the tokens of the weights it was given) decodes the next step's rollout, eagerly (torch.compile
+        # and CUDA graphs in a second thread are not tested here), while this step trains
+        ahead = Engine(policy, whole_in=whole_in or next(policy.parameters()).dtype, agent=self.agent,
+                       reserve=self.reserve, logprobs=True, held=True) if self.rollout_copy else None
+        return RolloutEngines(engine, ahead)
 
 class Rollouts:
     """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with

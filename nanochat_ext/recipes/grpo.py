@@ -24,7 +24,7 @@ from nanochat_ext.algorithms.evaluation import EvalConfig, eval_decode_rows
 from nanochat_ext.algorithms.grpo import GRPO, PRE_DAPO_DEFAULTS, RESUME_FLAGS, SPEC, Prompts
 from nanochat_ext.algorithms.grpo_config import TRL_LOSS_TYPES, GRPOConfig
 from nanochat_ext.algorithms.rewards import RewardConfig, check_references, check_reward_fns, make_rewards
-from nanochat_ext.algorithms.rollouts import RolloutConfig
+from nanochat_ext.algorithms.rollouts import DecodeSpec, RolloutConfig, RolloutEngines
 from nanochat_ext.algorithms.trainers import WRITERS
 from nanochat_ext.cli import (
     Configs,
@@ -42,6 +42,7 @@ from nanochat_ext.data.batching import BatchPlan, GlobalBatchLoader, encode_prom
 from nanochat_ext.data.rows import read_prompts
 from nanochat_ext.ddp_common import print0, seed_everything
 from nanochat_ext.engine.cost import decode_compiled
+from nanochat_ext.engine.engine import Engine
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone
 from nanochat_ext.models.lora import BEFORE_LORA, RESUME_KEYS
@@ -53,7 +54,7 @@ from nanochat_ext.runtime.session import Session
 from nanochat_ext.training.logprobs import reference_model
 from nanochat_ext.training.loop import Loop
 from nanochat_ext.training.memory import StepMemory, backbone_shape, grpo_memory, micro_batch_for
-from nanochat_ext.training.setup import Checks, DecodeSpec, PolicyTraining, load_policy, load_teacher
+from nanochat_ext.training.setup import Checks, PolicyTraining, load_policy, load_teacher
 
 
 def flags() -> argparse.ArgumentParser:
@@ -144,24 +145,25 @@ def train(args: RunConfig, session: Session) -> Path:
                       {**PRE_DAPO_DEFAULTS, **BEFORE_LORA}),
         merge_lora=c.lora.merge_lora, temperature=rollout.temperature,
         also_compile=(rm_backbone,) if rm_backbone else (),
-        decode=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens,
-                          rollout_copy=bool(rollout.async_rollouts)))
+        from_whole=DecodeSpec(compile_decode, agent, max(map(len, train_ids + eval_ids)) + rollout.max_new_tokens,
+                              rollout_copy=bool(rollout.async_rollouts)).engines)
+    engines: RolloutEngines = training.made_from_whole
     print0(training.describe())
-    print0(decode_line(training, why))
+    print0(decode_line(training, engines.engine, why))
     print0(agent.describe())
     loop = Loop(training, loop_cfg, c.out, c.optim, out_dir, log_dir, flags, session)
     if c.out.consolidate:
         return loop.consolidate(resume)
 
     # ---- micro-batches by memory, the method, the loop -------------------------------------------------------
-    estimate_for = memory_model(training, c, share, rollout.max_new_tokens, train_ids, eval_ids,
+    estimate_for = memory_model(training, engines, c, share, rollout.max_new_tokens, train_ids, eval_ids,
                                 evaluation.eval_pass_k, rm_backbone, teacher)
     micro, estimate = micro_batch_for(c.batch.device_batch_size, share, estimate_for, env.device, resume,
                                       prefer=rollout.group_size)
     print0(f"batch: {c.batch.batch_size} prompts x {rollout.group_size} completions global = {env.world_size} ranks x "
            f"{share} sequences in micro-batches of {micro}; rewards: {', '.join(rewards.names)}")
     method = GRPO(training, grpo, rollout, evaluation, rewards, Prompts(train_rows, train_ids),
-                  Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress,
+                  Prompts(eval_rows, eval_ids), loader, c.batch.seed, micro, estimate, session.progress, engines,
                   reference_model(teacher, training.dtype, temperature=rollout.temperature) if teacher else None)
     try:
         return loop.run(method)
@@ -169,13 +171,13 @@ def train(args: RunConfig, session: Session) -> Path:
         method.close()  # the rollout thread, where --async_rollouts runs one
 
 
-def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: int, train_ids: list[list[int]],
-                 eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None,
+def memory_model(training: PolicyTraining, engines: RolloutEngines, c: Configs, share: int, new_tokens: int,
+                 train_ids: list[list[int]], eval_ids: list[list[int]], pass_k: int, rm_backbone: Backbone | None,
                  teacher: Backbone | None = None) -> Callable[..., StepMemory]:
     """What a GRPO step of this run holds on each rank, by micro-batch size (memory.grpo_memory): at the longest
     prompt, every completion at its longest; a compiled engine's decode state kept for each row count it decodes or
     compacts into."""
-    engine, env = training.engine, training.env
+    engine, env = engines.engine, training.env
     kept_rows = engine.kept_rows({share, *eval_decode_rows(len(eval_ids), env.world_size, share, pass_k)})
     return functools.partial(
         grpo_memory, backbone_shape(training.policy), parallel=c.model.parallel, ranks=env.world_size,
@@ -184,14 +186,14 @@ def memory_model(training: PolicyTraining, c: Configs, share: int, new_tokens: i
         reference=training.reference is not None, rm=backbone_shape(rm_backbone) if rm_backbone else None,
         lora=sum(p.numel() for p in training.trainable) if c.lora.lora_r else 0, device=env.device.type,
         kept_rows=kept_rows, slots=engine.reserved_slots, teacher=backbone_shape(teacher) if teacher else None,
-        rollout_copy=training.rollout_engine.kept_bytes() if training.rollout_engine else 0)
+        rollout_copy=engines.ahead.kept_bytes() if engines.ahead else 0)
 
 
-def decode_line(training: PolicyTraining, why: str) -> str:
+def decode_line(training: PolicyTraining, engine: Engine, why: str) -> str:
     """The log line of how the engine decodes, and from what copy of the weights."""
     copy = ("a whole copy gathered from the shards per rollout" if training.parallel.sharded else
             "a bf16 copy of the matmul weights, refreshed per rollout" if training.dtype == torch.bfloat16 else "")
-    return (f"decode: {'compiled' if training.engine.compiled else 'eager'} "
+    return (f"decode: {'compiled' if engine.compiled else 'eager'} "
             f"({why if training.policy.native else 'a transformers model decodes eagerly'})"
             + (f"; from {copy}" if copy else ""))
 

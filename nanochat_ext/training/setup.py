@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from nanochat_ext.agent.agent import Agent
 from nanochat_ext.config import TrainerSpec, option
 from nanochat_ext.ddp_common import DistEnv, print0
-from nanochat_ext.engine.engine import Engine
 from nanochat_ext.errors import InputError
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in
 from nanochat_ext.models.compiled import COMPILE_HELP, compile_models
@@ -201,25 +200,19 @@ def load_teacher(path: str, tok: TokenizerWrapper, env: DistEnv) -> Backbone:
     return teacher
 
 
-@dataclass(frozen=True)
-class DecodeSpec:
-    """GRPO's rollout engine, built from the policy before it is sharded (under fsdp it decodes from a whole copy)."""
-    compile: bool
-    agent: Agent | None  # the tools and environment the rollouts run with
-    reserve: int  # positions: the longest prompt plus --max_new_tokens
-    rollout_copy: bool = False  # --async_rollouts: the rollouts decode from a copy of the policy, refreshed when told
-
-
 class PolicyTraining(ModelTraining):
     """The policy in training (SFT, DPO, GRPO), ready: held in the compute dtype (a LoRA base as the reference would
     be), its frozen reference where asked (a loaded copy computing as the policy does, or the policy itself with its
-    adapters off; `reference`: None without one), compiled, wrapped, its optimizer, GRPO's engine (`engine`, where
-    `decode` asks for one), resumed. `model` is the policy's completion log-probs at `temperature`."""
+    adapters off; `reference`: None without one), compiled, wrapped, its optimizer, resumed. `model` is the policy's
+    completion log-probs at `temperature`. from_whole: what a method builds from the whole policy before it is
+    sharded (GRPO: its rollout engines), called with the policy and the dtype a whole copy is kept in under a sharded
+    --parallel (None otherwise); its result is `made_from_whole`."""
     state_hints = (FEWER_RANKS_STATE, LORA_STATE)
 
     def __init__(self, loaded: LoadedPolicy, cfg: ModelConfig, optim: OptimConfig, env: DistEnv, *, spec: TrainerSpec,
                  reference: bool, resume: tuple | None, checks: Checks, merge_lora: bool = False,
-                 temperature: float = 1.0, also_compile: tuple = (), decode: DecodeSpec | None = None):
+                 temperature: float = 1.0, also_compile: tuple = (),
+                 from_whole: Callable[[Backbone, torch.dtype | None], object] | None = None):
         self._start(env, cfg)
         self.kind, self.merge_lora = spec.kind, merge_lora
         self.policy, self.tok, self.lora = loaded.backbone, loaded.tok, loaded.lora
@@ -245,17 +238,8 @@ class PolicyTraining(ModelTraining):
         model = CompletionLogprobs(policy, temperature=temperature)
         if reference and lora and not loaded.reference:  # the policy itself with its adapters off: no second copy
             self.reference = WithoutAdapters(model, policy)
-        self.engine = None
-        if decode is not None:  # made before the policy is sharded: under fsdp it keeps a whole copy
-            whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
-            self.engine = Engine(policy, compile=decode.compile, whole_in=whole_in, agent=decode.agent,
-                                 reserve=decode.reserve, logprobs=True)  # train/engine_ratio (grpo.py)
-        # --async_rollouts: a second engine whose whole copy of the policy (in the masters' dtype, or the dtype FSDP
-        # gathers in: the tokens of the weights it was given) decodes the next step's rollout, eagerly (torch.compile
-        # and CUDA graphs in a second thread are not tested here), while this step trains
-        self.rollout_engine = Engine(policy, whole_in=whole_in or next(policy.parameters()).dtype, agent=decode.agent,
-                                     reserve=decode.reserve, logprobs=True, held=True) \
-            if decode is not None and decode.rollout_copy else None
+        whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
+        self.made_from_whole = from_whole(policy, whole_in) if from_whole else None  # before the policy is sharded
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
         self._check_sources(resume)

@@ -34,7 +34,7 @@ if os.path.basename(_cache) != _capability:  # a nested run inherits the parent'
 if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ and not torch.cuda.is_available():
     os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     inductor_config.compile_threads = 1  # read at import, which came before this line
-# The longest tests start first (seconds of one worker in the suite, 2026-11-27, AVX-512, a cold inductor cache; "->":
+# The longest tests start first (seconds of one worker in a suite on an AVX-512 machine, a cold inductor cache; "->":
 # since trimmed, less the saving measured alone): pytest-xdist hands tests out in collection order, so one that starts
 # late keeps its worker busy long after the other has finished. Longest first is the classic remedy.
 LONGEST_FIRST = (

@@ -77,7 +77,7 @@ def test_the_gpu_command_runs_at_a_tiny_shape_on_cpu(assets, tmp_path):
 def test_every_pinned_requirement_reaches_the_gpu_machine():
     """Each pin of requirements.txt is carried as a wheel by bench/fetch_gpu_wheels.sh at the pinned version, or named
     there as in the GPU image or not needed: a new pin left out stopped the CUDA tests at collection
-    (gguf, 2026-11-27)."""
+    (gguf)."""
     script = (REPO / "bench" / "fetch_gpu_wheels.sh").read_text()
     fetched = dict(re.findall(r"([A-Za-z0-9_.-]+)==([0-9][^\s]*)", script.split("pip download", 1)[1]))
     named = set()

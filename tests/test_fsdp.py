@@ -185,7 +185,7 @@ def test_fsdp_gathers_each_block_twice_a_step_and_the_engine_copy_in_bf16():
     proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **ENV}, capture_output=True,
                           text=True, timeout=300)
     # the ranks' own lines (a C++ abort's reason) come before the agent's summary: both (a rank aborted once in
-    # a suite on 2 loaded cores, 2026-11-28, SIGABRT, its reason cut off; not reproduced in 13 runs)
+    # a suite on 2 loaded cores, SIGABRT, its reason cut off; not reproduced in 13 runs)
     assert proc.returncode == 0, proc.stderr[:4000] + "\n...\n" + proc.stderr[-1500:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"rank"')]
     assert len(rows) == 2

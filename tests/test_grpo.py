@@ -103,8 +103,7 @@ def test_rule_reward_rises(assets, grpo_assets, tmp_path):
     wall_per_step = 8 * 8 / last["perf/completions_per_s"]  # --batch_size 8 x --group_size 8
     phases = sum(last[f"perf/{p}_s_per_step"] for p in ("gen", "score", "ref", "train"))
     # beta 0: no reference model, no time spent on it (a reference forward costs a share of the step as the
-    # policy's; a bound relative to the step holds on a loaded machine, where a fixed 1 ms did not:
-    # 1.008 ms, 2026-11-29)
+    # policy's; a bound relative to the step holds on a loaded machine, where a fixed 1 ms did not: 1.008 ms)
     assert last["perf/ref_s_per_step"] < 0.05 * wall_per_step  # with --beta 0.04: 13% (5.8 of 45.6 ms)
     assert phases < wall_per_step < 1.5 * phases
     rollout = last["perf/gen_s_per_step"] + last["perf/score_s_per_step"]
@@ -366,7 +365,7 @@ def test_rloo_with_its_defaults_keeps_kl_noise_small_and_refuses_what_it_does_no
     meta.write_text(json.dumps(saved))
     assert kat_train_grpo.main(grpo_args(assets, grpo_assets, out, *common, "--max_steps", "4", "--resume",
                                          "latest")) == 2
-    assert "--advantage rloo --beta 0.04 weighs a KL in the reward (as TRL's RLOOTrainer since 2026-11-28), and the " \
+    assert "--advantage rloo --beta 0.04 weighs a KL in the reward (as TRL's RLOOTrainer), and the " \
         "checkpoint was trained with it in the loss" in capsys.readouterr().err
 
 

@@ -100,3 +100,13 @@ def test_training_builds_no_rollout_engine():
     rollout_side = [f"{m} imports {other}" for m in modules() if m.startswith("training.")
                     for other in sorted(imports(m)) if other.split(".")[0] in ("engine", "agent", "sandbox")]
     assert not rollout_side, rollout_side
+
+
+def test_code_carries_no_dates():
+    """A date in code or its comments goes stale (history lives in commits and bench/RESULTS.md). Where a date is
+    data, it stays: nanochat's vintages are named by the commits' dates (models/vintages.py)."""
+    date = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+    dated = [f"{p.relative_to(REPO)}:{n}" for folder in ("nanochat_ext", "scripts", "tests")
+             for p in sorted((REPO / folder).rglob("*.py")) if "fixtures" not in p.parts and p.name != "vintages.py"
+             for n, line in enumerate(p.read_text().splitlines(), 1) if date.search(line)]
+    assert not dated, dated

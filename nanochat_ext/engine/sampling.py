@@ -65,7 +65,7 @@ def sample_token(logits: torch.Tensor, u: torch.Tensor, cfg: SamplingConfig) -> 
     probs = F.pad(torch.softmax(filter_logits(logits.float(), cfg), dim=-1), (0, -logits.size(-1) % SCAN_CHUNK))
     cdf = cumsum_in_chunks(probs)  # whole chunks: contiguous
     # searchsorted(cdf, u * total, right=True) as two reductions that inductor fuses (its CUDA lowering of searchsorted
-    # over a view of the chunked sum crashed: torch 2.11, H200, 2026-11-27, NotImplementedError: View): the first token
+    # over a view of the chunked sum crashed: torch 2.11 on an H200, NotImplementedError: View): the first token
     # of probability > 0 whose sum exceeds u's point, else the last such token. Where the sums rise monotonically (CPU's
     # sequential scan) that is searchsorted's index; a GPU's parallel scan may round one sum below the one before, and
     # then too the token has probability > 0.

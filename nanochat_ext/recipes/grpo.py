@@ -204,14 +204,14 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_kl_place(resume: tuple | None, kl_in_reward: bool, grpo: GRPOConfig) -> None:
     """A run resumes with its KL where it started: --advantage rloo's moved from the loss to the reward (as TRL's
-    RLOOTrainer) on 2026-11-28, and a checkpoint written before records no kl_in_reward (REINFORCE++'s was always in
-    the reward)."""
+    RLOOTrainer) in an earlier version, and a checkpoint written before records no kl_in_reward (REINFORCE++'s was
+    always in the reward)."""
     if resume is None:
         return
     was = read_json(resume[1]).get("args", {}).get("kl_in_reward",
                                                    grpo.advantage.startswith("reinforce_pp") and grpo.beta > 0)
     if was != kl_in_reward:
         raise InputError(f"--advantage {grpo.advantage} --beta {grpo.beta:g} weighs a KL in the "
-                         f"{'reward' if kl_in_reward else 'loss'} (as TRL's RLOOTrainer since 2026-11-28), and the "
+                         f"{'reward' if kl_in_reward else 'loss'} (as TRL's RLOOTrainer), and the "
                          f"checkpoint was trained with it in the {'reward' if was else 'loss'}: start a new run, or "
                          f"resume it with the code that started it", path=str(resume[1]))

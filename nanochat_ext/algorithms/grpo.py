@@ -18,6 +18,7 @@ import torch.nn as nn
 from nanochat_ext.algorithms.advantages import advantages, sequence_kl
 from nanochat_ext.algorithms.evaluation import EvalConfig, evaluate_pass_k, evaluate_rewards
 from nanochat_ext.algorithms.grpo_config import GRPOConfig, LossConfig
+from nanochat_ext.algorithms.grpo_metrics import WINDOW, Window, window_metrics
 from nanochat_ext.algorithms.rewards import Rewards
 from nanochat_ext.algorithms.rollout_batch import RolloutBatch
 from nanochat_ext.algorithms.rollouts import (
@@ -211,11 +212,6 @@ def zero_advantage_groups(adv: torch.Tensor, mask: torch.Tensor, group_size: int
 
 
 # ---- the method -----------------------------------------------------------------------------------
-WINDOW = ("reward", "reward_sq", "samples", "sandbox_failures", "tokens", "sampled_tokens", "tool_calls", "tool_errors",
-          "tool_timeouts", "env_errors", "env_timeouts", "late_calls", "turns", "truncated",
-          "rm_cut", "zero_std", "groups", "draws", "filled", *LOSS_STATS, "gen_s", "compile_s", "score_s", "ref_s",
-          "train_s", "steps", "decoded", "row_steps", "decode_s", "decode_bytes", "teacher_kl",
-          "teacher_tokens", "staleness")  # a log window's sums, and each reward's
 # What a checkpoint written before these flags existed was trained with.
 PRE_DAPO_DEFAULTS = {"std_mode": "population", "importance_level": "token", "filter_zero_std": False,
                      "advantage": "grpo", "optimizer": "adamw", "tools": "none", "env": None, "tool_format": "auto",
@@ -323,10 +319,8 @@ class GRPO:
                   f"(train/tool_timeouts, train/env_timeouts): a rollout with such a call depends on the clock, so "
                   f"this run is not exactly the same on other ranks or when resumed", flush=True)
             self.clock_noted = True
-        m = window_metrics(s, self.rewards.names, self.training.env.world_size, elapsed, self.peak_bw)
-        if self.rollout.async_rollouts:  # steps between the weights a rollout came from and those it trains
-            m["train/staleness"] = s["staleness"] / s["steps"]  # both counted on every rank
-        return m
+        return window_metrics(Window(s, self.training.env.world_size, elapsed, self.peak_bw, tuple(self.rewards.names),
+                                     bool(self.rollout.async_rollouts)))
 
     def evaluate(self, done: int, tracker: Tracker) -> dict[str, float]:
         """Collective: the held-out rewards (evaluate_rewards) and, with --eval_pass_k, pass@k, decoding at most a
@@ -370,59 +364,3 @@ def in_flight(resumed: dict, env: DistEnv) -> dict | None:
     mine = Rollout.concat([Rollout(**g) for g in saved["groups"][env.rank::env.world_size]], saved["n_rewards"])
     stats = saved["stats"] if env.rank == 0 else {k: 0.0 for k in saved["stats"]}
     return {"rollout": asdict(mine), "stats": stats, "staleness": saved["staleness"]}
-
-
-def window_metrics(s: dict[str, float], names: list[str], world: int, elapsed: float,
-                   peak_bw: float | None = None) -> dict:
-    """Logged metrics from one window's sums over all ranks and its wall-clock seconds. Times are summed
-    over ranks and every rank counted its steps, so per-step seconds divide by the step count (which is
-    world x steps). Throughput is over the wall clock, so work between the timed phases counts too."""
-    n, steps = s["samples"], s["steps"] / world
-    scored = max(n - s["sandbox_failures"], 1)  # the rewards' means leave out what the machine failed to score
-    mean = s["reward"] / scored
-    tokens = max(s["loss_tokens"], 1)
-    m = {"train/reward": mean, "train/reward_std": max(s["reward_sq"] / scored - mean * mean, 0.0) ** 0.5} \
-        if names else {}
-    m.update({f"train/reward_{name}": s[f"reward_{name}"] / scored for name in names})  # none: distillation alone
-    m["train/sandbox_failures"] = s["sandbox_failures"] / n  # completions unscored (errors.Unscored): out of the loss
-    # train/pg_objective: chat_rl's printed loss, -sum(A logp) / N, normalised as train/loss (grpo_loss)
-    m.update({"train/loss": s["loss"] / steps, "train/pg_objective": s["pg_objective"] / steps,
-              "train/kl": s["kl"] / tokens, "train/entropy": s["entropy"] / tokens,
-              "train/clip_frac": s["clipped"] / tokens, "train/completion_len": s["sampled_tokens"] / n,
-              # --tools and --env: tool calls per completion and the share refused or failed (and timed out),
-              # assistant turns and failed (and timed-out) environment calls per completion, the calls still
-              # running past their timeout per rank, and the tokens forced in per completion (in
-              # gen_tokens_per_s, the decoding's work, but not in the completion length the loss sees)
-              "train/tool_calls": s["tool_calls"] / n,
-              "train/tool_errors": s["tool_errors"] / max(s["tool_calls"], 1),
-              "train/tool_timeouts": s["tool_timeouts"] / max(s["tool_calls"], 1),
-              "train/turns": s["turns"] / n, "train/env_errors": s["env_errors"] / n,
-              "train/env_timeouts": s["env_timeouts"] / n,
-              "train/late_calls": s["late_calls"] / (s["draws"] * world),
-              "train/forced_tokens": (s["tokens"] - s["sampled_tokens"]) / n,
-              "train/truncated_frac": s["truncated"] / n, "train/rm_truncated_frac": s["rm_cut"] / n,
-              "train/zero_std_groups": s["zero_std"] / s["groups"], "train/draws": s["draws"] / steps,
-              "train/filled_frac": s["filled"] / steps,
-              "perf/gen_tokens_per_s": s["tokens"] / (s["gen_s"] / world),
-              "perf/completions_per_s": n / elapsed,
-              "perf/train_tokens_per_s": s["loss_tokens"] / (s["train_s"] / world),
-              # where a step's time goes (seconds per step, mean over ranks): the rollout share is gen + score
-              **{f"perf/{phase}_s_per_step": s[f"{phase}_s"] / (steps * world)
-                 for phase in ("gen", "score", "ref", "train")},
-              "perf/compile_s": s["compile_s"] / world,  # --compile: compiling new shapes, apart from gen_s
-              "perf/rollout_share": (s["gen_s"] + s["score_s"]) / world / elapsed,
-              # decoding as nanochat's infer_bench reports it, per rank: rows x decode steps, and the bytes those
-              # steps must read over the device's peak bandwidth (MBU; where the device's peak is known)
-              "perf/decode_tok_s": s["decoded"] / max(s["decode_s"], 1e-9),
-              # the rows the engine decoded, summed over its steps and the ranks, per GRPO step: rows x decode steps
-              # but for the rows eager decoding dropped once they stopped
-              "perf/decode_row_steps": s["row_steps"] / steps})
-    if s["teacher_tokens"]:  # --advantage distill: the mean reverse KL to the teacher of the tokens sampled
-        m["train/teacher_kl"] = s["teacher_kl"] / s["teacher_tokens"]
-    if s["engine_tokens"]:  # the trainer's first-update log-probs against the engine's: 1 and 0 but for rounding
-        m.update({"train/engine_ratio": s["engine_ratio"] / s["engine_tokens"],
-                  "train/engine_logp_diff": s["engine_logp_diff"] / s["engine_tokens"],
-                  "train/engine_far": s["engine_far"] / s["engine_tokens"]})
-    if peak_bw:
-        m["perf/decode_mbu"] = s["decode_bytes"] / max(s["decode_s"], 1e-9) / peak_bw
-    return m

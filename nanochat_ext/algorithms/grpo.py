@@ -262,54 +262,74 @@ class GRPO:
                                 (FEWER_COMPLETIONS, "a smaller --max_new_tokens")) if rewards.names else None
 
     def step(self, step: int, loop: Loop) -> None:
-        t, G, micro, env = self.training, self.G, self.micro, self.training.env
+        """Rollout, score, the frozen models' log-probs, advantages, --num_iterations updates."""
         ro = self.rollouts.next(step, loop.cfg.max_steps)
         total = self.rewards.total(ro.rewards)
         if self.rollout.log_rollouts:
-            log_rollouts(loop.tracker, step + 1, ro, total, t.tok)
-        # A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches hold
-        # whole groups; the model does so where that is cheaper. Same log-probs as one row per completion.
+            log_rollouts(loop.tracker, step + 1, ro, total, self.training.tok)
+        batch = self.rollout_batch(ro)
+        unscored = left_out(total, self.G)  # groups the machine failed to score one of (errors.Unscored)
+        batch.mask[unscored], total = 0.0, total.masked_fill(unscored, 0.0)  # no tokens, no advantage
+        t0 = time.time()
+        self.frozen_logprobs(batch, loop)
+        batch.advantages = self.compute_advantages(batch, total, kept=~unscored)
+        self.window.add(zero_std=zero_advantage_groups(batch.advantages, batch.mask, self.G), groups=len(ro.indices))
+        t1 = time.time()
+        stats = self.update(batch, loop)
+        self.window.add(**dict(zip(LOSS_STATS, stats.tolist())), ref_s=t1 - t0, train_s=time.time() - t1)
+
+    def rollout_batch(self, ro: Rollout) -> RolloutBatch:
+        """The rollout's completions as the trainer batches them, with their prompts' weights and the engine's
+        log-probs. A group's prompt can be computed once for its G completions (PrefixTree rows) when micro-batches
+        hold whole groups; the model does so where that is cheaper. Same log-probs as one row per completion."""
+        G = self.G
         batch = RolloutBatch.of(make_sequences([self.train.ids[i] for i in ro.indices], ro.completions, G,
-                                               t.tok.pad_id, micro % G == 0, ro.sampled),
+                                               self.training.tok.pad_id, self.micro % G == 0, ro.sampled),
                                 weights=torch.tensor([self.train.rows[i].weight for i in ro.indices],
                                                      dtype=torch.float32).repeat_interleave(G))
         if ro.logprobs is not None:  # the first update's log-probs against them: train/engine_ratio
             batch.engine_logp = per_token(ro.logprobs, batch.target.shape)
         if self.rollout.mask_truncated:
             batch.mask[torch.tensor(ro.truncated)] = 0.0
-        unscored = left_out(total, G)  # groups the machine failed to score one of (errors.Unscored)
-        batch.mask[unscored], total = 0.0, total.masked_fill(unscored, 0.0)  # no tokens, no advantage
-        t0 = time.time()
+        return batch
+
+    def frozen_logprobs(self, batch: RolloutBatch, loop: Loop) -> None:
+        """The reference's log-probs (pi_old is the first update's own: policy_backward) and the teacher's, and the
+        KL each logs: train/teacher_kl, and train/kl where the KL is in the reward (as TRL and OpenRLHF log it)."""
+        t, micro = self.training, self.micro
         with loop.progress.doing(f"log-probs without gradients, {micro} sequences at a time",
                                  smaller_micro(micro, self.share)):
-            if t.reference is not None:  # pi_old: the first update's own log-probs (policy_backward)
-                batch.ref_logp = token_logprobs(t.reference, batch, micro, env.device, t.autocast)
+            if t.reference is not None:
+                batch.ref_logp = token_logprobs(t.reference, batch, micro, t.env.device, t.autocast)
             if self.teacher is not None:
-                batch.teacher_logp = token_logprobs(self.teacher, batch, micro, env.device, t.autocast)
-                scored = batch.mask > 0  # the reverse KL of each sampled token: train/teacher_kl
+                batch.teacher_logp = token_logprobs(self.teacher, batch, micro, t.env.device, t.autocast)
+                scored = batch.mask > 0  # the reverse KL of each sampled token
                 reverse_kl = (batch.engine_logp.double() - batch.teacher_logp) * scored
                 self.window.add(teacher_kl=float(reverse_kl.sum()), teacher_tokens=float(scored.sum()))
-        if batch.ref_logp is not None and self.cfg.kl_in_reward:  # train/kl: the reward's KL, as TRL and OpenRLHF do
+        if batch.ref_logp is not None and self.cfg.kl_in_reward:
             kl = sequence_kl(batch.engine_logp, batch.ref_logp, batch.mask, self.cfg.kl_estimator)
             self.window.add(kl=float(kl.sum()))  # over the loss's tokens
-        # the coefficient an estimator reads: distillation's, or beta where the KL is in the reward (in the loss
-        # otherwise: an estimator must not weigh it twice)
-        coef = self.cfg.teacher_coef if self.cfg.advantage == "distill" else \
-            self.cfg.beta if self.cfg.kl_in_reward else 0.0
-        batch.advantages = advantages(self.cfg.advantage, total, G, self.cfg.scaling, self.cfg.std_mode, batch, coef,
-                                      self.cfg.kl_estimator, self.cfg.teacher_discount, kept=~unscored)
-        self.window.add(zero_std=zero_advantage_groups(batch.advantages, batch.mask, G), groups=len(ro.indices))
-        t1 = time.time()
+
+    def compute_advantages(self, batch: RolloutBatch, total: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """--advantage's estimator over the total rewards. The coefficient it reads: distillation's, or beta where
+        the KL is in the reward (in the loss otherwise: an estimator must not weigh it twice)."""
+        cfg = self.cfg
+        coef = cfg.teacher_coef if cfg.advantage == "distill" else cfg.beta if cfg.kl_in_reward else 0.0
+        return advantages(cfg.advantage, total, self.G, cfg.scaling, cfg.std_mode, batch, coef, cfg.kl_estimator,
+                          cfg.teacher_discount, kept=kept)
+
+    def update(self, batch: RolloutBatch, loop: Loop) -> torch.Tensor:
+        """--num_iterations clipped-surrogate updates on the batch; their LOSS_STATS, averaged."""
+        t, micro = self.training, self.micro
         stats = torch.zeros(len(LOSS_STATS), dtype=torch.float64)
         for iteration in range(self.cfg.num_iterations):
             with loop.progress.doing(f"a training micro-batch of {micro} sequences",
                                      t.training_hints(micro, self.share)), dropout_active(t.policy):
-                it = policy_backward(t.ddp_model, batch, micro, self.loss, env.device, t.autocast,
+                it = policy_backward(t.ddp_model, batch, micro, self.loss, t.env.device, t.autocast,
                                      keep_old=iteration == 0 and self.cfg.num_iterations > 1)
             loop.update(it[0].item())
             stats += it
-        self.window.add(**dict(zip(LOSS_STATS, (stats / self.cfg.num_iterations).tolist())), ref_s=t1 - t0,
-                        train_s=time.time() - t1)
+        return stats / self.cfg.num_iterations
 
     def metrics(self, s: dict[str, float], elapsed: float) -> dict[str, float]:
         timeouts = int(s["tool_timeouts"] + s["env_timeouts"])

@@ -28,6 +28,7 @@ from nanochat_ext.algorithms.rollouts import (
     RolloutConfig,
     RolloutEngines,
     Rollouts,
+    RolloutsAhead,
     in_global_order,
     left_out,
     log_rollouts,
@@ -251,10 +252,11 @@ class GRPO:
         self.window = WindowSums([*WINDOW, *(f"reward_{n}" for n in rewards.names)])
         self.clock_noted = False
         env = training.env
-        self.rollouts = Rollouts(engines.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
-                                 loader.plan.batch_size, seed, env, training.fresh_autocast, self.window, progress,
-                                 drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))),
-                                 ahead=engines.ahead, pending=in_flight(training.resumed, env))
+        source = (engines.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
+                  loader.plan.batch_size, seed, env, training.fresh_autocast, self.window, progress)
+        drawn = int(training.resumed.get("draw", training.resumed.get("step", 0)))
+        self.rollouts = Rollouts(*source, drawn=drawn) if engines.ahead is None else \
+            RolloutsAhead(*source, drawn=drawn, ahead=engines.ahead, pending=in_flight(training.resumed, env))
         self.peak_bw = peak_bandwidth(env.device)
         # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "

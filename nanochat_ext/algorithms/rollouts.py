@@ -210,60 +210,39 @@ class DecodeSpec:
                        reserve=self.reserve, logprobs=True, held=True) if self.rollout_copy else None
         return RolloutEngines(engine, ahead)
 
-class Rollouts:
-    """The rollouts of a GRPO run on this rank: `drawn` prompt batches so far (one a step, more with
-    --filter_zero_std), each sampled G times from prompt_ids with its own seeds and scored; statistics go to
-    `window` as a step takes its rollout, the phases to `progress`.
 
-    --async_rollouts 1 (`ahead`: an engine holding its own copy of the policy): step t takes the rollout sampled while
-    step t-1 trained, from the weights step t-1 started from, then copies the weights step t starts from into that
-    engine and starts the next step's rollout in a thread (with --filter_zero_std, all its draws); the first step's
-    rollout and the next both come from the starting weights. A draw's tokens depend only on its seeds and the
-    weights it was given, so the runs are the same on any number of ranks and resumed (a checkpoint holds the
-    rollout in flight: `pending`)."""
+class Rollouts:
+    """The rollouts of a GRPO run on this rank, sampled as each step asks (RolloutsAhead: in a thread, a step ahead):
+    `drawn` prompt batches so far (one a step, more with --filter_zero_std), each sampled G times from prompt_ids
+    with its own seeds and scored; statistics go to `window` as a step takes its rollout, the phases to `progress`."""
 
     def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
                  prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
                  env: DistEnv, autocast: Callable[[], ContextManager], window: WindowSums, progress: Progress,
-                 drawn: int = 0, ahead: Engine | None = None, pending: dict | None = None):
+                 drawn: int = 0):
         self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
         self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
         self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
         self.G = cfg.group_size
         self.drawn = drawn
-        self.ahead = ahead
-        self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts") if ahead is not None else None
-        self.group = side_group() if ahead is not None else None  # the thread's collectives (a reward's failure)
-        self.stream = torch.cuda.Stream(env.device) if ahead is not None and env.device.type == "cuda" else None
-        self.pending: Future | None = None
-        if pending is not None:  # a resumed run: the draw its checkpoint had in flight
-            self.pending = Future()
-            self.pending.set_result(Sampled(Rollout(**pending["rollout"]), pending["stats"], pending["staleness"],
-                                            drawn))
 
     def next(self, step: int, steps: int) -> Rollout:
         """Step `step`'s rollout (of the run's `steps`): the next draw, or with --filter_zero_std the groups with a
         reward spread."""
-        if self.ahead is not None:
-            return self.next_ahead(step, steps)
         ro, stats, self.drawn = self.step_rollout(self.drawn)
         self.window.add(**stats)
         return ro
 
-    def next_ahead(self, step: int, steps: int) -> Rollout:
-        """--async_rollouts 1: the rollout sampled while the last step trained (the first step's: sampled now), then
-        the weights this step starts from copied into the held engine (only once that rollout is done with them) and
-        the next step's started in the thread, but after the run's last step."""
-        if self.pending is None:
-            self.ahead.refresh()  # collective for a sharded policy's copy: every rank calls it
-            self.pending = self.start(self.drawn, staleness=0)
-        ro, stats, staleness, self.drawn = self.pending.result()
-        self.pending = None
-        if step + 1 < steps:
-            self.ahead.refresh()
-            self.pending = self.start(self.drawn, staleness=1)
-        self.window.add(**stats, staleness=staleness)
-        return ro
+    def close(self) -> None:
+        """Nothing runs behind a synchronous step."""
+
+    def in_flight(self) -> dict | None:
+        """The rollout started for the next step, as a checkpoint keeps it: none here."""
+        return None
+
+    def draws(self) -> int:
+        """Prompt batches drawn so far: where a resumed run goes on."""
+        return self.drawn
 
     def step_rollout(self, first: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict, int]:
         """A step's rollout from draw number `first` on (one draw, or with --filter_zero_std as many as fill the batch
@@ -271,33 +250,6 @@ class Rollouts:
         if self.cfg.filter_zero_std:
             return self.with_signal(first, engine, quiet)
         return *self.draw(first, engine, quiet), first + 1
-
-    def close(self) -> None:
-        """The thread ended once its draw is (a run that stops keeps no draw running behind its end)."""
-        if self.worker is not None:
-            self.worker.shutdown(wait=True, cancel_futures=True)
-
-    def start(self, first: int, staleness: int) -> Future:
-        """A step's rollout from draw `first` on, sampled and scored in the thread by the engine holding the weights
-        refreshed last (--filter_zero_std's further draws too, its collectives on the thread's own group)."""
-        def sample_and_score() -> Sampled:
-            with in_group(self.group), side_stream(self.stream, self.env.device):
-                ro, stats, drawn = self.step_rollout(first, self.ahead, quiet=True)
-            return Sampled(ro, stats, staleness, drawn)
-
-        return self.worker.submit(sample_and_score)
-
-    def in_flight(self) -> dict | None:
-        """The rollout started for the next step, as a checkpoint keeps it (waited for): its rollout, its statistics,
-        its staleness; None where none is."""
-        if self.pending is None:
-            return None
-        done = self.pending.result()
-        return {"rollout": asdict(done.rollout), "stats": done.stats, "staleness": done.staleness}
-
-    def draws(self) -> int:
-        """Prompt batches drawn so far, the rollout in flight's included (waited for): where a resumed run goes on."""
-        return self.pending.result().drawn if self.pending is not None else self.drawn
 
     def draw(self, draw: int, engine: Engine | None = None, quiet: bool = False) -> tuple[Rollout, dict]:
         """This rank's share of draw number `draw`, sampled (by `engine`, default the policy's) and scored, and its
@@ -360,6 +312,68 @@ class Rollouts:
         batch, filled = kept.batch()
         sums["filled"] = filled / (self.batch_size * self.env.world_size)
         return Rollout.concat(batch[self.env.rank::self.env.world_size], len(self.rewards.names)), sums, drawn
+
+
+class RolloutsAhead(Rollouts):
+    """--async_rollouts 1 (`ahead`: an engine holding its own copy of the policy): step t takes the rollout sampled
+    while step t-1 trained, from the weights step t-1 started from, then copies the weights step t starts from into
+    that engine and starts the next step's rollout in a thread (with --filter_zero_std, all its draws); the first
+    step's rollout and the next both come from the starting weights. A draw's tokens depend only on its seeds and the
+    weights it was given, so the runs are the same on any number of ranks and resumed (a checkpoint holds the
+    rollout in flight: `pending`)."""
+
+    def __init__(self, *args, ahead: Engine, pending: dict | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ahead = ahead
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
+        self.group = side_group()  # the thread's collectives (a reward's failure)
+        self.stream = torch.cuda.Stream(self.env.device) if self.env.device.type == "cuda" else None
+        self.pending: Future | None = None
+        if pending is not None:  # a resumed run: the draw its checkpoint had in flight
+            self.pending = Future()
+            self.pending.set_result(Sampled(Rollout(**pending["rollout"]), pending["stats"], pending["staleness"],
+                                            self.drawn))
+
+    def next(self, step: int, steps: int) -> Rollout:
+        """The rollout sampled while the last step trained (the first step's: sampled now), then the weights this
+        step starts from copied into the held engine (only once that rollout is done with them) and the next step's
+        started in the thread, but after the run's last step."""
+        if self.pending is None:
+            self.ahead.refresh()  # collective for a sharded policy's copy: every rank calls it
+            self.pending = self.start(self.drawn, staleness=0)
+        ro, stats, staleness, self.drawn = self.pending.result()
+        self.pending = None
+        if step + 1 < steps:
+            self.ahead.refresh()
+            self.pending = self.start(self.drawn, staleness=1)
+        self.window.add(**stats, staleness=staleness)
+        return ro
+
+    def start(self, first: int, staleness: int) -> Future:
+        """A step's rollout from draw `first` on, sampled and scored in the thread by the engine holding the weights
+        refreshed last (--filter_zero_std's further draws too, its collectives on the thread's own group)."""
+        def sample_and_score() -> Sampled:
+            with in_group(self.group), side_stream(self.stream, self.env.device):
+                ro, stats, drawn = self.step_rollout(first, self.ahead, quiet=True)
+            return Sampled(ro, stats, staleness, drawn)
+
+        return self.worker.submit(sample_and_score)
+
+    def close(self) -> None:
+        """The thread ended once its draw is (a run that stops keeps no draw running behind its end)."""
+        self.worker.shutdown(wait=True, cancel_futures=True)
+
+    def in_flight(self) -> dict | None:
+        """The rollout started for the next step, as a checkpoint keeps it (waited for): its rollout, its statistics,
+        its staleness; None where none is."""
+        if self.pending is None:
+            return None
+        done = self.pending.result()
+        return {"rollout": asdict(done.rollout), "stats": done.stats, "staleness": done.staleness}
+
+    def draws(self) -> int:
+        """Prompt batches drawn so far, the rollout in flight's included (waited for): where a resumed run goes on."""
+        return self.pending.result().drawn if self.pending is not None else self.drawn
 
 
 def log_rollouts(tracker: Tracker, step: int, ro: Rollout, total: torch.Tensor, tok: TokenizerWrapper) -> None:

@@ -224,7 +224,7 @@ def step_one_against_reference_and_old_policy(device: torch.device, dtype: torch
                                                  keep_old=True).tolist()
     gap = 0.0
     for a in range(0, batch.mask.size(0), 8):  # the second update's log-probs (before its step), micro-batched
-        b = batch.rows(slice(a, a + 8)).to(device)
+        b = batch.micro_batch(slice(a, a + 8)).to(device)
         with autocast:
             logp, _ = model(b.input_ids, b.gather, b.target, b.branches)
         gap = max(gap, float(((logp.detach().float().cpu() - b.old_logp.cpu()) * b.mask.cpu()).abs().max()))

@@ -189,7 +189,7 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
         bb.zero_grad()
         logp, entropy = [], []
         for a in (0, 4):
-            b = batch.rows(slice(a, a + 4))
+            b = batch.micro_batch(slice(a, a + 4))
             lp, ent = logprobs(b.input_ids, b.gather, b.target, b.branches)
             (lp * b.mask).sum().backward()
             logp.append(torch.nn.functional.pad(lp * b.mask, (0, 12 - lp.size(1))).detach())
@@ -204,7 +204,7 @@ def test_shared_prompt_rows_give_the_same_logprobs_and_gradients(model, assets):
     for n, grad in want_grads.items():
         torch.testing.assert_close(got_grads[n], grad, atol=1e-5, rtol=1e-4, msg=n)
     with pytest.raises(ValueError, match="split a group of 4"):
-        make_sequences(prompts, completions, G, 0, True).rows(slice(0, 2))
+        make_sequences(prompts, completions, G, 0, True).micro_batch(slice(0, 2))
 
 
 def test_prefix_trees_are_used_where_they_cost_fewer_flops():
@@ -230,3 +230,50 @@ def test_prefix_tree_names_its_real_tokens_where_the_pads_are_worth_skipping():
     assert one_pad.real_tokens is None
     many_pads = PrefixTree.from_lengths(torch.tensor([[30, 2, 2]] * 14 + [[1, 1, 1]] * 2))
     assert many_pads.real_tokens.numel() == 14 * 34 + 2 * 3
+
+
+class _Declared(dict):
+    """A window's sums where reading one the metric did not declare fails."""
+
+    def __init__(self, allowed: set[str], values: dict[str, float]):
+        super().__init__(values)
+        self.allowed = allowed
+
+    def __getitem__(self, key: str) -> float:
+        if key not in self.allowed:
+            raise KeyError(f"reads {key!r}, not among its declared sums")
+        return super().__getitem__(key)
+
+
+def test_each_metric_reads_only_the_sums_it_declares():
+    """grpo_metrics.METRICS declares each metric's sums beside its formula, and WINDOW is made from them: a formula
+    that reads an undeclared sum would log from a sum nobody adds to. Every metric, given only its own sums and the
+    counts every Window reads (COUNTS), computes; a reward's mean reads its reward_<name>."""
+    from nanochat_ext.algorithms.grpo_metrics import COUNTS, METRICS, WINDOW, Window
+
+    values = {k: 2.0 + i for i, k in enumerate(WINDOW)} | {"reward_a": 1.5}
+    for metric in METRICS:
+        allowed = {*metric.sums, *COUNTS} | ({"reward_a"} if metric.per_reward else set())
+        w = Window(_Declared(allowed, values), 2, 3.0, 1e12, ("a",), True)
+        value = metric.formula(w, "a") if metric.per_reward else metric.formula(w)
+        assert value == value and metric.when(w), metric.name  # finite here, and logged with these sums
+    assert set(WINDOW) >= {s for m in METRICS for s in m.sums}
+
+
+def test_a_batch_field_declares_a_layout_slicing_knows():
+    """Sequences' fields declare how a micro-batch cuts them (per row, completion or token): an unknown layout is
+    refused where it is declared, and a trainer's own field cannot claim the rows, which Sequences alone lays out."""
+    import dataclasses
+
+    from nanochat_ext.training.logprobs import Sequences, per
+
+    with pytest.raises(ValueError, match="layout"):
+        per("tokens")
+
+    @dataclasses.dataclass(slots=True, eq=False)
+    class Rowed(Sequences):
+        extra: torch.Tensor | None = per("row")
+
+    batch = Rowed.of(make_sequences([[5, 17, 42]], [[7, 8], [9]], 2, 0), extra=torch.zeros(2))
+    with pytest.raises(TypeError, match="only input_ids and branches"):
+        batch.micro_batch(slice(0, 2))

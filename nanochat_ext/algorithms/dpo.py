@@ -118,7 +118,7 @@ def dpo_losses(logp: torch.Tensor, ref: torch.Tensor | None, n_tokens: torch.Ten
     return losses, cfg.beta * ratio.detach()
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class PairBatch(Sequences):
     """Pairs as completions (pair_sequences), and per completion: its pair's weight, half its pair's tokens and
     computed tokens (as collate_pairs counts them), and its summed reference log-prob (ref; None until computed)."""
@@ -183,9 +183,9 @@ def over_ranks(model: nn.Module, pairs: list[TokenizedPair], pad_id: int, pairs_
     out); with `reference`, each batch's ref too, where the pairs do not carry it, as many forwards alike."""
     for chunk in rank_chunks(len(pairs), world, rank, pairs_per_forward):
         batch = pair_sequences([pairs[i] for i in chunk or [0]], pad_id)
-        logp = token_logprobs(model, batch, batch.completions, device, autocast)
+        logp = token_logprobs(model, batch, batch.n_completions, device, autocast)
         if reference is not None and batch.ref is None:
-            batch.ref = reference_logps(reference, batch, batch.completions, device, autocast)
+            batch.ref = reference_logps(reference, batch, batch.n_completions, device, autocast)
         if chunk:
             yield chunk, batch, logp
 

@@ -1,6 +1,7 @@
-"""GRPO: group-relative advantages, the clipped-surrogate + KL loss with aggregation normalised by global counts, and
-the method the loop runs, its step, log-window metrics and evaluation (completion log-probs and the frozen reference:
-logprobs.py; rollouts and dynamic sampling: rollouts.py; rewards: rewards.py).
+"""GRPO: the clipped-surrogate + KL loss with aggregation normalised by global counts, and the method the loop runs,
+its step and evaluation (its batch: rollout_batch.py; completion log-probs and the frozen reference: logprobs.py;
+rollouts, their engines and dynamic sampling: rollouts.py; rewards: rewards.py; advantages: advantages.py; the
+logged metrics: grpo_metrics.py).
 
 A rollout batch on one rank is `n` prompts x G samples, prompt-major (prompt i owns rows i*G..i*G+G-1);
 a group never spans ranks.

@@ -11,7 +11,7 @@ import torch
 from nanochat_ext.training.logprobs import Sequences, per
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class RolloutBatch(Sequences):
     """A GRPO step's completions, prompt-major (prompt i owns completions i*G..i*G+G-1). Per completion: weights
     (its prompt's density weight). Per token, (completions, tokens): engine_logp (the log-prob the rollout engine

@@ -1,5 +1,6 @@
-"""GRPO's rollouts on each rank: how completions are sampled (RolloutConfig), a draw of prompts sampled and scored,
-DAPO's dynamic sampling over draws (the sums go to the log window), and the rollout log.
+"""GRPO's rollouts on each rank: how completions are sampled (RolloutConfig), the engines that sample them
+(DecodeSpec, RolloutEngines), a draw of prompts sampled and scored, DAPO's dynamic sampling over draws (the sums go
+to the log window), synchronously (Rollouts) or a step ahead in a thread (RolloutsAhead), and the rollout log.
 """
 from __future__ import annotations
 

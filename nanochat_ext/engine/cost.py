@@ -86,9 +86,10 @@ def kv_bytes(decoder: Backbone, context: float) -> float:
 # ratio holds for deeper models.
 COMPILE_PAYS_AFTER = 100_000  # max_steps x max_new_tokens
 # On CUDA: the CUDA-graph step decoded nanochat's d12 at 146.9k tokens/s against eager's 25.0k (256 rows, bf16, an
-# H200; bench/RESULTS.md), 1.7 against 10.2 ms a token step, after a compile of under a minute: it pays
-# back after ~7k token steps at that batch. Measured at that one batch; an eager step of fewer rows is expected to
-# cost about as much (its kernels' launches, not its bytes, bound it), so the saving to hold.
+# H200; bench/RESULTS.md, the CUDA-graph decode of the first H200 sitting), 1.7 against 10.2 ms a token step, after a
+# compile of under a minute: it pays back after ~7k token steps at that batch. Measured at that one batch; an eager
+# step of fewer rows is expected to cost about as much (its kernels' launches, not its bytes, bound it), so the saving
+# to hold.
 COMPILE_PAYS_AFTER_CUDA = 10_000
 
 

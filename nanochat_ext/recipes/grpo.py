@@ -92,8 +92,8 @@ def train(args: RunConfig, session: Session) -> Path:
     env, c = session.env, configs(args, SPEC.name)
     seed_everything(args.seed)
     print_preset(args.preset, args.preset_values)
-    grpo, rollout, evaluation, reward, agent_cfg = config(GRPOConfig, args), config(RolloutConfig, args), \
-        config(EvalConfig, args), config(RewardConfig, args), config(AgentConfig, args)
+    grpo, rollout, evaluation = config(GRPOConfig, args), config(RolloutConfig, args), config(EvalConfig, args)
+    reward, agent_cfg = config(RewardConfig, args), config(AgentConfig, args)
 
     # ---- inputs, checked before anything is trained or written --------------------------------------------
     train_rows, eval_rows = read_prompts(args.prompts, c.data.density, c.data.val_ratio, evaluation.eval_prompts,

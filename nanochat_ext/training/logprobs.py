@@ -18,16 +18,20 @@ from nanochat_ext.models.attention import PrefixTree
 from nanochat_ext.models.backbone import Backbone, hold_frozen_in, tree_positions, unshare_branches
 from nanochat_ext.runtime.parallel import no_sync
 
-
 # ---- batches ------------------------------------------------------------------------------------
+LAYOUTS = ("row", "completion", "token")
+
+
 def per(kind: str, default=None):
     """A batch field's layout, which slicing reads: "row" (one per sequence row: per group with shared prompts, else
-    per completion), "completion" (one per completion), "token" (one per completion token, (n, T); or (n,) where a
-    trainer keeps one value per completion, e.g. GRPO's advantages)."""
+    per completion; Sequences' input_ids and branches alone), "completion" (one per completion), "token" (one per
+    completion token, (n, T); or (n,) where a trainer keeps one value per completion, e.g. GRPO's advantages)."""
+    if kind not in LAYOUTS:
+        raise ValueError(f"a batch field's layout is one of {LAYOUTS}, not {kind!r}")
     return field(default=default, metadata={"per": kind})
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # eq: tensors have no truth value
 class Sequences:
     """Right-padded prompt+completion rows (make_sequences) and, per completion token, the position in its own
     prompt+completion sequence whose logits predict it (gather), the token itself (target) and whether a loss looks
@@ -41,17 +45,20 @@ class Sequences:
 
     @classmethod
     def of(cls, sequences: Sequences, **extra):
-        """`sequences` with a trainer's own fields (cls's) added."""
+        """`sequences`' Sequences fields with a trainer's own (cls's) added (a subclass's own fields of `sequences`
+        are not carried)."""
         return cls(**{f.name: getattr(sequences, f.name) for f in fields(Sequences)}, **extra)
 
-    def rows(self, rows: slice):
+    def micro_batch(self, rows: slice):
         """Completions `rows` (whole groups when prompts are shared), cut to their own longest sequence and
-        completion."""
+        completion: every per-token field to the token columns a completion is scored at."""
         scored = self.mask[rows].gt(0).any(0).nonzero()  # token columns a completion is scored at (forced ones not)
         n_tok = int(scored.max().item()) + 1 if scored.numel() else 1
         out = {}
         for f in fields(self):
             value, kind = getattr(self, f.name), f.metadata["per"]
+            if kind == "row" and f.name not in ("input_ids", "branches"):
+                raise TypeError(f"{type(self).__name__}.{f.name}: only input_ids and branches are per row")
             if value is None or kind == "row":
                 continue
             value = value[rows]
@@ -75,7 +82,7 @@ class Sequences:
                              for f in fields(self)})
 
     @property
-    def completions(self) -> int:
+    def n_completions(self) -> int:
         return self.mask.size(0)
 
 
@@ -207,10 +214,10 @@ def accumulate_backward(model: nn.Module, batch: Sequences, micro: int, device: 
     of micro-batches, so the collectives line up whatever the completion lengths. Returns the summed
     [loss, *stats]."""
     world = get_world_size()
-    starts = list(range(0, batch.completions, micro))  # completions (input_ids may hold group rows)
+    starts = list(range(0, batch.n_completions, micro))  # completions (input_ids may hold group rows)
     total = None
     for k, a in enumerate(starts):
-        b = batch.rows(slice(a, a + micro)).to(device)
+        b = batch.micro_batch(slice(a, a + micro)).to(device)
         with no_sync(model, skip_sync=k < len(starts) - 1), autocast:
             logp, entropy = model(b.input_ids, b.gather, b.target, b.branches)
             loss, stats = loss_fn(b, logp, entropy)
@@ -239,8 +246,8 @@ def token_logprobs(model: CompletionLogprobs, batch: Sequences, micro: int, devi
     n, L = batch.target.shape
     out = torch.zeros(n, L)
     for a in range(0, n, micro):
-        b = batch.rows(slice(a, a + micro))
-        with autocast:
+        b = batch.micro_batch(slice(a, a + micro))
+        with autocast:  # branches on any device: the model places them (PrefixTree.from_lengths, tree_positions)
             logp, _ = model(b.input_ids.to(device), b.gather.to(device), b.target.to(device), b.branches)
         out[a:a + micro, :logp.size(1)] = logp.float().cpu()
     return out

@@ -239,7 +239,8 @@ class PolicyTraining(ModelTraining):
         if reference and lora and not loaded.reference:  # the policy itself with its adapters off: no second copy
             self.reference = WithoutAdapters(model, policy)
         whole_in = (self.parallel.gathers_in or torch.float32) if self.parallel.sharded else None
-        self.made_from_whole = from_whole(policy, whole_in) if from_whole else None  # before the policy is sharded
+        # before the policy is sharded; its type is the method's (GRPO: rollouts.RolloutEngines)
+        self.made_from_whole = from_whole(policy, whole_in) if from_whole else None
         self._wrap(model, policy.blocks, policy.model, optim, policy.model)
         self.source_print = fingerprint(policy.source)  # a resumed run must start from the same weights
         self._check_sources(resume)

@@ -9,8 +9,10 @@
 - `engine`: the engine decoding --rows rows x --new_tokens tokens (eager; --compile 1 also compiled), from plain and
   from packed weights, its tokens/s, the weight bytes it streams per second, and both as fractions of the read
   bandwidth's roofline (every step reads every matmul weight once: roofline tokens/s = rows x read bandwidth /
-  weight bytes); call_s, the whole call (the prompt's prefill and any repacking too). `profile` (--profile): where an
-  eager call's time goes, by op and shape.
+  weight bytes), and beside it the compute roof (every step multiplies every weight by every row: 2 x rows FLOPs a
+  weight, at the fp32 matmul peak) and the two in series (the step's time if reading and multiplying never
+  overlapped: a few rows sit where the two roofs meet); call_s, the whole call (the prompt's prefill and any
+  repacking too). `profile` (--profile): where an eager call's time goes, by op and shape.
 
 The model: a converted model dir (--model), else SmolLM2-135M-Instruct's shape with random weights (its config's
 numbers written here; speed does not depend on the weights' values where every row decodes every token).
@@ -111,7 +113,7 @@ def decode_matmuls(model, rows: int, dtype_name: str, repeats: int) -> list[dict
 
 
 def engine_line(model, rows: int, new_tokens: int, prompt_len: int, compile: bool, pack: bool, repeats: int,
-                read_gb_s: float) -> dict:
+                read_gb_s: float, peak_gflops: float) -> dict:
     """The engine decoding rows x new_tokens (one prompt, rows samples, no stop), the fastest of `repeats` calls;
     pack: from weights packed for the CPU's GEMM (engine/packed.py), or plain."""
     import torch
@@ -131,11 +133,16 @@ def engine_line(model, rows: int, new_tokens: int, prompt_len: int, compile: boo
     tok_s = s.row_steps / s.decode_s
     weight_gb_s = s.steps * s.weight_bytes / s.decode_s / 1e9
     roofline_tok_s = rows * read_gb_s * 1e9 / s.weight_bytes
+    weights = s.weight_bytes / 4  # fp32: the engine's weights are the model's here
+    compute_roof_tok_s = rows * peak_gflops * 1e9 / (2 * rows * weights)
+    in_series_tok_s = 1 / (1 / roofline_tok_s + 1 / compute_roof_tok_s)
     return {"bench": "engine", "compiled": compile, "packed": pack, "rows": rows, "new_tokens": new_tokens,
             "prompt": prompt_len, "decode_tok_s": tok_s, "call_s": call_s, "decode_s": s.decode_s,
             "ms_per_step": 1e3 * s.decode_s / s.steps, "weight_mb": s.weight_bytes / 1e6,
             "weight_gb_s": weight_gb_s, "fraction_of_read_bw": weight_gb_s / read_gb_s,
-            "roofline_tok_s": roofline_tok_s, "fraction_of_roofline_tok_s": tok_s / roofline_tok_s}
+            "roofline_tok_s": roofline_tok_s, "fraction_of_roofline_tok_s": tok_s / roofline_tok_s,
+            "compute_roof_tok_s": compute_roof_tok_s, "in_series_tok_s": in_series_tok_s,
+            "fraction_of_in_series": tok_s / in_series_tok_s}
 
 
 def profile_line(model, rows: int, new_tokens: int, prompt_len: int, pack: bool, top: int = 8) -> dict:
@@ -194,8 +201,9 @@ def main(argv: list[str] | None = None) -> None:
     emit = lambda line: print(json.dumps({**line, "threads": b.threads}), flush=True)  # noqa: E731
     mem = memory(b.buffer_mib, b.repeats)
     emit(mem)
+    peaks = {dtype: matmul_peak(dtype, 1024, b.repeats) for dtype in dict.fromkeys(["float32", *b.dtypes])}
     for dtype in b.dtypes:
-        emit(matmul_peak(dtype, 1024, b.repeats))
+        emit(peaks[dtype])
     with tempfile.TemporaryDirectory() as d:
         model = load_model(b.model, Path(d))
         for dtype in b.dtypes:
@@ -204,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
                                  if k.endswith("_gb_s")}})
         for compile in ([False, True] if b.compile == "1" else [False]):
             for pack in (False, True):
-                emit(engine_line(model, b.rows, b.new_tokens, b.prompt, compile, pack, b.repeats, mem["read_gb_s"]))
+                emit(engine_line(model, b.rows, b.new_tokens, b.prompt, compile, pack, b.repeats, mem["read_gb_s"],
+                                 peaks["float32"]["gflops"]))
         if b.profile:
             for pack in (False, True):
                 emit(profile_line(model, b.rows, b.new_tokens, b.prompt, pack))

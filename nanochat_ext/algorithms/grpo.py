@@ -253,11 +253,14 @@ class GRPO:
         self.window = WindowSums([*WINDOW, *(f"reward_{n}" for n in rewards.names)])
         self.clock_noted = False
         env = training.env
-        source = (engines.engine, rewards, loader, train.rows, train.ids, training.tok, rollout,
-                  loader.plan.batch_size, seed, env, training.fresh_autocast, self.window, progress)
-        drawn = int(training.resumed.get("draw", training.resumed.get("step", 0)))
-        self.rollouts = Rollouts(*source, drawn=drawn) if engines.ahead is None else \
-            RolloutsAhead(*source, drawn=drawn, ahead=engines.ahead, pending=in_flight(training.resumed, env))
+        source = dict(engine=engines.engine, rewards=rewards, loader=loader, rows=train.rows, prompt_ids=train.ids,
+                      tok=training.tok, cfg=rollout, batch_size=loader.plan.batch_size, seed=seed, env=env,
+                      autocast=training.fresh_autocast, window=self.window, progress=progress,
+                      drawn=int(training.resumed.get("draw", training.resumed.get("step", 0))))
+        if engines.ahead is None:
+            self.rollouts = Rollouts(**source)
+        else:
+            self.rollouts = RolloutsAhead(**source, ahead=engines.ahead, resumed=in_flight(training.resumed, env))
         self.peak_bw = peak_bandwidth(env.device)
         # no reward (distillation alone): nothing scores the held-out completions, so none are decoded
         self.evaluation = Phase(f"the evaluation ({self.share} completions of up to {rollout.max_new_tokens} tokens at "
@@ -379,8 +382,9 @@ class GRPO:
 
 
 def in_flight(resumed: dict, env: DistEnv) -> dict | None:
-    """This rank's share of the draw a checkpoint had in flight (--async_rollouts), as Rollouts takes it: its groups
-    by the rank's layout (GlobalBatchLoader's: rank r holds positions r, r + W, ...), the window's sums on rank 0."""
+    """This rank's share of the draw a checkpoint had in flight (--async_rollouts), as RolloutsAhead takes it: its
+    groups by the rank's layout (GlobalBatchLoader's: rank r holds positions r, r + W, ...), the window's sums on
+    rank 0."""
     saved = resumed.get("in_flight")
     if saved is None:
         return None

@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import InitVar, asdict, dataclass
 from typing import NamedTuple
 
 import torch
@@ -212,20 +212,29 @@ class DecodeSpec:
         return RolloutEngines(engine, ahead)
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class Rollouts:
     """The rollouts of a GRPO run on this rank, sampled as each step asks (RolloutsAhead: in a thread, a step ahead):
     `drawn` prompt batches so far (one a step, more with --filter_zero_std), each sampled G times from prompt_ids
     with its own seeds and scored; statistics go to `window` as a step takes its rollout, the phases to `progress`."""
 
-    def __init__(self, engine: Engine, rewards: Rewards, loader: GlobalBatchLoader, rows: list[PromptRow],
-                 prompt_ids: list[list[int]], tok: TokenizerWrapper, cfg: RolloutConfig, batch_size: int, seed: int,
-                 env: DistEnv, autocast: Callable[[], ContextManager], window: WindowSums, progress: Progress,
-                 drawn: int = 0):
-        self.engine, self.rewards, self.loader, self.rows, self.prompt_ids = engine, rewards, loader, rows, prompt_ids
-        self.tok, self.cfg, self.sampling, self.batch_size, self.seed = tok, cfg, cfg.sampling(), batch_size, seed
-        self.env, self.autocast, self.window, self.progress = env, autocast, window, progress
-        self.G = cfg.group_size
-        self.drawn = drawn
+    engine: Engine  # the policy's: samples the rollouts and the evaluation
+    rewards: Rewards
+    loader: GlobalBatchLoader  # which prompts a draw takes, rank by rank
+    rows: list[PromptRow]
+    prompt_ids: list[list[int]]
+    tok: TokenizerWrapper
+    cfg: RolloutConfig
+    batch_size: int  # prompts a step, over every rank
+    seed: int
+    env: DistEnv
+    autocast: Callable[[], ContextManager]
+    window: WindowSums
+    progress: Progress
+    drawn: int = 0
+
+    def __post_init__(self) -> None:
+        self.sampling, self.G = self.cfg.sampling(), self.cfg.group_size
 
     def next(self, step: int, steps: int) -> Rollout:
         """Step `step`'s rollout (of the run's `steps`): the next draw, or with --filter_zero_std the groups with a
@@ -315,24 +324,27 @@ class Rollouts:
         return Rollout.concat(batch[self.env.rank::self.env.world_size], len(self.rewards.names)), sums, drawn
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class RolloutsAhead(Rollouts):
     """--async_rollouts 1 (`ahead`: an engine holding its own copy of the policy): step t takes the rollout sampled
     while step t-1 trained, from the weights step t-1 started from, then copies the weights step t starts from into
     that engine and starts the next step's rollout in a thread (with --filter_zero_std, all its draws); the first
     step's rollout and the next both come from the starting weights. A draw's tokens depend only on its seeds and the
     weights it was given, so the runs are the same on any number of ranks and resumed (a checkpoint holds the
-    rollout in flight: `pending`)."""
+    rollout in flight: `resumed`)."""
 
-    def __init__(self, *args, ahead: Engine, pending: dict | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.ahead = ahead
+    ahead: Engine  # holds its own copy of the policy, refreshed each step
+    resumed: InitVar[dict | None] = None  # a resumed run: the draw its checkpoint had in flight (grpo.in_flight)
+
+    def __post_init__(self, resumed: dict | None) -> None:
+        super().__post_init__()
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="rollouts")
         self.group = side_group()  # the thread's collectives (a reward's failure)
         self.stream = torch.cuda.Stream(self.env.device) if self.env.device.type == "cuda" else None
         self.pending: Future | None = None
-        if pending is not None:  # a resumed run: the draw its checkpoint had in flight
+        if resumed is not None:
             self.pending = Future()
-            self.pending.set_result(Sampled(Rollout(**pending["rollout"]), pending["stats"], pending["staleness"],
+            self.pending.set_result(Sampled(Rollout(**resumed["rollout"]), resumed["stats"], resumed["staleness"],
                                             self.drawn))
 
     def next(self, step: int, steps: int) -> Rollout:

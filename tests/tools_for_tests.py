@@ -3,6 +3,7 @@ import time
 from typing import Literal
 
 from nanochat_ext.tasks import multiplication
+from nanochat_ext.tasks.code_tests import CodeTests
 
 
 def multiply(a: int, b: int) -> int:
@@ -126,3 +127,18 @@ class MeddlingGame:
 
     def step(self, reply: str):
         return None
+
+
+class RowsCode(CodeTests):
+    """CodeTests that runs the row's own `code` (a stand-in for what a policy wrote: hostile, looping or a solution)
+    whatever the model replied; a row of case 'text' gives text for its reward, not a number."""
+
+    def __init__(self, row: dict, time_limit: float = 1.0):
+        super().__init__(row, time_limit)
+        self.code, self.case = row["code"], row["case"]
+
+    def step(self, reply: str) -> str | None:
+        return super().step(f"```python\n{self.code}\n```")
+
+    def get_reward(self):
+        return "0.75" if self.case == "text" else super().get_reward()
